@@ -1,0 +1,186 @@
+"""The public entry points: validate the inputs, then dispatch to a backend.
+
+Backends load lazily: `reference` (dense oracle), `torch` (block-sparse in plain PyTorch) and `triton`
+(the fused kernels in `sparse_flash.kernels`). An explicitly requested backend never falls back.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .layout import BlockMask
+
+BACKENDS = ("auto", "reference", "torch", "triton")
+HEAD_DIM_RANGE = (8, 256)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DENSE = object()  # stands for the all-ones mask in flash_attention
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """Why the triton backend cannot run on `device`, or None when it can."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed (pip install sparse-flash[triton])"
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return f"triton kernels need a CUDA device (or TRITON_INTERPRET=1 for CPU tensors), got {device.type}"
+
+
+def _resolve_backend(backend: str, q: torch.Tensor) -> str:
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        usable = q.dtype in _TRITON_DTYPES and q.is_cuda and triton_unavailable_reason(q.device) is None
+        return "triton" if usable else "torch"
+    if backend == "triton":
+        reason = triton_unavailable_reason(q.device)
+        if reason is not None:
+            raise RuntimeError(f"backend='triton' was requested but cannot run: {reason}")
+        if q.dtype not in _TRITON_DTYPES:
+            raise TypeError(f"backend='triton' supports float16, bfloat16 and float32 inputs, got {q.dtype}")
+    return backend
+
+
+def _validate(q, k, v, mask, causal, scale, return_lse) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+        if min(t.shape) < 1:
+            raise ValueError(f"{name} must not be empty, got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device} and {v.device}")
+    B, Hq, Nq, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    Bk, Hkv, Nk, Dk = k.shape
+    if Bk != B:
+        raise ValueError(f"k and v must have q's batch size {B}, got {Bk}")
+    if Dk != D:
+        raise ValueError(f"k and v must have q's head_dim {D}, got {Dk}")
+    if Hq % Hkv != 0:
+        raise ValueError(f"q's heads ({Hq}) must be a multiple of k's and v's heads ({Hkv}) for GQA/MQA")
+    lo, hi = HEAD_DIM_RANGE
+    if not lo <= D <= hi:
+        raise ValueError(f"head_dim must be between {lo} and {hi}, got {D}")
+    if mask is _DENSE:
+        pass
+    elif not isinstance(mask, BlockMask):
+        raise TypeError(f"mask must be a sparse_flash.BlockMask, got {type(mask).__name__}")
+    elif (mask.seq_len_q, mask.seq_len_k) != (Nq, Nk):
+        raise ValueError(
+            f"mask covers (seq_len_q, seq_len_k) = ({mask.seq_len_q}, {mask.seq_len_k}) but q and k have "
+            f"lengths ({Nq}, {Nk})"
+        )
+    elif mask.shape[0] not in (1, B):
+        raise ValueError(f"mask batch size must be 1 or q's batch size {B}, got {mask.shape[0]}")
+    elif mask.shape[1] not in (1, Hq):
+        raise ValueError(f"mask head count must be 1 or q's head count {Hq}, got {mask.shape[1]}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+
+
+def block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: BlockMask,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+):
+    """Exact softmax attention of each query over the keys its block row allows.
+
+    Args:
+        q: `(B, Hq, Nq, D)`, float16, bfloat16 or float32 (float64 for the reference and torch backends).
+        k, v: `(B, Hkv, Nk, D)`, same dtype and device; `Hq` a multiple of `Hkv` (GQA, MQA).
+            `D` from 8 to 256, any value. Inputs may be non-contiguous.
+        mask: a `BlockMask` with `seq_len_q == Nq`, `seq_len_k == Nk`, batch 1 or B and heads 1 or Hq.
+            A CPU mask used with CUDA tensors is copied to the GPU once and the copy is cached.
+        causal: also require `k_idx <= q_idx`, top-left aligned like
+            `F.scaled_dot_product_attention(is_causal=True)`.
+        scale: softmax scale; default `1 / sqrt(D)`.
+        return_lse: also return the log-sum-exp of each query's scores.
+        backend: `"auto"` (triton on CUDA when usable, else torch), `"triton"`, `"torch"` (block-sparse in
+            plain PyTorch, any device) or `"reference"` (dense and materialised: the oracle). A requested
+            backend that cannot run raises instead of falling back.
+
+    Returns:
+        `out` with q's shape and dtype, or `(out, lse)` with lse float32 `(B, Hq, Nq)` in natural log
+        (not differentiable). If a query row of the mask is all zero, its output is 0, its lse is -inf and
+        its gradients are 0.
+
+    Example:
+        >>> q = k = v = torch.randn(2, 4, 1000, 64)
+        >>> mask = sparse_flash.masks.butterfly(1000, 128) | sparse_flash.masks.local(1000, 128, window=1)
+        >>> out = sparse_flash.block_sparse_attention(q, k, v, mask)
+    """
+    _validate(q, k, v, mask, causal, scale, return_lse)
+    return _dispatch(q, k, v, mask, causal, scale, return_lse, backend)
+
+
+def _dispatch(q, k, v, mask, causal, scale, return_lse, backend):
+    impl = _resolve_backend(backend, q)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if mask is _DENSE:
+        if impl != "triton":  # the other backends take the all-ones mask itself
+            from .masks import dense
+
+            mask = dense(q.shape[2], 128, seq_len_k=k.shape[2], device=q.device)
+        else:
+            mask = None
+    else:
+        mask = mask.to(q.device)
+    if impl == "triton":
+        from .kernels import attention_triton
+
+        out, lse = attention_triton(q, k, v, mask, causal=causal, scale=scale)
+    elif impl == "torch":
+        from .torch_impl import attention_torch
+
+        out, lse = attention_torch(q, k, v, mask, causal=causal, scale=scale)
+    else:
+        from .reference import attention_reference
+
+        out, lse = attention_reference(q, k, v, mask, causal=causal, scale=scale)
+    return (out, lse.detach()) if return_lse else out
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+):
+    """Dense FlashAttention: `block_sparse_attention` with the all-ones mask.
+
+    The triton backend runs the dense path of the same kernels, which walks every key block without
+    loading indices. Arguments and returns as in `block_sparse_attention`.
+
+    Example:
+        >>> q = k = v = torch.randn(1, 8, 4096, 64)
+        >>> out = sparse_flash.flash_attention(q, k, v, causal=True)
+    """
+    _validate(q, k, v, _DENSE, causal, scale, return_lse)
+    return _dispatch(q, k, v, _DENSE, causal, scale, return_lse, backend)

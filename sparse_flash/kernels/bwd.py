@@ -1,0 +1,320 @@
+"""Backward kernels: recompute P from q, k and the saved log-sum-exp, block by block.
+
+Three launches, no atomics, so gradients are deterministic:
+1. `_attn_bwd_preprocess_kernel`: delta = rowsum(dO * O), one float per query.
+2. `_attn_bwd_dkdv_kernel`: one program per (key tile, batch x KV head) walks its key block's column lists
+   of query blocks, for every query head sharing that KV head (GQA), accumulating dK and dV on chip.
+3. `_attn_bwd_dq_kernel`: one program per (query tile, batch x head) walks its row lists, accumulating dQ.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import block_d, bwd_config
+from .fwd import LOG2E, dot_precision
+from .memory import new_output
+
+
+@triton.jit
+def _attn_bwd_preprocess_kernel(
+    Out, DO, Delta, stride_ob, stride_oh, stride_om, stride_db, stride_dh, stride_dm, Hq, Nq,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    ok = (offs_m[:, None] < Nq) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om
+                + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_D)
+    do = tl.load(DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + offs_m[:, None] * stride_dm
+                 + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_D)
+    tl.store(Delta + pid_bh.to(tl.int64) * Nq + offs_m, tl.sum(o * do, 1), mask=offs_m < Nq)
+
+
+@triton.jit
+def _load_lse_log2(Lse, offs_m, Nq):
+    """The saved lse in log2 units; empty rows (lse = -inf) become +inf so that their P is 0, not inf."""
+    lse = tl.load(Lse + offs_m, mask=offs_m < Nq, other=float("inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+
+@triton.jit
+def _dkdv_tile(
+    dk, dv, k, v, Q, DO, Lse, Delta, start_m, offs_n, offs_d, stride_qm, stride_dm, Nq, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Add one query tile's contribution to the dK and dV of a key tile."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    d_ok = offs_d < HEAD_DIM
+    if MASKED:
+        m_ok = offs_m < Nq
+        qt = tl.load(Q + offs_m[None, :] * stride_qm + offs_d[:, None], mask=d_ok[:, None] & m_ok[None, :], other=0.0)
+        do = tl.load(DO + offs_m[:, None] * stride_dm + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        qt = tl.load(Q + offs_m[None, :] * stride_qm + offs_d[:, None], mask=d_ok[:, None], other=0.0)  # (BLOCK_D, BLOCK_M)
+        do = tl.load(DO + offs_m[:, None] * stride_dm + offs_d[None, :], mask=d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+    lse = _load_lse_log2(Lse, offs_m, Nq)  # (BLOCK_M,)
+    delta = tl.load(Delta + offs_m, mask=offs_m < Nq, other=0.0)  # (BLOCK_M,)
+    st = tl.dot(k, qt, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M) scores^T, log2 units
+    pt = tl.math.exp2(st - lse[None, :])  # (BLOCK_N, BLOCK_M) P^T
+    if MASKED and CAUSAL:
+        pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)
+    dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
+    dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M) dP^T
+    dst = pt * (dpt - delta[None, :])  # (BLOCK_N, BLOCK_M) dS^T
+    dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV,
+    ColFullOff, ColFullIdx, ColPartOff, ColPartIdx,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_db, stride_dh, stride_dm,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    Hq, Hkv, groups, Nq, Nk, mask_stride_b, mask_stride_h, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
+    CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hkv
+    hk = pid_bh % Hkv
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    kv_ok = (offs_n[:, None] < Nk) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn
+                + offs_d[None, :], mask=kv_ok, other=0.0)  # (BLOCK_N, BLOCK_D)
+    v = tl.load(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn
+                + offs_d[None, :], mask=kv_ok, other=0.0)  # (BLOCK_N, BLOCK_D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    for g in range(0, groups):  # every query head that shares this KV head
+        h = hk * groups + g
+        Qh = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        DOh = DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
+        Lseh = Lse + (b * Hq + h).to(tl.int64) * Nq
+        Deltah = Delta + (b * Hq + h).to(tl.int64) * Nq
+        if DENSE:
+            m_end = tl.cdiv(Nq, BLOCK_M)
+            m_full_end = Nq // BLOCK_M  # query tiles past it hold the sequence tail
+            m_start = 0
+            m_full_start = 0
+            if CAUSAL:
+                m_start = start_n // BLOCK_M  # earlier query tiles see none of these keys
+                m_full_start = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M), m_full_end)
+            m_full_start = tl.maximum(m_full_start, m_start)
+            for m in range(m_start, m_full_start):
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, Lseh, Deltah, m * BLOCK_M, offs_n, offs_d, stride_qm,
+                                    stride_dm, Nq, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, DOT_PRECISION)
+            for m in range(m_full_start, m_full_end):
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, Lseh, Deltah, m * BLOCK_M, offs_n, offs_d, stride_qm,
+                                    stride_dm, Nq, qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, DOT_PRECISION)
+            for m in range(tl.maximum(m_full_end, m_full_start), m_end):
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, Lseh, Deltah, m * BLOCK_M, offs_n, offs_d, stride_qm,
+                                    stride_dm, Nq, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, DOT_PRECISION)
+        else:
+            SUB: tl.constexpr = MASK_BLOCK_Q // BLOCK_M
+            col = b * mask_stride_b + h * mask_stride_h + start_n // MASK_BLOCK_K
+            lo = tl.load(ColFullOff + col)
+            hi = tl.load(ColFullOff + col + 1)
+            for t in range(lo * SUB, hi * SUB):
+                i = tl.load(ColFullIdx + t // SUB)
+                start_m = i * MASK_BLOCK_Q + (t % SUB) * BLOCK_M
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, Lseh, Deltah, start_m, offs_n, offs_d, stride_qm,
+                                    stride_dm, Nq, qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, DOT_PRECISION)
+            lo = tl.load(ColPartOff + col)
+            hi = tl.load(ColPartOff + col + 1)
+            for t in range(lo * SUB, hi * SUB):
+                i = tl.load(ColPartIdx + t // SUB)
+                start_m = i * MASK_BLOCK_Q + (t % SUB) * BLOCK_M
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, Lseh, Deltah, start_m, offs_n, offs_d, stride_qm,
+                                    stride_dm, Nq, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, DOT_PRECISION)
+
+    dk = dk * sm_scale
+    tl.store(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
+             + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_ok)
+    tl.store(DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvn
+             + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_ok)
+
+
+@triton.jit
+def _dq_tile(
+    dq, q, do, lse, delta, K, V, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn, Nk, qk_scale,
+    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Add one key tile's contribution to the dQ of a query tile."""
+    cols = start_n + offs_n  # (BLOCK_N,)
+    d_ok = offs_d < HEAD_DIM
+    kt_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None]  # (BLOCK_D, BLOCK_N): K^T
+    vt_ptrs = V + cols[None, :] * stride_vn + offs_d[:, None]  # (BLOCK_D, BLOCK_N): V^T
+    if MASKED:
+        ok = d_ok[:, None] & (cols[None, :] < Nk)
+        kt = tl.load(kt_ptrs, mask=ok, other=0.0)
+        vt = tl.load(vt_ptrs, mask=ok, other=0.0)
+    else:
+        kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+        vt = tl.load(vt_ptrs, mask=d_ok[:, None], other=0.0)
+    s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+    p = tl.math.exp2(s - lse[:, None])  # (BLOCK_M, BLOCK_N)
+    if MASKED:
+        valid = cols[None, :] < Nk
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= offs_m[:, None])
+        p = tl.where(valid, p, 0.0)
+    dp = tl.dot(do, vt, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+    ds = p * (dp - delta[:, None])  # (BLOCK_M, BLOCK_N)
+    dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ,
+    RowFullOff, RowFullIdx, RowPartOff, RowPartIdx,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_db, stride_dh, stride_dm,
+    stride_dqb, stride_dqh, stride_dqm,
+    Hq, groups, Nq, Nk, mask_stride_b, mask_stride_h, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
+    CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    ok = (offs_m[:, None] < Nq) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qm
+                + offs_d[None, :], mask=ok, other=0.0)  # (BLOCK_M, BLOCK_D)
+    do = tl.load(DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + offs_m[:, None] * stride_dm
+                 + offs_d[None, :], mask=ok, other=0.0)  # (BLOCK_M, BLOCK_D)
+    lse = _load_lse_log2(Lse + pid_bh.to(tl.int64) * Nq, offs_m, Nq)  # (BLOCK_M,)
+    delta = tl.load(Delta + pid_bh.to(tl.int64) * Nq + offs_m, mask=offs_m < Nq, other=0.0)  # (BLOCK_M,)
+    K += b.to(tl.int64) * stride_kb + (h // groups).to(tl.int64) * stride_kh
+    V += b.to(tl.int64) * stride_vb + (h // groups).to(tl.int64) * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    if DENSE:
+        n_full = Nk // BLOCK_N
+        n_end = tl.cdiv(Nk, BLOCK_N)
+        if CAUSAL:
+            n_full = tl.minimum(n_full, (start_m + 1) // BLOCK_N)
+            n_end = tl.minimum(n_end, tl.cdiv(start_m + BLOCK_M, BLOCK_N))
+        for n in range(0, n_full):
+            dq = _dq_tile(dq, q, do, lse, delta, K, V, n * BLOCK_N, offs_m, offs_n, offs_d, stride_kn, stride_vn,
+                          Nk, qk_scale, HEAD_DIM, False, CAUSAL, DOT_PRECISION)
+        for n in range(n_full, n_end):
+            dq = _dq_tile(dq, q, do, lse, delta, K, V, n * BLOCK_N, offs_m, offs_n, offs_d, stride_kn, stride_vn,
+                          Nk, qk_scale, HEAD_DIM, True, CAUSAL, DOT_PRECISION)
+    else:
+        SUB: tl.constexpr = MASK_BLOCK_K // BLOCK_N
+        row = b * mask_stride_b + h * mask_stride_h + start_m // MASK_BLOCK_Q
+        lo = tl.load(RowFullOff + row)
+        hi = tl.load(RowFullOff + row + 1)
+        for t in range(lo * SUB, hi * SUB):
+            j = tl.load(RowFullIdx + t // SUB)
+            start_n = j * MASK_BLOCK_K + (t % SUB) * BLOCK_N
+            dq = _dq_tile(dq, q, do, lse, delta, K, V, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn,
+                          Nk, qk_scale, HEAD_DIM, False, CAUSAL, DOT_PRECISION)
+        lo = tl.load(RowPartOff + row)
+        hi = tl.load(RowPartOff + row + 1)
+        for t in range(lo * SUB, hi * SUB):
+            j = tl.load(RowPartIdx + t // SUB)
+            start_n = j * MASK_BLOCK_K + (t % SUB) * BLOCK_N
+            dq = _dq_tile(dq, q, do, lse, delta, K, V, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn,
+                          Nk, qk_scale, HEAD_DIM, True, CAUSAL, DOT_PRECISION)
+
+    dq = dq * sm_scale
+    tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + offs_m[:, None] * stride_dqm
+             + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=ok)
+
+
+def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: float):
+    """Launch the backward kernels.
+
+    Args:
+        do, q, out: `(B, Hq, Nq, D)`; k, v: `(B, Hkv, Nk, D)`; last dimension contiguous.
+        lse: float32 `(B, Hq, Nq)` from the forward.
+        index: the 8 row/column full/partial offset and index tensors, or `[]` for dense.
+        mask_geometry: `(Bm, Hm, Mq, Mk, block_q, block_k)` of the mask (ignored for dense).
+
+    Returns:
+        `(dq, dk, dv)` shaped and typed like q, k and v.
+    """
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    dense = len(index) == 0
+    Bm, Hm, Mq, Mk, block_q, block_k = mask_geometry
+    cfg = bwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k)
+    if dense:
+        index = [torch.zeros(2, dtype=torch.int32, device=q.device)] * 8
+    row_index, col_index = index[:4], index[4:]
+    BLOCK_D = block_d(D)
+    precision = dot_precision(q.dtype)
+
+    delta = new_output((B, Hq, Nq), torch.float32, q.device)
+    pre_m = 64
+    _attn_bwd_preprocess_kernel[(triton.cdiv(Nq, pre_m), B * Hq)](
+        out, do, delta, out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        Hq, Nq, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=pre_m,
+    )
+
+    dk = new_output(k.shape, k.dtype, k.device)
+    dv = new_output(v.shape, v.dtype, v.device)
+    kv_bq, kv_bk = (cfg.kv_block_m, cfg.kv_block_n) if dense else (block_q, block_k)
+    _attn_bwd_dkdv_kernel[(triton.cdiv(Nk, cfg.kv_block_n), B * Hkv)](
+        q, k, v, do, lse, delta, dk, dv, *col_index,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2),
+        Hq, Hkv, Hq // Hkv, Nq, Nk,
+        Hm * Mk if Bm > 1 else 0, Mk if Hm > 1 else 0,
+        scale * LOG2E, scale,
+        HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n,
+        MASK_BLOCK_Q=kv_bq, MASK_BLOCK_K=kv_bk,
+        CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+    dq = new_output(q.shape, q.dtype, q.device)
+    q_bq, q_bk = (cfg.q_block_m, cfg.q_block_n) if dense else (block_q, block_k)
+    _attn_bwd_dq_kernel[(triton.cdiv(Nq, cfg.q_block_m), B * Hq)](
+        q, k, v, do, lse, delta, dq, *row_index,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        Hq, Hq // Hkv, Nq, Nk,
+        Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0,
+        scale * LOG2E, scale,
+        HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n,
+        MASK_BLOCK_Q=q_bq, MASK_BLOCK_K=q_bk,
+        CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return dq, dk, dv

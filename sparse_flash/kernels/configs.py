@@ -1,0 +1,81 @@
+"""Tile shapes and launch settings for the kernels.
+
+Kernel tiles divide the mask's block size, so a tile never straddles two mask blocks; only the schedule
+(tile split, warps, pipeline depth) is chosen here, per head dimension and dtype.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+
+
+class FwdConfig(NamedTuple):
+    block_m: int  # query rows per program
+    block_n: int  # key columns per inner step
+    num_warps: int
+    num_stages: int
+
+
+class BwdConfig(NamedTuple):
+    kv_block_m: int  # dK/dV pass: query rows per inner step
+    kv_block_n: int  # dK/dV pass: key rows per program
+    q_block_m: int  # dQ pass: query rows per program
+    q_block_n: int  # dQ pass: key columns per inner step
+    num_warps: int
+    num_stages: int
+
+
+MIN_TILE = 16  # tl.dot needs every dimension to be at least 16
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (kernels run on the CPU through numpy)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fit_tile(preferred: int, mask_block: int | None) -> int:
+    """The largest power of two <= `preferred` that divides `mask_block` (any, for the dense path)."""
+    tile = preferred
+    while mask_block is not None and mask_block % tile:
+        tile //= 2
+    return tile
+
+
+def block_d(head_dim: int) -> int:
+    """Head dimension padded to a power of two (at least 16) for `tl.arange` and `tl.dot`."""
+    return max(MIN_TILE, 1 << (head_dim - 1).bit_length())
+
+
+def fwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: int | None) -> FwdConfig:
+    """Forward tiles for one problem; `block_q`/`block_k` are the mask's (None for the dense path)."""
+    d = block_d(head_dim)
+    if d <= 64:
+        m, n, warps, stages = 128, 64, 4, 3
+    elif d <= 128:
+        m, n, warps, stages = 128, 64, 8, 3
+    else:
+        m, n, warps, stages = 64, 64, 4, 2
+    if dtype == torch.float32:  # twice the bytes per element: halve the key tile and the pipeline
+        n, stages = max(MIN_TILE, n // 2), 2
+        if d > 128:
+            m = 32
+    return FwdConfig(fit_tile(m, block_q), fit_tile(n, block_k), warps, stages)
+
+
+def bwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: int | None) -> BwdConfig:
+    """Backward tiles for one problem; `block_q`/`block_k` are the mask's (None for the dense path)."""
+    d = block_d(head_dim)
+    if d <= 64:
+        kv_m, kv_n, q_m, q_n, warps, stages = 32, 128, 128, 32, 4, 3
+    elif d <= 128:
+        kv_m, kv_n, q_m, q_n, warps, stages = 32, 128, 128, 32, 8, 2
+    else:
+        kv_m, kv_n, q_m, q_n, warps, stages = 16, 64, 64, 16, 4, 2
+    if dtype == torch.float32:
+        kv_n, q_m, stages = max(MIN_TILE, kv_n // 2), max(MIN_TILE, q_m // 2), 1
+    return BwdConfig(
+        fit_tile(kv_m, block_q), fit_tile(kv_n, block_k), fit_tile(q_m, block_q), fit_tile(q_n, block_k), warps, stages
+    )

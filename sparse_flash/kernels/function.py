@@ -1,0 +1,57 @@
+"""Autograd for the Triton kernels, and the entry point the public API calls."""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import BlockMask
+from .ops import attn_bwd_op, attn_fwd_op
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """Kernels take any batch/head/sequence strides but need unit stride along the head dimension."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class BlockSparseAttentionFunction(torch.autograd.Function):
+    """out, lse = attention(q, k, v); lse is saved for the backward and is not differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, row_index, col_index, mask_geometry, causal, scale):
+        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+        out, lse = attn_fwd_op(q, k, v, row_index, mask_geometry, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse, *row_index, *col_index)
+        ctx.n_index = len(row_index)
+        ctx.mask_geometry, ctx.causal, ctx.scale = mask_geometry, causal, scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, *index = ctx.saved_tensors
+        dq, dk, dv = attn_bwd_op(
+            _last_dim_contiguous(dout), q, k, v, out, lse, index, ctx.mask_geometry, ctx.causal, ctx.scale
+        )
+        return dq, dk, dv, None, None, None, None, None
+
+
+def attention_triton(q, k, v, mask: BlockMask | None, *, causal: bool, scale: float):
+    """Block-sparse attention through the Triton kernels; `mask=None` runs the dense path.
+
+    fp32 inputs use IEEE fp32 dot products (`input_precision="ieee"`), not TF32.
+    Returns `(out, lse)`.
+    """
+    if mask is None:
+        row_index, col_index, geometry = [], [], [1, 1, 1, 1, 1, 1]
+    else:
+        bq, bk = mask.block_size
+        if bq % 16 or bk % 16:
+            raise ValueError(f"the triton backend needs mask block sizes that are multiples of 16, got {mask.block_size}")
+        idx = mask.kernel_index(causal)
+        row_index = [idx.row_full.offsets, idx.row_full.indices, idx.row_partial.offsets, idx.row_partial.indices]
+        col_index = [idx.col_full.offsets, idx.col_full.indices, idx.col_partial.offsets, idx.col_partial.indices]
+        if mask.is_dense:  # the all-ones mask: walk every block without loading indices
+            row_index, col_index = [], []
+        geometry = [*mask.shape, bq, bk]
+    out, lse = BlockSparseAttentionFunction.apply(q, k, v, row_index, col_index, geometry, causal, scale)
+    return out, lse

@@ -1,0 +1,172 @@
+"""Forward kernel: FlashAttention over the nonzero blocks of a block mask.
+
+One program per (query tile, batch x head). It walks the key blocks of its row list, full blocks first in
+a loop with no element mask, then partial blocks (causal diagonal, sequence tails) with one. Online
+softmax runs in fp32 in the log2 domain (exp2, with the scale folded into `qk_scale`); O is accumulated on
+chip and written once with the log-sum-exp. Scores never leave the chip.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import block_d, fwd_config
+from .memory import new_output
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _fwd_tile(
+    acc, l_i, m_i, q, K, V, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn, Nk, qk_scale,
+    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold one key tile into the running softmax state (acc, l_i, m_i) of a query tile."""
+    cols = start_n + offs_n  # (BLOCK_N,)
+    kt_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None]  # (BLOCK_D, BLOCK_N): K^T
+    v_ptrs = V + cols[:, None] * stride_vn + offs_d[None, :]  # (BLOCK_N, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    if MASKED:
+        kt = tl.load(kt_ptrs, mask=d_ok[:, None] & (cols[None, :] < Nk), other=0.0)
+        v = tl.load(v_ptrs, mask=(cols[:, None] < Nk) & d_ok[None, :], other=0.0)
+    else:
+        kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+    if MASKED:
+        valid = cols[None, :] < Nk
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= offs_m[:, None])
+        qk = tl.where(valid, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))  # (BLOCK_M,)
+    if MASKED:
+        # A row with no allowed key so far keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.math.exp2(qk - m_use[:, None])  # (BLOCK_M, BLOCK_N)
+    alpha = tl.math.exp2(m_i - m_use)  # rescales what was accumulated under the old maximum
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, Out, Lse,
+    RowFullOff, RowFullIdx, RowPartOff, RowPartIdx,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    Hq, groups, Nq, Nk, mask_stride_b, mask_stride_h, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
+    CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    m_ok = offs_m < Nq
+    d_ok = offs_d < HEAD_DIM
+
+    Q += b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    K += b.to(tl.int64) * stride_kb + (h // groups).to(tl.int64) * stride_kh
+    V += b.to(tl.int64) * stride_vb + (h // groups).to(tl.int64) * stride_vh
+    q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    if DENSE:
+        # Every key tile, no index loads: tiles wholly before the diagonal (and the tail) run unmasked.
+        n_full = Nk // BLOCK_N
+        n_end = tl.cdiv(Nk, BLOCK_N)
+        if CAUSAL:
+            n_full = tl.minimum(n_full, (start_m + 1) // BLOCK_N)
+            n_end = tl.minimum(n_end, tl.cdiv(start_m + BLOCK_M, BLOCK_N))
+        for n in range(0, n_full):
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, n * BLOCK_N, offs_m, offs_n, offs_d, stride_kn,
+                                      stride_vn, Nk, qk_scale, HEAD_DIM, False, CAUSAL, DOT_PRECISION)
+        for n in range(n_full, n_end):
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, n * BLOCK_N, offs_m, offs_n, offs_d, stride_kn,
+                                      stride_vn, Nk, qk_scale, HEAD_DIM, True, CAUSAL, DOT_PRECISION)
+    else:
+        # Walk this query block's row lists; each mask block is SUB key tiles.
+        SUB: tl.constexpr = MASK_BLOCK_K // BLOCK_N
+        row = b * mask_stride_b + h * mask_stride_h + start_m // MASK_BLOCK_Q
+        lo = tl.load(RowFullOff + row)
+        hi = tl.load(RowFullOff + row + 1)
+        for t in range(lo * SUB, hi * SUB):
+            j = tl.load(RowFullIdx + t // SUB)
+            start_n = j * MASK_BLOCK_K + (t % SUB) * BLOCK_N
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, start_n, offs_m, offs_n, offs_d, stride_kn,
+                                      stride_vn, Nk, qk_scale, HEAD_DIM, False, CAUSAL, DOT_PRECISION)
+        lo = tl.load(RowPartOff + row)
+        hi = tl.load(RowPartOff + row + 1)
+        for t in range(lo * SUB, hi * SUB):
+            j = tl.load(RowPartIdx + t // SUB)
+            start_n = j * MASK_BLOCK_K + (t % SUB) * BLOCK_N
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, start_n, offs_m, offs_n, offs_d, stride_kn,
+                                      stride_vn, Nk, qk_scale, HEAD_DIM, True, CAUSAL, DOT_PRECISION)
+
+    # Empty rows (no allowed key): output 0 and lse -inf, never 0/0.
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    Out += b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    tl.store(Out + offs_m[:, None] * stride_om + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(Lse + pid_bh.to(tl.int64) * Nq + offs_m, lse, mask=m_ok)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs use full-precision IEEE dots (not TF32), so fp32 results match fp32 PyTorch."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float):
+    """Launch the forward kernel.
+
+    Args:
+        q: `(B, Hq, Nq, D)`; k, v: `(B, Hkv, Nk, D)`; last dimension contiguous.
+        index: `[row_full_offsets, row_full_indices, row_part_offsets, row_part_indices]`, or `[]` for dense.
+        mask_geometry: `(Bm, Hm, Mq, Mk, block_q, block_k)` of the mask (ignored for dense).
+
+    Returns:
+        `(out, lse)`: out like q, lse float32 `(B, Hq, Nq)` natural log.
+    """
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    dense = len(index) == 0
+    Bm, Hm, Mq, Mk, block_q, block_k = mask_geometry
+    cfg = fwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k)
+    out = new_output(q.shape, q.dtype, q.device)
+    lse = new_output((B, Hq, Nq), torch.float32, q.device)
+    if dense:
+        index = [torch.zeros(2, dtype=torch.int32, device=q.device)] * 4
+        block_q, block_k = cfg.block_m, cfg.block_n
+    grid = (triton.cdiv(Nq, cfg.block_m), B * Hq)
+    _attn_fwd_kernel[grid](
+        q, k, v, out, lse, *index,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        Hq, Hq // Hkv, Nq, Nk,
+        Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0,
+        scale * LOG2E,
+        HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        MASK_BLOCK_Q=block_q, MASK_BLOCK_K=block_k,
+        CAUSAL=causal, DENSE=dense, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse

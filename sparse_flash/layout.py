@@ -1,0 +1,362 @@
+"""BlockMask: the one mask type of sparse_flash.
+
+A BlockMask says, for every (batch, head, query block, key block), whether the block of the attention
+matrix is computed. It carries its block size and the real sequence lengths (the last block may be
+partial), and builds on demand the index lists that the kernels walk: for each query block the sorted
+key blocks of its row, and for each key block the sorted query blocks of its column, in compressed
+(CSR) form so that they take memory proportional to the number of nonzero blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["BlockIndex", "BlockMask", "KernelIndex"]
+
+_GRID_MAX_BLOCKS = 64  # repr draws an ASCII grid up to this many blocks per side
+_GRID_MAX_LAYOUTS = 4  # ... and for at most this many (batch, head) layouts
+
+
+class BlockIndex(NamedTuple):
+    """Compressed index lists of a block layout, one list per row.
+
+    Attributes:
+        counts: int32 `(B|1, H|1, M)`: number of nonzero blocks in each row.
+        offsets: int32 `(B|1 * H|1 * M + 1,)`: row r's entries are `indices[offsets[r]:offsets[r + 1]]`,
+            with rows numbered `(b * H + h) * M + i`.
+        indices: int32 `(nnz,)`: the block indices of each row, sorted ascending.
+    """
+
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    indices: torch.Tensor
+
+
+class KernelIndex(NamedTuple):
+    """The index lists one attention call walks, split into full and partial blocks.
+
+    A *partial* block needs an element mask (it touches the causal diagonal or a sequence tail); a *full*
+    block does not. Blocks lying entirely above the causal diagonal are dropped. Row lists (by query block)
+    serve the forward and dQ passes, column lists (by key block) the dK/dV pass.
+    """
+
+    row_full: BlockIndex
+    row_partial: BlockIndex
+    col_full: BlockIndex
+    col_partial: BlockIndex
+
+
+def _as_pair(block_size, name: str = "block_size") -> tuple[int, int]:
+    if isinstance(block_size, bool):
+        raise TypeError(f"{name} must be an int or a pair of ints, got {block_size!r}")
+    if isinstance(block_size, int):
+        pair = (block_size, block_size)
+    elif isinstance(block_size, (tuple, list)) and len(block_size) == 2 and all(
+        isinstance(b, int) and not isinstance(b, bool) for b in block_size
+    ):
+        pair = (int(block_size[0]), int(block_size[1]))
+    else:
+        raise TypeError(f"{name} must be an int or a pair of ints (block_q, block_k), got {block_size!r}")
+    if min(pair) < 1:
+        raise ValueError(f"{name} must be positive, got {block_size!r}")
+    return pair
+
+
+def _csr(rows: torch.Tensor, values: torch.Tensor, shape: tuple[int, int, int]) -> BlockIndex:
+    """Index lists from entries already sorted by (row, value); `shape` is `(B, H, M)`, the rows' layout."""
+    counts = torch.bincount(rows, minlength=math.prod(shape)).to(torch.int32)
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=rows.device)
+    torch.cumsum(counts, dim=0, out=offsets[1:])
+    return BlockIndex(counts.reshape(shape), offsets, values.to(torch.int32))
+
+
+class BlockMask:
+    """A block-sparse attention mask: which (query block, key block) tiles are computed.
+
+    Build one with a pattern from `sparse_flash.masks` or directly from a layout with
+    `BlockMask.from_layout`. Masks of the same geometry combine with `|` and `&`.
+
+    Attributes:
+        layout: bool `(B|1, H|1, Mq, Mk)`; a batch or head dimension of 1 broadcasts.
+        block_size: `(block_q, block_k)` in tokens.
+        seq_len_q, seq_len_k: sequence lengths in tokens; `Mq == ceil(seq_len_q / block_q)`.
+        name: a short description used by `repr` and `plot`.
+
+    Example:
+        >>> import torch, sparse_flash
+        >>> m = sparse_flash.BlockMask.from_layout(torch.eye(4, dtype=torch.bool), 64)
+        >>> m.density
+        0.25
+    """
+
+    def __init__(self, layout: torch.Tensor, block_size, seq_len_q: int, seq_len_k: int, name: str = "custom"):
+        self.layout = layout
+        self.block_size = _as_pair(block_size)
+        self.seq_len_q = int(seq_len_q)
+        self.seq_len_k = int(seq_len_k)
+        self.name = name
+        self._copies: dict[str, BlockMask] = {}
+        self._build_index()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_layout(cls, layout, block_size, *, seq_len_q=None, seq_len_k=None, name="custom") -> "BlockMask":
+        """Build a mask from a block layout.
+
+        Args:
+            layout: bool (or 0/1 integer) tensor `(Mq, Mk)`, `(H, Mq, Mk)` or `(B, H, Mq, Mk)`; a batch or
+                head size of 1 broadcasts against the attention inputs.
+            block_size: int, or `(block_q, block_k)`, in tokens.
+            seq_len_q, seq_len_k: real sequence lengths; default `Mq * block_q` and `Mk * block_k`. Shorter
+                lengths make the last block partial; `Mq` must equal `ceil(seq_len_q / block_q)`.
+            name: a short description shown by `repr` and `plot`.
+
+        Returns:
+            BlockMask with a 4-D bool layout.
+
+        Example:
+            >>> layout = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)
+            >>> BlockMask.from_layout(layout, 128, seq_len_q=200, seq_len_k=200).nnz
+            3
+        """
+        if not isinstance(layout, torch.Tensor):
+            raise TypeError(f"layout must be a torch.Tensor, got {type(layout).__name__}")
+        if layout.dim() not in (2, 3, 4):
+            raise ValueError(
+                f"layout must have shape (Mq, Mk), (H, Mq, Mk) or (B, H, Mq, Mk), got shape {tuple(layout.shape)}"
+            )
+        if layout.dtype != torch.bool:
+            if layout.is_floating_point() or layout.is_complex():
+                raise TypeError(f"layout must be a bool or integer tensor, got dtype {layout.dtype}")
+            if ((layout != 0) & (layout != 1)).any():
+                raise ValueError("layout must hold only 0 and 1")
+            layout = layout != 0
+        while layout.dim() < 4:
+            layout = layout.unsqueeze(0)
+        if min(layout.shape[-2:]) < 1:
+            raise ValueError(f"layout must have at least one block per side, got shape {tuple(layout.shape)}")
+        bq, bk = _as_pair(block_size)
+        Mq, Mk = layout.shape[-2:]
+        seq_len_q = Mq * bq if seq_len_q is None else seq_len_q
+        seq_len_k = Mk * bk if seq_len_k is None else seq_len_k
+        for arg, n, m, b in (("seq_len_q", seq_len_q, Mq, bq), ("seq_len_k", seq_len_k, Mk, bk)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"{arg} must be a positive int, got {n!r}")
+            if math.ceil(n / b) != m:
+                raise ValueError(
+                    f"{arg}={n} with block size {b} needs ceil({n}/{b}) = {math.ceil(n / b)} blocks, "
+                    f"but the layout has {m}"
+                )
+        return cls(layout.contiguous(), (bq, bk), seq_len_q, seq_len_k, name)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The layout's shape `(B|1, H|1, Mq, Mk)`."""
+        return tuple(self.layout.shape)
+
+    @property
+    def num_blocks(self) -> tuple[int, int]:
+        """`(Mq, Mk)`: blocks along the query and key sides."""
+        return tuple(self.layout.shape[-2:])
+
+    @property
+    def device(self) -> torch.device:
+        return self.layout.device
+
+    @property
+    def density(self) -> float:
+        """Fraction of nonzero blocks, a float in [0, 1]."""
+        return self.nnz / self.layout.numel()
+
+    @property
+    def is_dense(self) -> bool:
+        """True when every block is on: attention runs the dense path, which loads no indices."""
+        return self.nnz == self.layout.numel()
+
+    # ------------------------------------------------------------------ conversions
+    def to(self, device) -> "BlockMask":
+        """The same mask with its layout on `device` (index lists are rebuilt there on first use)."""
+        device = torch.device(device)
+        here = self.device
+        if device.type == here.type and device.index in (None, here.index):
+            return self
+        key = str(device)
+        if key not in self._copies:  # moving a mask rebuilds its index lists once per device
+            self._copies[key] = BlockMask(
+                self.layout.to(device), self.block_size, self.seq_len_q, self.seq_len_k, self.name
+            )
+        return self._copies[key]
+
+    def cuda(self) -> "BlockMask":
+        return self.to("cuda")
+
+    def cpu(self) -> "BlockMask":
+        return self.to("cpu")
+
+    def to_dense(self) -> torch.Tensor:
+        """The element mask: bool `(B|1, H|1, seq_len_q, seq_len_k)`, True where attention is allowed."""
+        bq, bk = self.block_size
+        dense = self.layout.repeat_interleave(bq, dim=-2).repeat_interleave(bk, dim=-1)
+        return dense[..., : self.seq_len_q, : self.seq_len_k]
+
+    # ------------------------------------------------------------------ index lists
+    def row_index(self, causal: bool = False) -> BlockIndex:
+        """For each (batch, head, query block): how many key blocks and which, sorted.
+
+        With `causal`, blocks lying entirely above the causal diagonal (no allowed pair) are left out.
+        """
+        return self._index[("row", bool(causal))]
+
+    def col_index(self, causal: bool = False) -> BlockIndex:
+        """For each (batch, head, key block): how many query blocks and which, sorted."""
+        return self._index[("col", bool(causal))]
+
+    def kernel_index(self, causal: bool = False) -> KernelIndex:
+        """The full/partial row and column lists that an attention call with this `causal` flag walks."""
+        return self._index[("kernel", bool(causal))]
+
+    def _build_index(self) -> None:
+        """Build every index list from one pass over the layout; the rest costs O(nnz).
+
+        Built eagerly so that attention calls inside `torch.compile` only read them.
+        """
+        B, H, Mq, Mk = self.layout.shape
+        bq, bk = self.block_size
+        coords = self.layout.nonzero()  # (nnz, 4), row-major order: sorted by (b, h, i, j)
+        self.nnz = coords.shape[0]
+        b, h, i, j = coords.unbind(1)
+        row = (b * H + h) * Mq + i
+        col = (b * H + h) * Mk + j
+        by_col = torch.argsort(col * Mq + i)  # the same entries sorted by (b, h, j, i)
+        q_first, k_first = i * bq, j * bk
+        q_last = torch.clamp(q_first + bq, max=self.seq_len_q) - 1
+        k_last = torch.clamp(k_first + bk, max=self.seq_len_k) - 1
+        # A block touching a sequence tail needs bounds masks on its loads and scores.
+        tail = (q_first + bq > self.seq_len_q) | (k_first + bk > self.seq_len_k)
+        self._index = {}
+        for causal in (False, True):
+            live = k_first <= q_last if causal else torch.ones_like(tail)  # holds an allowed pair
+            partial = tail | (k_last > q_first) if causal else tail  # some key lies after some query
+
+            def rows_cols(select):
+                return (
+                    _csr(row[select], j[select], (B, H, Mq)),
+                    _csr(col[by_col][select[by_col]], i[by_col][select[by_col]], (B, H, Mk)),
+                )
+
+            self._index[("row", causal)], self._index[("col", causal)] = rows_cols(live)
+            row_full, col_full = rows_cols(live & ~partial)
+            row_part, col_part = rows_cols(live & partial)
+            self._index[("kernel", causal)] = KernelIndex(row_full, row_part, col_full, col_part)
+
+    # ------------------------------------------------------------------ algebra
+    def _check_same_geometry(self, other, op: str) -> None:
+        if not isinstance(other, BlockMask):
+            raise TypeError(f"BlockMask {op} needs another BlockMask, got {type(other).__name__}")
+        mine = (self.block_size, self.seq_len_q, self.seq_len_k)
+        theirs = (other.block_size, other.seq_len_q, other.seq_len_k)
+        if mine != theirs:
+            raise ValueError(
+                f"BlockMask {op} needs the same (block_size, seq_len_q, seq_len_k), got {mine} and {theirs}"
+            )
+        for dim, what in ((0, "batch"), (1, "head")):
+            a, b = self.layout.shape[dim], other.layout.shape[dim]
+            if a != b and 1 not in (a, b):
+                raise ValueError(f"BlockMask {op}: {what} sizes {a} and {b} do not broadcast")
+        if self.device != other.device:
+            raise ValueError(f"BlockMask {op}: masks are on {self.device} and {other.device}")
+
+    def __or__(self, other: "BlockMask") -> "BlockMask":
+        self._check_same_geometry(other, "|")
+        return BlockMask(
+            self.layout | other.layout, self.block_size, self.seq_len_q, self.seq_len_k, f"{self.name} | {other.name}"
+        )
+
+    def __and__(self, other: "BlockMask") -> "BlockMask":
+        self._check_same_geometry(other, "&")
+        return BlockMask(
+            self.layout & other.layout, self.block_size, self.seq_len_q, self.seq_len_k, f"({self.name}) & ({other.name})"
+        )
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, BlockMask):
+            return NotImplemented
+        return (
+            self.block_size == other.block_size
+            and self.seq_len_q == other.seq_len_q
+            and self.seq_len_k == other.seq_len_k
+            and self.layout.shape == other.layout.shape
+            and bool(torch.equal(self.layout.cpu(), other.layout.cpu()))
+        )
+
+    __hash__ = None
+
+    # ------------------------------------------------------------------ display
+    def __repr__(self) -> str:
+        B, H, Mq, Mk = self.shape
+        head = (
+            f"BlockMask({self.name}, layout=({B}, {H}, {Mq}, {Mk}), block_size={self.block_size}, "
+            f"seq_len=({self.seq_len_q}, {self.seq_len_k}), density={self.density:.4f}"
+        )
+        if max(Mq, Mk) > _GRID_MAX_BLOCKS or B * H > _GRID_MAX_LAYOUTS:
+            return head + ")"
+        rows = [head + ","]
+        grid = self.layout.cpu()
+        for b in range(B):
+            for h in range(H):
+                if B * H > 1:
+                    rows.append(f"  [batch {b}, head {h}]")
+                rows.extend("  " + "".join("#" if x else "." for x in row.tolist()) for row in grid[b, h])
+        return "\n".join(rows) + "\n)"
+
+    def plot(self, path=None, *, heads: int = 4, ax=None):
+        """Draw the block layout; write a PNG when `path` is given.
+
+        Args:
+            path: file to write (PNG), or None to only return the figure.
+            heads: the number of (batch, head) layouts to draw side by side, at most.
+            ax: a matplotlib Axes to draw the first layout into (for galleries); then only that one is drawn.
+
+        Returns:
+            The matplotlib Figure.
+
+        Raises:
+            ImportError: matplotlib is missing (install the `viz` extra: `pip install sparse-flash[viz]`).
+        """
+        try:
+            import matplotlib
+
+            if ax is None:
+                matplotlib.use("Agg", force=False)
+            import matplotlib.pyplot as plt
+        except ImportError as e:  # pragma: no cover - exercised only without matplotlib
+            raise ImportError(
+                "BlockMask.plot needs matplotlib: install the viz extra with `pip install sparse-flash[viz]`"
+            ) from e
+        B, H, Mq, Mk = self.shape
+        layouts = self.layout.reshape(B * H, Mq, Mk).cpu()
+        title = f"{self.name}\n{Mq}x{Mk} blocks of {self.block_size[0]}x{self.block_size[1]}, density {self.density:.1%}"
+        if ax is not None:
+            ax.imshow(layouts[0].numpy(), cmap="Greys", interpolation="nearest", vmin=0, vmax=1)
+            ax.set_title(title, fontsize=8)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            return ax.figure
+        n = min(B * H, heads)
+        fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3.4), squeeze=False)
+        for idx, a in enumerate(axes[0]):
+            a.imshow(layouts[idx].numpy(), cmap="Greys", interpolation="nearest", vmin=0, vmax=1)
+            a.set_xlabel("key block")
+            a.set_ylabel("query block")
+            if B * H > 1:
+                a.set_title(f"batch {idx // H}, head {idx % H}", fontsize=9)
+        fig.suptitle(title, fontsize=10)
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(path, dpi=120)
+            plt.close(fig)
+        return fig

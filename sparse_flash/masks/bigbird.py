@@ -1,0 +1,68 @@
+"""BigBird: random blocks, a sliding window and global blocks."""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import BlockMask
+from ._common import block_coords, causal_blocks, generator, geometry, make, optional_heads, positive_int
+
+
+def bigbird(
+    seq_len: int,
+    block_size=128,
+    *,
+    num_random_blocks: int = 1,
+    num_sliding_window_blocks: int = 3,
+    num_global_blocks: int = 1,
+    causal: bool = False,
+    seed: int | torch.Generator = 0,
+    num_heads: int | None = None,
+    seq_len_k: int | None = None,
+    device=None,
+) -> BlockMask:
+    """BigBird's pattern: `num_random_blocks` random blocks per row, drawn without replacement, united with
+    the window `|i - j| <= num_sliding_window_blocks // 2` and `num_global_blocks` global rows and columns.
+
+    The defaults match DeepSpeed's BigBird sparsity config. With `causal` everything is restricted to the
+    block lower triangle (random blocks are drawn among keys at or before the query block).
+
+    Args:
+        seq_len: query length in tokens.
+        block_size: int or `(block_q, block_k)`, in tokens.
+        num_random_blocks: random key blocks per query block.
+        num_sliding_window_blocks: width of the sliding window, in blocks (odd; 3 means +-1).
+        num_global_blocks: leading global blocks.
+        causal: unidirectional variant.
+        seed: an int seed or a `torch.Generator`.
+        num_heads: draw the random part independently per head.
+        seq_len_k: key length (cross attention); defaults to `seq_len`.
+        device: where the layout is drawn and lives.
+
+    Returns:
+        BlockMask `(1, num_heads or 1, Mq, Mk)`.
+
+    Example:
+        >>> from sparse_flash import masks
+        >>> masks.bigbird(8192, 128, num_heads=4).shape
+        (1, 4, 64, 64)
+    """
+    r = positive_int(num_random_blocks, "num_random_blocks", minimum=0)
+    w = positive_int(num_sliding_window_blocks, "num_sliding_window_blocks", minimum=0)
+    g = positive_int(num_global_blocks, "num_global_blocks", minimum=0)
+    geo = geometry(seq_len, block_size, seq_len_k)
+    heads = optional_heads(num_heads)
+    i, j = block_coords(geo, device)
+    allowed = causal_blocks(geo, device) if causal else torch.ones_like(i * j, dtype=torch.bool)
+
+    gen = generator(seed, device if device is not None else "cpu")
+    scores = torch.rand(heads, geo.num_blocks_q, geo.num_blocks_k, generator=gen, device=gen.device).to(device)
+    scores = scores.masked_fill(~allowed, -1.0)  # disallowed keys sort last and are dropped below
+    layout = torch.zeros_like(scores, dtype=torch.bool)
+    if r:
+        top = scores.topk(min(r, geo.num_blocks_k), dim=-1).indices
+        layout.scatter_(-1, top, True)
+    layout |= (i - j).abs() <= w // 2
+    layout[:, :g, :] = True
+    layout[:, :, :g] = True
+    return make(layout & allowed, geo, f"bigbird(r={r}, w={w}, g={g}{', causal' if causal else ''})")

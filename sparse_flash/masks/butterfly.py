@@ -1,0 +1,76 @@
+"""The flat block butterfly of Pixelated Butterfly: blocks at XOR-distance zero or a power of two."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..layout import BlockMask
+from ._common import geometry, make, positive_int
+
+
+def butterfly(
+    seq_len: int,
+    block_size=128,
+    *,
+    n_factors: int | None = None,
+    butterfly_size: int | None = None,
+    num_global_blocks: int = 0,
+    seq_len_k: int | None = None,
+    device=None,
+) -> BlockMask:
+    """The flat block butterfly: block (i, j) is on iff `i XOR j` is 0 or `2**k` for some `k < n_factors`.
+
+    With all factors, density is `(1 + log2 nb) / nb` for `nb` blocks a side (1.95% at 65,536 tokens
+    with block 128). Built from its nonzero coordinates, so it costs time proportional to the number of
+    nonzero blocks plus one pass over the layout.
+
+    Args:
+        seq_len: query length in tokens.
+        block_size: int or `(block_q, block_k)`, in tokens.
+        n_factors: how many butterfly factors to union; default all, `ceil(log2(size))`.
+        butterfly_size: compute the pattern on a `butterfly_size`-square grid and blow each entry up to a
+            square of `nb / butterfly_size` blocks; density then is `(1 + n_factors) / butterfly_size`.
+        num_global_blocks: the first rows and columns made dense as well.
+        seq_len_k: key length (cross attention); defaults to `seq_len`.
+        device: where the layout lives.
+
+    Returns:
+        BlockMask `(1, 1, Mq, Mk)`.
+
+    Example:
+        >>> from sparse_flash import masks
+        >>> m = masks.butterfly(65536, 128)
+        >>> round(m.density, 4)
+        0.0195
+    """
+    geo = geometry(seq_len, block_size, seq_len_k)
+    Mq, Mk = geo.num_blocks_q, geo.num_blocks_k
+    size = max(Mq, Mk) if butterfly_size is None else positive_int(butterfly_size, "butterfly_size")
+    if butterfly_size is not None and butterfly_size > max(Mq, Mk):
+        raise ValueError(f"butterfly_size must be at most the number of blocks ({max(Mq, Mk)}), got {butterfly_size}")
+    all_factors = math.ceil(math.log2(size))
+    n = all_factors if n_factors is None else positive_int(n_factors, "n_factors", minimum=0)
+    num_global_blocks = positive_int(num_global_blocks, "num_global_blocks", minimum=0)
+
+    # Nonzero coordinates of the size x size butterfly: (r, r) and (r, r ^ 2**k).
+    r = torch.arange(size, device=device)
+    partners = [r] + [r ^ (1 << k) for k in range(n)]
+    rows = r.repeat(len(partners))
+    cols = torch.cat(partners)
+    keep = cols < size
+    small = torch.zeros(size, size, dtype=torch.bool, device=device)
+    small[rows[keep], cols[keep]] = True
+
+    # Map every block to its cell of the small grid (identity when size covers the blocks).
+    cell_q = torch.arange(Mq, device=device) * size // max(Mq, size)
+    cell_k = torch.arange(Mk, device=device) * size // max(Mk, size)
+    layout = small[cell_q][:, cell_k]
+    if num_global_blocks:
+        layout[:num_global_blocks, :] = True
+        layout[:, :num_global_blocks] = True
+    name = "butterfly" if n_factors is None else f"butterfly(n_factors={n})"
+    if butterfly_size is not None:
+        name += f"[size {butterfly_size}]"
+    return make(layout, geo, name)

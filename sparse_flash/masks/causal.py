@@ -1,0 +1,31 @@
+"""The block lower triangle: causal attention at block granularity."""
+
+from __future__ import annotations
+
+from ..layout import BlockMask
+from ._common import causal_blocks, geometry, make
+
+
+def causal(seq_len: int, block_size=128, *, seq_len_k: int | None = None, device=None) -> BlockMask:
+    """Blocks that hold at least one (query, key) pair with key index <= query index.
+
+    Diagonal blocks are kept whole: for exact causal attention pass `causal=True` to
+    `block_sparse_attention`, which masks inside them (top-left aligned, like
+    `F.scaled_dot_product_attention(is_causal=True)`).
+
+    Args:
+        seq_len: query length in tokens.
+        block_size: int or `(block_q, block_k)`, in tokens.
+        seq_len_k: key length (cross attention); defaults to `seq_len`.
+        device: where the layout lives.
+
+    Returns:
+        BlockMask `(1, 1, Mq, Mk)`.
+
+    Example:
+        >>> from sparse_flash import masks
+        >>> masks.causal(512, 128).nnz
+        10
+    """
+    geo = geometry(seq_len, block_size, seq_len_k)
+    return make(causal_blocks(geo, device), geo, "causal")

@@ -1,0 +1,30 @@
+"""The all-ones mask: dense attention."""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import BlockMask
+from ._common import geometry, make
+
+
+def dense(seq_len: int, block_size=128, *, seq_len_k: int | None = None, device=None) -> BlockMask:
+    """Every block on: dense attention, served by the same kernels.
+
+    Args:
+        seq_len: query length in tokens.
+        block_size: int or `(block_q, block_k)`, in tokens.
+        seq_len_k: key length (cross attention); defaults to `seq_len`.
+        device: where the layout lives.
+
+    Returns:
+        BlockMask `(1, 1, Mq, Mk)` with density 1.
+
+    Example:
+        >>> from sparse_flash import masks
+        >>> masks.dense(1024, 128).density
+        1.0
+    """
+    geo = geometry(seq_len, block_size, seq_len_k)
+    layout = torch.ones(geo.num_blocks_q, geo.num_blocks_k, dtype=torch.bool, device=device)
+    return make(layout, geo, "dense")

@@ -1,0 +1,81 @@
+"""Sparse Transformer's fixed pattern: local windows plus a global column per window."""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import BlockMask
+from ._common import block_coords, geometry, make, optional_heads, positive_int
+
+
+def fixed(
+    seq_len: int,
+    block_size=128,
+    *,
+    num_local_blocks: int = 4,
+    num_global_blocks: int = 1,
+    causal: bool = False,
+    horizontal_global_attention: bool = False,
+    num_different_global_patterns: int = 1,
+    num_heads: int | None = None,
+    device=None,
+) -> BlockMask:
+    """The fixed pattern of the Sparse Transformer, with DeepSpeed's defaults.
+
+    Blocks are grouped in windows of `num_local_blocks`; all blocks inside a window are on (lower
+    triangle when `causal`). In each window the last `num_global_blocks` blocks are global columns, seen by
+    every query block (by those at or after them when `causal`), and with `horizontal_global_attention`
+    also full rows. With `num_different_global_patterns > 1`, head h takes its global blocks
+    `h % num_different_global_patterns` positions earlier in each window.
+
+    Args:
+        seq_len: sequence length in tokens (self-attention).
+        block_size: int or `(block_q, block_k)`, in tokens.
+        num_local_blocks: window size in blocks.
+        num_global_blocks: global blocks per window.
+        causal: unidirectional variant.
+        horizontal_global_attention: global blocks also attend everywhere (bidirectional only).
+        num_different_global_patterns: how many global positions the heads cycle through.
+        num_heads: number of heads (needed with `num_different_global_patterns > 1`).
+        device: where the layout lives.
+
+    Returns:
+        BlockMask `(1, num_heads or 1, M, M)`.
+
+    Example:
+        >>> from sparse_flash import masks
+        >>> masks.fixed(2048, 128).shape
+        (1, 1, 16, 16)
+    """
+    L = positive_int(num_local_blocks, "num_local_blocks")
+    G = positive_int(num_global_blocks, "num_global_blocks")
+    P = positive_int(num_different_global_patterns, "num_different_global_patterns")
+    heads = optional_heads(num_heads)
+    if G > L:
+        raise ValueError(f"num_global_blocks ({G}) must be at most num_local_blocks ({L})")
+    if P * G > L:
+        raise ValueError(
+            f"num_different_global_patterns * num_global_blocks ({P * G}) must be at most num_local_blocks ({L})"
+        )
+    if P > 1 and num_heads is None:
+        raise ValueError("num_different_global_patterns > 1 needs num_heads")
+    if causal and horizontal_global_attention:
+        raise ValueError("horizontal_global_attention is defined for the bidirectional pattern only (causal=False)")
+    geo = geometry(seq_len, block_size)
+    M = geo.num_blocks_q
+    i, j = block_coords(geo, device)
+    local_ = (i // L) == (j // L)
+    if causal:
+        local_ &= j <= i
+    layout = local_.expand(heads, M, M).clone()
+    for h in range(heads):
+        first = L - (1 + h % P) * G  # offset of the global blocks inside each window
+        cols = torch.arange(first, M, L, device=device)[:, None] + torch.arange(G, device=device)[None, :]
+        cols = torch.clamp(cols, max=M - 1).unique()
+        if causal:
+            layout[h] |= (j == cols[:, None, None]).any(0) & (i >= j)
+        else:
+            layout[h, :, cols] = True
+            if horizontal_global_attention:
+                layout[h, cols, :] = True
+    return make(layout, geo, f"fixed(L={L}, G={G}{', causal' if causal else ''})")

@@ -1,0 +1,36 @@
+"""Global blocks: the first rows attend everywhere and the first columns are attended by all."""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import BlockMask
+from ._common import geometry, make, positive_int
+
+
+def global_(
+    seq_len: int, block_size=128, *, num_global_blocks: int = 1, seq_len_k: int | None = None, device=None
+) -> BlockMask:
+    """Rows and columns `0 .. num_global_blocks - 1` dense, everything else off.
+
+    Args:
+        seq_len: query length in tokens.
+        block_size: int or `(block_q, block_k)`, in tokens.
+        num_global_blocks: how many leading blocks are global.
+        seq_len_k: key length (cross attention); defaults to `seq_len`.
+        device: where the layout lives.
+
+    Returns:
+        BlockMask `(1, 1, Mq, Mk)`.
+
+    Example:
+        >>> from sparse_flash import masks
+        >>> masks.global_(512, 128).nnz
+        7
+    """
+    g = positive_int(num_global_blocks, "num_global_blocks", minimum=0)
+    geo = geometry(seq_len, block_size, seq_len_k)
+    layout = torch.zeros(geo.num_blocks_q, geo.num_blocks_k, dtype=torch.bool, device=device)
+    layout[:g, :] = True
+    layout[:, :g] = True
+    return make(layout, geo, f"global({g})")

@@ -1,0 +1,37 @@
+"""Sliding-window (local band) attention."""
+
+from __future__ import annotations
+
+from ..layout import BlockMask
+from ._common import block_coords, geometry, make, positive_int
+
+
+def local(
+    seq_len: int, block_size=128, *, window: int = 1, causal: bool = False, seq_len_k: int | None = None, device=None
+) -> BlockMask:
+    """A band of blocks around the diagonal.
+
+    Block (i, j) is on iff `|i - j| <= window`, or `0 <= i - j <= window` when `causal`.
+
+    Args:
+        seq_len: query length in tokens.
+        block_size: int or `(block_q, block_k)`, in tokens.
+        window: half-width of the band, in blocks (0 keeps only the diagonal).
+        causal: keep only the lower half of the band.
+        seq_len_k: key length (cross attention); defaults to `seq_len`.
+        device: where the layout lives.
+
+    Returns:
+        BlockMask `(1, 1, Mq, Mk)`.
+
+    Example:
+        >>> from sparse_flash import masks
+        >>> print(masks.local(512, 128, window=1))  # doctest: +ELLIPSIS
+        BlockMask(local(window=1), ...
+    """
+    window = positive_int(window, "window", minimum=0)
+    geo = geometry(seq_len, block_size, seq_len_k)
+    i, j = block_coords(geo, device)
+    d = i - j
+    layout = (d >= 0) & (d <= window) if causal else d.abs() <= window
+    return make(layout, geo, f"local(window={window}{', causal' if causal else ''})")
