@@ -228,7 +228,7 @@ class BlockMask:
         bq, bk = self.block_size
         coords = self.layout.nonzero()  # (nnz, 4), row-major order: sorted by (b, h, i, j)
         self.nnz = coords.shape[0]
-        b, h, i, j = coords.unbind(1)
+        b, h, i, j = coords.T.contiguous().unbind(0)
         row = (b * H + h) * Mq + i
         col = (b * H + h) * Mk + j
         by_col = torch.argsort(col * Mq + i)  # the same entries sorted by (b, h, j, i)

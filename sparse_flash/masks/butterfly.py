@@ -54,19 +54,20 @@ def butterfly(
     n = all_factors if n_factors is None else positive_int(n_factors, "n_factors", minimum=0)
     num_global_blocks = positive_int(num_global_blocks, "num_global_blocks", minimum=0)
 
-    # Nonzero coordinates of the size x size butterfly: (r, r) and (r, r ^ 2**k).
+    # Nonzero coordinates of the butterfly on its grid: (r, r) and (r, r ^ 2**k).
     r = torch.arange(size, device=device)
     partners = [r] + [r ^ (1 << k) for k in range(n)]
     rows = r.repeat(len(partners))
     cols = torch.cat(partners)
-    keep = cols < size
-    small = torch.zeros(size, size, dtype=torch.bool, device=device)
-    small[rows[keep], cols[keep]] = True
-
-    # Map every block to its cell of the small grid (identity when size covers the blocks).
-    cell_q = torch.arange(Mq, device=device) * size // max(Mq, size)
-    cell_k = torch.arange(Mk, device=device) * size // max(Mk, size)
-    layout = small[cell_q][:, cell_k]
+    if butterfly_size is None:  # one grid cell per block
+        keep = (rows < Mq) & (cols < Mk)
+        layout = torch.zeros(Mq, Mk, dtype=torch.bool, device=device)
+        layout[rows[keep], cols[keep]] = True
+    else:  # blow each cell up to a square of blocks
+        keep = cols < size
+        small = torch.zeros(size, size, dtype=torch.bool, device=device)
+        small[rows[keep], cols[keep]] = True
+        layout = small[torch.arange(Mq, device=device) * size // Mq][:, torch.arange(Mk, device=device) * size // Mk]
     if num_global_blocks:
         layout[:num_global_blocks, :] = True
         layout[:, :num_global_blocks] = True

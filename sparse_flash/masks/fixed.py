@@ -26,7 +26,8 @@ def fixed(
     triangle when `causal`). In each window the last `num_global_blocks` blocks are global columns, seen by
     every query block (by those at or after them when `causal`), and with `horizontal_global_attention`
     also full rows. With `num_different_global_patterns > 1`, head h takes its global blocks
-    `h % num_different_global_patterns` positions earlier in each window.
+    `h % num_different_global_patterns` positions earlier in each window. A partial last window takes
+    its own last blocks as global.
 
     Args:
         seq_len: sequence length in tokens (self-attention).
@@ -70,8 +71,8 @@ def fixed(
     layout = local_.expand(heads, M, M).clone()
     for h in range(heads):
         first = L - (1 + h % P) * G  # offset of the global blocks inside each window
-        cols = torch.arange(first, M, L, device=device)[:, None] + torch.arange(G, device=device)[None, :]
-        cols = torch.clamp(cols, max=M - 1).unique()
+        starts = torch.clamp(torch.arange(0, M, L, device=device) + first, max=max(M - G, 0))
+        cols = (starts[:, None] + torch.arange(G, device=device)[None, :]).clamp(max=M - 1).unique()
         if causal:
             layout[h] |= (j == cols[:, None, None]).any(0) & (i >= j)
         else:

@@ -1,0 +1,180 @@
+"""Every backend against the dense float64 oracle: outputs, log-sum-exp and gradients (2x rule)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICE, KERNEL_DTYPES, triton_usable
+from hypothesis import example, given
+from hypothesis import strategies as st
+from strategies import Problem, problems
+
+import sparse_flash
+from sparse_flash import BlockMask, masks
+from sparse_flash.reference import attention_reference
+from sparse_flash.testing import compare_to_reference, make_qkv
+
+BACKENDS = ["torch"] + (["triton"] if triton_usable() else [])
+needs_triton = pytest.mark.skipif(not triton_usable(), reason="triton is not usable here")
+
+
+def dtype_id(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def check(p: Problem, dtype, backend, layout="contiguous"):
+    q, k, v = make_qkv(p.B, p.Hq, p.Hkv, p.Nq, p.Nk, p.D, dtype=dtype, device=DEVICE, seed=p.seed, layout=layout)
+    result = compare_to_reference(q, k, v, p.mask(DEVICE), causal=p.causal, backend=backend)
+    assert not result.failures(), f"{p}: {result.failures()}"
+
+
+EDGE_CASES = [
+    # the empty row, the single block, the all-dense mask, odd lengths, GQA, long head dims
+    Problem(1, 2, 1, 100, 90, 24, 32, 16, "empty_rows", 0.5, False, 1),
+    Problem(1, 1, 1, 1, 1, 8, 16, 16, "dense", 1.0, False, 0),
+    Problem(1, 1, 1, 1, 1, 8, 16, 16, "random", 0.0, True, 0),
+    Problem(2, 4, 2, 97, 131, 59, 64, 32, "dense", 1.0, True, 3),
+    Problem(1, 4, 1, 130, 130, 40, 16, 48, "butterfly", 1.0, True, 4),
+    Problem(2, 2, 2, 200, 77, 16, 128, 64, "per_batch", 0.5, False, 5),
+    Problem(1, 2, 2, 64, 200, 72, 64, 64, "causal", 1.0, True, 6),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+@given(p=problems())
+@example(p=EDGE_CASES[0])
+@example(p=EDGE_CASES[1])
+@example(p=EDGE_CASES[2])
+@example(p=EDGE_CASES[3])
+@example(p=EDGE_CASES[4])
+@example(p=EDGE_CASES[5])
+@example(p=EDGE_CASES[6])
+def test_backend_matches_reference(backend, dtype, p):
+    check(p, dtype, backend)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+@given(p=problems(block_sizes=(8, 24, 40, 100)))
+def test_torch_backend_any_block_size(dtype, p):
+    check(p, dtype, "torch")
+
+
+@given(p=problems(max_len=120))
+def test_torch_backend_float64_is_exact(p):
+    q, k, v = make_qkv(p.B, p.Hq, p.Hkv, p.Nq, p.Nk, p.D, dtype=torch.float64, device=DEVICE, seed=p.seed)
+    mask = p.mask(DEVICE)
+    out, lse = sparse_flash.block_sparse_attention(q, k, v, mask, causal=p.causal, return_lse=True, backend="torch")
+    ref, ref_lse = attention_reference(q, k, v, mask, causal=p.causal)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("head_dim", [96, 111, 128, 256])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_large_head_dims(backend, head_dim):
+    p = Problem(1, 2, 1, 150, 140, head_dim, 64, 32, "random", 0.5, True, 11)
+    check(p, torch.float16, backend)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "strided-d"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_inputs(backend, layout):
+    p = Problem(2, 4, 2, 100, 120, 32, 32, 32, "random", 0.5, True, 12)
+    check(p, torch.float32, backend, layout=layout)
+
+
+@pytest.mark.parametrize("block", [16, 32, 64, 128, 256])
+@needs_triton
+def test_triton_mask_block_sizes(block):
+    p = Problem(1, 2, 2, 2 * block + 5, 3 * block - 7, 32, block, block, "random", 0.6, False, block)
+    check(p, torch.float16, "triton")
+
+
+@pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty_rows_give_zero_output_minus_inf_lse_and_zero_gradients(backend, causal):
+    layout = torch.tensor([[[0, 0, 0], [1, 0, 1], [0, 0, 0]], [[1, 1, 1], [0, 0, 0], [0, 1, 0]]], dtype=torch.bool)
+    mask = BlockMask.from_layout(layout.to(DEVICE), 32, seq_len_q=90, seq_len_k=80)
+    q, k, v = make_qkv(2, 2, 1, 90, 80, 16, dtype=torch.float32, device=DEVICE, seed=3)
+    out, lse = sparse_flash.block_sparse_attention(q, k, v, mask, causal=causal, return_lse=True, backend=backend)
+    out.sum().backward()
+    empty_rows = ~mask.to_dense()[0].any(-1)  # (H, Nq)
+    if causal:
+        empty_rows = empty_rows | ~(mask.to_dense()[0] & torch.ones(90, 80, dtype=torch.bool, device=DEVICE).tril()).any(-1)
+    assert empty_rows.any()
+    assert (out[:, empty_rows] == 0).all()
+    assert torch.isneginf(lse[:, empty_rows]).all()
+    assert torch.isfinite(lse[:, ~empty_rows]).all()
+    assert (q.grad[:, empty_rows] == 0).all()
+    for t in (out, q.grad, k.grad, v.grad):
+        assert torch.isfinite(t).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("causal", [False, True])
+def test_all_ones_mask_equals_sdpa(backend, dtype, causal):
+    """Dense FlashAttention (the all-ones mask) against F.scaled_dot_product_attention, 2x rule."""
+    B, H, N, D = 2, 3, 203, 40
+    q, k, v = make_qkv(B, H, H, N, N, D, dtype=dtype, device=DEVICE, seed=21)
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(DEVICE)
+
+    def grads(fn, *inputs):
+        inputs = [t.detach().clone().requires_grad_() for t in inputs]
+        out = fn(*inputs)
+        return (out, *torch.autograd.grad(out, inputs, g.to(out.dtype)))
+
+    ours = grads(lambda a, b, c: sparse_flash.flash_attention(a, b, c, causal=causal, backend=backend), q, k, v)
+    sdpa = grads(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=causal), q, k, v)
+    ref = grads(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=causal), q.double(), k.double(), v.double())
+    floor = max(1e-5, torch.finfo(dtype).eps / 2)
+    for name, a, s, r in zip(("out", "dq", "dk", "dv"), ours, sdpa, ref):
+        err, base = (a.double() - r).abs().max().item(), (s.double() - r).abs().max().item()
+        assert err <= 2 * base + floor * max(1.0, r.abs().max().item()), f"{name}: {err:.3g} vs SDPA {base:.3g}"
+
+
+def test_reference_equals_sdpa_with_materialised_mask():
+    q, k, v = make_qkv(2, 4, 2, 150, 170, 32, dtype=torch.float64, device=DEVICE, seed=8)
+    mask = masks.random(150, (32, 64), density=0.6, seed=4, num_heads=4, seq_len_k=170)
+    for causal in (False, True):
+        out, lse = attention_reference(q, k, v, mask, causal=causal)
+        allowed = mask.to_dense()
+        if causal:
+            allowed = allowed & torch.ones(150, 170, dtype=torch.bool).tril()
+        allowed = allowed.expand(2, 4, 150, 170).to(DEVICE)
+        kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        expected = F.scaled_dot_product_attention(q, kk, vv, attn_mask=allowed)
+        rows = allowed.any(-1)
+        torch.testing.assert_close(out[rows], expected[rows])
+        assert (out[~rows] == 0).all()
+        scores = (q @ kk.transpose(-1, -2)) / math.sqrt(32)
+        torch.testing.assert_close(lse[rows], scores.masked_fill(~allowed, -math.inf).logsumexp(-1)[rows])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scale_and_return_types(backend):
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 16, dtype=torch.float32, device=DEVICE, seed=0, requires_grad=False)
+    mask = masks.dense(64, 32)
+    out = sparse_flash.block_sparse_attention(q, k, v, mask, scale=0.3, backend=backend)
+    ref, ref_lse = attention_reference(q, k, v, mask, scale=0.3)
+    assert isinstance(out, torch.Tensor) and out.dtype == q.dtype and out.shape == q.shape
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    out, lse = sparse_flash.block_sparse_attention(q, k, v, mask, scale=0.3, return_lse=True, backend=backend)
+    assert lse.dtype == torch.float32 and lse.shape == (1, 2, 64)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-6, rtol=1e-5)
+
+
+@needs_triton
+def test_triton_backward_is_deterministic():
+    p = Problem(1, 4, 1, 200, 200, 32, 32, 32, "random", 0.7, True, 9)
+    q, k, v = make_qkv(p.B, p.Hq, p.Hkv, p.Nq, p.Nk, p.D, dtype=torch.float16, device=DEVICE, seed=1)
+    mask = p.mask(DEVICE)
+    runs = []
+    for _ in range(2):
+        a, b, c = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        sparse_flash.block_sparse_attention(a, b, c, mask, causal=True, backend="triton").sum().backward()
+        runs.append((a.grad, b.grad, c.grad))
+    for x, y in zip(*runs):
+        assert torch.equal(x, y)

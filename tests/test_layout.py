@@ -1,0 +1,171 @@
+"""BlockMask: construction, index lists, algebra, devices, repr and plots."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sparse_flash import BlockMask, masks
+
+
+@st.composite
+def layouts(draw):
+    B = draw(st.sampled_from([1, 2]))
+    H = draw(st.sampled_from([1, 3]))
+    Mq, Mk = draw(st.integers(1, 9)), draw(st.integers(1, 9))
+    bq, bk = draw(st.sampled_from([16, 32, 48])), draw(st.sampled_from([16, 64]))
+    seed = draw(st.integers(0, 10_000))
+    density = draw(st.sampled_from([0.0, 0.3, 0.7, 1.0]))
+    layout = torch.rand(B, H, Mq, Mk, generator=torch.Generator().manual_seed(seed)) < density
+    Nq = draw(st.integers((Mq - 1) * bq + 1, Mq * bq))
+    Nk = draw(st.integers((Mk - 1) * bk + 1, Mk * bk))
+    return BlockMask.from_layout(layout, (bq, bk), seq_len_q=Nq, seq_len_k=Nk)
+
+
+def lists_from_index(index):
+    """Decode CSR index lists into Python lists, one per row."""
+    offs = index.offsets.tolist()
+    idx = index.indices.tolist()
+    return [idx[offs[r] : offs[r + 1]] for r in range(len(offs) - 1)]
+
+
+@given(m=layouts())
+def test_to_dense_agrees_with_layout(m):
+    dense = m.to_dense()
+    B, H, Mq, Mk = m.shape
+    assert dense.shape == (B, H, m.seq_len_q, m.seq_len_k)
+    bq, bk = m.block_size
+    for i in range(Mq):
+        for j in range(Mk):
+            block = dense[:, :, i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
+            assert torch.equal(block.all(-1).all(-1), m.layout[:, :, i, j])
+            assert torch.equal(block.any(-1).any(-1), m.layout[:, :, i, j])
+
+
+@given(m=layouts(), causal=st.booleans())
+def test_index_lists_agree_with_layout(m, causal):
+    B, H, Mq, Mk = m.shape
+    bq, bk = m.block_size
+    tril = torch.ones(m.seq_len_q, m.seq_len_k, dtype=torch.bool).tril()
+    elem = m.to_dense() & tril if causal else m.to_dense()
+
+    rows = lists_from_index(m.row_index(causal))
+    cols = lists_from_index(m.col_index(causal))
+    kidx = m.kernel_index(causal)
+    row_full, row_part = lists_from_index(kidx.row_full), lists_from_index(kidx.row_partial)
+    col_full, col_part = lists_from_index(kidx.col_full), lists_from_index(kidx.col_partial)
+    assert m.row_index(causal).counts.shape == (B, H, Mq)
+    assert m.col_index(causal).counts.shape == (B, H, Mk)
+    for b in range(B):
+        for h in range(H):
+            for i in range(Mq):
+                r = (b * H + h) * Mq + i
+                block_elems = [elem[b, h, i * bq : (i + 1) * bq, j * bk : (j + 1) * bk] for j in range(Mk)]
+                live = [j for j in range(Mk) if block_elems[j].any()]
+                assert rows[r] == live  # sorted, exactly the blocks with an allowed pair
+                assert sorted(row_full[r] + row_part[r]) == live
+                for j in row_full[r]:  # a full block needs no element mask and no bounds
+                    assert block_elems[j].all() and block_elems[j].shape == (bq, bk)
+                assert int(m.row_index(causal).counts[b, h, i]) == len(live)
+            for j in range(Mk):
+                c = (b * H + h) * Mk + j
+                live = [i for i in range(Mq) if elem[b, h, i * bq : (i + 1) * bq, j * bk : (j + 1) * bk].any()]
+                assert cols[c] == live
+                assert sorted(col_full[c] + col_part[c]) == live
+                assert set(col_full[c]) == {i for i in live if j in row_full[(b * H + h) * Mq + i]}
+
+
+def test_index_memory_is_proportional_to_nonzero_blocks():
+    m = masks.butterfly(1 << 18, 128)
+    idx = m.kernel_index(False)
+    total = sum(t.numel() for part in idx for t in (part.indices,))
+    assert total == 2 * m.nnz  # rows and columns, nothing for the zero blocks
+    assert idx.row_full.offsets.numel() == m.num_blocks[0] + 1
+
+
+def test_from_layout_shapes_and_checks():
+    m = BlockMask.from_layout(torch.ones(3, 4, dtype=torch.int64), (32, 16), seq_len_q=70, seq_len_k=50)
+    assert m.shape == (1, 1, 3, 4) and m.layout.dtype == torch.bool
+    assert m.block_size == (32, 16) and m.nnz == 12 and m.density == 1.0
+    with pytest.raises(ValueError, match=r"ceil\(100/32\) = 4 blocks, but the layout has 3"):
+        BlockMask.from_layout(torch.ones(3, 4, dtype=torch.bool), (32, 16), seq_len_q=100)
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        BlockMask.from_layout(torch.full((2, 2), 2), 16)
+    with pytest.raises(TypeError, match="bool or integer"):
+        BlockMask.from_layout(torch.ones(2, 2), 16)
+    with pytest.raises(ValueError, match="shape"):
+        BlockMask.from_layout(torch.ones(2, dtype=torch.bool), 16)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        BlockMask.from_layout([[1]], 16)
+
+
+def test_union_and_intersection():
+    a = masks.local(1024, 64, window=1)
+    b = masks.random(1024, 64, density=0.3, seed=2, num_heads=4)
+    u, x = a | b, a & b
+    assert u.shape == (1, 4, 16, 16)
+    assert torch.equal(u.layout, a.layout | b.layout)
+    assert torch.equal(x.layout, a.layout & b.layout)
+    assert torch.equal(u.to_dense(), a.to_dense() | b.to_dense())
+    assert torch.equal(x.to_dense(), a.to_dense() & b.to_dense())
+    with pytest.raises(ValueError, match="same"):
+        a | masks.local(1024, 128)
+    with pytest.raises(ValueError, match="head sizes 4 and 3"):
+        b | masks.random(1024, 64, density=0.3, num_heads=3)
+    with pytest.raises(TypeError, match="BlockMask"):
+        a | torch.ones(1)
+
+
+def test_to_device_keeps_the_mask():
+    m = masks.butterfly(1000, 64)
+    assert m.to("cpu") is m
+    assert m.to(torch.device("cpu")) == m
+
+
+def test_repr_grid_and_summary():
+    small = masks.butterfly(512, 64, n_factors=2)
+    text = repr(small)
+    assert "butterfly" in text and "density=0.3750" in text
+    assert "###....." in text and ".....###" in text
+    big = masks.butterfly(65536, 128)
+    assert "\n" not in repr(big) and "(1, 1, 512, 512)" in repr(big)
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "mask.png"
+    fig = masks.bigbird(4096, 128, num_heads=2).plot(path)
+    assert path.stat().st_size > 1000 and path.read_bytes()[:4] == b"\x89PNG"
+    assert "bigbird" in fig._suptitle.get_text() and "density" in fig._suptitle.get_text()
+
+
+def test_gallery_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "gallery.png"
+    fig = masks.gallery(path)
+    assert path.stat().st_size > 10_000
+    assert sum(1 for ax in fig.axes if ax.images) == len(masks.PATTERNS)
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("no matplotlib")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    with pytest.raises(ImportError, match=r"sparse-flash\[viz\]"):
+        masks.local(512, 64).plot()
+
+
+@pytest.mark.parametrize("n", [1, 127, 129])
+def test_single_and_partial_blocks(n):
+    m = masks.dense(n, 128)
+    assert m.num_blocks == (math.ceil(n / 128),) * 2
+    assert m.to_dense().all()
