@@ -197,6 +197,19 @@ class BlockMask:
     def cpu(self) -> "BlockMask":
         return self.to("cpu")
 
+    def to_flex(self, causal: bool = False):
+        """This mask as a FlexAttention `BlockMask` (needs torch >= 2.5); see `sparse_flash.interop.to_flex`."""
+        from .interop import to_flex
+
+        return to_flex(self, causal)
+
+    @classmethod
+    def from_flex(cls, flex_mask, name: str = "from flex") -> "BlockMask":
+        """The block layout of a FlexAttention `BlockMask`; see `sparse_flash.interop.from_flex`."""
+        from .interop import from_flex
+
+        return from_flex(flex_mask, name)
+
     def to_dense(self) -> torch.Tensor:
         """The element mask: bool `(B|1, H|1, seq_len_q, seq_len_k)`, True where attention is allowed."""
         bq, bk = self.block_size

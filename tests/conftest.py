@@ -5,6 +5,7 @@ set here before anything imports triton); with one, it runs compiled on the GPU 
 dtypes (the interpreter computes bfloat16 wrongly, so it is tested on the GPU only).
 """
 
+import glob
 import json
 import os
 
@@ -54,19 +55,35 @@ def _poison_kernel_outputs():
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """With SPARSE_FLASH_ERROR_LOG=path, write the max errors per backend and dtype seen in this run."""
+    """With SPARSE_FLASH_ERROR_LOG=path, write the max errors per backend and dtype seen in this run
+    (under pytest-xdist each worker writes path.<worker> and the controller merges them)."""
     path = os.environ.get("SPARSE_FLASH_ERROR_LOG")
     if not path:
         return
     from sparse_flash.testing import ERROR_LOG
 
-    record = {
-        f"{backend}/{dtype}": {
-            "cases": entry["cases"],
-            "max_error": dict(entry["max_error"]),
-            "max_ratio_to_pytorch_same_dtype": dict(entry["max_ratio"]),
-        }
-        for (backend, dtype), entry in sorted(ERROR_LOG.items())
+    mine = {
+        f"{backend}/{dtype}": {"cases": e["cases"], "max_error": dict(e["max_error"]), "max_ratio": dict(e["max_ratio"])}
+        for (backend, dtype), e in ERROR_LOG.items()
     }
+    worker = getattr(session.config, "workerinput", {}).get("workerid")
+    if worker is not None:
+        with open(f"{path}.{worker}", "w") as f:
+            json.dump(mine, f)
+        return
+    parts = [mine]
+    for name in sorted(glob.glob(f"{glob.escape(path)}.*")):
+        with open(name) as f:
+            parts.append(json.load(f))
+        os.remove(name)
+    merged: dict = {}
+    for part in parts:
+        for key, e in part.items():
+            m = merged.setdefault(key, {"cases": 0, "max_error": {}, "max_ratio_to_pytorch_same_dtype": {}})
+            m["cases"] += e["cases"]
+            for q, err in e["max_error"].items():
+                m["max_error"][q] = max(m["max_error"].get(q, 0.0), err)
+            for q, r in e["max_ratio"].items():
+                m["max_ratio_to_pytorch_same_dtype"][q] = max(m["max_ratio_to_pytorch_same_dtype"].get(q, 0.0), r)
     with open(path, "w") as f:
-        json.dump(record, f, indent=2)
+        json.dump(dict(sorted(merged.items())), f, indent=2)

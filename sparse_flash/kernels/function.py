@@ -53,5 +53,9 @@ def attention_triton(q, k, v, mask: BlockMask | None, *, causal: bool, scale: fl
         if mask.is_dense:  # the all-ones mask: walk every block without loading indices
             row_index, col_index = [], []
         geometry = [*mask.shape, bq, bk]
-    out, lse = BlockSparseAttentionFunction.apply(q, k, v, row_index, col_index, geometry, causal, scale)
-    return out, lse
+    # Self-attention may pass one tensor as q, k and v; torch.compile wants distinct autograd inputs.
+    if k is q:
+        k = k[...]
+    if v is q or v is k:
+        v = v[...]
+    return BlockSparseAttentionFunction.apply(q, k, v, row_index, col_index, geometry, causal, scale)

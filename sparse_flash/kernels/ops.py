@@ -22,7 +22,7 @@ def attn_fwd_op(
 @attn_fwd_op.register_fake
 def _(q, k, v, index, mask_geometry, causal, scale):
     B, Hq, Nq, _ = q.shape
-    return torch.empty_like(q), q.new_empty((B, Hq, Nq), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32)  # contiguous, like the launcher
 
 
 @torch.library.custom_op("sparse_flash::attn_bwd", mutates_args=())
@@ -35,4 +35,4 @@ def attn_bwd_op(
 
 @attn_bwd_op.register_fake
 def _(do, q, k, v, out, lse, index, mask_geometry, causal, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
