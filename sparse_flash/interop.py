@@ -41,12 +41,19 @@ def _layout_mask_mod(mask: BlockMask, causal: bool):
     return mask_mod
 
 
-def to_flex(mask: BlockMask, causal: bool = False):
+def _causal_mask_mod(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def to_flex(mask: BlockMask, causal: bool = False, *, eager_exact: bool = True):
     """The FlexAttention BlockMask of the same attention pattern (full and partial blocks split as ours).
 
     Its mask_mod looks each element's block up in the layout (and applies `q_idx >= kv_idx` with
     `causal`), so the result is also right in eager mode, where FlexAttention ignores block sparsity.
     Use it with `flex_attention(q, k, v, block_mask=...)`; its block size is the mask's.
+
+    With `eager_exact=False` the mask_mod is only the causal rule (or none), which is exact for
+    `torch.compile(flex_attention)` (it skips the zero blocks itself) and avoids a recompilation per mask.
     """
     flex = _flex_module()
     Mk = mask.num_blocks[1]
@@ -56,7 +63,7 @@ def to_flex(mask: BlockMask, causal: bool = False):
     return flex.BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx,
         BLOCK_SIZE=mask.block_size,
-        mask_mod=_layout_mask_mod(mask, causal),
+        mask_mod=_layout_mask_mod(mask, causal) if eager_exact else (_causal_mask_mod if causal else None),
         seq_lengths=(mask.seq_len_q, mask.seq_len_k),
     )
 

@@ -197,11 +197,11 @@ class BlockMask:
     def cpu(self) -> "BlockMask":
         return self.to("cpu")
 
-    def to_flex(self, causal: bool = False):
+    def to_flex(self, causal: bool = False, *, eager_exact: bool = True):
         """This mask as a FlexAttention `BlockMask` (needs torch >= 2.5); see `sparse_flash.interop.to_flex`."""
         from .interop import to_flex
 
-        return to_flex(self, causal)
+        return to_flex(self, causal, eager_exact=eager_exact)
 
     @classmethod
     def from_flex(cls, flex_mask, name: str = "from flex") -> "BlockMask":

@@ -143,7 +143,8 @@ def test_cache_round_trip(tmp_path, monkeypatch):
     metadata_files = list(tmp_path.glob("*.json"))
     assert len(metadata_files) == 1
     metadata = json.loads(metadata_files[0].read_text())
-    assert (metadata["n"], metadata["resolution"], metadata["difficulty"], metadata["seed"]) == (10, 32, "easy", 1)
+    identity = (metadata["n"], metadata["resolution"], metadata["difficulty"], metadata["seed"])
+    assert identity == (10, 32, "easy", 1)
     assert metadata["params"]["dash_length"] == 2
     assert metadata["generator_version"] == pathfinder.GENERATOR_VERSION
     assert metadata["seconds"] >= 0
@@ -176,7 +177,9 @@ def test_show_writes_png(tmp_path):
 
 def test_command_line(tmp_path, capsys):
     png = tmp_path / "out.png"
-    pathfinder.main(["--resolution", "32", "-n", "6", "--workers", "1", "--cache-dir", str(tmp_path), "--show", str(png)])
+    pathfinder.main(
+        ["--resolution", "32", "-n", "6", "--workers", "1", "--cache-dir", str(tmp_path), "--show", str(png)]
+    )
     assert png.exists()
     assert "6 images of 32x32" in capsys.readouterr().out
     with pytest.raises(SystemExit):

@@ -1,0 +1,382 @@
+"""Side-by-side attention benchmark on one CUDA GPU: sparse_flash against FlexAttention and SDPA.
+
+Every competitor runs in the same process on the same inputs and masks, timed the same way
+(`triton.testing.do_bench`, median after warm-up). Effective TFLOP/s count only the nonzero blocks:
+forward 4·B·H·N²·D·density, forward+backward 3.5x that (backward = 2.5x forward).
+
+    python benchmarks/bench_attention.py                 # the full table (about 10 minutes on an H200)
+    python benchmarks/bench_attention.py --quick         # two shapes, fewer masks
+    python benchmarks/bench_attention.py --out DIR       # where json, markdown and plots go
+
+Writes `bench.json`, `bench.md`, `tflops_vs_density.png` and `time_vs_length.png` under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import sparse_flash
+from sparse_flash import masks
+
+BLOCK = 128
+# (B, Hq, Hkv, N, D)
+SHAPES = [(4, 16, 16, 4096, 64), (4, 16, 16, 4096, 128), (1, 16, 16, 16384, 128), (1, 8, 8, 65536, 64), (4, 32, 8, 4096, 128)]
+QUICK_SHAPES = [(4, 16, 16, 4096, 128), (1, 16, 16, 16384, 128)]
+MASKS = ["dense", "causal", "local", "butterfly", "random", "bigbird", "longformer"]
+QUICK_MASKS = ["dense", "causal", "butterfly", "bigbird"]
+
+
+def build_mask(name: str, n: int, device) -> tuple[sparse_flash.BlockMask, bool]:
+    """The benchmark's masks (block 128) and whether the call is causal."""
+    if name == "dense":
+        return masks.dense(n, BLOCK, device=device), False
+    if name == "causal":
+        return masks.causal(n, BLOCK, device=device), True
+    if name == "local":
+        return masks.local(n, BLOCK, window=4, device=device), False
+    if name == "butterfly":
+        return masks.butterfly(n, BLOCK, device=device), False
+    if name == "random":  # 10%, with the diagonal so that no row is empty
+        return masks.random(n, BLOCK, density=0.1, seed=0, device=device) | masks.local(n, BLOCK, window=0, device=device), False
+    if name == "bigbird":
+        return masks.bigbird(n, BLOCK, seed=0, device=device), False
+    if name == "longformer":
+        return masks.longformer(n, BLOCK, device=device), False
+    raise ValueError(name)
+
+
+def live_density(mask: sparse_flash.BlockMask, causal: bool) -> float:
+    """Fraction of blocks the kernels compute (blocks above the causal diagonal are skipped)."""
+    return int(mask.row_index(causal).counts.sum()) / mask.layout.numel()
+
+
+def bench(fn, grad_of=None) -> float:
+    """Median milliseconds of fn (forward) or of fn + backward when grad_of lists the inputs."""
+    from triton.testing import do_bench
+
+    if grad_of is None:
+        return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    out = fn()
+    do = torch.randn_like(out)
+
+    def step():
+        fn().backward(do)
+
+    return do_bench(step, warmup=25, rep=100, grad_to_none=grad_of, return_mode="median")
+
+
+class Competitors:
+    """The attention implementations, each a function of (q, k, v, mask, causal) returning out."""
+
+    def __init__(self):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        torch._dynamo.config.cache_size_limit = 256
+        if hasattr(torch._dynamo.config, "recompile_limit"):
+            torch._dynamo.config.recompile_limit = 256
+        self.flex = torch.compile(flex_attention, dynamic=False)
+        self._flex_masks: dict = {}
+
+    @staticmethod
+    def ours(q, k, v, mask, causal):
+        return sparse_flash.block_sparse_attention(q, k, v, mask, causal=causal, backend="triton")
+
+    def flex_attention(self, q, k, v, mask, causal):
+        key = (id(mask), causal)
+        if key not in self._flex_masks:
+            self._flex_masks[key] = mask.to_flex(causal, eager_exact=False)
+        return self.flex(q, k, v, block_mask=self._flex_masks[key], enable_gqa=q.shape[1] != k.shape[1])
+
+    @staticmethod
+    def sdpa(backend):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        chosen = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+
+        def run(q, k, v, mask, causal):
+            with sdpa_kernel([chosen]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+
+        return run
+
+    @staticmethod
+    def sdpa_bool_mask(q, k, v, mask, causal, _cache={}):
+        key = id(mask)
+        if key not in _cache:
+            _cache.clear()
+            _cache[key] = mask.to_dense()
+        allowed = _cache[key]
+        if causal:
+            allowed = allowed & torch.ones_like(allowed[0, 0]).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def run_rows(shapes, mask_names, dtypes, log) -> list[dict]:
+    comp = Competitors()
+    rows = []
+    for B, Hq, Hkv, N, D in shapes:
+        for dtype in dtypes:
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+            k = torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+            v = torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+            for mname in mask_names:
+                mask, causal = build_mask(mname, N, "cuda")
+                density = live_density(mask, causal)
+                impls = {"sparse_flash": comp.ours, "flex": comp.flex_attention}
+                if mname in ("dense", "causal"):
+                    impls["sdpa_cudnn"] = comp.sdpa("cudnn")
+                    impls["sdpa_flash"] = comp.sdpa("flash")
+                if mname == "butterfly" and dtype == torch.bfloat16:
+                    impls["sdpa_bool_mask"] = comp.sdpa_bool_mask
+                try:
+                    with torch.no_grad():
+                        ref = comp.flex_attention(q, k, v, mask, causal)
+                except Exception:  # flex's row reports its own error below
+                    ref = torch.full_like(q, float("nan"))
+                for impl, fn in impls.items():
+                    for mode in ("fwd", "fwd+bwd"):
+                        if impl == "sdpa_bool_mask" and mode == "fwd+bwd":
+                            continue
+                        row = {"B": B, "Hq": Hq, "Hkv": Hkv, "N": N, "D": D, "dtype": str(dtype).replace("torch.", ""),
+                               "mask": mname, "causal": causal, "density": density, "impl": impl, "mode": mode}
+                        try:
+                            if mode == "fwd":
+                                with torch.no_grad():
+                                    out = fn(q, k, v, mask, causal)
+                                    row["max_diff_vs_flex"] = float((out.float() - ref.float()).abs().max())
+                                    row["ms"] = bench(lambda: fn(q, k, v, mask, causal))
+                            else:
+                                row["ms"] = bench(lambda: fn(q, k, v, mask, causal), grad_of=[q, k, v])
+                            flops = 4 * B * Hq * N * N * D * density * (3.5 if mode == "fwd+bwd" else 1.0)
+                            row["tflops"] = flops / row["ms"] / 1e9
+                        except Exception as e:  # a competitor that cannot run this row says why
+                            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                            torch.cuda.empty_cache()
+                        rows.append(row)
+                        log(row)
+                del mask
+            del q, k, v
+            torch.cuda.empty_cache()
+    return rows
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Speed-ups of sparse_flash over flex and over cuDNN dense attention (same shape, dtype and mode)."""
+    def key(r, **kw):
+        d = {f: r[f] for f in ("B", "Hq", "Hkv", "N", "D", "dtype", "mode", "mask")}
+        d.update(kw)
+        return tuple(sorted(d.items()))
+
+    table = {key(r, impl=r["impl"]): r for r in rows if "ms" in r}
+    for r in rows:
+        if r["impl"] != "sparse_flash" or "ms" not in r:
+            continue
+        flex = table.get(key(r, impl="flex"))
+        if flex:
+            r["speedup_vs_flex"] = flex["ms"] / r["ms"]
+        cudnn = table.get(key(r, impl="sdpa_cudnn", mask="dense"))
+        if cudnn:
+            r["speedup_vs_cudnn_dense"] = cudnn["ms"] / r["ms"]
+        flash = table.get(key(r, impl="sdpa_flash", mask=r["mask"])) if r["mask"] in ("dense", "causal") else None
+        if flash:
+            r["speedup_vs_sdpa_flash"] = flash["ms"] / r["ms"]
+        dense = table.get(key(r, impl="sparse_flash", mask="dense"))
+        if dense:
+            r["time_over_dense"] = r["ms"] / dense["ms"]
+
+
+def mask_costs(sizes=(65536, 1 << 20)) -> list[dict]:
+    """Time to build masks with their index lists on the GPU, and their metadata bytes; Flex beside them."""
+    out = []
+    builders = {
+        "butterfly": lambda n: masks.butterfly(n, BLOCK, device="cuda"),
+        "random": lambda n: masks.random(n, BLOCK, density=0.1, seed=0, device="cuda"),
+        "bigbird": lambda n: masks.bigbird(n, BLOCK, seed=0, device="cuda"),
+    }
+    for n in sizes:
+        for name, build in builders.items():
+            build(4096)
+            times = []
+            for _ in range(5):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                m = build(n)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+            meta = sum(t.numel() * t.element_size() for part in (m.kernel_index(False), m.kernel_index(True))
+                       for idx in part for t in idx)
+            out.append({"impl": "sparse_flash", "mask": name, "N": n, "ms": 1e3 * statistics.median(times),
+                        "layout_bytes": m.layout.numel(), "index_bytes": meta, "nnz": m.nnz})
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def butterfly_mod(b, h, q_idx, kv_idx):
+            x = (q_idx // BLOCK) ^ (kv_idx // BLOCK)
+            return (x & (x - 1)) == 0
+
+        for n in sizes:
+            if n > 65536:
+                out.append({"impl": "flex create_block_mask", "mask": "butterfly", "N": n,
+                            "error": f"not run: evaluates the mask_mod on all N^2 = {n * n:.2e} pairs"})
+                continue
+            create_block_mask(butterfly_mod, None, None, n, n, device="cuda", _compile=True)
+            times = []
+            for _ in range(3):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                fm = create_block_mask(butterfly_mod, None, None, n, n, device="cuda", _compile=True)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+            meta = sum(t.numel() * t.element_size() for t in fm.as_tuple() if isinstance(t, torch.Tensor))
+            out.append({"impl": "flex create_block_mask", "mask": "butterfly", "N": n,
+                        "ms": 1e3 * statistics.median(times), "index_bytes": meta})
+    except Exception as e:
+        out.append({"impl": "flex create_block_mask", "error": f"{type(e).__name__}: {e}"[:200]})
+    return out
+
+
+def summarize(rows: list[dict]) -> dict:
+    ours = [r for r in rows if r["impl"] == "sparse_flash" and "speedup_vs_flex" in r and r["dtype"] == "bfloat16"]
+    s = {}
+    for mode in ("fwd", "fwd+bwd"):
+        sp = [r["speedup_vs_flex"] for r in ours if r["mode"] == mode]
+        if sp:
+            worst = min((r for r in ours if r["mode"] == mode), key=lambda r: r["speedup_vs_flex"])
+            s[mode] = {"min_vs_flex": min(sp), "median_vs_flex": statistics.median(sp),
+                       "worst_row": f"{worst['B']},{worst['Hq']},{worst['N']},{worst['D']} {worst['mask']}"}
+    dense128 = [r for r in ours if r["mask"] == "dense" and r["D"] == 128 and r["mode"] == "fwd" and r["Hq"] == r["Hkv"]]
+    if dense128:
+        s["dense_fwd_d128_vs_cudnn"] = min(r.get("speedup_vs_cudnn_dense", 0) for r in dense128)
+        s["dense_fwd_d128_vs_sdpa_flash"] = min(r.get("speedup_vs_sdpa_flash", 0) for r in dense128)
+    follow = [r for r in ours if r["N"] >= 16384 and "time_over_dense" in r and r["mask"] != "dense"]
+    s["density_rule_violations"] = [
+        f"{r['N']},{r['D']} {r['mask']} {r['mode']}: {r['time_over_dense']:.3f} > {1.15 * r['density'] + 0.01:.3f}"
+        for r in follow if r["time_over_dense"] > 1.15 * r["density"] + 0.01
+    ]
+    return s
+
+
+def markdown(meta: dict, rows: list[dict], costs: list[dict], summary: dict) -> str:
+    lines = [f"# Attention benchmark, {meta['date']}", "",
+             f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}. Median of "
+             "`triton.testing.do_bench`; TFLOP/s on nonzero blocks only (fwd 4·B·H·N²·D·density, fwd+bwd 3.5x).",
+             "", "| B,Hq,Hkv,N,D | dtype | mask | density | mode | sparse_flash ms | flex ms | vs flex | vs cuDNN dense | sparse_flash TFLOP/s | flex TFLOP/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    by = {}
+    for r in rows:
+        by.setdefault((r["B"], r["Hq"], r["Hkv"], r["N"], r["D"], r["dtype"], r["mask"], r["mode"]), {})[r["impl"]] = r
+    for (B, Hq, Hkv, N, D, dt, mname, mode), impls in by.items():
+        o, f = impls.get("sparse_flash", {}), impls.get("flex", {})
+
+        def fmt(x, spec):
+            return format(x, spec) if isinstance(x, (int, float)) else "n/a"
+
+        lines.append(
+            f"| {B},{Hq},{Hkv},{N},{D} | {dt} | {mname} | {o.get('density', 0):.3f} | {mode} | {fmt(o.get('ms'), '.3f')} | "
+            f"{fmt(f.get('ms'), '.3f')} | {fmt(o.get('speedup_vs_flex'), '.2f')}x | {fmt(o.get('speedup_vs_cudnn_dense'), '.2f')}x | "
+            f"{fmt(o.get('tflops'), '.0f')} | {fmt(f.get('tflops'), '.0f')} |"
+        )
+    lines += ["", "## SDPA on the same shapes", "", "| B,Hq,Hkv,N,D | dtype | mask | mode | impl | ms | TFLOP/s |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["impl"].startswith("sdpa"):
+            val = f"{r['ms']:.3f} | {r['tflops']:.0f}" if "ms" in r else f"n/a | {r.get('error', '')[:60]}"
+            lines.append(f"| {r['B']},{r['Hq']},{r['Hkv']},{r['N']},{r['D']} | {r['dtype']} | {r['mask']} | {r['mode']} | {r['impl']} | {val} |")
+    lines += ["", "## Mask construction on the GPU (with index lists)", "", "| impl | mask | N | ms | metadata bytes |", "|---|---|---|---|---|"]
+    for c in costs:
+        ms = f"{c['ms']:.2f}" if "ms" in c else c.get("error", "")
+        lines.append(f"| {c['impl']} | {c.get('mask', '')} | {c.get('N', '')} | {ms} | {c.get('index_bytes', '')} |")
+    lines += ["", "## Summary", "", "```", json.dumps(summary, indent=2), "```", ""]
+    return "\n".join(lines)
+
+
+def plots(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
+        for impl, marker in (("sparse_flash", "o"), ("flex", "s")):
+            pts = [r for r in rows if r["impl"] == impl and r["mode"] == mode and "tflops" in r and r["dtype"] == "bfloat16"]
+            ax.scatter([r["density"] for r in pts], [r["tflops"] for r in pts], marker=marker, label=impl, alpha=0.7)
+        ax.set_xscale("log")
+        ax.set_xlabel("density of computed blocks")
+        ax.set_ylabel("effective TFLOP/s")
+        ax.set_title(f"bf16 {mode}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "tflops_vs_density.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for impl, mname, style in (("sparse_flash", "butterfly", "o-"), ("flex", "butterfly", "s--"),
+                               ("sparse_flash", "dense", "o-"), ("sdpa_cudnn", "dense", "^:")):
+        pts = sorted((r["N"], r["ms"]) for r in rows if r["impl"] == impl and r["mask"] == mname and r["mode"] == "fwd+bwd"
+                     and "ms" in r and r["dtype"] == "bfloat16" and r["Hq"] == r["Hkv"] and r["D"] in (64, 128))
+        if pts:
+            ax.plot(*zip(*pts), style, label=f"{impl} {mname}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length N")
+    ax.set_ylabel("fwd+bwd ms")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "time_vs_length.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="two shapes and four masks")
+    parser.add_argument("--out", default=None, help="output folder (default benchmarks/results/<date>-<gpu>)")
+    parser.add_argument("--no-mask-costs", action="store_true", help="skip the mask construction timings")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_attention needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    gpu = torch.cuda.get_device_name()
+    date = datetime.date.today().isoformat()
+    out = Path(args.out or f"benchmarks/results/{date}-{gpu.split()[-1].lower()}")
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"date": date, "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
+            "cuda": torch.version.cuda, "block_size": BLOCK}
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    mask_names = QUICK_MASKS if args.quick else MASKS
+    log_file = open(out / "bench.jsonl", "w")
+
+    def log(row):
+        log_file.write(json.dumps(row) + "\n")
+        log_file.flush()
+        speed = f"{row['ms']:.3f} ms {row['tflops']:.0f} TF/s" if "ms" in row else row.get("error", "")
+        print(f"{row['B']},{row['Hq']},{row['Hkv']},{row['N']},{row['D']} {row['dtype']:8s} {row['mask']:10s} "
+              f"{row['mode']:7s} {row['impl']:14s} {speed}", flush=True)
+
+    rows = run_rows(shapes, mask_names, [torch.bfloat16], log)
+    rows += run_rows([(4, 16, 16, 4096, 128)], ["butterfly"], [torch.float16], log)
+    add_ratios(rows)
+    costs = [] if args.no_mask_costs else mask_costs()
+    summary = summarize(rows)
+    (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows, "mask_costs": costs, "summary": summary}, indent=2))
+    (out / "bench.md").write_text(markdown(meta, rows, costs, summary))
+    plots(rows, out)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
