@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import LOG2E, dot_precision, load_unmasked_rows
 from .configs import block_d, bwd_config
-from .fwd import LOG2E, dot_precision
 from .memory import new_output
 
 
@@ -47,8 +47,8 @@ def _load_lse_log2(Lse, offs_m, Nq):
 @triton.jit
 def _dkdv_tile(
     dk, dv, k, v, Q, DO, Lse, Delta, start_m, offs_n, offs_d, stride_qm, stride_dm, Nq, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Add one query tile's contribution to the dK and dV of a key tile."""
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
@@ -58,8 +58,8 @@ def _dkdv_tile(
         qt = tl.load(Q + offs_m[None, :] * stride_qm + offs_d[:, None], mask=d_ok[:, None] & m_ok[None, :], other=0.0)
         do = tl.load(DO + offs_m[:, None] * stride_dm + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     else:
-        qt = tl.load(Q + offs_m[None, :] * stride_qm + offs_d[:, None], mask=d_ok[:, None], other=0.0)  # (BLOCK_D, BLOCK_M)
-        do = tl.load(DO + offs_m[:, None] * stride_dm + offs_d[None, :], mask=d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+        qt = load_unmasked_rows(Q + offs_m[None, :] * stride_qm + offs_d[:, None], d_ok[:, None], EVEN_D)  # (BLOCK_D, BLOCK_M)
+        do = load_unmasked_rows(DO + offs_m[:, None] * stride_dm + offs_d[None, :], d_ok[None, :], EVEN_D)  # (BLOCK_M, BLOCK_D)
     lse = _load_lse_log2(Lse, offs_m, Nq)  # (BLOCK_M,)
     delta = tl.load(Delta + offs_m, mask=offs_m < Nq, other=0.0)  # (BLOCK_M,)
     st = tl.dot(k, qt, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M) scores^T, log2 units
@@ -88,6 +88,7 @@ def _attn_bwd_dkdv_kernel(
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hkv
@@ -120,13 +121,13 @@ def _attn_bwd_dkdv_kernel(
             m_full_start = tl.maximum(m_full_start, m_start)
             for m in range(m_start, m_full_start):
                 dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, Lseh, Deltah, m * BLOCK_M, offs_n, offs_d, stride_qm,
-                                    stride_dm, Nq, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, DOT_PRECISION)
+                                    stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, True, CAUSAL, DOT_PRECISION)
             for m in range(m_full_start, m_full_end):
                 dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, Lseh, Deltah, m * BLOCK_M, offs_n, offs_d, stride_qm,
-                                    stride_dm, Nq, qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, DOT_PRECISION)
+                                    stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, False, CAUSAL, DOT_PRECISION)
             for m in range(tl.maximum(m_full_end, m_full_start), m_end):
                 dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, Lseh, Deltah, m * BLOCK_M, offs_n, offs_d, stride_qm,
-                                    stride_dm, Nq, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, DOT_PRECISION)
+                                    stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, True, CAUSAL, DOT_PRECISION)
         else:
             SUB: tl.constexpr = MASK_BLOCK_Q // BLOCK_M
             col = b * mask_stride_b + h * mask_stride_h + start_n // MASK_BLOCK_K
@@ -136,14 +137,14 @@ def _attn_bwd_dkdv_kernel(
                 i = tl.load(ColFullIdx + t // SUB)
                 start_m = i * MASK_BLOCK_Q + (t % SUB) * BLOCK_M
                 dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, Lseh, Deltah, start_m, offs_n, offs_d, stride_qm,
-                                    stride_dm, Nq, qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, DOT_PRECISION)
+                                    stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, False, CAUSAL, DOT_PRECISION)
             lo = tl.load(ColPartOff + col)
             hi = tl.load(ColPartOff + col + 1)
             for t in range(lo * SUB, hi * SUB):
                 i = tl.load(ColPartIdx + t // SUB)
                 start_m = i * MASK_BLOCK_Q + (t % SUB) * BLOCK_M
                 dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, Lseh, Deltah, start_m, offs_n, offs_d, stride_qm,
-                                    stride_dm, Nq, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, DOT_PRECISION)
+                                    stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, True, CAUSAL, DOT_PRECISION)
 
     dk = dk * sm_scale
     tl.store(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
@@ -155,7 +156,8 @@ def _attn_bwd_dkdv_kernel(
 @triton.jit
 def _dq_tile(
     dq, q, do, lse, delta, K, V, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn, Nk, qk_scale,
-    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Add one key tile's contribution to the dQ of a query tile."""
     cols = start_n + offs_n  # (BLOCK_N,)
@@ -167,8 +169,8 @@ def _dq_tile(
         kt = tl.load(kt_ptrs, mask=ok, other=0.0)
         vt = tl.load(vt_ptrs, mask=ok, other=0.0)
     else:
-        kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
-        vt = tl.load(vt_ptrs, mask=d_ok[:, None], other=0.0)
+        kt = load_unmasked_rows(kt_ptrs, d_ok[:, None], EVEN_D)
+        vt = load_unmasked_rows(vt_ptrs, d_ok[:, None], EVEN_D)
     s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
     p = tl.math.exp2(s - lse[:, None])  # (BLOCK_M, BLOCK_N)
     if MASKED:
@@ -196,6 +198,7 @@ def _attn_bwd_dq_kernel(
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
@@ -223,10 +226,10 @@ def _attn_bwd_dq_kernel(
             n_end = tl.minimum(n_end, tl.cdiv(start_m + BLOCK_M, BLOCK_N))
         for n in range(0, n_full):
             dq = _dq_tile(dq, q, do, lse, delta, K, V, n * BLOCK_N, offs_m, offs_n, offs_d, stride_kn, stride_vn,
-                          Nk, qk_scale, HEAD_DIM, False, CAUSAL, DOT_PRECISION)
+                          Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL, DOT_PRECISION)
         for n in range(n_full, n_end):
             dq = _dq_tile(dq, q, do, lse, delta, K, V, n * BLOCK_N, offs_m, offs_n, offs_d, stride_kn, stride_vn,
-                          Nk, qk_scale, HEAD_DIM, True, CAUSAL, DOT_PRECISION)
+                          Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION)
     else:
         SUB: tl.constexpr = MASK_BLOCK_K // BLOCK_N
         row = b * mask_stride_b + h * mask_stride_h + start_m // MASK_BLOCK_Q
@@ -236,14 +239,14 @@ def _attn_bwd_dq_kernel(
             j = tl.load(RowFullIdx + t // SUB)
             start_n = j * MASK_BLOCK_K + (t % SUB) * BLOCK_N
             dq = _dq_tile(dq, q, do, lse, delta, K, V, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn,
-                          Nk, qk_scale, HEAD_DIM, False, CAUSAL, DOT_PRECISION)
+                          Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL, DOT_PRECISION)
         lo = tl.load(RowPartOff + row)
         hi = tl.load(RowPartOff + row + 1)
         for t in range(lo * SUB, hi * SUB):
             j = tl.load(RowPartIdx + t // SUB)
             start_n = j * MASK_BLOCK_K + (t % SUB) * BLOCK_N
             dq = _dq_tile(dq, q, do, lse, delta, K, V, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn,
-                          Nk, qk_scale, HEAD_DIM, True, CAUSAL, DOT_PRECISION)
+                          Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION)
 
     dq = dq * sm_scale
     tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + offs_m[:, None] * stride_dqm

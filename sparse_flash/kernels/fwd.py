@@ -12,16 +12,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import LOG2E, dot_precision, load_unmasked_rows
 from .configs import block_d, fwd_config
 from .memory import new_output
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _fwd_tile(
     acc, l_i, m_i, q, K, V, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn, Nk, qk_scale,
-    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Fold one key tile into the running softmax state (acc, l_i, m_i) of a query tile."""
     cols = start_n + offs_n  # (BLOCK_N,)
@@ -32,8 +32,8 @@ def _fwd_tile(
         kt = tl.load(kt_ptrs, mask=d_ok[:, None] & (cols[None, :] < Nk), other=0.0)
         v = tl.load(v_ptrs, mask=(cols[:, None] < Nk) & d_ok[None, :], other=0.0)
     else:
-        kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        kt = load_unmasked_rows(kt_ptrs, d_ok[:, None], EVEN_D)
+        v = load_unmasked_rows(v_ptrs, d_ok[None, :], EVEN_D)
     qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
     if MASKED:
         valid = cols[None, :] < Nk
@@ -66,6 +66,7 @@ def _attn_fwd_kernel(
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
@@ -95,10 +96,10 @@ def _attn_fwd_kernel(
             n_end = tl.minimum(n_end, tl.cdiv(start_m + BLOCK_M, BLOCK_N))
         for n in range(0, n_full):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, n * BLOCK_N, offs_m, offs_n, offs_d, stride_kn,
-                                      stride_vn, Nk, qk_scale, HEAD_DIM, False, CAUSAL, DOT_PRECISION)
+                                      stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL, DOT_PRECISION)
         for n in range(n_full, n_end):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, n * BLOCK_N, offs_m, offs_n, offs_d, stride_kn,
-                                      stride_vn, Nk, qk_scale, HEAD_DIM, True, CAUSAL, DOT_PRECISION)
+                                      stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION)
     else:
         # Walk this query block's row lists; each mask block is SUB key tiles.
         SUB: tl.constexpr = MASK_BLOCK_K // BLOCK_N
@@ -109,14 +110,14 @@ def _attn_fwd_kernel(
             j = tl.load(RowFullIdx + t // SUB)
             start_n = j * MASK_BLOCK_K + (t % SUB) * BLOCK_N
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, start_n, offs_m, offs_n, offs_d, stride_kn,
-                                      stride_vn, Nk, qk_scale, HEAD_DIM, False, CAUSAL, DOT_PRECISION)
+                                      stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL, DOT_PRECISION)
         lo = tl.load(RowPartOff + row)
         hi = tl.load(RowPartOff + row + 1)
         for t in range(lo * SUB, hi * SUB):
             j = tl.load(RowPartIdx + t // SUB)
             start_n = j * MASK_BLOCK_K + (t % SUB) * BLOCK_N
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, start_n, offs_m, offs_n, offs_d, stride_kn,
-                                      stride_vn, Nk, qk_scale, HEAD_DIM, True, CAUSAL, DOT_PRECISION)
+                                      stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION)
 
     # Empty rows (no allowed key): output 0 and lse -inf, never 0/0.
     empty = l_i == 0.0
@@ -126,11 +127,6 @@ def _attn_fwd_kernel(
     tl.store(Out + offs_m[:, None] * stride_om + offs_d[None, :], out.to(Out.dtype.element_ty),
              mask=m_ok[:, None] & d_ok[None, :])
     tl.store(Lse + pid_bh.to(tl.int64) * Nq + offs_m, lse, mask=m_ok)
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs use full-precision IEEE dots (not TF32), so fp32 results match fp32 PyTorch."""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float):
