@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# On a CUDA machine, in one go: the test-suite (bf16 included, errors recorded per dtype, memory at
+# 65,536 tokens), then the benchmark. Everything lands in $OUT/results.tgz; a short summary prints last.
+#   OUT=out bash benchmarks/run_gpu_checks.sh [--quick] [--no-tests] [--no-bench]
+set -uo pipefail
+OUT=${OUT:-gpu-out}
+RES=$(mktemp -d)
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu}
+export SPARSE_FLASH_ERROR_LOG=$RES/errors.json SPARSE_FLASH_MEMORY_LOG=$RES/memory.json
+quick="" tests=1 bench=1
+for a in "$@"; do
+  case $a in --quick) quick=--quick ;; --no-tests) tests=0 ;; --no-bench) bench=0 ;; esac
+done
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+  date -u +%FT%TZ; } | tee "$RES/env.txt"
+
+if [ $tests = 1 ]; then
+  workers=$(python -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}" || echo "")
+  timeout "${TEST_TIMEOUT:-360}" python -m pytest -q $workers -p no:cacheprovider tests/ > "$RES/pytest.log" 2>&1
+  echo "pytest exit code $?" >> "$RES/pytest.log"
+fi
+if [ $bench = 1 ]; then
+  timeout "${BENCH_TIMEOUT:-420}" python benchmarks/bench_attention.py $quick --out "$RES/bench" > "$RES/bench.log" 2>&1
+  echo "bench exit code $?" >> "$RES/bench.log"
+fi
+tar czf "$OUT/results.tgz" -C "$RES" .
+[ -f "$RES/pytest.log" ] && grep -E "passed|failed|error|FAILED|exit code" "$RES/pytest.log" | tail -15
+[ -f "$RES/bench.log" ] && tail -40 "$RES/bench.log"
+exit 0
