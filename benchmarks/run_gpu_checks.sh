@@ -19,7 +19,7 @@ done
 
 if [ $tests = 1 ]; then
   workers=$(python -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}" || echo "")
-  timeout "${TEST_TIMEOUT:-360}" python -m pytest -q $workers -p no:cacheprovider tests/ > "$RES/pytest.log" 2>&1
+  timeout "${TEST_TIMEOUT:-360}" python -m pytest -q $workers -p no:cacheprovider ${TESTS:-tests/} > "$RES/pytest.log" 2>&1
   echo "pytest exit code $?" >> "$RES/pytest.log"
 fi
 if [ $bench = 1 ]; then
