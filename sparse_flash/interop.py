@@ -89,3 +89,121 @@ def from_flex(flex_mask, name: str = "from flex") -> BlockMask:
     if flex_mask.full_kv_num_blocks is not None:
         layout |= _scatter_layout(flex_mask.full_kv_num_blocks[..., :Mq], flex_mask.full_kv_indices[..., :Mq, :], Mk)
     return BlockMask.from_layout(layout, (bq, bk), seq_len_q=seq_q, seq_len_k=seq_k, name=name)
+
+
+def from_dense(element_mask: torch.Tensor, block_size, *, name: str = "from dense") -> BlockMask:
+    """The block mask that keeps every block holding at least one allowed element.
+
+    The result computes a superset of the allowed pairs: blocks are all-or-nothing, so apply the element
+    mask's finer structure (e.g. `causal=True`) in the attention call when it matters.
+
+    Args:
+        element_mask: bool `(Nq, Nk)`, `(H, Nq, Nk)` or `(B, H, Nq, Nk)`, True where attention is allowed.
+            The lengths need not be multiples of the block size.
+        block_size: int or `(block_q, block_k)`, in tokens.
+        name: a short description shown by `repr` and `plot`.
+
+    Returns:
+        BlockMask with `seq_len_q == Nq`, `seq_len_k == Nk` and layout `(B|1, H|1, ceil(Nq/bq), ceil(Nk/bk))`.
+
+    Example:
+        >>> allowed = torch.ones(300, 300, dtype=torch.bool).tril()
+        >>> from_dense(allowed, 128).layout[0, 0].int()
+        tensor([[1, 0, 0],
+                [1, 1, 0],
+                [1, 1, 1]], dtype=torch.int32)
+    """
+    if not isinstance(element_mask, torch.Tensor):
+        raise TypeError(f"element_mask must be a torch.Tensor, got {type(element_mask).__name__}")
+    if element_mask.dtype != torch.bool:
+        raise TypeError(
+            f"element_mask must be a bool tensor (True = attend), got dtype {element_mask.dtype}; "
+            "convert an additive float mask with `mask == 0`"
+        )
+    if element_mask.dim() not in (2, 3, 4) or min(element_mask.shape[-2:]) < 1:
+        raise ValueError(
+            "element_mask must have shape (Nq, Nk), (H, Nq, Nk) or (B, H, Nq, Nk) with Nq, Nk >= 1, got shape "
+            f"{tuple(element_mask.shape)}"
+        )
+    bq, bk = _as_pair(block_size)
+    while element_mask.dim() < 4:
+        element_mask = element_mask.unsqueeze(0)
+    B, H, Nq, Nk = element_mask.shape
+    Mq, Mk = -(-Nq // bq), -(-Nk // bk)
+    padded = torch.nn.functional.pad(element_mask, (0, Mk * bk - Nk, 0, Mq * bq - Nq), value=False)
+    layout = padded.reshape(B, H, Mq, bq, Mk, bk).any(dim=5).any(dim=3)
+    return BlockMask.from_layout(layout, (bq, bk), seq_len_q=Nq, seq_len_k=Nk, name=name)
+
+
+def from_deepspeed(layout, block_size: int, *, seq_len: int | None = None, name: str = "from deepspeed") -> BlockMask:
+    """A BlockMask from a DeepSpeed sparse-attention layout (`SparsityConfig.make_layout`).
+
+    Args:
+        layout: integer (0/1) or bool `(H, nb, nb)` (or `(nb, nb)`): block (i, j) of head h is computed
+            when `layout[h, i, j] == 1`.
+        block_size: DeepSpeed's `block`, one int for both sides.
+        seq_len: sequence length in tokens (self-attention); default `nb * block_size`. A shorter length
+            makes the last block partial.
+        name: a short description shown by `repr` and `plot`.
+
+    Returns:
+        BlockMask `(1, H, nb, nb)`.
+
+    Example:
+        >>> ds_layout = torch.eye(4, dtype=torch.int64).expand(2, 4, 4)
+        >>> from_deepspeed(ds_layout, 64).shape
+        (1, 2, 4, 4)
+    """
+    if not isinstance(layout, torch.Tensor):
+        layout = torch.as_tensor(layout)
+    if layout.dim() not in (2, 3) or layout.shape[-1] != layout.shape[-2]:
+        raise ValueError(f"layout must have DeepSpeed's shape (H, nb, nb) or (nb, nb), got shape {tuple(layout.shape)}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"block_size must be an int (DeepSpeed uses square blocks), got {block_size!r}")
+    nb = layout.shape[-1]
+    bad_type = isinstance(seq_len, bool) or not isinstance(seq_len, int)
+    if seq_len is not None and (bad_type or -(-seq_len // block_size) != nb):
+        raise ValueError(
+            f"seq_len must be a positive int with ceil(seq_len / {block_size}) == {nb} (the layout's blocks), "
+            f"got {seq_len!r}"
+        )
+    return BlockMask.from_layout(layout, block_size, seq_len_q=seq_len, seq_len_k=seq_len, name=name)
+
+
+def to_deepspeed(mask: BlockMask, *, num_heads: int | None = None) -> torch.Tensor:
+    """The DeepSpeed layout of a self-attention mask: int64 `(H, nb, nb)` of 0/1.
+
+    Args:
+        mask: a BlockMask with batch size 1, square blocks and `seq_len_q == seq_len_k`.
+        num_heads: expand a mask shared by all heads (`H == 1`) to this many heads; DeepSpeed expects one
+            layout per head.
+
+    Returns:
+        int64 tensor `(H, nb, nb)` on the mask's device.
+
+    Example:
+        >>> from sparse_flash import masks
+        >>> to_deepspeed(masks.local(512, 128), num_heads=8).shape
+        torch.Size([8, 4, 4])
+    """
+    if not isinstance(mask, BlockMask):
+        raise TypeError(f"mask must be a sparse_flash.BlockMask, got {type(mask).__name__}")
+    B, H = mask.shape[:2]
+    if B != 1:
+        raise ValueError(f"DeepSpeed layouts have no batch dimension: mask batch size must be 1, got {B}")
+    bq, bk = mask.block_size
+    if bq != bk:
+        raise ValueError(f"DeepSpeed layouts need square blocks, got block_size {mask.block_size}")
+    if mask.seq_len_q != mask.seq_len_k:
+        raise ValueError(
+            f"DeepSpeed layouts are for self-attention: seq_len_q and seq_len_k must be equal, got "
+            f"{mask.seq_len_q} and {mask.seq_len_k}"
+        )
+    layout = mask.layout[0].to(torch.int64)
+    if num_heads is not None:
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+        if H not in (1, num_heads):
+            raise ValueError(f"num_heads={num_heads} does not match the mask's {H} heads")
+        layout = layout.expand(num_heads, -1, -1)
+    return layout.contiguous()

@@ -47,6 +47,8 @@ class KernelIndex(NamedTuple):
     row_partial: BlockIndex
     col_full: BlockIndex
     col_partial: BlockIndex
+    row_order: torch.Tensor  # int32 (B|1, H|1, Mq): query blocks by decreasing list length
+    col_order: torch.Tensor  # int32 (B|1, H|1, Mk): key blocks by decreasing list length
 
 
 def _as_pair(block_size, name: str = "block_size") -> tuple[int, int]:
@@ -71,6 +73,11 @@ def _csr(rows: torch.Tensor, values: torch.Tensor, shape: tuple[int, int, int]) 
     offsets = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=rows.device)
     torch.cumsum(counts, dim=0, out=offsets[1:])
     return BlockIndex(counts.reshape(shape), offsets, values.to(torch.int32))
+
+
+def _longest_first(counts: torch.Tensor) -> torch.Tensor:
+    """For each (batch, head): block indices sorted by decreasing count (the kernels' launch order)."""
+    return torch.argsort(counts, dim=-1, descending=True, stable=True).to(torch.int32).contiguous()
 
 
 class BlockMask:
@@ -210,6 +217,20 @@ class BlockMask:
 
         return from_flex(flex_mask, name)
 
+    @classmethod
+    def from_dense(cls, element_mask: torch.Tensor, block_size, *, name: str = "from dense") -> "BlockMask":
+        """The blocks of a bool element mask that hold any allowed pair; see `sparse_flash.interop.from_dense`."""
+        from .interop import from_dense
+
+        return from_dense(element_mask, block_size, name=name)
+
+    @classmethod
+    def from_deepspeed(cls, layout, block_size: int, *, seq_len: int | None = None) -> "BlockMask":
+        """A DeepSpeed `(H, nb, nb)` 0/1 layout as a BlockMask; see `sparse_flash.interop.from_deepspeed`."""
+        from .interop import from_deepspeed
+
+        return from_deepspeed(layout, block_size, seq_len=seq_len)
+
     def to_dense(self) -> torch.Tensor:
         """The element mask: bool `(B|1, H|1, seq_len_q, seq_len_k)`, True where attention is allowed."""
         bq, bk = self.block_size
@@ -261,10 +282,13 @@ class BlockMask:
                     _csr(col[by_col][select[by_col]], i[by_col][select[by_col]], (B, H, Mk)),
                 )
 
-            self._index[("row", causal)], self._index[("col", causal)] = rows_cols(live)
+            rows_live, cols_live = rows_cols(live)
+            self._index[("row", causal)], self._index[("col", causal)] = rows_live, cols_live
             row_full, col_full = rows_cols(live & ~partial)
             row_part, col_part = rows_cols(live & partial)
-            self._index[("kernel", causal)] = KernelIndex(row_full, row_part, col_full, col_part)
+            self._index[("kernel", causal)] = KernelIndex(
+                row_full, row_part, col_full, col_part, _longest_first(rows_live.counts), _longest_first(cols_live.counts)
+            )
 
     # ------------------------------------------------------------------ algebra
     def _check_same_geometry(self, other, op: str) -> None:

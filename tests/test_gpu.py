@@ -22,14 +22,19 @@ def test_peak_memory_at_65536_tokens_stays_near_the_tensors():
     sparse_flash.block_sparse_attention(q, k, v, mask).backward(do)  # compile the kernels first
     q.grad = k.grad = v.grad = None
     torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     out = sparse_flash.block_sparse_attention(q, k, v, mask)
+    torch.cuda.synchronize()
+    forward_peak = torch.cuda.max_memory_allocated()
     out.backward(do)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     tensors = sum(t.numel() * t.element_size() for t in (q, k, v, do, out, q.grad, k.grad, v.grad))
     record = {"N": N, "B": B, "H": H, "D": D, "dtype": "bfloat16", "mask": "butterfly",
               "peak_bytes": peak, "tensor_bytes": tensors, "ratio": peak / tensors,
+              "allocated_before_bytes": before, "forward_peak_bytes": forward_peak,
+              "after_backward_bytes": torch.cuda.memory_allocated(),
               "naive_scores_bytes_bf16": B * H * N * N * 2}
     path = os.environ.get("SPARSE_FLASH_MEMORY_LOG")
     if path:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, dot_precision, load_unmasked_rows
+from .common import LOG2E, dot_precision, load_unmasked_rows, schedule
 from .configs import block_d, bwd_config
 from .memory import new_output
 
@@ -76,24 +76,23 @@ def _dkdv_tile(
 @triton.jit
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV,
-    ColFullOff, ColFullIdx, ColPartOff, ColPartIdx,
+    ColFullOff, ColFullIdx, ColPartOff, ColPartIdx, ColOrder,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_db, stride_dh, stride_dm,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    Hq, Hkv, groups, Nq, Nk, mask_stride_b, mask_stride_h, qk_scale, sm_scale,
+    Hq, Hkv, BH, groups, Nq, Nk, mask_stride_b, mask_stride_h, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // Hkv
-    hk = pid_bh % Hkv
-    start_n = pid_n * BLOCK_N
+    # Columns are ordered by the lists of the group's first query head.
+    b, hk, tile, j = schedule(tl.program_id(0), Hkv, BH, ColOrder, mask_stride_b, mask_stride_h, groups,
+                              tl.cdiv(Nk, BLOCK_N), MASK_BLOCK_K, BLOCK_N, DENSE, False)
+    start_n = tile * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
     kv_ok = (offs_n[:, None] < Nk) & (offs_d[None, :] < HEAD_DIM)
@@ -130,7 +129,7 @@ def _attn_bwd_dkdv_kernel(
                                     stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, True, CAUSAL, DOT_PRECISION)
         else:
             SUB: tl.constexpr = MASK_BLOCK_Q // BLOCK_M
-            col = b * mask_stride_b + h * mask_stride_h + start_n // MASK_BLOCK_K
+            col = b * mask_stride_b + h * mask_stride_h + j
             lo = tl.load(ColFullOff + col)
             hi = tl.load(ColFullOff + col + 1)
             for t in range(lo * SUB, hi * SUB):
@@ -187,23 +186,22 @@ def _dq_tile(
 @triton.jit
 def _attn_bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ,
-    RowFullOff, RowFullIdx, RowPartOff, RowPartIdx,
+    RowFullOff, RowFullIdx, RowPartOff, RowPartIdx, RowOrder,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_db, stride_dh, stride_dm,
     stride_dqb, stride_dqh, stride_dqm,
-    Hq, groups, Nq, Nk, mask_stride_b, mask_stride_h, qk_scale, sm_scale,
+    Hq, BH, groups, Nq, Nk, mask_stride_b, mask_stride_h, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // Hq
-    h = pid_bh % Hq
-    start_m = pid_m * BLOCK_M
+    b, h, tile, i = schedule(tl.program_id(0), Hq, BH, RowOrder, mask_stride_b, mask_stride_h, 1,
+                             tl.cdiv(Nq, BLOCK_M), MASK_BLOCK_Q, BLOCK_M, DENSE, CAUSAL)
+    pid_bh = b * Hq + h
+    start_m = tile * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
@@ -232,7 +230,7 @@ def _attn_bwd_dq_kernel(
                           Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION)
     else:
         SUB: tl.constexpr = MASK_BLOCK_K // BLOCK_N
-        row = b * mask_stride_b + h * mask_stride_h + start_m // MASK_BLOCK_Q
+        row = b * mask_stride_b + h * mask_stride_h + i
         lo = tl.load(RowFullOff + row)
         hi = tl.load(RowFullOff + row + 1)
         for t in range(lo * SUB, hi * SUB):
@@ -259,7 +257,8 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
     Args:
         do, q, out: `(B, Hq, Nq, D)`; k, v: `(B, Hkv, Nk, D)`; last dimension contiguous.
         lse: float32 `(B, Hq, Nq)` from the forward.
-        index: the 8 row/column full/partial offset and index tensors, or `[]` for dense.
+        index: the row lists (full/partial offsets and indices, order) then the same for columns (10
+            tensors), or `[]` for dense.
         mask_geometry: `(Bm, Hm, Mq, Mk, block_q, block_k)` of the mask (ignored for dense).
 
     Returns:
@@ -271,8 +270,8 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
     Bm, Hm, Mq, Mk, block_q, block_k = mask_geometry
     cfg = bwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k)
     if dense:
-        index = [torch.zeros(2, dtype=torch.int32, device=q.device)] * 8
-    row_index, col_index = index[:4], index[4:]
+        index = [torch.zeros(2, dtype=torch.int32, device=q.device)] * 10
+    row_index, col_index = index[:5], index[5:]
     BLOCK_D = block_d(D)
     precision = dot_precision(q.dtype)
 
@@ -286,7 +285,8 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
     dk = new_output(k.shape, k.dtype, k.device)
     dv = new_output(v.shape, v.dtype, v.device)
     kv_bq, kv_bk = (cfg.kv_block_m, cfg.kv_block_n) if dense else (block_q, block_k)
-    _attn_bwd_dkdv_kernel[(triton.cdiv(Nk, cfg.kv_block_n), B * Hkv)](
+    kv_tiles = triton.cdiv(Nk, cfg.kv_block_n) if dense else Mk * (block_k // cfg.kv_block_n)
+    _attn_bwd_dkdv_kernel[(kv_tiles * B * Hkv,)](
         q, k, v, do, lse, delta, dk, dv, *col_index,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -294,7 +294,7 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
         do.stride(0), do.stride(1), do.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
-        Hq, Hkv, Hq // Hkv, Nq, Nk,
+        Hq, Hkv, B * Hkv, Hq // Hkv, Nq, Nk,
         Hm * Mk if Bm > 1 else 0, Mk if Hm > 1 else 0,
         scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n,
@@ -305,14 +305,15 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
 
     dq = new_output(q.shape, q.dtype, q.device)
     q_bq, q_bk = (cfg.q_block_m, cfg.q_block_n) if dense else (block_q, block_k)
-    _attn_bwd_dq_kernel[(triton.cdiv(Nq, cfg.q_block_m), B * Hq)](
+    q_tiles = triton.cdiv(Nq, cfg.q_block_m) if dense else Mq * (block_q // cfg.q_block_m)
+    _attn_bwd_dq_kernel[(q_tiles * B * Hq,)](
         q, k, v, do, lse, delta, dq, *row_index,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
-        Hq, Hq // Hkv, Nq, Nk,
+        Hq, B * Hq, Hq // Hkv, Nq, Nk,
         Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0,
         scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n,

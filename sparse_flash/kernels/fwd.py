@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, dot_precision, load_unmasked_rows
+from .common import LOG2E, dot_precision, load_unmasked_rows, schedule
 from .configs import block_d, fwd_config
 from .memory import new_output
 
@@ -56,22 +56,20 @@ def _fwd_tile(
 @triton.jit
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse,
-    RowFullOff, RowFullIdx, RowPartOff, RowPartIdx,
+    RowFullOff, RowFullIdx, RowPartOff, RowPartIdx, RowOrder,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
-    Hq, groups, Nq, Nk, mask_stride_b, mask_stride_h, qk_scale,
+    Hq, BH, groups, Nq, Nk, mask_stride_b, mask_stride_h, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // Hq
-    h = pid_bh % Hq
-    start_m = pid_m * BLOCK_M
+    b, h, tile, i = schedule(tl.program_id(0), Hq, BH, RowOrder, mask_stride_b, mask_stride_h, 1,
+                             tl.cdiv(Nq, BLOCK_M), MASK_BLOCK_Q, BLOCK_M, DENSE, CAUSAL)
+    start_m = tile * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
@@ -103,7 +101,7 @@ def _attn_fwd_kernel(
     else:
         # Walk this query block's row lists; each mask block is SUB key tiles.
         SUB: tl.constexpr = MASK_BLOCK_K // BLOCK_N
-        row = b * mask_stride_b + h * mask_stride_h + start_m // MASK_BLOCK_Q
+        row = b * mask_stride_b + h * mask_stride_h + i
         lo = tl.load(RowFullOff + row)
         hi = tl.load(RowFullOff + row + 1)
         for t in range(lo * SUB, hi * SUB):
@@ -126,7 +124,7 @@ def _attn_fwd_kernel(
     Out += b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     tl.store(Out + offs_m[:, None] * stride_om + offs_d[None, :], out.to(Out.dtype.element_ty),
              mask=m_ok[:, None] & d_ok[None, :])
-    tl.store(Lse + pid_bh.to(tl.int64) * Nq + offs_m, lse, mask=m_ok)
+    tl.store(Lse + (b * Hq + h).to(tl.int64) * Nq + offs_m, lse, mask=m_ok)
 
 
 def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float):
@@ -134,7 +132,8 @@ def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float):
 
     Args:
         q: `(B, Hq, Nq, D)`; k, v: `(B, Hkv, Nk, D)`; last dimension contiguous.
-        index: `[row_full_offsets, row_full_indices, row_part_offsets, row_part_indices]`, or `[]` for dense.
+        index: `[row_full_offsets, row_full_indices, row_part_offsets, row_part_indices, row_order]`, or
+            `[]` for dense.
         mask_geometry: `(Bm, Hm, Mq, Mk, block_q, block_k)` of the mask (ignored for dense).
 
     Returns:
@@ -148,16 +147,18 @@ def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float):
     out = new_output(q.shape, q.dtype, q.device)
     lse = new_output((B, Hq, Nq), torch.float32, q.device)
     if dense:
-        index = [torch.zeros(2, dtype=torch.int32, device=q.device)] * 4
+        index = [torch.zeros(2, dtype=torch.int32, device=q.device)] * 5
         block_q, block_k = cfg.block_m, cfg.block_n
-    grid = (triton.cdiv(Nq, cfg.block_m), B * Hq)
+        grid = (triton.cdiv(Nq, cfg.block_m) * B * Hq,)
+    else:
+        grid = (Mq * (block_q // cfg.block_m) * B * Hq,)
     _attn_fwd_kernel[grid](
         q, k, v, out, lse, *index,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        Hq, Hq // Hkv, Nq, Nk,
+        Hq, B * Hq, Hq // Hkv, Nq, Nk,
         Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0,
         scale * LOG2E,
         HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

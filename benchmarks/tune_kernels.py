@@ -1,0 +1,127 @@
+"""Sweep the kernels' tile shapes, warps and pipeline depth on this GPU; print the best per head dim.
+
+The winners go into `sparse_flash/kernels/configs.py` by hand (with the measurement in NOTES.md), so
+users get tuned kernels without autotuning at run time.
+
+    python benchmarks/tune_kernels.py --out results.json
+
+Candidates compile in parallel worker processes first (they share Triton's on-disk cache), then the main
+process times each one with `triton.testing.do_bench` on the same inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+
+FWD = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
+       (128, 64, 4, 4), (128, 128, 4, 3), (64, 128, 4, 3)]
+# (kv_block_m, kv_block_n, q_block_m, q_block_n, warps, stages)
+BWD = [(32, 128, 128, 32, 4, 3), (64, 128, 128, 64, 8, 2), (32, 64, 64, 32, 4, 3), (64, 64, 64, 64, 4, 2),
+       (32, 128, 128, 32, 8, 2), (16, 128, 128, 16, 4, 3), (64, 128, 128, 64, 8, 3), (32, 128, 128, 32, 4, 2),
+       (64, 64, 128, 32, 4, 3)]
+PROBLEMS = [("dense", False), ("dense", True), ("butterfly", False), ("bigbird", False)]
+HEAD_DIMS = (64, 128)
+
+
+def _problem(name, causal, D, N=4096, B=4, H=16):
+    import sparse_flash  # noqa: F401
+    from sparse_flash import masks
+
+    mask = {"dense": masks.dense, "butterfly": masks.butterfly,
+            "bigbird": lambda n, b, device: masks.bigbird(n, b, seed=0, device=device)}[name](N, 128, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    return mask, q, k, v, do
+
+
+def _patch(kind, cfg):
+    from sparse_flash.kernels import bwd, configs, fwd
+
+    if kind == "fwd":
+        fwd.fwd_config = lambda *a: configs.FwdConfig(*cfg)
+    else:
+        bwd.bwd_config = lambda *a: configs.BwdConfig(*cfg)
+
+
+def _run_once(kind, cfg, name, causal, D):
+    import sparse_flash
+    from sparse_flash.kernels.bwd import attn_bwd
+    from sparse_flash.kernels.fwd import attn_fwd
+
+    _patch(kind, cfg)
+    mask, q, k, v, do = _problem(name, causal, D)
+    idx = mask.kernel_index(causal)
+    rows = [idx.row_full.offsets, idx.row_full.indices, idx.row_partial.offsets, idx.row_partial.indices, idx.row_order]
+    cols = [idx.col_full.offsets, idx.col_full.indices, idx.col_partial.offsets, idx.col_partial.indices, idx.col_order]
+    if mask.is_dense:
+        rows, cols = [], []
+    geom = [*mask.shape, *mask.block_size]
+    scale = D**-0.5
+    if kind == "fwd":
+        return lambda: attn_fwd(q, k, v, rows, geom, causal, scale)
+    out, lse = attn_fwd(q, k, v, rows, geom, causal, scale)
+    return lambda: attn_bwd(do, q, k, v, out, lse, rows + cols, geom, causal, scale)
+
+
+def _warm(job):
+    """Compile one candidate in a worker (fills the shared Triton cache); returns an error or None."""
+    kind, cfg, name, causal, D = job
+    try:
+        _run_once(kind, cfg, name, causal, D)()
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="tune.json")
+    parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
+    args = parser.parse_args()
+    from triton.testing import do_bench
+
+    jobs = [(kind, cfg, name, causal, D) for kind, cands in (("fwd", FWD), ("bwd", BWD)) for cfg in cands
+            for name, causal in PROBLEMS for D in HEAD_DIMS]
+    with ProcessPoolExecutor(args.workers, mp_context=torch.multiprocessing.get_context("spawn")) as pool:
+        errors = dict(zip(jobs, pool.map(_warm, jobs)))
+    results = []
+    for job in jobs:
+        kind, cfg, name, causal, D = job
+        row = {"kind": kind, "cfg": cfg, "mask": name, "causal": causal, "D": D}
+        if errors[job]:
+            row["error"] = errors[job]
+        else:
+            try:
+                row["ms"] = do_bench(_run_once(*job), warmup=10, rep=40, return_mode="median")
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:200]
+        results.append(row)
+    best = {}
+    for kind in ("fwd", "bwd"):
+        for D in HEAD_DIMS:
+            scores = {}
+            for r in results:
+                if r["kind"] == kind and r["D"] == D:
+                    scores.setdefault(tuple(r["cfg"]), []).append(r.get("ms", float("inf")))
+            base = {p: min(r.get("ms", float("inf")) for r in results
+                           if r["kind"] == kind and r["D"] == D and (r["mask"], r["causal"]) == p) for p in PROBLEMS}
+            # geometric mean of time relative to the best candidate on each problem
+            rel = {cfg: statistics.geometric_mean([t / base[p] for t, p in zip(ts, PROBLEMS)]) for cfg, ts in scores.items()}
+            ranked = sorted(rel.items(), key=lambda kv: kv[1])
+            best[f"{kind} D={D}"] = [{"cfg": list(c), "rel": round(v, 3)} for c, v in ranked[:4]]
+    with open(args.out, "w") as f:
+        json.dump({"results": results, "best": best}, f, indent=2)
+    for r in results:
+        print(r["kind"], r["D"], r["mask"], "causal" if r["causal"] else "", r["cfg"], f"{r['ms']:.3f}" if "ms" in r else r["error"])
+    print(json.dumps(best, indent=1))
+
+
+if __name__ == "__main__":
+    main()

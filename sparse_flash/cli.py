@@ -1,0 +1,263 @@
+"""The `sparse-flash` command: look at masks, check the installation, run the benchmark and the demo.
+
+    sparse-flash masks show butterfly --seq-len 4096 --block-size 128 --png butterfly.png
+    sparse-flash masks show local --seq-len 1024 --param window=2
+    sparse-flash masks gallery masks.png
+    sparse-flash info
+    sparse-flash bench --quick
+    sparse-flash demo path256 --preset smoke
+
+`python -m sparse_flash` is the same command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from . import __version__, masks
+from .api import triton_unavailable_reason
+
+PROG = "sparse-flash"
+DEMOS = {"path256": "demos/path256.py"}
+BENCH = "benchmarks/bench_attention.py"
+# Pattern arguments the `masks show` options set, so `--param` may not.
+_SET_BY_OPTIONS = ("seq_len", "block_size", "device")
+
+
+class UserError(Exception):
+    """A mistake in the command line or its environment: reported in plain words, without a traceback."""
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _parse_value(text: str):
+    """`--param` values: Python literals (`2`, `0.1`, `True`, `0,16`), `true`/`false`, else the string."""
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def _parse_params(pairs: list[str]) -> dict:
+    params = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.isidentifier() or not value:
+            raise UserError(f"--param expects the form name=value (e.g. --param window=2), got {pair!r}")
+        params[name] = _parse_value(value)
+    return params
+
+
+def _search_roots() -> list[Path]:
+    """Where the repository's scripts may live: the current directory and the checkout holding the package."""
+    roots = [Path.cwd(), Path(__file__).resolve().parent.parent]
+    return list(dict.fromkeys(roots))
+
+
+def _find_script(relative: str) -> Path:
+    for root in _search_roots():
+        path = root / relative
+        if path.is_file():
+            return path
+    looked = ", ".join(str(root / relative) for root in _search_roots())
+    raise UserError(
+        f"{relative} was not found (looked at {looked}); it ships with the source repository, so run this "
+        "command from a checkout of sparse_flash"
+    )
+
+
+def _run_script(path: Path, args: list[str]) -> int:
+    return subprocess.run([sys.executable, str(path), *args]).returncode
+
+
+# ---------------------------------------------------------------------------------------------- commands
+def _masks_show(args) -> int:
+    if args.pattern not in masks.PATTERNS:
+        raise UserError(f"unknown mask pattern {args.pattern!r}; known patterns: {', '.join(masks.PATTERNS)}")
+    params = _parse_params(args.param)
+    accepted = inspect.signature(masks.PATTERNS[args.pattern]).parameters
+    known = [p for p in accepted if p not in _SET_BY_OPTIONS]
+    for name in params:
+        if name not in known:
+            raise UserError(
+                f"pattern {args.pattern!r} has no parameter {name!r}; its parameters are: {', '.join(known)}"
+            )
+    for name, param in accepted.items():
+        if name in known and param.default is inspect.Parameter.empty and name not in params:
+            raise UserError(f"pattern {args.pattern!r} needs --param {name}=VALUE")
+    if args.num_heads is not None:
+        if "num_heads" not in accepted:
+            raise UserError(f"pattern {args.pattern!r} draws one layout for all heads; --num-heads does not apply")
+        params["num_heads"] = args.num_heads
+    try:
+        mask = masks.build(args.pattern, args.seq_len, args.block_size, **params)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"cannot build {args.pattern!r}: {e}") from e
+    print(mask)
+    print(f"nonzero blocks: {mask.nnz} of {mask.layout.numel()}")
+    if args.png:
+        _plot(lambda: mask.plot(args.png))
+        print(f"wrote {args.png}")
+    return 0
+
+
+def _masks_gallery(args) -> int:
+    _plot(lambda: masks.gallery(args.out, seq_len=args.seq_len, block_size=args.block_size))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _plot(draw) -> None:
+    try:
+        draw()
+    except ImportError as e:
+        raise UserError(str(e)) from e
+    except OSError as e:
+        raise UserError(f"cannot write the picture: {e}") from e
+
+
+def _bench(args) -> int:
+    script = _find_script(BENCH)
+    if not torch.cuda.is_available():
+        raise UserError("the benchmark needs a CUDA GPU, and none is available here")
+    return _run_script(script, args.script_args)
+
+
+def _demo(args) -> int:
+    return _run_script(_find_script(DEMOS[args.name]), args.script_args)
+
+
+def info_lines() -> list[str]:
+    """Versions, the device, and whether each backend can run here (and why not)."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    has_cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if has_cuda else "cpu")
+    lines = [
+        f"sparse_flash {__version__}",
+        f"python       {platform.python_version()}",
+        f"torch        {torch.__version__}",
+        f"triton       {triton_version}",
+        f"CUDA         {torch.version.cuda or 'none (CPU build of torch)'}"
+        + ("" if has_cuda or not torch.version.cuda else " (no GPU visible)"),
+        f"GPU          {torch.cuda.get_device_name(0) if has_cuda else 'none'}",
+        "backends:",
+    ]
+    reason = triton_unavailable_reason(device)
+    if reason is not None:
+        lines.append(f"  triton     not usable: {reason}")
+    elif has_cuda:
+        lines.append("  triton     usable (compiled kernels on the GPU)")
+    else:
+        lines.append("  triton     usable (Triton interpreter on the CPU, TRITON_INTERPRET=1: slow, for testing)")
+    lines.append("  torch      usable (block-sparse in plain PyTorch, any device)")
+    lines.append("  reference  usable (dense oracle: for tests and small inputs)")
+    auto = "triton" if has_cuda and reason is None else "torch"
+    lines.append(f"backend='auto' runs {auto} for {'CUDA' if has_cuda else 'CPU'} tensors here")
+    return lines
+
+
+def _info(args) -> int:
+    print("\n".join(info_lines()))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Block-sparse FlashAttention for PyTorch: tools.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    masks_parser = commands.add_parser("masks", help="show mask patterns", description="Show mask patterns.")
+    masks_commands = masks_parser.add_subparsers(dest="masks_command", metavar="SUBCOMMAND", required=True)
+    show = masks_commands.add_parser(
+        "show",
+        help="print one pattern, optionally draw it",
+        description="Print a mask pattern (an ASCII grid when small, a summary otherwise), optionally as a PNG.",
+        epilog=f"patterns: {', '.join(masks.PATTERNS)}",
+    )
+    show.add_argument("pattern", help="a pattern name, e.g. butterfly")
+    show.add_argument("--seq-len", type=int, default=4096, help="sequence length in tokens (default 4096)")
+    show.add_argument("--block-size", type=int, default=128, help="block size in tokens (default 128)")
+    show.add_argument(
+        "--param", action="append", default=[], metavar="NAME=VALUE",
+        help="a pattern parameter, e.g. --param window=2 (repeatable)",
+    )
+    show.add_argument("--num-heads", type=int, help="heads, for patterns that differ per head")
+    show.add_argument("--png", metavar="PATH", help="also draw the mask into this PNG file")
+    show.set_defaults(run=_masks_show)
+    gallery = masks_commands.add_parser(
+        "gallery", help="draw every pattern into one PNG", description="Draw every mask pattern side by side."
+    )
+    gallery.add_argument("out", help="the PNG file to write")
+    gallery.add_argument("--seq-len", type=int, default=4096, help="sequence length in tokens (default 4096)")
+    gallery.add_argument("--block-size", type=int, default=128, help="block size in tokens (default 128)")
+    gallery.set_defaults(run=_masks_gallery)
+
+    bench = commands.add_parser(
+        "bench",
+        help=f"run {BENCH} (needs a CUDA GPU)",
+        description=f"Run {BENCH} from the source checkout. Needs a CUDA GPU.",
+        epilog="Other arguments go to the script, e.g. `sparse-flash bench --quick`; "
+        "after `--` everything does, e.g. `sparse-flash bench -- --help`.",
+    )
+    bench.set_defaults(run=_bench, passes_args=True)
+
+    demo = commands.add_parser(
+        "demo",
+        help="run a demo script",
+        description="Run a demo script from the source checkout.",
+        epilog="Other arguments go to the script, e.g. `sparse-flash demo path256 --preset smoke`; "
+        "after `--` everything does, e.g. `sparse-flash demo path256 -- --help`.",
+    )
+    demos = ", ".join(f"{name} ({path})" for name, path in DEMOS.items())
+    demo.add_argument("name", choices=sorted(DEMOS), help=f"the demo: {demos}")
+    demo.set_defaults(run=_demo, passes_args=True)
+
+    info = commands.add_parser(
+        "info", help="versions, GPU and usable backends", description="Print versions, the GPU and which backends run."
+    )
+    info.set_defaults(run=_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line `argv` (default `sys.argv[1:]`); returns the exit code.
+
+    Example:
+        >>> main(["masks", "show", "local", "--seq-len", "512"])  # doctest: +SKIP
+    """
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    after = []  # everything after the first `--` goes to the bench or demo script untouched
+    if "--" in argv:
+        split = argv.index("--")
+        argv, after = argv[:split], argv[split + 1 :]
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if (extra or after) and not getattr(args, "passes_args", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra + after)}")
+    except SystemExit as e:  # --help, or a usage error already printed by argparse
+        return e.code if isinstance(e.code, int) else 1
+    args.script_args = extra + after
+    try:
+        return args.run(args)
+    except UserError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,282 @@
+"""`BlockSparseAttention`: a multi-head attention layer for `(batch, seq, embed)` inputs.
+
+A drop-in for `torch.nn.MultiheadAttention(batch_first=True)` whose attention runs through
+`block_sparse_attention`, with grouped-query heads, cross-attention input sizes and masks given as a
+`BlockMask` or as a pattern name rebuilt for each sequence length.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from einops import rearrange
+from torch import nn
+
+from . import masks
+from .api import BACKENDS, HEAD_DIM_RANGE, block_sparse_attention, flash_attention
+from .layout import BlockMask, _as_pair
+
+__all__ = ["BlockSparseAttention"]
+
+# Arguments of a pattern constructor that the layer fills in itself.
+_GEOMETRY_ARGS = ("seq_len", "block_size", "seq_len_k", "device")
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _canonical_device(device) -> torch.device:
+    """`cuda` as `cuda:<current>`, so that it names the same cache entry as a tensor's device."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _check_pattern(name: str, params: dict) -> None:
+    if name not in masks.PATTERNS:
+        raise ValueError(f"mask must be a BlockMask, None or a pattern name in {sorted(masks.PATTERNS)}, got {name!r}")
+    accepted = inspect.signature(masks.PATTERNS[name]).parameters
+    for param in params:
+        if param in _GEOMETRY_ARGS:
+            raise ValueError(
+                f"mask_params must not set {param!r}: the layer passes the sequence lengths, block_size and device"
+            )
+        if param not in accepted:
+            known = sorted(p for p in accepted if p not in _GEOMETRY_ARGS)
+            raise TypeError(f"mask pattern {name!r} takes the parameters {known}, got {param!r} in mask_params")
+
+
+class BlockSparseAttention(nn.Module):
+    """Multi-head block-sparse attention over `(batch, seq, embed)` inputs.
+
+    Projects the inputs to heads, attends with `sparse_flash.block_sparse_attention` and projects back.
+    `dropout` is applied to the layer's output: the kernels do not drop attention probabilities, so
+    unlike `nn.MultiheadAttention` there is no dropout on the attention weights.
+
+    Args:
+        embed_dim: model width `E`, the size of the query input and of the output.
+        num_heads: query heads; `embed_dim` must be a multiple of it, and the head size
+            `embed_dim // num_heads` between 8 and 256.
+        num_kv_heads: key/value heads for grouped-query attention (a divisor of `num_heads`);
+            default `num_heads`.
+        kdim, vdim: sizes of the key and value inputs (cross-attention); default `embed_dim`.
+        mask: a `BlockMask` (fixed sequence lengths), a pattern name from `sparse_flash.masks.PATTERNS`
+            (rebuilt for each (query, key) length and cached), or None for dense attention.
+        mask_params: keyword parameters of the pattern, e.g. `{"window": 2}`; only with a pattern name.
+        block_size: block size of the masks built from a pattern name, int or `(block_q, block_k)`.
+        causal: also require `key position <= query position` (top-left aligned).
+        dropout: probability of zeroing an element of the output (in training mode).
+        bias: add biases to the four projections.
+        backend: `"auto"`, `"triton"`, `"torch"` or `"reference"`, as in `block_sparse_attention`.
+        device, dtype: where and in which dtype to create the parameters.
+
+    Under `torch.compile`, call `prepare(seq_len_q, seq_len_k, device)` for every length before the
+    first compiled call: masks built from a pattern name are made outside the compiled graph.
+
+    Example:
+        >>> import torch
+        >>> from sparse_flash.nn import BlockSparseAttention
+        >>> attn = BlockSparseAttention(256, 4, mask="local", mask_params={"window": 1}, block_size=64)
+        >>> x = torch.randn(2, 500, 256)
+        >>> attn(x).shape
+        torch.Size([2, 500, 256])
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        mask: BlockMask | str | None = None,
+        mask_params: dict | None = None,
+        block_size=128,
+        causal: bool = False,
+        dropout: float = 0.0,
+        bias: bool = True,
+        backend: str = "auto",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        embed_dim = _positive_int(embed_dim, "embed_dim")
+        num_heads = _positive_int(num_heads, "num_heads")
+        num_kv_heads = num_heads if num_kv_heads is None else _positive_int(num_kv_heads, "num_kv_heads")
+        kdim = embed_dim if kdim is None else _positive_int(kdim, "kdim")
+        vdim = embed_dim if vdim is None else _positive_int(vdim, "vdim")
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim must be a multiple of num_heads ({num_heads}), got {embed_dim}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads must divide num_heads ({num_heads}), got {num_kv_heads}")
+        head_dim = embed_dim // num_heads
+        lo, hi = HEAD_DIM_RANGE
+        if not lo <= head_dim <= hi:
+            raise ValueError(
+                f"embed_dim // num_heads (the head size) must be between {lo} and {hi}, got {embed_dim} // "
+                f"{num_heads} = {head_dim}"
+            )
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0.0 <= dropout <= 1.0:
+            raise ValueError(f"dropout must be a float in [0, 1], got {dropout!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if isinstance(mask, str):
+            mask_params = dict(mask_params or {})
+            _check_pattern(mask, mask_params)
+            _as_pair(block_size)
+        elif mask_params:
+            raise ValueError(f"mask_params only applies to a pattern name, but mask is {type(mask).__name__}")
+        elif mask is not None and not isinstance(mask, BlockMask):
+            raise TypeError(f"mask must be a BlockMask, a pattern name or None, got {type(mask).__name__}")
+
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim, self.kdim, self.vdim = head_dim, kdim, vdim
+        self.mask, self.mask_params, self.block_size = mask, mask_params, block_size
+        self.causal, self.backend = causal, backend
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(kdim, num_kv_heads * head_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(vdim, num_kv_heads * head_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.dropout = nn.Dropout(dropout)
+        self._masks: dict[tuple[int, int, str], BlockMask] = {}  # pattern masks by (Nq, Nk, device)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform input projections and zero biases, as in `nn.MultiheadAttention`."""
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.xavier_uniform_(proj.weight)
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            if proj.bias is not None:
+                nn.init.zeros_(proj.bias)
+
+    def prepare(self, seq_len_q: int, seq_len_k: int | None = None, device=None) -> BlockMask | None:
+        """Build (and cache) the mask that inputs of these lengths use, outside any compiled graph.
+
+        Args:
+            seq_len_q: query length in tokens.
+            seq_len_k: key length; default `seq_len_q`.
+            device: where the inputs will live; default the device of the parameters.
+
+        Returns:
+            The BlockMask the layer will use, or None for dense attention.
+
+        Example:
+            >>> attn = BlockSparseAttention(256, 4, mask="butterfly", block_size=64)
+            >>> attn.prepare(1024).num_blocks
+            (16, 16)
+        """
+        seq_len_q = _positive_int(seq_len_q, "seq_len_q")
+        seq_len_k = seq_len_q if seq_len_k is None else _positive_int(seq_len_k, "seq_len_k")
+        device = _canonical_device(self.q_proj.weight.device if device is None else device)
+        if self.mask is None:
+            return None
+        if isinstance(self.mask, BlockMask):
+            self._check_lengths(self.mask, seq_len_q, seq_len_k, "the layer's mask")
+            return self.mask.to(device)  # the copy is cached on the mask
+        return self._pattern_mask(seq_len_q, seq_len_k, device)
+
+    def _pattern_mask(self, seq_len_q: int, seq_len_k: int, device: torch.device) -> BlockMask:
+        key = (seq_len_q, seq_len_k, str(device))
+        mask = self._masks.get(key)
+        if mask is None:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(
+                    f"BlockSparseAttention has no {self.mask!r} mask for lengths ({seq_len_q}, {seq_len_k}) on "
+                    f"{device}; call .prepare({seq_len_q}, {seq_len_k}, {str(device)!r}) before torch.compile"
+                )
+            mask = self._build_pattern(seq_len_q, seq_len_k, device)
+            self._masks[key] = mask
+        return mask
+
+    def _build_pattern(self, seq_len_q: int, seq_len_k: int, device: torch.device) -> BlockMask:
+        params = dict(self.mask_params)
+        if seq_len_k != seq_len_q:
+            if "seq_len_k" not in inspect.signature(masks.PATTERNS[self.mask]).parameters:
+                raise ValueError(
+                    f"mask pattern {self.mask!r} is for self-attention only, but the query and key lengths differ "
+                    f"({seq_len_q} and {seq_len_k})"
+                )
+            params["seq_len_k"] = seq_len_k
+        return masks.build(self.mask, seq_len_q, self.block_size, device=device, **params)
+
+    @staticmethod
+    def _check_lengths(mask: BlockMask, seq_len_q: int, seq_len_k: int, what: str) -> None:
+        if (mask.seq_len_q, mask.seq_len_k) != (seq_len_q, seq_len_k):
+            raise ValueError(
+                f"{what} covers (seq_len_q, seq_len_k) = ({mask.seq_len_q}, {mask.seq_len_k}) but the inputs have "
+                f"lengths ({seq_len_q}, {seq_len_k})"
+            )
+
+    def _check_inputs(self, query, key, value) -> None:
+        for name, t, width in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 3 or t.shape[-1] != width:
+                raise ValueError(f"{name} must have shape (batch, seq, {width}), got shape {tuple(t.shape)}")
+        if not query.shape[0] == key.shape[0] == value.shape[0]:
+            raise ValueError(
+                f"query, key and value must share the batch size, got {query.shape[0]}, {key.shape[0]} and "
+                f"{value.shape[0]}"
+            )
+        if key.shape[1] != value.shape[1]:
+            raise ValueError(f"key and value must have the same length, got {key.shape[1]} and {value.shape[1]}")
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        *,
+        mask: BlockMask | None = None,
+    ) -> torch.Tensor:
+        """Attend from `query` to `key`/`value`.
+
+        Args:
+            query: `(B, Nq, embed_dim)`.
+            key: `(B, Nk, kdim)`; default `query` (self-attention).
+            value: `(B, Nk, vdim)`; default `key`.
+            mask: a `BlockMask` for this call, overriding the layer's mask; its lengths must be `(Nq, Nk)`.
+
+        Returns:
+            `(B, Nq, embed_dim)`.
+        """
+        key = query if key is None else key
+        value = key if value is None else value
+        self._check_inputs(query, key, value)
+        n_q, n_k = query.shape[1], key.shape[1]
+        if mask is not None and not isinstance(mask, BlockMask):
+            raise TypeError(f"mask must be a BlockMask or None, got {type(mask).__name__}")
+        if mask is None and isinstance(self.mask, str):
+            mask = self._pattern_mask(n_q, n_k, query.device)
+        elif mask is None:
+            mask = self.mask
+        if mask is not None:
+            self._check_lengths(mask, n_q, n_k, "the mask")
+
+        q = rearrange(self.q_proj(query), "b n (h d) -> b h n d", h=self.num_heads)
+        k = rearrange(self.k_proj(key), "b n (h d) -> b h n d", h=self.num_kv_heads)
+        v = rearrange(self.v_proj(value), "b n (h d) -> b h n d", h=self.num_kv_heads)
+        if mask is None:
+            out = flash_attention(q, k, v, causal=self.causal, backend=self.backend)
+        else:
+            out = block_sparse_attention(q, k, v, mask, causal=self.causal, backend=self.backend)
+        out = rearrange(out, "b h n d -> b n (h d)")
+        return self.dropout(self.out_proj(out))
+
+    def extra_repr(self) -> str:
+        mask = self.mask.name if isinstance(self.mask, BlockMask) else self.mask
+        params = f", mask_params={self.mask_params}" if self.mask_params else ""
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"mask={mask!r}{params}, block_size={self.block_size}, causal={self.causal}, "
+            f"dropout={self.dropout.p}, backend={self.backend!r}"
+        )
