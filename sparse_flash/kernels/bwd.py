@@ -268,7 +268,7 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
     Hkv, Nk = k.shape[1], k.shape[2]
     dense = len(index) == 0
     Bm, Hm, Mq, Mk, block_q, block_k = mask_geometry
-    cfg = bwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k)
+    cfg = bwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k, causal)
     if dense:
         index = [torch.zeros(2, dtype=torch.int32, device=q.device)] * 10
     row_index, col_index = index[:5], index[5:]
