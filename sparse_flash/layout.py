@@ -72,7 +72,14 @@ def _csr(rows: torch.Tensor, values: torch.Tensor, shape: tuple[int, int, int]) 
     counts = torch.bincount(rows, minlength=math.prod(shape)).to(torch.int32)
     offsets = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=rows.device)
     torch.cumsum(counts, dim=0, out=offsets[1:])
-    return BlockIndex(counts.reshape(shape), offsets, values.to(torch.int32))
+    indices = values.to(torch.int32)
+    if not torch.compiler.is_compiling():
+        # Masks of one geometry differ in their number of nonzero blocks. torch.compile treats this length
+        # as a size it never specialises (not even to 0 or 1), so a new mask reuses the compiled graph.
+        from torch._dynamo.decorators import mark_unbacked
+
+        mark_unbacked(indices, 0)
+    return BlockIndex(counts.reshape(shape), offsets, indices)
 
 
 def _longest_first(counts: torch.Tensor) -> torch.Tensor:
@@ -182,7 +189,7 @@ class BlockMask:
     @property
     def is_dense(self) -> bool:
         """True when every block is on: attention runs the dense path, which loads no indices."""
-        return self.nnz == self.layout.numel()
+        return self._is_dense
 
     # ------------------------------------------------------------------ conversions
     def to(self, device) -> "BlockMask":
@@ -262,6 +269,7 @@ class BlockMask:
         bq, bk = self.block_size
         coords = self.layout.nonzero()  # (nnz, 4), row-major order: sorted by (b, h, i, j)
         self.nnz = coords.shape[0]
+        self._is_dense = self.nnz == self.layout.numel()  # a bool: torch.compile guards on it, not on nnz
         b, h, i, j = coords.T.contiguous().unbind(0)
         row = (b * H + h) * Mq + i
         col = (b * H + h) * Mk + j

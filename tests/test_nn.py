@@ -298,11 +298,6 @@ def test_new_mask_of_the_same_layout_does_not_recompile():
 
 
 @needs_triton
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch.compile guards on BlockMask.nnz (through is_dense) and on the sizes of the index lists; "
-    "needs the sparse_flash/layout.py change proposed with this test (remove this marker once it is in)",
-)
 def test_new_mask_of_another_layout_does_not_recompile():
     model = TinyModel().to(DEVICE)
     x = torch.randn(2, 100, 64, device=DEVICE)
