@@ -17,5 +17,15 @@ from .layout import BlockIndex, BlockMask, KernelIndex
 __version__ = "0.1.0"
 
 __all__ = sorted(
-    ["BlockIndex", "BlockMask", "KernelIndex", "__version__", "block_sparse_attention", "flash_attention", "masks"]
+    ["BlockIndex", "BlockMask", "KernelIndex", "__version__", "block_sparse_attention", "flash_attention", "masks",
+     "nn"]
 )
+
+
+def __getattr__(name):
+    # `sparse_flash.nn` (it needs einops) loads on first use, so `import sparse_flash` needs torch alone.
+    if name == "nn":
+        import importlib
+
+        return importlib.import_module(".nn", __name__)
+    raise AttributeError(f"module 'sparse_flash' has no attribute {name!r}")
