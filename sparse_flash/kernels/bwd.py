@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, dot_precision, load_unmasked_rows, schedule
+from .common import LOG2E, dot_precision, list_tile_start, load_unmasked_rows, schedule
 from .configs import block_d, bwd_config
 from .memory import new_output
 
@@ -132,18 +132,20 @@ def _attn_bwd_dkdv_kernel(
             col = b * mask_stride_b + h * mask_stride_h + j
             lo = tl.load(ColFullOff + col)
             hi = tl.load(ColFullOff + col + 1)
+            start_m = list_tile_start(ColFullIdx, lo * SUB, hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
             for t in range(lo * SUB, hi * SUB):
-                i = tl.load(ColFullIdx + t // SUB)
-                start_m = i * MASK_BLOCK_Q + (t % SUB) * BLOCK_M
+                next_m = list_tile_start(ColFullIdx, t + 1, hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
                 dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, Lseh, Deltah, start_m, offs_n, offs_d, stride_qm,
                                     stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, False, CAUSAL, DOT_PRECISION)
+                start_m = next_m
             lo = tl.load(ColPartOff + col)
             hi = tl.load(ColPartOff + col + 1)
+            start_m = list_tile_start(ColPartIdx, lo * SUB, hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
             for t in range(lo * SUB, hi * SUB):
-                i = tl.load(ColPartIdx + t // SUB)
-                start_m = i * MASK_BLOCK_Q + (t % SUB) * BLOCK_M
+                next_m = list_tile_start(ColPartIdx, t + 1, hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
                 dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, Lseh, Deltah, start_m, offs_n, offs_d, stride_qm,
                                     stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, True, CAUSAL, DOT_PRECISION)
+                start_m = next_m
 
     dk = dk * sm_scale
     tl.store(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
@@ -233,18 +235,20 @@ def _attn_bwd_dq_kernel(
         row = b * mask_stride_b + h * mask_stride_h + i
         lo = tl.load(RowFullOff + row)
         hi = tl.load(RowFullOff + row + 1)
+        start_n = list_tile_start(RowFullIdx, lo * SUB, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
         for t in range(lo * SUB, hi * SUB):
-            j = tl.load(RowFullIdx + t // SUB)
-            start_n = j * MASK_BLOCK_K + (t % SUB) * BLOCK_N
+            next_n = list_tile_start(RowFullIdx, t + 1, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
             dq = _dq_tile(dq, q, do, lse, delta, K, V, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn,
                           Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL, DOT_PRECISION)
+            start_n = next_n
         lo = tl.load(RowPartOff + row)
         hi = tl.load(RowPartOff + row + 1)
+        start_n = list_tile_start(RowPartIdx, lo * SUB, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
         for t in range(lo * SUB, hi * SUB):
-            j = tl.load(RowPartIdx + t // SUB)
-            start_n = j * MASK_BLOCK_K + (t % SUB) * BLOCK_N
+            next_n = list_tile_start(RowPartIdx, t + 1, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
             dq = _dq_tile(dq, q, do, lse, delta, K, V, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn,
                           Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION)
+            start_n = next_n
 
     dq = dq * sm_scale
     tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + offs_m[:, None] * stride_dqm

@@ -44,6 +44,17 @@ def schedule(pid, H, BH, Order, mask_stride_b, mask_stride_h, head_scale, num_ti
     return bh // H, bh % H, tile, block
 
 
+@triton.jit
+def list_tile_start(Idx, t, end, SUB: tl.constexpr, MASK_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    """First token of sub-tile `t` of a block list (sub-tile t is tile t % SUB of block Idx[t // SUB]).
+
+    Loops fetch the start of tile t + 1 while tile t computes, so the index load never stalls the K/V
+    loads that depend on it. Past the end (`t >= end`) it returns 0 and loads nothing.
+    """
+    j = tl.load(Idx + t // SUB, mask=t < end, other=0)
+    return j * MASK_BLOCK + (t % SUB) * BLOCK
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs use full-precision IEEE dots (not TF32), so fp32 results match fp32 PyTorch."""
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -1,11 +1,23 @@
-"""Autograd for the Triton kernels, and the entry point the public API calls."""
+"""Autograd for the Triton kernels, and the entry point the public API calls.
+
+Eager calls on plain tensors go straight to the launchers; the registered custom ops (`ops.py`) serve
+torch.compile, fake tensors and tensor subclasses. The custom-op dispatcher costs more host time per call
+than a kernel launch, which dominates small problems.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from ..layout import BlockMask
+from .bwd import attn_bwd
+from .fwd import attn_fwd
 from .ops import attn_bwd_op, attn_fwd_op
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A real tensor in eager mode: the launchers can take it without the custom-op dispatcher."""
+    return type(t) is torch.Tensor and not t.is_meta and not torch.compiler.is_compiling()
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -19,7 +31,8 @@ class BlockSparseAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, row_index, col_index, mask_geometry, causal, scale):
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-        out, lse = attn_fwd_op(q, k, v, row_index, mask_geometry, causal, scale)
+        fwd = attn_fwd if _plain(q) else attn_fwd_op
+        out, lse = fwd(q, k, v, row_index, mask_geometry, causal, scale)
         ctx.save_for_backward(q, k, v, out, lse, *row_index, *col_index)
         ctx.n_index = len(row_index)
         ctx.mask_geometry, ctx.causal, ctx.scale = mask_geometry, causal, scale
@@ -29,9 +42,8 @@ class BlockSparseAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *index = ctx.saved_tensors
-        dq, dk, dv = attn_bwd_op(
-            _last_dim_contiguous(dout), q, k, v, out, lse, index, ctx.mask_geometry, ctx.causal, ctx.scale
-        )
+        bwd = attn_bwd if _plain(dout) else attn_bwd_op
+        dq, dk, dv = bwd(_last_dim_contiguous(dout), q, k, v, out, lse, index, ctx.mask_geometry, ctx.causal, ctx.scale)
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -55,6 +67,10 @@ def attention_triton(q, k, v, mask: BlockMask | None, *, causal: bool, scale: fl
         if mask.is_dense:  # the all-ones mask: walk every block without loading indices
             row_index, col_index = [], []
         geometry = [*mask.shape, bq, bk]
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) and _plain(q):
+        # Inference: no graph to record, so no autograd.Function either.
+        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+        return attn_fwd(q, k, v, row_index, geometry, causal, scale)
     # Self-attention may pass one tensor as q, k and v; torch.compile wants distinct autograd inputs.
     if k is q:
         k = k[...]

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, dot_precision, load_unmasked_rows, schedule
+from .common import LOG2E, dot_precision, list_tile_start, load_unmasked_rows, schedule
 from .configs import block_d, fwd_config
 from .memory import new_output
 
@@ -104,18 +104,20 @@ def _attn_fwd_kernel(
         row = b * mask_stride_b + h * mask_stride_h + i
         lo = tl.load(RowFullOff + row)
         hi = tl.load(RowFullOff + row + 1)
+        start_n = list_tile_start(RowFullIdx, lo * SUB, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
         for t in range(lo * SUB, hi * SUB):
-            j = tl.load(RowFullIdx + t // SUB)
-            start_n = j * MASK_BLOCK_K + (t % SUB) * BLOCK_N
+            next_n = list_tile_start(RowFullIdx, t + 1, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, start_n, offs_m, offs_n, offs_d, stride_kn,
                                       stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL, DOT_PRECISION)
+            start_n = next_n
         lo = tl.load(RowPartOff + row)
         hi = tl.load(RowPartOff + row + 1)
+        start_n = list_tile_start(RowPartIdx, lo * SUB, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
         for t in range(lo * SUB, hi * SUB):
-            j = tl.load(RowPartIdx + t // SUB)
-            start_n = j * MASK_BLOCK_K + (t % SUB) * BLOCK_N
+            next_n = list_tile_start(RowPartIdx, t + 1, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, start_n, offs_m, offs_n, offs_d, stride_kn,
                                       stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION)
+            start_n = next_n
 
     # Empty rows (no allowed key): output 0 and lse -inf, never 0/0.
     empty = l_i == 0.0

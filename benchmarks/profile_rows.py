@@ -1,0 +1,101 @@
+"""Where the time of a benchmark row goes: GPU kernel time against wall time per call.
+
+For each row and competitor it reports the `do_bench` median (what bench_attention.py reports), the summed
+GPU kernel time of one call from the profiler, and the host time per call, so a row that is bound by
+Python and launch overhead rather than by its kernels shows as wall >> kernel time.
+
+    python benchmarks/profile_rows.py --out rows.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+import sparse_flash
+from sparse_flash import masks
+
+ROWS = [  # (B, H, N, D, mask)
+    (4, 16, 4096, 64, "butterfly"), (4, 16, 4096, 64, "random"), (4, 16, 4096, 64, "local"),
+    (4, 16, 4096, 128, "butterfly"), (4, 16, 4096, 128, "random"), (1, 16, 16384, 128, "bigbird"),
+]
+
+
+def build(name, n):
+    if name == "random":
+        return masks.random(n, 128, density=0.1, seed=0, device="cuda") | masks.local(n, 128, window=0, device="cuda")
+    if name == "local":
+        return masks.local(n, 128, window=4, device="cuda")
+    if name == "bigbird":
+        return masks.bigbird(n, 128, seed=0, device="cuda")
+    return getattr(masks, name)(n, 128, device="cuda")
+
+
+def kernel_us(step, reps=10) -> float:
+    """Summed device time of all kernels one call launches (profiler), in microseconds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / reps
+
+
+def host_us(step, reps=30) -> float:
+    """Host time per call while the GPU queue absorbs the launches."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        step()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / reps * 1e6
+
+
+def measure(step, grad_of=None):
+    from triton.testing import do_bench
+
+    return {"bench_ms": do_bench(step, warmup=25, rep=100, grad_to_none=grad_of, return_mode="median"),
+            "kernel_us": kernel_us(step), "host_us": host_us(step)}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="rows.json")
+    args = parser.parse_args()
+    from torch.nn.attention.flex_attention import flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    results = []
+    for B, H, N, D, name in ROWS:
+        mask = build(name, N)
+        fm = mask.to_flex(False, eager_exact=False)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+                   for _ in range(3))
+        do = torch.randn_like(q)
+        impls = {"ours": lambda: sparse_flash.block_sparse_attention(q, k, v, mask, backend="triton"),
+                 "flex": lambda: flex(q, k, v, block_mask=fm)}
+        for impl, fn in impls.items():
+            with torch.no_grad():
+                r = measure(fn)
+            results.append({"row": [B, H, N, D, name], "impl": impl, "mode": "fwd", **r})
+            r = measure(lambda: fn().backward(do), grad_of=[q, k, v])
+            results.append({"row": [B, H, N, D, name], "impl": impl, "mode": "fwd+bwd", **r})
+            print(results[-2], results[-1], flush=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"{'row':32} {'impl':5} {'mode':8} {'bench ms':>9} {'kernel ms':>9} {'host ms':>8}")
+    for r in results:
+        print(f"{str(r['row']):32} {r['impl']:5} {r['mode']:8} {r['bench_ms']:9.3f} {r['kernel_us'] / 1e3:9.3f} "
+              f"{r['host_us'] / 1e3:8.3f}")
+
+
+if __name__ == "__main__":
+    main()
