@@ -52,3 +52,19 @@ def test_custom_ops_are_registered():
     import sparse_flash.kernels  # noqa: F401
 
     assert hasattr(torch.ops.sparse_flash, "attn_fwd") and hasattr(torch.ops.sparse_flash, "attn_bwd")
+
+
+def test_fake_tensors_take_the_registered_op():
+    """Eager calls on real tensors skip the custom-op dispatcher; fake tensors (shape propagation, export)
+    must still reach the op's fake implementation instead of a kernel launch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mask = masks.butterfly(256, 64, device=DEVICE)
+    with FakeTensorMode(allow_non_fake_inputs=True):  # the mask stays real
+        q, k, v = (torch.randn(2, 4, 256, 32, device=DEVICE, requires_grad=True) for _ in range(3))
+        out, lse = sparse_flash.block_sparse_attention(q, k, v, mask, backend="triton", return_lse=True)
+        out.sum().backward()
+        with torch.no_grad():
+            inference = sparse_flash.block_sparse_attention(q, k, v, mask, backend="triton")
+    assert out.shape == q.shape and lse.shape == (2, 4, 256) and lse.dtype == torch.float32
+    assert q.grad.shape == q.shape and inference.shape == q.shape
