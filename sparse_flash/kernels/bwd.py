@@ -1,10 +1,11 @@
 """Backward kernels: recompute P from q, k and the saved log-sum-exp, block by block.
 
-Three launches, no atomics, so gradients are deterministic:
-1. `_attn_bwd_preprocess_kernel`: delta = rowsum(dO * O), one float per query.
+Two launches, no atomics, so gradients are deterministic:
+1. `_attn_bwd_dq_kernel`: one program per (query tile, batch x head) first computes delta = rowsum(dO * O)
+   for its rows and stores it, then walks its row lists, accumulating dQ.
 2. `_attn_bwd_dkdv_kernel`: one program per (key tile, batch x KV head) walks its key block's column lists
-   of query blocks, for every query head sharing that KV head (GQA), accumulating dK and dV on chip.
-3. `_attn_bwd_dq_kernel`: one program per (query tile, batch x head) walks its row lists, accumulating dQ.
+   of query blocks, for every query head sharing that KV head (GQA), accumulating dK and dV on chip; it
+   reads the delta that launch 1 stored.
 """
 
 from __future__ import annotations
@@ -16,25 +17,6 @@ import triton.language as tl
 from .common import LOG2E, dot_precision, list_tile_start, load_unmasked_rows, schedule
 from .configs import block_d, bwd_config
 from .memory import new_output
-
-
-@triton.jit
-def _attn_bwd_preprocess_kernel(
-    Out, DO, Delta, stride_ob, stride_oh, stride_om, stride_db, stride_dh, stride_dm, Hq, Nq,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // Hq
-    h = pid_bh % Hq
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
-    ok = (offs_m[:, None] < Nq) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om
-                + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_D)
-    do = tl.load(DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + offs_m[:, None] * stride_dm
-                 + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_D)
-    tl.store(Delta + pid_bh.to(tl.int64) * Nq + offs_m, tl.sum(o * do, 1), mask=offs_m < Nq)
 
 
 @triton.jit
@@ -187,11 +169,12 @@ def _dq_tile(
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ,
+    Q, K, V, Out, DO, Lse, Delta, DQ,
     RowFullOff, RowFullIdx, RowPartOff, RowPartIdx, RowOrder,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
     stride_db, stride_dh, stride_dm,
     stride_dqb, stride_dqh, stride_dqm,
     Hq, BH, groups, Nq, Nk, mask_stride_b, mask_stride_h, qk_scale, sm_scale,
@@ -212,8 +195,11 @@ def _attn_bwd_dq_kernel(
                 + offs_d[None, :], mask=ok, other=0.0)  # (BLOCK_M, BLOCK_D)
     do = tl.load(DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + offs_m[:, None] * stride_dm
                  + offs_d[None, :], mask=ok, other=0.0)  # (BLOCK_M, BLOCK_D)
+    o = tl.load(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om
+                + offs_d[None, :], mask=ok, other=0.0)  # (BLOCK_M, BLOCK_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BLOCK_M,) rowsum(dO * O)
+    tl.store(Delta + pid_bh.to(tl.int64) * Nq + offs_m, delta, mask=offs_m < Nq)  # for the dK/dV launch
     lse = _load_lse_log2(Lse + pid_bh.to(tl.int64) * Nq, offs_m, Nq)  # (BLOCK_M,)
-    delta = tl.load(Delta + pid_bh.to(tl.int64) * Nq + offs_m, mask=offs_m < Nq, other=0.0)  # (BLOCK_M,)
     K += b.to(tl.int64) * stride_kb + (h // groups).to(tl.int64) * stride_kh
     V += b.to(tl.int64) * stride_vb + (h // groups).to(tl.int64) * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -279,11 +265,20 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
     BLOCK_D = block_d(D)
     precision = dot_precision(q.dtype)
 
-    delta = new_output((B, Hq, Nq), torch.float32, q.device)
-    pre_m = 64
-    _attn_bwd_preprocess_kernel[(triton.cdiv(Nq, pre_m), B * Hq)](
-        out, do, delta, out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        Hq, Nq, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=pre_m,
+    delta = new_output((B, Hq, Nq), torch.float32, q.device)  # written by the dQ launch, read by dK/dV
+    dq = new_output(q.shape, q.dtype, q.device)
+    q_bq, q_bk = (cfg.q_block_m, cfg.q_block_n) if dense else (block_q, block_k)
+    q_tiles = triton.cdiv(Nq, cfg.q_block_m) if dense else Mq * (block_q // cfg.q_block_m)
+    _attn_bwd_dq_kernel[(q_tiles * B * Hq,)](
+        q, k, v, out, do, lse, delta, dq, *row_index,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
+        Hq, B * Hq, Hq // Hkv, Nq, Nk,
+        Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0,
+        scale * LOG2E, scale,
+        HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n,
+        MASK_BLOCK_Q=q_bq, MASK_BLOCK_K=q_bk,
+        CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
     dk = new_output(k.shape, k.dtype, k.device)
@@ -292,12 +287,7 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
     kv_tiles = triton.cdiv(Nk, cfg.kv_block_n) if dense else Mk * (block_k // cfg.kv_block_n)
     _attn_bwd_dkdv_kernel[(kv_tiles * B * Hkv,)](
         q, k, v, do, lse, delta, dk, dv, *col_index,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
         Hq, Hkv, B * Hkv, Hq // Hkv, Nq, Nk,
         Hm * Mk if Bm > 1 else 0, Mk if Hm > 1 else 0,
         scale * LOG2E, scale,
@@ -307,22 +297,4 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
-    dq = new_output(q.shape, q.dtype, q.device)
-    q_bq, q_bk = (cfg.q_block_m, cfg.q_block_n) if dense else (block_q, block_k)
-    q_tiles = triton.cdiv(Nq, cfg.q_block_m) if dense else Mq * (block_q // cfg.q_block_m)
-    _attn_bwd_dq_kernel[(q_tiles * B * Hq,)](
-        q, k, v, do, lse, delta, dq, *row_index,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        Hq, B * Hq, Hq // Hkv, Nq, Nk,
-        Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0,
-        scale * LOG2E, scale,
-        HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n,
-        MASK_BLOCK_Q=q_bq, MASK_BLOCK_K=q_bk,
-        CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
     return dq, dk, dv

@@ -76,14 +76,15 @@ def bwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
                causal: bool = False) -> BwdConfig:
     """Backward tiles for one problem; `block_q`/`block_k` are the mask's (None for the dense path).
 
-    64 x 64 tiles with 4 warps won on dense problems at D = 64 and 128 and on sparse ones at D = 128; sparse
-    rows at D = 64 run 5-10% faster with 32-row inner steps and three stages (H200, bf16; NOTES.md).
+    Dense problems: 64 x 64 tiles with 4 warps won at D = 64 and 128. Sparse rows run 5-10% faster with
+    32-row inner steps and three stages at D = 64, and with 128-row dK/dV and dQ tiles, 8 warps and three
+    stages at D = 128 (H200, bf16; benchmarks/NOTES.md).
     """
     d = block_d(head_dim)
     if d <= 64 and block_q is not None:  # sparse, small heads: thinner inner tiles, deeper pipeline
         kv_m, kv_n, q_m, q_n, warps, stages = 32, 64, 64, 32, 4, 3
     elif d <= 128:
-        kv_m, kv_n, q_m, q_n, warps, stages = 64, 64, 64, 64, 4, 2
+        kv_m, kv_n, q_m, q_n, warps, stages = (64, 64, 64, 64, 4, 2) if block_q is None else (64, 128, 128, 64, 8, 3)
     else:
         kv_m, kv_n, q_m, q_n, warps, stages = 16, 64, 64, 16, 4, 2
     if dtype == torch.float32:

@@ -156,10 +156,7 @@ def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float):
         grid = (Mq * (block_q // cfg.block_m) * B * Hq,)
     _attn_fwd_kernel[grid](
         q, k, v, out, lse, *index,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         Hq, B * Hq, Hq // Hkv, Nq, Nk,
         Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0,
         scale * LOG2E,
