@@ -212,8 +212,7 @@ def mask_costs(sizes=(65536, 1 << 20)) -> list[dict]:
                 m = build(n)
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t)
-            meta = sum(t.numel() * t.element_size() for part in (m.kernel_index(False), m.kernel_index(True))
-                       for idx in part for t in idx)
+            meta = m.kernel_index(False).nbytes() + m.kernel_index(True).nbytes()
             out.append({"impl": "sparse_flash", "mask": name, "N": n, "ms": 1e3 * statistics.median(times),
                         "layout_bytes": m.layout.numel(), "index_bytes": meta, "nnz": m.nnz})
     try:

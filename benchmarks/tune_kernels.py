@@ -57,8 +57,7 @@ def _run_once(kind, cfg, name, causal, D):
     _patch(kind, cfg)
     mask, q, k, v, do = _problem(name, causal, D)
     idx = mask.kernel_index(causal)
-    rows = [idx.row_full.offsets, idx.row_full.indices, idx.row_partial.offsets, idx.row_partial.indices, idx.row_order]
-    cols = [idx.col_full.offsets, idx.col_full.indices, idx.col_partial.offsets, idx.col_partial.indices, idx.col_order]
+    rows, cols = idx.rows(), idx.cols()
     if mask.is_dense:
         rows, cols = [], []
     geom = [*mask.shape, *mask.block_size]

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["BlockIndex", "BlockMask", "KernelIndex"]
+__all__ = ["BlockIndex", "BlockMask", "KernelIndex", "WorkPlan"]
 
 _GRID_MAX_BLOCKS = 64  # repr draws an ASCII grid up to this many blocks per side
 _GRID_MAX_LAYOUTS = 4  # ... and for at most this many (batch, head) layouts
@@ -35,6 +35,29 @@ class BlockIndex(NamedTuple):
     indices: torch.Tensor
 
 
+class WorkPlan(NamedTuple):
+    """Which program walks which part of each list, so that no single long list sets the running time.
+
+    A list longer than `chunk` blocks (a global row or column) is cut into `ceil(length / chunk)` nearly
+    equal chunks, each walked by its own program into a scratch slot; a merge pass combines the slots.
+    Programs start longest chunk first within each (batch, head).
+
+    Attributes:
+        items: int32 `(B|1, H|1, W, 2)`: the (block, chunk) walked by program rank w; block -1 pads heads
+            with fewer items.
+        chunks: int32 `(B|1 * H|1 * M,)`: number of chunks of each list (1: not split).
+        slots: int32 `(B|1 * H|1 * M,)`: first scratch slot of a split list (-1: not split).
+        split: int32 `(S,)`: the flat numbers `(b * H + h) * M + i` of the split lists.
+        slot_list: int32 `(num_slots,)`: the list each scratch slot belongs to.
+    """
+
+    items: torch.Tensor
+    chunks: torch.Tensor
+    slots: torch.Tensor
+    split: torch.Tensor
+    slot_list: torch.Tensor
+
+
 class KernelIndex(NamedTuple):
     """The index lists one attention call walks, split into full and partial blocks.
 
@@ -47,8 +70,20 @@ class KernelIndex(NamedTuple):
     row_partial: BlockIndex
     col_full: BlockIndex
     col_partial: BlockIndex
-    row_order: torch.Tensor  # int32 (B|1, H|1, Mq): query blocks by decreasing list length
-    col_order: torch.Tensor  # int32 (B|1, H|1, Mk): key blocks by decreasing list length
+    row_plan: WorkPlan  # programs over query blocks (forward, dQ)
+    col_plan: WorkPlan  # programs over key blocks (dK/dV)
+
+    def rows(self) -> list[torch.Tensor]:
+        """The tensors the forward and dQ kernels take, in their argument order."""
+        return [*self.row_full[1:], *self.row_partial[1:], *self.row_plan]
+
+    def cols(self) -> list[torch.Tensor]:
+        """The tensors the dK/dV kernel takes, in its argument order."""
+        return [*self.col_full[1:], *self.col_partial[1:], *self.col_plan]
+
+    def nbytes(self) -> int:
+        """Device memory held by these lists and plans."""
+        return sum(t.numel() * t.element_size() for part in self for t in part)
 
 
 def _as_pair(block_size, name: str = "block_size") -> tuple[int, int]:
@@ -67,24 +102,62 @@ def _as_pair(block_size, name: str = "block_size") -> tuple[int, int]:
     return pair
 
 
+def _unbacked(*tensor_dims) -> None:
+    """For each (tensor, dim): masks of one geometry differ in these sizes (their number of nonzero blocks,
+    of split lists). torch.compile treats such a size as one it never specialises (not even to 0 or 1), so
+    a new mask reuses the compiled graph."""
+    if not torch.compiler.is_compiling():
+        from torch._dynamo.decorators import mark_unbacked
+
+        for t, dim in tensor_dims:
+            mark_unbacked(t, dim)
+
+
 def _csr(rows: torch.Tensor, values: torch.Tensor, shape: tuple[int, int, int]) -> BlockIndex:
     """Index lists from entries already sorted by (row, value); `shape` is `(B, H, M)`, the rows' layout."""
     counts = torch.bincount(rows, minlength=math.prod(shape)).to(torch.int32)
     offsets = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=rows.device)
     torch.cumsum(counts, dim=0, out=offsets[1:])
     indices = values.to(torch.int32)
-    if not torch.compiler.is_compiling():
-        # Masks of one geometry differ in their number of nonzero blocks. torch.compile treats this length
-        # as a size it never specialises (not even to 0 or 1), so a new mask reuses the compiled graph.
-        from torch._dynamo.decorators import mark_unbacked
-
-        mark_unbacked(indices, 0)
+    _unbacked((indices, 0))
     return BlockIndex(counts.reshape(shape), offsets, indices)
 
 
-def _longest_first(counts: torch.Tensor) -> torch.Tensor:
-    """For each (batch, head): block indices sorted by decreasing count (the kernels' launch order)."""
-    return torch.argsort(counts, dim=-1, descending=True, stable=True).to(torch.int32).contiguous()
+SPLIT_MIN_CHUNK = 32  # lists up to this many blocks are never split
+SPLIT_FACTOR = 4  # ... nor lists up to this many times the mean length
+
+
+def _plan_work(counts: torch.Tensor, chunk: int) -> WorkPlan:
+    """Programs for lists of `counts` (B, H, M) blocks: lists longer than `chunk` split, longest first."""
+    B, H, M = counts.shape
+    flat = counts.reshape(-1).long()
+    n = torch.where(flat > chunk, (flat + chunk - 1) // chunk, torch.ones_like(flat))  # chunks per list
+    lists = torch.repeat_interleave(torch.arange(flat.numel(), device=flat.device), n)  # one entry per item
+    starts = torch.cumsum(n, 0) - n
+    chunk_id = torch.arange(lists.numel(), device=flat.device) - starts[lists]
+    length = flat[lists] // n[lists]  # every chunk of a list has this length or one more
+    bh = lists // M
+    by_head = torch.argsort(bh * (1 << 32) - length, stable=True)  # by (b, h), longest first within
+    per_head = torch.bincount(bh, minlength=B * H)
+    rank = torch.arange(lists.numel(), device=flat.device) - (torch.cumsum(per_head, 0) - per_head)[bh[by_head]]
+    items = torch.full((B * H, int(per_head.max()), 2), -1, dtype=torch.int32, device=flat.device)
+    items[bh[by_head], rank, 0] = (lists[by_head] % M).to(torch.int32)
+    items[bh[by_head], rank, 1] = chunk_id[by_head].to(torch.int32)
+    is_split = n > 1
+    split = torch.nonzero(is_split).reshape(-1)
+    slots = torch.full_like(flat, -1)
+    slots[split] = torch.cumsum(n[split], 0) - n[split]
+    slot_list = torch.repeat_interleave(split, n[split]).to(torch.int32)
+    plan = WorkPlan(items.reshape(B, H, -1, 2), n.to(torch.int32), slots.to(torch.int32), split.to(torch.int32),
+                    slot_list)
+    _unbacked((plan.items, 2), (plan.split, 0), (plan.slot_list, 0))
+    return plan
+
+
+def _chunk_size(*counts: torch.Tensor) -> list[int]:
+    """The split threshold of each count tensor: max(SPLIT_MIN_CHUNK, SPLIT_FACTOR x mean list length)."""
+    totals = torch.stack([c.sum() for c in counts]).tolist()  # one host sync for all
+    return [max(SPLIT_MIN_CHUNK, math.ceil(SPLIT_FACTOR * total / c.numel())) for total, c in zip(totals, counts)]
 
 
 class BlockMask:
@@ -294,8 +367,10 @@ class BlockMask:
             self._index[("row", causal)], self._index[("col", causal)] = rows_live, cols_live
             row_full, col_full = rows_cols(live & ~partial)
             row_part, col_part = rows_cols(live & partial)
+            row_chunk, col_chunk = _chunk_size(rows_live.counts, cols_live.counts)
             self._index[("kernel", causal)] = KernelIndex(
-                row_full, row_part, col_full, col_part, _longest_first(rows_live.counts), _longest_first(cols_live.counts)
+                row_full, row_part, col_full, col_part,
+                _plan_work(rows_live.counts, row_chunk), _plan_work(cols_live.counts, col_chunk),
             )
 
     # ------------------------------------------------------------------ algebra

@@ -1,5 +1,6 @@
 """Every backend against the dense float64 oracle: outputs, log-sum-exp and gradients (2x rule)."""
 
+import contextlib
 import math
 
 import pytest
@@ -178,3 +179,49 @@ def test_triton_backward_is_deterministic():
         runs.append((a.grad, b.grad, c.grad))
     for x, y in zip(*runs):
         assert torch.equal(x, y)
+
+
+@contextlib.contextmanager
+def split_every_list():
+    """Masks built in this context cut every list longer than 2 blocks into chunks of about 2 blocks,
+    so that the chunked programs and the merge pass run on every drawn problem."""
+    from sparse_flash import layout
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(layout, "SPLIT_MIN_CHUNK", 2)
+        mp.setattr(layout, "SPLIT_FACTOR", 0)
+        yield
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+@given(p=problems())
+@example(p=EDGE_CASES[0])
+@example(p=EDGE_CASES[3])
+@example(p=EDGE_CASES[5])
+def test_split_lists_match_reference(dtype, p):
+    with split_every_list():
+        mask = p.mask(DEVICE)
+    assert mask.kernel_index(p.causal).row_plan.split.numel() == int((mask.row_index(p.causal).counts > 2).sum())
+    q, k, v = make_qkv(p.B, p.Hq, p.Hkv, p.Nq, p.Nk, p.D, dtype=dtype, device=DEVICE, seed=p.seed)
+    result = compare_to_reference(q, k, v, mask, causal=p.causal, backend="triton")
+    assert not result.failures(), f"{p}: {result.failures()}"
+
+
+def test_work_plan_splits_only_long_lists():
+    """BigBird's global rows and columns are split into chunks of at most 4x the mean list length (at
+    least 32 blocks); every other list is one program, and every list's chunks cover it exactly once."""
+    mask = masks.bigbird(128 * 256, 128, num_global_blocks=2, seed=0)
+    idx = mask.kernel_index(False)
+    counts = mask.row_index(False).counts.reshape(-1)
+    plan = idx.row_plan
+    long_rows = torch.nonzero(counts > max(32, 4 * counts.float().mean())).reshape(-1)
+    assert plan.split.tolist() == long_rows.tolist() and len(long_rows) == 2
+    assert plan.chunks[long_rows].tolist() == [8, 8]  # 256 blocks in chunks of 32
+    items = plan.items.reshape(-1, 2)
+    items = items[items[:, 0] >= 0]
+    assert sorted(items[:, 0].tolist()) == sorted(torch.repeat_interleave(torch.arange(256), plan.chunks).tolist())
+    lengths = counts[items[:, 0].long()] // plan.chunks[items[:, 0].long()]
+    assert torch.all(lengths[:-1] >= lengths[1:])  # longest first
+    assert plan.slot_list.numel() == 16 and plan.slots[long_rows].tolist() == [0, 8]
+    assert idx.col_plan.split.numel() == 2

@@ -14,9 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, dot_precision, list_tile_start, load_unmasked_rows, schedule
+from .common import LOG2E, chunk_range, dot_precision, list_tile_start, load_unmasked_rows, schedule
 from .configs import block_d, bwd_config
 from .memory import new_output
+from .split import SplitPlan, merge_split_rows
 
 
 @triton.jit
@@ -57,27 +58,28 @@ def _dkdv_tile(
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV,
-    ColFullOff, ColFullIdx, ColPartOff, ColPartIdx, ColOrder,
+    Q, K, V, DO, Lse, Delta, DK, DV, DKPart, DVPart,
+    ColFullOff, ColFullIdx, ColPartOff, ColPartIdx, ColItems, ColChunks, ColSlots,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_db, stride_dh, stride_dm,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    Hq, Hkv, BH, groups, Nq, Nk, mask_stride_b, mask_stride_h, qk_scale, sm_scale,
+    Hq, Hkv, BH, groups, Nq, Nk, mask_stride_b, mask_stride_h, item_stride_b, item_stride_h,
+    copy_stride_b, copy_stride_h, copies, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     # Columns are ordered by the lists of the group's first query head.
-    b, hk, tile, j = schedule(tl.program_id(0), Hkv, BH, ColOrder, mask_stride_b, mask_stride_h, groups,
+    b, hk, tile, j, chunk, valid = schedule(tl.program_id(0), Hkv, BH, ColItems, item_stride_b, item_stride_h, groups,
                               tl.cdiv(Nk, BLOCK_N), MASK_BLOCK_K, BLOCK_N, DENSE, False)
     start_n = tile * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
-    kv_ok = (offs_n[:, None] < Nk) & (offs_d[None, :] < HEAD_DIM)
+    kv_ok = (offs_n[:, None] < tl.where(valid, Nk, 0)) & (offs_d[None, :] < HEAD_DIM)  # padding: nothing
     k = tl.load(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn
                 + offs_d[None, :], mask=kv_ok, other=0.0)  # (BLOCK_N, BLOCK_D)
     v = tl.load(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn
@@ -85,6 +87,11 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
+    split = False
+    if not DENSE:
+        col0 = b * mask_stride_b + hk * groups * mask_stride_h + j  # the group's first head plans the chunks
+        num_chunks = tl.load(ColChunks + col0)
+        split = num_chunks > 1
     for g in range(0, groups):  # every query head that shares this KV head
         h = hk * groups + g
         Qh = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
@@ -110,30 +117,36 @@ def _attn_bwd_dkdv_kernel(
                 dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, Lseh, Deltah, m * BLOCK_M, offs_n, offs_d, stride_qm,
                                     stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, True, CAUSAL, DOT_PRECISION)
         else:
+            # This program's chunk of every group head's column list (chunked like the first head's).
             SUB: tl.constexpr = MASK_BLOCK_Q // BLOCK_M
             col = b * mask_stride_b + h * mask_stride_h + j
-            lo = tl.load(ColFullOff + col)
-            hi = tl.load(ColFullOff + col + 1)
-            start_m = list_tile_start(ColFullIdx, lo * SUB, hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
-            for t in range(lo * SUB, hi * SUB):
-                next_m = list_tile_start(ColFullIdx, t + 1, hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
+            full_lo, full_hi, part_lo, part_hi = chunk_range(ColFullOff, ColPartOff, col, chunk, num_chunks, valid)
+            start_m = list_tile_start(ColFullIdx, full_lo * SUB, full_hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
+            for t in range(full_lo * SUB, full_hi * SUB):
+                next_m = list_tile_start(ColFullIdx, t + 1, full_hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
                 dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, Lseh, Deltah, start_m, offs_n, offs_d, stride_qm,
                                     stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, False, CAUSAL, DOT_PRECISION)
                 start_m = next_m
-            lo = tl.load(ColPartOff + col)
-            hi = tl.load(ColPartOff + col + 1)
-            start_m = list_tile_start(ColPartIdx, lo * SUB, hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
-            for t in range(lo * SUB, hi * SUB):
-                next_m = list_tile_start(ColPartIdx, t + 1, hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
+            start_m = list_tile_start(ColPartIdx, part_lo * SUB, part_hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
+            for t in range(part_lo * SUB, part_hi * SUB):
+                next_m = list_tile_start(ColPartIdx, t + 1, part_hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
                 dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, Lseh, Deltah, start_m, offs_n, offs_d, stride_qm,
                                     stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, True, CAUSAL, DOT_PRECISION)
                 start_m = next_m
 
     dk = dk * sm_scale
-    tl.store(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
-             + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_ok)
-    tl.store(DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvn
-             + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_ok)
+    if split:
+        # One chunk of a split column: the merge pass sums the chunks.
+        slot = (tl.load(ColSlots + col0) + chunk) * copies + b * copy_stride_b + hk * copy_stride_h
+        rows = slot.to(tl.int64) * MASK_BLOCK_K + (tile % (MASK_BLOCK_K // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
+        keep = tl.arange(0, BLOCK_N) < tl.where(valid, BLOCK_N, 0)  # (BLOCK_N,): padding programs store nothing
+        tl.store(DKPart + rows[:, None] * BLOCK_D + offs_d[None, :], dk, mask=keep[:, None])
+        tl.store(DVPart + rows[:, None] * BLOCK_D + offs_d[None, :], dv, mask=keep[:, None])
+    else:
+        tl.store(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
+                 + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_ok)
+        tl.store(DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvn
+                 + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_ok)
 
 
 @triton.jit
@@ -169,28 +182,30 @@ def _dq_tile(
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, Out, DO, Lse, Delta, DQ,
-    RowFullOff, RowFullIdx, RowPartOff, RowPartIdx, RowOrder,
+    Q, K, V, Out, DO, Lse, Delta, DQ, DQPart,
+    RowFullOff, RowFullIdx, RowPartOff, RowPartIdx, RowItems, RowChunks, RowSlots,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
     stride_db, stride_dh, stride_dm,
     stride_dqb, stride_dqh, stride_dqm,
-    Hq, BH, groups, Nq, Nk, mask_stride_b, mask_stride_h, qk_scale, sm_scale,
+    Hq, BH, groups, Nq, Nk, mask_stride_b, mask_stride_h, item_stride_b, item_stride_h,
+    copy_stride_b, copy_stride_h, copies, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    b, h, tile, i = schedule(tl.program_id(0), Hq, BH, RowOrder, mask_stride_b, mask_stride_h, 1,
+    b, h, tile, i, chunk, valid = schedule(tl.program_id(0), Hq, BH, RowItems, item_stride_b, item_stride_h, 1,
                              tl.cdiv(Nq, BLOCK_M), MASK_BLOCK_Q, BLOCK_M, DENSE, CAUSAL)
     pid_bh = b * Hq + h
     start_m = tile * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
-    ok = (offs_m[:, None] < Nq) & (offs_d[None, :] < HEAD_DIM)
+    rows_ok = offs_m < tl.where(valid, Nq, 0)  # (BLOCK_M,); a padding program loads and stores nothing
+    ok = rows_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qm
                 + offs_d[None, :], mask=ok, other=0.0)  # (BLOCK_M, BLOCK_D)
     do = tl.load(DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + offs_m[:, None] * stride_dm
@@ -198,7 +213,7 @@ def _attn_bwd_dq_kernel(
     o = tl.load(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om
                 + offs_d[None, :], mask=ok, other=0.0)  # (BLOCK_M, BLOCK_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BLOCK_M,) rowsum(dO * O)
-    tl.store(Delta + pid_bh.to(tl.int64) * Nq + offs_m, delta, mask=offs_m < Nq)  # for the dK/dV launch
+    tl.store(Delta + pid_bh.to(tl.int64) * Nq + offs_m, delta, mask=rows_ok)  # for the dK/dV launch
     lse = _load_lse_log2(Lse + pid_bh.to(tl.int64) * Nq, offs_m, Nq)  # (BLOCK_M,)
     K += b.to(tl.int64) * stride_kb + (h // groups).to(tl.int64) * stride_kh
     V += b.to(tl.int64) * stride_vb + (h // groups).to(tl.int64) * stride_vh
@@ -219,26 +234,34 @@ def _attn_bwd_dq_kernel(
     else:
         SUB: tl.constexpr = MASK_BLOCK_K // BLOCK_N
         row = b * mask_stride_b + h * mask_stride_h + i
-        lo = tl.load(RowFullOff + row)
-        hi = tl.load(RowFullOff + row + 1)
-        start_n = list_tile_start(RowFullIdx, lo * SUB, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
-        for t in range(lo * SUB, hi * SUB):
-            next_n = list_tile_start(RowFullIdx, t + 1, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
+        num_chunks = tl.load(RowChunks + row)
+        full_lo, full_hi, part_lo, part_hi = chunk_range(RowFullOff, RowPartOff, row, chunk, num_chunks, valid)
+        start_n = list_tile_start(RowFullIdx, full_lo * SUB, full_hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
+        for t in range(full_lo * SUB, full_hi * SUB):
+            next_n = list_tile_start(RowFullIdx, t + 1, full_hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
             dq = _dq_tile(dq, q, do, lse, delta, K, V, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn,
                           Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL, DOT_PRECISION)
             start_n = next_n
-        lo = tl.load(RowPartOff + row)
-        hi = tl.load(RowPartOff + row + 1)
-        start_n = list_tile_start(RowPartIdx, lo * SUB, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
-        for t in range(lo * SUB, hi * SUB):
-            next_n = list_tile_start(RowPartIdx, t + 1, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
+        start_n = list_tile_start(RowPartIdx, part_lo * SUB, part_hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
+        for t in range(part_lo * SUB, part_hi * SUB):
+            next_n = list_tile_start(RowPartIdx, t + 1, part_hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
             dq = _dq_tile(dq, q, do, lse, delta, K, V, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn,
                           Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION)
             start_n = next_n
 
     dq = dq * sm_scale
-    tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + offs_m[:, None] * stride_dqm
-             + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=ok)
+    split = False
+    if not DENSE:
+        split = num_chunks > 1
+    if split:
+        # One chunk of a split row: the merge pass sums the chunks.
+        slot = (tl.load(RowSlots + row) + chunk) * copies + b * copy_stride_b + h * copy_stride_h
+        rows = slot.to(tl.int64) * MASK_BLOCK_Q + (tile % (MASK_BLOCK_Q // BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)
+        keep = tl.arange(0, BLOCK_M) < tl.where(valid, BLOCK_M, 0)  # (BLOCK_M,): padding programs store nothing
+        tl.store(DQPart + rows[:, None] * BLOCK_D + offs_d[None, :], dq, mask=keep[:, None])
+    else:
+        tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + offs_m[:, None] * stride_dqm
+                 + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=ok)
 
 
 def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: float):
@@ -247,8 +270,7 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
     Args:
         do, q, out: `(B, Hq, Nq, D)`; k, v: `(B, Hkv, Nk, D)`; last dimension contiguous.
         lse: float32 `(B, Hq, Nq)` from the forward.
-        index: the row lists (full/partial offsets and indices, order) then the same for columns (10
-            tensors), or `[]` for dense.
+        index: `KernelIndex.rows() + KernelIndex.cols()` (18 tensors), or `[]` for dense.
         mask_geometry: `(Bm, Hm, Mq, Mk, block_q, block_k)` of the mask (ignored for dense).
 
     Returns:
@@ -260,41 +282,54 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
     Bm, Hm, Mq, Mk, block_q, block_k = mask_geometry
     cfg = bwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k, causal)
     if dense:
-        index = [torch.zeros(2, dtype=torch.int32, device=q.device)] * 10
-    row_index, col_index = index[:5], index[5:]
+        rows_plan = cols_plan = SplitPlan.none(q.device)
+        row_index = col_index = [rows_plan.dummy] * 7
+    else:
+        row_index, col_index = index[:7], index[9:16]
+        (*_, items, _, _), split, slot_list = row_index, index[7], index[8]
+        rows_plan = SplitPlan(items, split, slot_list, B, Hq, Bm, Hm, block_q, D, parts=1, with_lse=False)
+        (*_, items, _, _), split, slot_list = col_index, index[16], index[17]
+        cols_plan = SplitPlan(items, split, slot_list, B, Hkv, Bm, Hm, block_k, D, parts=2, with_lse=False)
     BLOCK_D = block_d(D)
     precision = dot_precision(q.dtype)
 
     delta = new_output((B, Hq, Nq), torch.float32, q.device)  # written by the dQ launch, read by dK/dV
     dq = new_output(q.shape, q.dtype, q.device)
     q_bq, q_bk = (cfg.q_block_m, cfg.q_block_n) if dense else (block_q, block_k)
-    q_tiles = triton.cdiv(Nq, cfg.q_block_m) if dense else Mq * (block_q // cfg.q_block_m)
-    _attn_bwd_dq_kernel[(q_tiles * B * Hq,)](
-        q, k, v, out, do, lse, delta, dq, *row_index,
+    q_items = triton.cdiv(Nq, cfg.q_block_m) if dense else row_index[4].shape[2] * (block_q // cfg.q_block_m)
+    _attn_bwd_dq_kernel[(q_items * B * Hq,)](
+        q, k, v, out, do, lse, delta, dq, rows_plan.parts[0], *row_index,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
         Hq, B * Hq, Hq // Hkv, Nq, Nk,
-        Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0,
+        Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0, *rows_plan.item_strides,
+        *rows_plan.copy_strides, rows_plan.copies,
         scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n,
         MASK_BLOCK_Q=q_bq, MASK_BLOCK_K=q_bk,
         CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if rows_plan.num_split:
+        merge_split_rows(rows_plan, row_index[5], row_index[6], dq, None, Mq, heads=Hq, groups=1)
 
     dk = new_output(k.shape, k.dtype, k.device)
     dv = new_output(v.shape, v.dtype, v.device)
     kv_bq, kv_bk = (cfg.kv_block_m, cfg.kv_block_n) if dense else (block_q, block_k)
-    kv_tiles = triton.cdiv(Nk, cfg.kv_block_n) if dense else Mk * (block_k // cfg.kv_block_n)
-    _attn_bwd_dkdv_kernel[(kv_tiles * B * Hkv,)](
-        q, k, v, do, lse, delta, dk, dv, *col_index,
+    kv_items = triton.cdiv(Nk, cfg.kv_block_n) if dense else col_index[4].shape[2] * (block_k // cfg.kv_block_n)
+    _attn_bwd_dkdv_kernel[(kv_items * B * Hkv,)](
+        q, k, v, do, lse, delta, dk, dv, *cols_plan.parts[:2], *col_index,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
         Hq, Hkv, B * Hkv, Hq // Hkv, Nq, Nk,
-        Hm * Mk if Bm > 1 else 0, Mk if Hm > 1 else 0,
+        Hm * Mk if Bm > 1 else 0, Mk if Hm > 1 else 0, *cols_plan.item_strides,
+        *cols_plan.copy_strides, cols_plan.copies,
         scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n,
         MASK_BLOCK_Q=kv_bq, MASK_BLOCK_K=kv_bk,
         CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-
+    if cols_plan.num_split:
+        for part, grad in enumerate((dk, dv)):
+            merge_split_rows(cols_plan, col_index[5], col_index[6], grad, None, Mk, heads=Hkv, groups=Hq // Hkv,
+                             part=part)
     return dq, dk, dv

@@ -19,13 +19,14 @@ def load_unmasked_rows(ptrs, d_ok, EVEN_D: tl.constexpr):
 
 
 @triton.jit
-def schedule(pid, H, BH, Order, mask_stride_b, mask_stride_h, head_scale, num_tiles,
+def schedule(pid, H, BH, Items, item_stride_b, item_stride_h, head_scale, num_tiles,
              MASK_BLOCK: tl.constexpr, BLOCK: tl.constexpr, DENSE: tl.constexpr, REVERSE: tl.constexpr):
-    """Map a program id to (batch, head, tile, mask block) so that long lists start first.
+    """Map a program id to (batch, head, tile, mask block, chunk, valid).
 
-    Sparse: program ids run over (rank, batch x head), batch x head fastest, and rank r takes the mask
-    block with the r-th longest list of its (batch, head) (`Order`, mask head `h * head_scale`), so every
-    head's heaviest rows (global rows, dense columns) run in the first wave instead of the last.
+    Sparse: program ids run over (rank, batch x head), batch x head fastest, and rank r takes work item
+    r // SUB of its (batch, head)'s plan (`Items`, mask head `h * head_scale`): a (mask block, chunk) pair,
+    longest first, so every head's heaviest lists start in the first wave. Padding items (block -1) are
+    not valid: their programs walk nothing and store nothing.
     Dense: tiles run fastest within a head, so K and V stay in L2; in reverse when REVERSE (causal rows
     grow with the tile index).
     """
@@ -35,13 +36,36 @@ def schedule(pid, H, BH, Order, mask_stride_b, mask_stride_h, head_scale, num_ti
         if REVERSE:
             tile = num_tiles - 1 - tile
         block = tile
+        chunk = 0
+        valid = True
     else:
         SUB: tl.constexpr = MASK_BLOCK // BLOCK
         bh = pid % BH
         rank = pid // BH
-        block = tl.load(Order + (bh // H) * mask_stride_b + (bh % H) * head_scale * mask_stride_h + rank // SUB)
+        item = Items + (bh // H) * item_stride_b + (bh % H) * head_scale * item_stride_h + (rank // SUB) * 2
+        block = tl.load(item)
+        chunk = tl.load(item + 1)
+        valid = block >= 0
+        block = tl.maximum(block, 0)
         tile = block * SUB + rank % SUB
-    return bh // H, bh % H, tile, block
+    return bh // H, bh % H, tile, block, chunk, valid
+
+
+@triton.jit
+def chunk_range(FullOff, PartOff, row, chunk, num_chunks, valid):
+    """The slice of list `row` that one chunk walks, as [lo, hi) ranges into the full and partial lists.
+
+    A list is its full blocks followed by its partial blocks; chunk c of n takes positions
+    [c * L // n, (c + 1) * L // n) of the L blocks. An invalid program gets empty ranges.
+    """
+    full_lo = tl.load(FullOff + row)
+    n_full = tl.load(FullOff + row + 1) - full_lo
+    part_lo = tl.load(PartOff + row)
+    length = n_full + tl.load(PartOff + row + 1) - part_lo
+    start = chunk * length // num_chunks
+    end = tl.where(valid, (chunk + 1) * length // num_chunks, start)
+    return (full_lo + tl.minimum(start, n_full), full_lo + tl.minimum(end, n_full),
+            part_lo + tl.maximum(start - n_full, 0), part_lo + tl.maximum(end - n_full, 0))
 
 
 @triton.jit

@@ -60,10 +60,7 @@ def attention_triton(q, k, v, mask: BlockMask | None, *, causal: bool, scale: fl
         if bq % 16 or bk % 16:
             raise ValueError(f"the triton backend needs mask block sizes that are multiples of 16, got {mask.block_size}")
         idx = mask.kernel_index(causal)
-        row_index = [idx.row_full.offsets, idx.row_full.indices, idx.row_partial.offsets, idx.row_partial.indices,
-                     idx.row_order]
-        col_index = [idx.col_full.offsets, idx.col_full.indices, idx.col_partial.offsets, idx.col_partial.indices,
-                     idx.col_order]
+        row_index, col_index = idx.rows(), idx.cols()
         if mask.is_dense:  # the all-ones mask: walk every block without loading indices
             row_index, col_index = [], []
         geometry = [*mask.shape, bq, bk]

@@ -12,9 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, dot_precision, list_tile_start, load_unmasked_rows, schedule
+from .common import LOG2E, chunk_range, dot_precision, list_tile_start, load_unmasked_rows, schedule
 from .configs import block_d, fwd_config
 from .memory import new_output
+from .split import SplitPlan, merge_split_rows
 
 
 @triton.jit
@@ -55,25 +56,26 @@ def _fwd_tile(
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse,
-    RowFullOff, RowFullIdx, RowPartOff, RowPartIdx, RowOrder,
+    Q, K, V, Out, Lse, OutPart, LsePart,
+    RowFullOff, RowFullIdx, RowPartOff, RowPartIdx, RowItems, RowChunks, RowSlots,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
-    Hq, BH, groups, Nq, Nk, mask_stride_b, mask_stride_h, qk_scale,
+    Hq, BH, groups, Nq, Nk, mask_stride_b, mask_stride_h, item_stride_b, item_stride_h,
+    copy_stride_b, copy_stride_h, copies, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    b, h, tile, i = schedule(tl.program_id(0), Hq, BH, RowOrder, mask_stride_b, mask_stride_h, 1,
-                             tl.cdiv(Nq, BLOCK_M), MASK_BLOCK_Q, BLOCK_M, DENSE, CAUSAL)
+    b, h, tile, i, chunk, valid = schedule(tl.program_id(0), Hq, BH, RowItems, item_stride_b, item_stride_h, 1,
+                                           tl.cdiv(Nq, BLOCK_M), MASK_BLOCK_Q, BLOCK_M, DENSE, CAUSAL)
     start_m = tile * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
-    m_ok = offs_m < Nq
+    m_ok = offs_m < tl.where(valid, Nq, 0)  # a padding program loads and stores nothing
     d_ok = offs_d < HEAD_DIM
 
     Q += b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
@@ -99,22 +101,20 @@ def _attn_fwd_kernel(
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, n * BLOCK_N, offs_m, offs_n, offs_d, stride_kn,
                                       stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION)
     else:
-        # Walk this query block's row lists; each mask block is SUB key tiles.
+        # Walk this program's chunk of the query block's row list; each mask block is SUB key tiles.
         SUB: tl.constexpr = MASK_BLOCK_K // BLOCK_N
         row = b * mask_stride_b + h * mask_stride_h + i
-        lo = tl.load(RowFullOff + row)
-        hi = tl.load(RowFullOff + row + 1)
-        start_n = list_tile_start(RowFullIdx, lo * SUB, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
-        for t in range(lo * SUB, hi * SUB):
-            next_n = list_tile_start(RowFullIdx, t + 1, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
+        num_chunks = tl.load(RowChunks + row)
+        full_lo, full_hi, part_lo, part_hi = chunk_range(RowFullOff, RowPartOff, row, chunk, num_chunks, valid)
+        start_n = list_tile_start(RowFullIdx, full_lo * SUB, full_hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
+        for t in range(full_lo * SUB, full_hi * SUB):
+            next_n = list_tile_start(RowFullIdx, t + 1, full_hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, start_n, offs_m, offs_n, offs_d, stride_kn,
                                       stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL, DOT_PRECISION)
             start_n = next_n
-        lo = tl.load(RowPartOff + row)
-        hi = tl.load(RowPartOff + row + 1)
-        start_n = list_tile_start(RowPartIdx, lo * SUB, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
-        for t in range(lo * SUB, hi * SUB):
-            next_n = list_tile_start(RowPartIdx, t + 1, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
+        start_n = list_tile_start(RowPartIdx, part_lo * SUB, part_hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
+        for t in range(part_lo * SUB, part_hi * SUB):
+            next_n = list_tile_start(RowPartIdx, t + 1, part_hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, start_n, offs_m, offs_n, offs_d, stride_kn,
                                       stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION)
             start_n = next_n
@@ -123,19 +123,29 @@ def _attn_fwd_kernel(
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    Out += b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-    tl.store(Out + offs_m[:, None] * stride_om + offs_d[None, :], out.to(Out.dtype.element_ty),
-             mask=m_ok[:, None] & d_ok[None, :])
-    tl.store(Lse + (b * Hq + h).to(tl.int64) * Nq + offs_m, lse, mask=m_ok)
+    split = False
+    if not DENSE:
+        split = num_chunks > 1
+    if split:
+        # One chunk of a split row: the merge pass combines the chunks' (out, lse) pairs.
+        slot = (tl.load(RowSlots + row) + chunk) * copies + b * copy_stride_b + h * copy_stride_h
+        rows = slot.to(tl.int64) * MASK_BLOCK_Q + (tile % (MASK_BLOCK_Q // BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)
+        keep = tl.arange(0, BLOCK_M) < tl.where(valid, BLOCK_M, 0)  # (BLOCK_M,): padding programs store nothing
+        tl.store(OutPart + rows[:, None] * BLOCK_D + offs_d[None, :], out, mask=keep[:, None])
+        tl.store(LsePart + rows, lse, mask=keep)
+    else:
+        Out += b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+        tl.store(Out + offs_m[:, None] * stride_om + offs_d[None, :], out.to(Out.dtype.element_ty),
+                 mask=m_ok[:, None] & d_ok[None, :])
+        tl.store(Lse + (b * Hq + h).to(tl.int64) * Nq + offs_m, lse, mask=m_ok)
 
 
 def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float):
-    """Launch the forward kernel.
+    """Launch the forward kernel, then the merge of split rows if the mask has any.
 
     Args:
         q: `(B, Hq, Nq, D)`; k, v: `(B, Hkv, Nk, D)`; last dimension contiguous.
-        index: `[row_full_offsets, row_full_indices, row_part_offsets, row_part_indices, row_order]`, or
-            `[]` for dense.
+        index: `KernelIndex.rows()` (full and partial row lists, then the work plan), or `[]` for dense.
         mask_geometry: `(Bm, Hm, Mq, Mk, block_q, block_k)` of the mask (ignored for dense).
 
     Returns:
@@ -149,20 +159,27 @@ def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float):
     out = new_output(q.shape, q.dtype, q.device)
     lse = new_output((B, Hq, Nq), torch.float32, q.device)
     if dense:
-        index = [torch.zeros(2, dtype=torch.int32, device=q.device)] * 5
         block_q, block_k = cfg.block_m, cfg.block_n
+        plan = SplitPlan.none(q.device)
+        full_off, full_idx, part_off, part_idx, items, chunks, slots = [plan.dummy] * 7
         grid = (triton.cdiv(Nq, cfg.block_m) * B * Hq,)
     else:
-        grid = (Mq * (block_q // cfg.block_m) * B * Hq,)
+        full_off, full_idx, part_off, part_idx, items, chunks, slots, split, slot_list = index
+        plan = SplitPlan(items, split, slot_list, B, Hq, Bm, Hm, block_q, D)
+        grid = (items.shape[2] * (block_q // cfg.block_m) * B * Hq,)
     _attn_fwd_kernel[grid](
-        q, k, v, out, lse, *index,
+        q, k, v, out, lse, plan.out_part, plan.lse_part,
+        full_off, full_idx, part_off, part_idx, items, chunks, slots,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         Hq, B * Hq, Hq // Hkv, Nq, Nk,
-        Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0,
+        Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0, *plan.item_strides,
+        *plan.copy_strides, plan.copies,
         scale * LOG2E,
         HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         MASK_BLOCK_Q=block_q, MASK_BLOCK_K=block_k,
         CAUSAL=causal, DENSE=dense, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if plan.num_split:
+        merge_split_rows(plan, chunks, slots, out, lse, Mq, heads=Hq, groups=1)
     return out, lse
