@@ -87,11 +87,11 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    split = False
+    col0 = 0
+    num_chunks = 1
     if not DENSE:
         col0 = b * mask_stride_b + hk * groups * mask_stride_h + j  # the group's first head plans the chunks
         num_chunks = tl.load(ColChunks + col0)
-        split = num_chunks > 1
     for g in range(0, groups):  # every query head that shares this KV head
         h = hk * groups + g
         Qh = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
@@ -135,7 +135,7 @@ def _attn_bwd_dkdv_kernel(
                 start_m = next_m
 
     dk = dk * sm_scale
-    if split:
+    if num_chunks > 1:
         # One chunk of a split column: the merge pass sums the chunks.
         slot = (tl.load(ColSlots + col0) + chunk) * copies + b * copy_stride_b + hk * copy_stride_h
         rows = slot.to(tl.int64) * MASK_BLOCK_K + (tile % (MASK_BLOCK_K // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -220,6 +220,8 @@ def _attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     if DENSE:
+        row = 0
+        num_chunks = 1
         n_full = Nk // BLOCK_N
         n_end = tl.cdiv(Nk, BLOCK_N)
         if CAUSAL:
@@ -250,10 +252,7 @@ def _attn_bwd_dq_kernel(
             start_n = next_n
 
     dq = dq * sm_scale
-    split = False
-    if not DENSE:
-        split = num_chunks > 1
-    if split:
+    if num_chunks > 1:
         # One chunk of a split row: the merge pass sums the chunks.
         slot = (tl.load(RowSlots + row) + chunk) * copies + b * copy_stride_b + h * copy_stride_h
         rows = slot.to(tl.int64) * MASK_BLOCK_Q + (tile % (MASK_BLOCK_Q // BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)

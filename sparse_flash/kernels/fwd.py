@@ -88,6 +88,8 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     if DENSE:
+        row = 0
+        num_chunks = 1
         # Every key tile, no index loads: tiles wholly before the diagonal (and the tail) run unmasked.
         n_full = Nk // BLOCK_N
         n_end = tl.cdiv(Nk, BLOCK_N)
@@ -123,10 +125,7 @@ def _attn_fwd_kernel(
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    split = False
-    if not DENSE:
-        split = num_chunks > 1
-    if split:
+    if num_chunks > 1:
         # One chunk of a split row: the merge pass combines the chunks' (out, lse) pairs.
         slot = (tl.load(RowSlots + row) + chunk) * copies + b * copy_stride_b + h * copy_stride_h
         rows = slot.to(tl.int64) * MASK_BLOCK_Q + (tile % (MASK_BLOCK_Q // BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)
