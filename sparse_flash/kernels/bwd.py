@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, chunk_range, dot_precision, list_tile_start, load_unmasked_rows, schedule
+from .common import LOG2E, chunk_range, chunk_scratch_rows, dot_precision, list_tile_start, load_unmasked_rows, schedule
 from .configs import block_d, bwd_config
 from .memory import new_output
 from .split import SplitPlan, merge_split_rows
@@ -137,9 +137,8 @@ def _attn_bwd_dkdv_kernel(
     dk = dk * sm_scale
     if num_chunks > 1:
         # One chunk of a split column: the merge pass sums the chunks.
-        slot = (tl.load(ColSlots + col0) + chunk) * copies + b * copy_stride_b + hk * copy_stride_h
-        rows = slot.to(tl.int64) * MASK_BLOCK_K + (tile % (MASK_BLOCK_K // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
-        keep = tl.arange(0, BLOCK_N) < tl.where(valid, BLOCK_N, 0)  # (BLOCK_N,): padding programs store nothing
+        rows, keep = chunk_scratch_rows(ColSlots, col0, chunk, copies, b * copy_stride_b + hk * copy_stride_h, tile,
+                                        valid, MASK_BLOCK_K, BLOCK_N)
         tl.store(DKPart + rows[:, None] * BLOCK_D + offs_d[None, :], dk, mask=keep[:, None])
         tl.store(DVPart + rows[:, None] * BLOCK_D + offs_d[None, :], dv, mask=keep[:, None])
     else:
@@ -254,9 +253,8 @@ def _attn_bwd_dq_kernel(
     dq = dq * sm_scale
     if num_chunks > 1:
         # One chunk of a split row: the merge pass sums the chunks.
-        slot = (tl.load(RowSlots + row) + chunk) * copies + b * copy_stride_b + h * copy_stride_h
-        rows = slot.to(tl.int64) * MASK_BLOCK_Q + (tile % (MASK_BLOCK_Q // BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)
-        keep = tl.arange(0, BLOCK_M) < tl.where(valid, BLOCK_M, 0)  # (BLOCK_M,): padding programs store nothing
+        rows, keep = chunk_scratch_rows(RowSlots, row, chunk, copies, b * copy_stride_b + h * copy_stride_h, tile,
+                                        valid, MASK_BLOCK_Q, BLOCK_M)
         tl.store(DQPart + rows[:, None] * BLOCK_D + offs_d[None, :], dq, mask=keep[:, None])
     else:
         tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + offs_m[:, None] * stride_dqm

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, chunk_range, dot_precision, list_tile_start, load_unmasked_rows, schedule
+from .common import LOG2E, chunk_range, chunk_scratch_rows, dot_precision, list_tile_start, load_unmasked_rows, schedule
 from .configs import block_d, fwd_config
 from .memory import new_output
 from .split import SplitPlan, merge_split_rows
@@ -127,9 +127,8 @@ def _attn_fwd_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     if num_chunks > 1:
         # One chunk of a split row: the merge pass combines the chunks' (out, lse) pairs.
-        slot = (tl.load(RowSlots + row) + chunk) * copies + b * copy_stride_b + h * copy_stride_h
-        rows = slot.to(tl.int64) * MASK_BLOCK_Q + (tile % (MASK_BLOCK_Q // BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)
-        keep = tl.arange(0, BLOCK_M) < tl.where(valid, BLOCK_M, 0)  # (BLOCK_M,): padding programs store nothing
+        rows, keep = chunk_scratch_rows(RowSlots, row, chunk, copies, b * copy_stride_b + h * copy_stride_h, tile,
+                                        valid, MASK_BLOCK_Q, BLOCK_M)
         tl.store(OutPart + rows[:, None] * BLOCK_D + offs_d[None, :], out, mask=keep[:, None])
         tl.store(LsePart + rows, lse, mask=keep)
     else:
