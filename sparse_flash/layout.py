@@ -2,9 +2,10 @@
 
 A BlockMask says, for every (batch, head, query block, key block), whether the block of the attention
 matrix is computed. It carries its block size and the real sequence lengths (the last block may be
-partial), and builds on demand the index lists that the kernels walk: for each query block the sorted
-key blocks of its row, and for each key block the sorted query blocks of its column, in compressed
-(CSR) form so that they take memory proportional to the number of nonzero blocks.
+partial), and builds the index lists that the kernels walk: for each query block the sorted key blocks of
+its row, and for each key block the sorted query blocks of its column, in compressed (CSR) form so that
+they take memory proportional to the number of nonzero blocks; and the work plans that say which program
+walks which list, or which chunk of a list much longer than the others.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ class BlockIndex(NamedTuple):
 class WorkPlan(NamedTuple):
     """Which program walks which part of each list, so that no single long list sets the running time.
 
-    A list longer than `chunk` blocks (a global row or column) is cut into `ceil(length / chunk)` nearly
-    equal chunks, each walked by its own program into a scratch slot; a merge pass combines the slots.
-    Programs start longest chunk first within each (batch, head).
+    A list longer than max(SPLIT_MIN_CHUNK, SPLIT_FACTOR x the mean length) blocks (a global row or
+    column) is cut into `ceil(length / chunk)` nearly equal chunks, at most SPLIT_MAX_CHUNKS, each walked
+    by its own program into a scratch slot; a merge pass combines the slots. Programs start longest chunk
+    first within each (batch, head).
 
     Attributes:
         items: int32 `(B|1, H|1, W, 2)`: the (block, chunk) walked by program rank w; block -1 pads heads
@@ -125,13 +127,14 @@ def _csr(rows: torch.Tensor, values: torch.Tensor, shape: tuple[int, int, int]) 
 
 SPLIT_MIN_CHUNK = 32  # lists up to this many blocks are never split
 SPLIT_FACTOR = 4  # ... nor lists up to this many times the mean length
+SPLIT_MAX_CHUNKS = 64  # more chunks add scratch memory but no parallelism that a GPU could use
 
 
 def _plan_work(counts: torch.Tensor, chunk: int) -> WorkPlan:
     """Programs for lists of `counts` (B, H, M) blocks: lists longer than `chunk` split, longest first."""
     B, H, M = counts.shape
     flat = counts.reshape(-1).long()
-    n = torch.where(flat > chunk, (flat + chunk - 1) // chunk, torch.ones_like(flat))  # chunks per list
+    n = torch.where(flat > chunk, torch.clamp((flat + chunk - 1) // chunk, max=SPLIT_MAX_CHUNKS), 1)  # chunks per list
     lists = torch.repeat_interleave(torch.arange(flat.numel(), device=flat.device), n)  # one entry per item
     starts = torch.cumsum(n, 0) - n
     chunk_id = torch.arange(lists.numel(), device=flat.device) - starts[lists]

@@ -183,13 +183,15 @@ def test_triton_backward_is_deterministic():
 
 @contextlib.contextmanager
 def split_every_list():
-    """Masks built in this context cut every list longer than 2 blocks into chunks of about 2 blocks,
-    so that the chunked programs and the merge pass run on every drawn problem."""
+    """Masks built in this context cut every list longer than 2 blocks into chunks of about 2 blocks, at
+    most 3 chunks (so longer lists get uneven chunks), so that the chunked programs and the merge pass run
+    on every drawn problem."""
     from sparse_flash import layout
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(layout, "SPLIT_MIN_CHUNK", 2)
         mp.setattr(layout, "SPLIT_FACTOR", 0)
+        mp.setattr(layout, "SPLIT_MAX_CHUNKS", 3)
         yield
 
 
@@ -225,3 +227,12 @@ def test_work_plan_splits_only_long_lists():
     assert torch.all(lengths[:-1] >= lengths[1:])  # longest first
     assert plan.slot_list.numel() == 16 and plan.slots[long_rows].tolist() == [0, 8]
     assert idx.col_plan.split.numel() == 2
+
+
+def test_work_plan_caps_chunks_per_list(monkeypatch):
+    from sparse_flash import layout
+
+    monkeypatch.setattr(layout, "SPLIT_MAX_CHUNKS", 3)
+    plan = masks.bigbird(128 * 256, 128, num_global_blocks=2, seed=0).kernel_index(False).row_plan
+    assert plan.chunks[plan.split.long()].tolist() == [3, 3]  # not 8: 256 blocks in chunks of 85 or 86
+    assert plan.slot_list.numel() == 6

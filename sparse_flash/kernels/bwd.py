@@ -279,14 +279,12 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
     Bm, Hm, Mq, Mk, block_q, block_k = mask_geometry
     cfg = bwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k, causal)
     if dense:
-        rows_plan = cols_plan = SplitPlan.none(q.device)
+        rows_plan = cols_plan = SplitPlan(q.device)
         row_index = col_index = [rows_plan.dummy] * 7
     else:
-        row_index, col_index = index[:7], index[9:16]
-        (*_, items, _, _), split, slot_list = row_index, index[7], index[8]
-        rows_plan = SplitPlan(items, split, slot_list, B, Hq, Bm, Hm, block_q, D, parts=1, with_lse=False)
-        (*_, items, _, _), split, slot_list = col_index, index[16], index[17]
-        cols_plan = SplitPlan(items, split, slot_list, B, Hkv, Bm, Hm, block_k, D, parts=2, with_lse=False)
+        row_index, col_index = index[:7], index[9:16]  # lists, items, chunks, slots
+        rows_plan = SplitPlan(q.device, (index[4], index[7], index[8]), B, Hq, Bm, Hm, block_q, D, parts=1)
+        cols_plan = SplitPlan(q.device, (index[13], index[16], index[17]), B, Hkv, Bm, Hm, block_k, D, parts=2)
     BLOCK_D = block_d(D)
     precision = dot_precision(q.dtype)
 

@@ -158,15 +158,15 @@ def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float):
     lse = new_output((B, Hq, Nq), torch.float32, q.device)
     if dense:
         block_q, block_k = cfg.block_m, cfg.block_n
-        plan = SplitPlan.none(q.device)
+        plan = SplitPlan(q.device)
         full_off, full_idx, part_off, part_idx, items, chunks, slots = [plan.dummy] * 7
         grid = (triton.cdiv(Nq, cfg.block_m) * B * Hq,)
     else:
         full_off, full_idx, part_off, part_idx, items, chunks, slots, split, slot_list = index
-        plan = SplitPlan(items, split, slot_list, B, Hq, Bm, Hm, block_q, D)
+        plan = SplitPlan(q.device, (items, split, slot_list), B, Hq, Bm, Hm, block_q, D, with_lse=True)
         grid = (items.shape[2] * (block_q // cfg.block_m) * B * Hq,)
     _attn_fwd_kernel[grid](
-        q, k, v, out, lse, plan.out_part, plan.lse_part,
+        q, k, v, out, lse, plan.parts[0], plan.lse_part,
         full_off, full_idx, part_off, part_idx, items, chunks, slots,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         Hq, B * Hq, Hq // Hkv, Nq, Nk,

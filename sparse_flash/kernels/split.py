@@ -23,7 +23,9 @@ class SplitPlan:
     """Launch parameters and scratch buffers for the split lists of one kernel launch.
 
     Args:
-        items, split, slot_list: from the mask's `WorkPlan`.
+        device: where the scratch lives.
+        plan: `(items, split, slot_list)` from the mask's `WorkPlan`, or None for the dense path (nothing
+            split, no items).
         batch, heads: of the tensor the launch writes (query heads for rows, KV heads for columns).
         mask_batch, mask_heads: the mask's `B|1, H|1`.
         mask_block: the mask's block size along the split lists' dimension.
@@ -32,34 +34,24 @@ class SplitPlan:
         with_lse: also keep a log-sum-exp per row (the forward).
     """
 
-    def __init__(self, items, split, slot_list, batch, heads, mask_batch, mask_heads, mask_block, head_dim,
-                 parts=1, with_lse=True):
-        self.device = items.device
-        self.dummy = torch.zeros(2, dtype=torch.int32, device=self.device)
+    def __init__(self, device, plan=None, batch=1, heads=1, mask_batch=1, mask_heads=1, mask_block=1, head_dim=1,
+                 parts=1, with_lse=False):
+        items, split, slot_list = plan if plan is not None else (None, None, None)
+        self.dummy = torch.zeros(2, dtype=torch.int32, device=device)
         self.split = split
-        self.num_split = split.shape[0]
-        self.item_strides = (items.stride(0) if mask_batch > 1 else 0, items.stride(1) if mask_heads > 1 else 0)
-        # copy index of (b, h) = b * copy_stride_b + h * copy_stride_h
+        self.num_split = 0 if split is None else split.shape[0]
+        self.item_strides = (0, 0) if items is None else (
+            items.stride(0) if mask_batch > 1 else 0, items.stride(1) if mask_heads > 1 else 0)
+        # copy index of (b, h) = b * copy_stride_b + h * copy_stride_h: one copy per (batch, head) sharing
+        # the mask's layout
         self.head_copies = heads if mask_heads == 1 else 1
         self.copies = (batch if mask_batch == 1 else 1) * self.head_copies
         self.copy_strides = (self.head_copies if mask_batch == 1 else 0, 1 if mask_heads == 1 else 0)
         self.mask_batch, self.mask_heads, self.mask_block = mask_batch, mask_heads, mask_block
-        rows = max(slot_list.shape[0] * self.copies, 1) * mask_block if self.num_split else 1
-        width = block_d(head_dim) if self.num_split else 1
-        self.parts = [new_output((rows, width), torch.float32, self.device) for _ in range(parts)]
-        self.out_part = self.parts[0]
-        self.lse_part = new_output((rows,), torch.float32, self.device) if with_lse else self.dummy
-
-    @classmethod
-    def none(cls, device) -> "SplitPlan":
-        """The plan of the dense path: nothing split."""
-        plan = cls.__new__(cls)
-        plan.device, plan.num_split = device, 0
-        plan.dummy = torch.zeros(2, dtype=torch.int32, device=device)
-        plan.item_strides, plan.copy_strides, plan.copies = (0, 0), (0, 0), 1
-        plan.parts = [torch.zeros(1, 1, dtype=torch.float32, device=device)] * 2
-        plan.out_part, plan.lse_part = plan.parts[0], torch.zeros(1, dtype=torch.float32, device=device)
-        return plan
+        rows, width = (slot_list.shape[0] * self.copies * mask_block, block_d(head_dim)) if self.num_split else (1, 1)
+        self.parts = [new_output((rows, width), torch.float32, device) for _ in range(parts)]
+        self.parts += self.parts[:1] * (2 - parts)  # launchers pass two parts to dK/dV, whatever the plan
+        self.lse_part = new_output((rows,), torch.float32, device) if with_lse else self.dummy
 
 
 @triton.jit
