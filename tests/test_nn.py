@@ -310,6 +310,28 @@ def test_new_mask_of_another_layout_does_not_recompile():
     assert counter.frame_count == 1
 
 
+@needs_triton
+def test_masks_with_and_without_split_lists_share_the_compiled_graph(monkeypatch):
+    """Work plans differ in their number of split lists (0 included); that count is a size torch.compile
+    never specialises, so one graph serves them all, and it matches eager."""
+    from sparse_flash import layout
+
+    monkeypatch.setattr(layout, "SPLIT_MIN_CHUNK", 2)  # split every list longer than two blocks
+    monkeypatch.setattr(layout, "SPLIT_FACTOR", 0)
+    model = TinyModel().to(DEVICE)
+    x = torch.randn(2, 160, 64, device=DEVICE)
+    compiled, counter = compile_counted(model)
+    splits = []
+    for seed, density in enumerate([0.9, 0.0, 0.3, 0.6]):
+        mask = masks.random(160, 32, density=density, seed=seed, device=DEVICE)
+        mask = mask | masks.local(160, 32, window=0, device=DEVICE)
+        splits.append(mask.kernel_index(True).row_plan.split.numel())
+        for ours, eager in zip(forward_backward(compiled, x, mask=mask), forward_backward(model, x, mask=mask)):
+            torch.testing.assert_close(ours, eager, atol=1e-5, rtol=1e-4)
+    assert 0 in splits and max(splits) > 0
+    assert counter.frame_count == 1
+
+
 # ------------------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
 def test_inductor_fullgraph_on_gpu():
