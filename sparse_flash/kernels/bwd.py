@@ -57,6 +57,23 @@ def _dkdv_tile(
 
 
 @triton.jit
+def _dkdv_list(
+    dk, dv, k, v, Q, DO, Lse, Delta, Idx, lo, hi, offs_n, offs_d, stride_qm, stride_dm, Nq, qk_scale,
+    HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_BLOCK_Q: tl.constexpr,
+):
+    """Add the query blocks of list entries [lo, hi) to a key tile's dK and dV; each mask block is SUB tiles."""
+    SUB: tl.constexpr = MASK_BLOCK_Q // BLOCK_M
+    start_m = list_tile_start(Idx, lo * SUB, hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
+    for t in range(lo * SUB, hi * SUB):
+        next_m = list_tile_start(Idx, t + 1, hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
+        dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, Lse, Delta, start_m, offs_n, offs_d, stride_qm, stride_dm, Nq,
+                            qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, MASKED, CAUSAL, DOT_PRECISION)
+        start_m = next_m
+    return dk, dv
+
+
+@triton.jit
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, DKPart, DVPart,
     ColFullOff, ColFullIdx, ColPartOff, ColPartIdx, ColItems, ColChunks, ColSlots,
@@ -118,21 +135,14 @@ def _attn_bwd_dkdv_kernel(
                                     stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, True, CAUSAL, DOT_PRECISION)
         else:
             # This program's chunk of every group head's column list (chunked like the first head's).
-            SUB: tl.constexpr = MASK_BLOCK_Q // BLOCK_M
             col = b * mask_stride_b + h * mask_stride_h + j
             full_lo, full_hi, part_lo, part_hi = chunk_range(ColFullOff, ColPartOff, col, chunk, num_chunks, valid)
-            start_m = list_tile_start(ColFullIdx, full_lo * SUB, full_hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
-            for t in range(full_lo * SUB, full_hi * SUB):
-                next_m = list_tile_start(ColFullIdx, t + 1, full_hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
-                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, Lseh, Deltah, start_m, offs_n, offs_d, stride_qm,
-                                    stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, False, CAUSAL, DOT_PRECISION)
-                start_m = next_m
-            start_m = list_tile_start(ColPartIdx, part_lo * SUB, part_hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
-            for t in range(part_lo * SUB, part_hi * SUB):
-                next_m = list_tile_start(ColPartIdx, t + 1, part_hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
-                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, Lseh, Deltah, start_m, offs_n, offs_d, stride_qm,
-                                    stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, True, CAUSAL, DOT_PRECISION)
-                start_m = next_m
+            dk, dv = _dkdv_list(dk, dv, k, v, Qh, DOh, Lseh, Deltah, ColFullIdx, full_lo, full_hi, offs_n, offs_d,
+                                stride_qm, stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, False, CAUSAL,
+                                DOT_PRECISION, MASK_BLOCK_Q)
+            dk, dv = _dkdv_list(dk, dv, k, v, Qh, DOh, Lseh, Deltah, ColPartIdx, part_lo, part_hi, offs_n, offs_d,
+                                stride_qm, stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, True, CAUSAL,
+                                DOT_PRECISION, MASK_BLOCK_Q)
 
     dk = dk * sm_scale
     if num_chunks > 1:
@@ -176,6 +186,23 @@ def _dq_tile(
     dp = tl.dot(do, vt, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
     ds = p * (dp - delta[:, None])  # (BLOCK_M, BLOCK_N)
     dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D)
+    return dq
+
+
+@triton.jit
+def _dq_list(
+    dq, q, do, lse, delta, K, V, Idx, lo, hi, offs_m, offs_n, offs_d, stride_kn, stride_vn, Nk, qk_scale,
+    HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MASK_BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Add the key blocks of list entries [lo, hi) to a query tile's dQ; each mask block is SUB tiles."""
+    SUB: tl.constexpr = MASK_BLOCK_K // BLOCK_N
+    start_n = list_tile_start(Idx, lo * SUB, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
+    for t in range(lo * SUB, hi * SUB):
+        next_n = list_tile_start(Idx, t + 1, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
+        dq = _dq_tile(dq, q, do, lse, delta, K, V, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn, Nk,
+                      qk_scale, HEAD_DIM, EVEN_D, MASKED, CAUSAL, DOT_PRECISION)
+        start_n = next_n
     return dq
 
 
@@ -233,22 +260,13 @@ def _attn_bwd_dq_kernel(
             dq = _dq_tile(dq, q, do, lse, delta, K, V, n * BLOCK_N, offs_m, offs_n, offs_d, stride_kn, stride_vn,
                           Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION)
     else:
-        SUB: tl.constexpr = MASK_BLOCK_K // BLOCK_N
         row = b * mask_stride_b + h * mask_stride_h + i
         num_chunks = tl.load(RowChunks + row)
         full_lo, full_hi, part_lo, part_hi = chunk_range(RowFullOff, RowPartOff, row, chunk, num_chunks, valid)
-        start_n = list_tile_start(RowFullIdx, full_lo * SUB, full_hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
-        for t in range(full_lo * SUB, full_hi * SUB):
-            next_n = list_tile_start(RowFullIdx, t + 1, full_hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
-            dq = _dq_tile(dq, q, do, lse, delta, K, V, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn,
-                          Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL, DOT_PRECISION)
-            start_n = next_n
-        start_n = list_tile_start(RowPartIdx, part_lo * SUB, part_hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
-        for t in range(part_lo * SUB, part_hi * SUB):
-            next_n = list_tile_start(RowPartIdx, t + 1, part_hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
-            dq = _dq_tile(dq, q, do, lse, delta, K, V, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn,
-                          Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION)
-            start_n = next_n
+        dq = _dq_list(dq, q, do, lse, delta, K, V, RowFullIdx, full_lo, full_hi, offs_m, offs_n, offs_d, stride_kn,
+                      stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL, DOT_PRECISION, MASK_BLOCK_K, BLOCK_N)
+        dq = _dq_list(dq, q, do, lse, delta, K, V, RowPartIdx, part_lo, part_hi, offs_m, offs_n, offs_d, stride_kn,
+                      stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION, MASK_BLOCK_K, BLOCK_N)
 
     dq = dq * sm_scale
     if num_chunks > 1:

@@ -55,6 +55,23 @@ def _fwd_tile(
 
 
 @triton.jit
+def _fwd_list(
+    acc, l_i, m_i, q, K, V, Idx, lo, hi, offs_m, offs_n, offs_d, stride_kn, stride_vn, Nk, qk_scale,
+    HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MASK_BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Fold the key blocks of list entries [lo, hi) into the softmax state; each mask block is SUB tiles."""
+    SUB: tl.constexpr = MASK_BLOCK_K // BLOCK_N
+    start_n = list_tile_start(Idx, lo * SUB, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
+    for t in range(lo * SUB, hi * SUB):
+        next_n = list_tile_start(Idx, t + 1, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn,
+                                  Nk, qk_scale, HEAD_DIM, EVEN_D, MASKED, CAUSAL, DOT_PRECISION)
+        start_n = next_n
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, OutPart, LsePart,
     RowFullOff, RowFullIdx, RowPartOff, RowPartIdx, RowItems, RowChunks, RowSlots,
@@ -104,22 +121,15 @@ def _attn_fwd_kernel(
                                       stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION)
     else:
         # Walk this program's chunk of the query block's row list; each mask block is SUB key tiles.
-        SUB: tl.constexpr = MASK_BLOCK_K // BLOCK_N
         row = b * mask_stride_b + h * mask_stride_h + i
         num_chunks = tl.load(RowChunks + row)
         full_lo, full_hi, part_lo, part_hi = chunk_range(RowFullOff, RowPartOff, row, chunk, num_chunks, valid)
-        start_n = list_tile_start(RowFullIdx, full_lo * SUB, full_hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
-        for t in range(full_lo * SUB, full_hi * SUB):
-            next_n = list_tile_start(RowFullIdx, t + 1, full_hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, start_n, offs_m, offs_n, offs_d, stride_kn,
-                                      stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL, DOT_PRECISION)
-            start_n = next_n
-        start_n = list_tile_start(RowPartIdx, part_lo * SUB, part_hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
-        for t in range(part_lo * SUB, part_hi * SUB):
-            next_n = list_tile_start(RowPartIdx, t + 1, part_hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, start_n, offs_m, offs_n, offs_d, stride_kn,
-                                      stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION)
-            start_n = next_n
+        acc, l_i, m_i = _fwd_list(acc, l_i, m_i, q, K, V, RowFullIdx, full_lo, full_hi, offs_m, offs_n, offs_d,
+                                  stride_kn, stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL, DOT_PRECISION,
+                                  MASK_BLOCK_K, BLOCK_N)
+        acc, l_i, m_i = _fwd_list(acc, l_i, m_i, q, K, V, RowPartIdx, part_lo, part_hi, offs_m, offs_n, offs_d,
+                                  stride_kn, stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION,
+                                  MASK_BLOCK_K, BLOCK_N)
 
     # Empty rows (no allowed key): output 0 and lse -inf, never 0/0.
     empty = l_i == 0.0
