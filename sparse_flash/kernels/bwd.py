@@ -1,11 +1,13 @@
 """Backward kernels: recompute P from q, k and the saved log-sum-exp, block by block.
 
-Two launches, no atomics, so gradients are deterministic:
+Two launches (plus merge passes for split lists), no atomics, so gradients are deterministic:
 1. `_attn_bwd_dq_kernel`: one program per (query tile, batch x head) first computes delta = rowsum(dO * O)
    for its rows and stores it, then walks its row lists, accumulating dQ.
 2. `_attn_bwd_dkdv_kernel`: one program per (key tile, batch x KV head) walks its key block's column lists
    of query blocks, for every query head sharing that KV head (GQA), accumulating dK and dV on chip; it
    reads the delta that launch 1 stored.
+A list that the mask's work plan splits gets one program per chunk; chunks write partial sums to scratch
+and `split.merge_split_rows` adds them up.
 """
 
 from __future__ import annotations

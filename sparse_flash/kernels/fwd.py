@@ -1,9 +1,10 @@
 """Forward kernel: FlashAttention over the nonzero blocks of a block mask.
 
-One program per (query tile, batch x head). It walks the key blocks of its row list, full blocks first in
-a loop with no element mask, then partial blocks (causal diagonal, sequence tails) with one. Online
-softmax runs in fp32 in the log2 domain (exp2, with the scale folded into `qk_scale`); O is accumulated on
-chip and written once with the log-sum-exp. Scores never leave the chip.
+One program per (query tile, batch x head), or per chunk of a row that the mask's work plan splits. It
+walks the key blocks of its row list, full blocks first in a loop with no element mask, then partial
+blocks (causal diagonal, sequence tails) with one. Online softmax runs in fp32 in the log2 domain (exp2,
+with the scale folded into `qk_scale`); O is accumulated on chip and written once with the log-sum-exp,
+or, for a chunk, written to scratch for the merge pass (`split.py`). Scores never leave the chip.
 """
 
 from __future__ import annotations
