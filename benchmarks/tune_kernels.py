@@ -3,7 +3,8 @@
 The winners go into `sparse_flash/kernels/configs.py` by hand (with the measurement in NOTES.md), so
 users get tuned kernels without autotuning at run time.
 
-    python benchmarks/tune_kernels.py --out results.json
+    python benchmarks/tune_kernels.py --out results.json               # tile defaults, B=4 H=16 N=4096
+    python benchmarks/tune_kernels.py --set rows --out results.json    # the benchmark's rows, best per row
 
 Candidates compile in parallel worker processes first (they share Triton's on-disk cache), then the main
 process times each one with `triton.testing.do_bench` on the same inputs.
@@ -27,14 +28,35 @@ BWD = [(32, 128, 128, 32, 4, 3), (64, 128, 128, 64, 8, 2), (32, 64, 64, 32, 4, 3
        (64, 64, 128, 32, 4, 3)]
 PROBLEMS = [("dense", False), ("dense", True), ("butterfly", False), ("bigbird", False)]
 HEAD_DIMS = (64, 128)
+# --set rows: (B, H, N, D, mask, causal) rows of bench_attention.py, each reported on its own
+ROWS = [(4, 16, 4096, 64, m, False) for m in ("butterfly", "random", "longformer")] + [
+    (4, 16, 4096, 128, m, False) for m in ("butterfly", "random", "bigbird")] + [
+    (4, 16, 4096, 128, "dense", True)] + [
+    (1, 16, 16384, 128, m, False) for m in ("butterfly", "random", "local", "bigbird")] + [
+    (1, 16, 16384, 128, "dense", True)] + [
+    (1, 8, 65536, 64, m, False) for m in ("butterfly", "random", "local")] + [(1, 8, 65536, 64, "dense", True)]
+ROW_FWD = [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 3), (64, 128, 4, 3),
+           (128, 64, 8, 4)]
+ROW_BWD = [(32, 64, 64, 32, 4, 3), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 2), (32, 128, 128, 32, 4, 3),
+           (64, 128, 128, 64, 8, 2), (64, 64, 64, 64, 4, 3)]
+
+
+def _mask(name, N):
+    from sparse_flash import masks
+
+    if name == "random":  # as in bench_attention.py: 10% plus the diagonal
+        return masks.random(N, 128, density=0.1, seed=0, device="cuda") | masks.local(N, 128, window=0, device="cuda")
+    if name == "local":
+        return masks.local(N, 128, window=4, device="cuda")
+    if name == "bigbird":
+        return masks.bigbird(N, 128, seed=0, device="cuda")
+    return getattr(masks, name)(N, 128, device="cuda")
 
 
 def _problem(name, causal, D, N=4096, B=4, H=16):
     import sparse_flash  # noqa: F401
-    from sparse_flash import masks
 
-    mask = {"dense": masks.dense, "butterfly": masks.butterfly,
-            "bigbird": lambda n, b, device: masks.bigbird(n, b, seed=0, device=device)}[name](N, 128, device="cuda")
+    mask = _mask(name, N)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
     return mask, q, k, v, do
@@ -49,13 +71,12 @@ def _patch(kind, cfg):
         bwd.bwd_config = lambda *a: configs.BwdConfig(*cfg)
 
 
-def _run_once(kind, cfg, name, causal, D):
-    import sparse_flash
+def _run_once(kind, cfg, name, causal, D, shape=None):
     from sparse_flash.kernels.bwd import attn_bwd
     from sparse_flash.kernels.fwd import attn_fwd
 
     _patch(kind, cfg)
-    mask, q, k, v, do = _problem(name, causal, D)
+    mask, q, k, v, do = _problem(name, causal, D, **(shape or {}))
     idx = mask.kernel_index(causal)
     rows, cols = idx.rows(), idx.cols()
     if mask.is_dense:
@@ -70,9 +91,8 @@ def _run_once(kind, cfg, name, causal, D):
 
 def _warm(job):
     """Compile one candidate in a worker (fills the shared Triton cache); returns an error or None."""
-    kind, cfg, name, causal, D = job
     try:
-        _run_once(kind, cfg, name, causal, D)()
+        _run_once(*job)()
         torch.cuda.synchronize()
         return None
     except Exception as e:
@@ -83,7 +103,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="tune.json")
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
+    parser.add_argument("--set", choices=("defaults", "rows"), default="defaults")
     args = parser.parse_args()
+    if args.set == "rows":
+        return tune_rows(args)
     from triton.testing import do_bench
 
     jobs = [(kind, cfg, name, causal, D) for kind, cands in (("fwd", FWD), ("bwd", BWD)) for cfg in cands
@@ -120,6 +143,48 @@ def main():
     for r in results:
         print(r["kind"], r["D"], r["mask"], "causal" if r["causal"] else "", r["cfg"], f"{r['ms']:.3f}" if "ms" in r else r["error"])
     print(json.dumps(best, indent=1))
+
+
+def tune_rows(args):
+    """Every candidate on every benchmark row; prints the best three per row against the current default."""
+    from triton.testing import do_bench
+
+    from sparse_flash.kernels import bwd, fwd
+
+    current = {"fwd": fwd.fwd_config, "bwd": bwd.bwd_config}
+    jobs = []
+    for B, H, N, D, name, causal in ROWS:
+        shape = {"B": B, "H": H, "N": N}
+        mask = _mask(name, N)
+        block = None if name == "dense" else 128
+        defaults = {"fwd": tuple(current["fwd"](D, torch.bfloat16, block, block, causal)),
+                    "bwd": tuple(current["bwd"](D, torch.bfloat16, block, block, causal))}
+        for kind, cands in (("fwd", ROW_FWD), ("bwd", ROW_BWD)):
+            for cfg in dict.fromkeys([defaults[kind], *cands]):
+                jobs.append(((kind, cfg, name, causal, D, shape), cfg == defaults[kind], mask.density))
+    with ProcessPoolExecutor(args.workers, mp_context=torch.multiprocessing.get_context("spawn")) as pool:
+        errors = list(pool.map(_warm, [j for j, _, _ in jobs]))
+    results = []
+    for (job, is_default, density), err in zip(jobs, errors):
+        kind, cfg, name, causal, D, shape = job
+        row = {"kind": kind, "cfg": list(cfg), "default": is_default, "mask": name, "causal": causal, "D": D,
+               **shape, "density": density}
+        if err:
+            row["error"] = err
+        else:
+            row["ms"] = do_bench(_run_once(*job), warmup=10, rep=50, return_mode="median")
+        results.append(row)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"{'kind':4} {'B,H,N,D':16} {'mask':10} {'default ms':>10}  best three (cfg, ms)")
+    for kind in ("fwd", "bwd"):
+        for B, H, N, D, name, causal in ROWS:
+            rs = [r for r in results if r["kind"] == kind and (r["B"], r["H"], r["N"], r["D"], r["mask"], r["causal"])
+                  == (B, H, N, D, name, causal) and "ms" in r]
+            base = next((r["ms"] for r in rs if r["default"]), float("nan"))
+            top = sorted(rs, key=lambda r: r["ms"])[:3]
+            print(f"{kind:4} {f'{B},{H},{N},{D}':16} {name + (' causal' if causal else ''):10} {base:10.3f}  "
+                  + "  ".join(f"{tuple(r['cfg'])} {r['ms']:.3f}" for r in top), flush=True)
 
 
 if __name__ == "__main__":

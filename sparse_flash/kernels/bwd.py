@@ -18,6 +18,7 @@ import triton.language as tl
 
 from .common import LOG2E, chunk_range, chunk_scratch_rows, dot_precision, list_tile_start, load_unmasked_rows, schedule
 from .configs import block_d, bwd_config
+from .launch import launch
 from .memory import new_output
 from .split import SplitPlan, merge_split_rows
 
@@ -312,17 +313,22 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
     dq = new_output(q.shape, q.dtype, q.device)
     q_bq, q_bk = (cfg.q_block_m, cfg.q_block_n) if dense else (block_q, block_k)
     q_items = triton.cdiv(Nq, cfg.q_block_m) if dense else row_index[4].shape[2] * (block_q // cfg.q_block_m)
-    _attn_bwd_dq_kernel[(q_items * B * Hq,)](
-        q, k, v, out, do, lse, delta, dq, rows_plan.parts[0], *row_index,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
-        Hq, B * Hq, Hq // Hkv, Nq, Nk,
-        Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0, *rows_plan.item_strides,
-        *rows_plan.copy_strides, rows_plan.copies,
-        scale * LOG2E, scale,
-        HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n,
-        MASK_BLOCK_Q=q_bq, MASK_BLOCK_K=q_bk,
-        CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    launch(
+        _attn_bwd_dq_kernel, (q_items * B * Hq,),
+        (
+            q, k, v, out, do, lse, delta, dq, rows_plan.parts[0], *row_index,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
+            Hq, B * Hq, Hq // Hkv, Nq, Nk,
+            Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0, *rows_plan.item_strides,
+            *rows_plan.copy_strides, rows_plan.copies,
+            scale * LOG2E, scale,
+        ),
+        dict(
+            HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n,
+            MASK_BLOCK_Q=q_bq, MASK_BLOCK_K=q_bk,
+            CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision,
+        ),
+        cfg.num_warps, cfg.num_stages,
     )
     if rows_plan.num_split:
         merge_split_rows(rows_plan, row_index[5], row_index[6], dq, None, Mq, heads=Hq, groups=1)
@@ -331,17 +337,22 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
     dv = new_output(v.shape, v.dtype, v.device)
     kv_bq, kv_bk = (cfg.kv_block_m, cfg.kv_block_n) if dense else (block_q, block_k)
     kv_items = triton.cdiv(Nk, cfg.kv_block_n) if dense else col_index[4].shape[2] * (block_k // cfg.kv_block_n)
-    _attn_bwd_dkdv_kernel[(kv_items * B * Hkv,)](
-        q, k, v, do, lse, delta, dk, dv, *cols_plan.parts[:2], *col_index,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-        Hq, Hkv, B * Hkv, Hq // Hkv, Nq, Nk,
-        Hm * Mk if Bm > 1 else 0, Mk if Hm > 1 else 0, *cols_plan.item_strides,
-        *cols_plan.copy_strides, cols_plan.copies,
-        scale * LOG2E, scale,
-        HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n,
-        MASK_BLOCK_Q=kv_bq, MASK_BLOCK_K=kv_bk,
-        CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    launch(
+        _attn_bwd_dkdv_kernel, (kv_items * B * Hkv,),
+        (
+            q, k, v, do, lse, delta, dk, dv, *cols_plan.parts[:2], *col_index,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+            Hq, Hkv, B * Hkv, Hq // Hkv, Nq, Nk,
+            Hm * Mk if Bm > 1 else 0, Mk if Hm > 1 else 0, *cols_plan.item_strides,
+            *cols_plan.copy_strides, cols_plan.copies,
+            scale * LOG2E, scale,
+        ),
+        dict(
+            HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n,
+            MASK_BLOCK_Q=kv_bq, MASK_BLOCK_K=kv_bk,
+            CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision,
+        ),
+        cfg.num_warps, cfg.num_stages,
     )
     if cols_plan.num_split:
         for part, grad in enumerate((dk, dv)):

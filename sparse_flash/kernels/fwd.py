@@ -15,6 +15,7 @@ import triton.language as tl
 
 from .common import LOG2E, chunk_range, chunk_scratch_rows, dot_precision, list_tile_start, load_unmasked_rows, schedule
 from .configs import block_d, fwd_config
+from .launch import launch
 from .memory import new_output
 from .split import SplitPlan, merge_split_rows
 
@@ -176,18 +177,23 @@ def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float):
         full_off, full_idx, part_off, part_idx, items, chunks, slots, split, slot_list = index
         plan = SplitPlan(q.device, (items, split, slot_list), B, Hq, Bm, Hm, block_q, D, with_lse=True)
         grid = (items.shape[2] * (block_q // cfg.block_m) * B * Hq,)
-    _attn_fwd_kernel[grid](
-        q, k, v, out, lse, plan.parts[0], plan.lse_part,
-        full_off, full_idx, part_off, part_idx, items, chunks, slots,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        Hq, B * Hq, Hq // Hkv, Nq, Nk,
-        Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0, *plan.item_strides,
-        *plan.copy_strides, plan.copies,
-        scale * LOG2E,
-        HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        MASK_BLOCK_Q=block_q, MASK_BLOCK_K=block_k,
-        CAUSAL=causal, DENSE=dense, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    launch(
+        _attn_fwd_kernel, grid,
+        (
+            q, k, v, out, lse, plan.parts[0], plan.lse_part,
+            full_off, full_idx, part_off, part_idx, items, chunks, slots,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            Hq, B * Hq, Hq // Hkv, Nq, Nk,
+            Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0, *plan.item_strides,
+            *plan.copy_strides, plan.copies,
+            scale * LOG2E,
+        ),
+        dict(
+            HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            MASK_BLOCK_Q=block_q, MASK_BLOCK_K=block_k,
+            CAUSAL=causal, DENSE=dense, DOT_PRECISION=dot_precision(q.dtype),
+        ),
+        cfg.num_warps, cfg.num_stages,
     )
     if plan.num_split:
         merge_split_rows(plan, chunks, slots, out, lse, Mq, heads=Hq, groups=1)

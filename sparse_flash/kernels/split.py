@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .configs import block_d, fit_tile
+from .launch import launch
 from .memory import new_output
 
 
@@ -37,7 +38,7 @@ class SplitPlan:
     def __init__(self, device, plan=None, batch=1, heads=1, mask_batch=1, mask_heads=1, mask_block=1, head_dim=1,
                  parts=1, with_lse=False):
         items, split, slot_list = plan if plan is not None else (None, None, None)
-        self.dummy = torch.zeros(2, dtype=torch.int32, device=device)
+        self.dummy = placeholder(device, torch.int32)
         self.split = split
         self.num_split = 0 if split is None else split.shape[0]
         self.item_strides = (0, 0) if items is None else (
@@ -48,10 +49,26 @@ class SplitPlan:
         self.copies = (batch if mask_batch == 1 else 1) * self.head_copies
         self.copy_strides = (self.head_copies if mask_batch == 1 else 0, 1 if mask_heads == 1 else 0)
         self.mask_batch, self.mask_heads, self.mask_block = mask_batch, mask_heads, mask_block
-        rows, width = (slot_list.shape[0] * self.copies * mask_block, block_d(head_dim)) if self.num_split else (1, 1)
-        self.parts = [new_output((rows, width), torch.float32, device) for _ in range(parts)]
-        self.parts += self.parts[:1] * (2 - parts)  # launchers pass two parts to dK/dV, whatever the plan
-        self.lse_part = new_output((rows,), torch.float32, device) if with_lse else self.dummy
+        if self.num_split:
+            rows, width = slot_list.shape[0] * self.copies * mask_block, block_d(head_dim)
+            self.parts = [new_output((rows, width), torch.float32, device) for _ in range(parts)]
+            self.parts += self.parts[:1] * (2 - parts)  # launchers pass two parts to dK/dV, whatever the plan
+            self.lse_part = new_output((rows,), torch.float32, device) if with_lse else self.dummy
+        else:  # no chunk program stores anything: placeholders keep the kernels' signatures
+            self.parts = [placeholder(device, torch.float32)] * 2
+            self.lse_part = self.parts[0]
+
+
+_PLACEHOLDERS: dict = {}
+
+
+def placeholder(device, dtype: torch.dtype) -> torch.Tensor:
+    """A tiny tensor, allocated once per device and dtype, for pointer arguments a launch never touches."""
+    key = (device, dtype)
+    t = _PLACEHOLDERS.get(key)
+    if t is None:
+        t = _PLACEHOLDERS[key] = torch.zeros(2, dtype=dtype, device=device)
+    return t
 
 
 @triton.jit
@@ -118,10 +135,15 @@ def merge_split_rows(plan: SplitPlan, chunks, slots, dst, dst_lse, num_blocks: i
     N, D = dst.shape[2], dst.shape[3]
     block_m = fit_tile(64, plan.mask_block)
     with_lse = dst_lse is not None
-    _merge_kernel[(plan.num_split * plan.copies * (plan.mask_block // block_m),)](
-        plan.parts[part], plan.lse_part, dst, dst_lse if with_lse else plan.dummy, plan.split, chunks, slots,
-        *dst.stride()[:3],
-        heads, groups, num_blocks, N, plan.copies, plan.head_copies, plan.mask_batch, plan.mask_heads,
-        HEAD_DIM=D, BLOCK_D=block_d(D), MASK_BLOCK=plan.mask_block, BLOCK_M=block_m, WITH_LSE=with_lse,
-        num_warps=4,
+    launch(
+        _merge_kernel, (plan.num_split * plan.copies * (plan.mask_block // block_m),),
+        (
+            plan.parts[part], plan.lse_part, dst, dst_lse if with_lse else plan.dummy, plan.split, chunks, slots,
+            *dst.stride()[:3],
+            heads, groups, num_blocks, N, plan.copies, plan.head_copies, plan.mask_batch, plan.mask_heads,
+        ),
+        dict(
+            HEAD_DIM=D, BLOCK_D=block_d(D), MASK_BLOCK=plan.mask_block, BLOCK_M=block_m, WITH_LSE=with_lse,
+        ),
+        4, 3,
     )

@@ -1,0 +1,96 @@
+"""Host time of one attention call, per layer, with and without the cached direct launch.
+
+A small problem (B=1, H=2, N=1024) keeps the GPU idle between launches, so the loop time per call is the
+host time. Prints microseconds per call for each layer (launcher, API forward, API forward+backward) in
+both launch modes and for FlexAttention (compiled), then a cProfile of the API forward+backward.
+
+    python benchmarks/host_overhead.py --out host.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+
+import torch
+
+import sparse_flash
+from sparse_flash import masks
+from sparse_flash.kernels.bwd import attn_bwd
+from sparse_flash.kernels.fwd import attn_fwd
+from sparse_flash.kernels.launch import set_fast_launch
+
+
+def host_us(step, reps=300) -> float:
+    for _ in range(20):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        step()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / reps * 1e6
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="host.json")
+    args = parser.parse_args()
+    from torch.nn.attention.flex_attention import flex_attention
+
+    B, H, N, D = 1, 2, 1024, 64
+    mask = masks.butterfly(N, 128, device="cuda")
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    do = torch.randn_like(q)
+    idx = mask.kernel_index(False)
+    rows, cols = idx.rows(), idx.cols()
+    geom = [*mask.shape, *mask.block_size]
+    out, lse = attn_fwd(q.detach(), k.detach(), v.detach(), rows, geom, False, 0.125)
+    x = torch.empty(10, device="cuda")
+
+    def api():
+        return sparse_flash.block_sparse_attention(q, k, v, mask, backend="triton")
+
+    def api_no_grad():
+        with torch.no_grad():
+            return api()
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    fm = mask.to_flex(False, eager_exact=False)
+    steps = {
+        "tiny torch kernel": lambda: x.add_(1),
+        "launcher fwd": lambda: attn_fwd(q, k, v, rows, geom, False, 0.125),
+        "launcher bwd": lambda: attn_bwd(do, q, k, v, out, lse, rows + cols, geom, False, 0.125),
+        "api fwd no_grad": api_no_grad,
+        "api fwd+bwd": lambda: api().backward(do),
+        "autograd only": lambda: (q * 1).backward(do),
+    }
+    results = {}
+    for fast in (False, True):
+        set_fast_launch(fast)
+        for name, step in steps.items():
+            results[f"{name} (fast launch {'on' if fast else 'off'})"] = host_us(step)
+    results["flex fwd no_grad"] = host_us(lambda: flex(q.detach(), k.detach(), v.detach(), block_mask=fm))
+    results["flex fwd+bwd"] = host_us(lambda: flex(q, k, v, block_mask=fm).backward(do))
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(100):
+        api().backward(do)
+    pr.disable()
+    torch.cuda.synchronize()
+    sio = io.StringIO()
+    pstats.Stats(pr, stream=sio).sort_stats("tottime").print_stats(30)
+    with open(args.out, "w") as f:
+        json.dump({"us_per_call": results, "cprofile": sio.getvalue()}, f, indent=1)
+    print(sio.getvalue())
+    for name, us in results.items():
+        print(f"{name:36} {us:8.1f} us")
+
+
+if __name__ == "__main__":
+    main()

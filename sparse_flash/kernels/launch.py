@@ -1,0 +1,90 @@
+"""Kernel launches with a per-call host cost of a few microseconds.
+
+`kernel[grid](...)` re-derives Triton's specialisation of every argument on each call (alignment of each
+pointer, divisibility and size of each integer), builds a cache key from it and prepares launch-hook
+metadata. With 40-odd arguments that costs tens of microseconds per launch, more than the kernels of a
+small problem take on the GPU. `launch` keeps the compiled kernel of each exact argument signature (the
+value of every integer argument, the dtype and 16-byte alignment of every pointer, the constexprs and the
+launch options) and calls it directly; anything new goes through Triton's normal path once, which compiles
+or finds the kernel and returns it for the cache. Under the interpreter, and while a Triton launch hook is
+installed (profilers), every call takes the normal path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_CACHE: dict = {}
+_CACHE_LIMIT = 1024  # exact signatures kept; a training loop uses a handful
+_ENABLED = [os.environ.get("SPARSE_FLASH_FAST_LAUNCH", "1") != "0"]
+
+
+def set_fast_launch(enabled: bool) -> bool:
+    """Turn the cached direct launch on or off (benchmarks compare both); returns the previous setting."""
+    previous = _ENABLED[0]
+    _ENABLED[0] = bool(enabled)
+    return previous
+
+
+def _arg_key(a):
+    """What Triton specialises a runtime argument on: an int's value, a tensor's dtype and alignment."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() & 15)
+    if isinstance(a, float):
+        return float  # floats are not specialised
+    return a  # ints (value: Triton specialises on ==1, divisibility by 16 and 32/64-bit range), bools, None
+
+
+def _hooks_installed() -> bool:
+    from triton import knobs
+
+    hook = knobs.runtime.launch_enter_hook
+    return bool(getattr(hook, "calls", hook)) or bool(getattr(knobs.runtime.launch_exit_hook, "calls", None))
+
+
+def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int) -> None:
+    """Launch `kernel` on a 1-D `grid` with positional runtime `args` followed by `constexprs`.
+
+    `constexprs` must name the kernel's constexpr parameters, which follow its runtime parameters, in
+    signature order (their values are passed positionally to the compiled kernel).
+    """
+    if _ENABLED[0] and not _interpreting():
+        key = (id(kernel), num_warps, num_stages, _current_device(), tuple(constexprs.values()),
+               *map(_arg_key, args))
+        compiled = _CACHE.get(key)
+        if compiled is not None and not _hooks_installed():
+            compiled.run(grid[0], 1, 1, _current_stream(), compiled.function, compiled.packed_metadata, None, None, None,
+                         *args, *constexprs.values())
+            return
+        compiled = kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        if hasattr(compiled, "result"):  # a compile still in flight
+            compiled = compiled.result()
+        if hasattr(compiled, "packed_metadata"):
+            _check_order(kernel, len(args), constexprs)
+            if len(_CACHE) >= _CACHE_LIMIT:
+                _CACHE.clear()
+            _CACHE[key] = compiled
+        return
+    kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+
+
+def _check_order(kernel, n_args: int, constexprs: dict) -> None:
+    """The direct call passes every parameter positionally: the constexprs must follow the runtime ones."""
+    names = list(kernel.arg_names)
+    if names[n_args:] != list(constexprs):
+        raise TypeError(f"{kernel.__name__}: constexprs must be its last parameters in order {names[n_args:]}, "
+                        f"got {list(constexprs)}")
+
+
+def _current_device() -> int:
+    return torch.cuda.current_device()
+
+
+def _current_stream() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,0 +1,88 @@
+"""The cached direct launch: same signature -> direct call; anything Triton specialises on -> normal path."""
+
+import pytest
+import torch
+
+from sparse_flash.kernels import launch as launch_mod
+
+
+class FakeCompiled:
+    packed_metadata = object()
+    function = "fn"
+
+    def __init__(self, log):
+        self.log = log
+
+    def run(self, *args):
+        self.log.append(("direct", args))
+
+
+class FakeKernel:
+    """Stands in for a JITFunction: `kernel[grid](*args, **kw)` records a normal launch."""
+
+    arg_names = ["X", "n", "scale", "BLOCK", "FLAG"]
+    __name__ = "fake_kernel"
+
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            self.log.append(("normal", grid, args, kw))
+            return FakeCompiled(self.log)
+        return run
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    monkeypatch.setattr(launch_mod, "_interpreting", lambda: False)
+    monkeypatch.setattr(launch_mod, "_current_device", lambda: 0)
+    monkeypatch.setattr(launch_mod, "_current_stream", lambda: 7)
+    monkeypatch.setattr(launch_mod, "_hooks_installed", lambda: False)
+    monkeypatch.setattr(launch_mod, "_CACHE", {})
+    previous = launch_mod.set_fast_launch(True)
+    yield
+    launch_mod.set_fast_launch(previous)
+
+
+def kinds(kernel):
+    return [entry[0] for entry in kernel.log]
+
+
+def test_repeat_call_goes_direct_with_constexprs_in_order(fast):
+    kernel, x = FakeKernel(), torch.zeros(64)
+    for scale in (0.5, 0.25):  # floats are not part of the signature
+        launch_mod.launch(kernel, (3,), (x, 32, scale), {"BLOCK": 16, "FLAG": True}, 4, 3)
+    assert kinds(kernel) == ["normal", "direct"]
+    assert kernel.log[0][3] == {"BLOCK": 16, "FLAG": True, "num_warps": 4, "num_stages": 3}
+    _, direct = kernel.log[1]
+    assert direct[:4] == (3, 1, 1, 7)
+    assert direct[7:] == (None, None, x, 32, 0.25, 16, True)  # no launch hooks, then args, then constexprs
+
+
+@pytest.mark.parametrize("change", ["int value", "alignment", "dtype", "constexpr", "warps", "disabled", "hook"])
+def test_anything_triton_specialises_on_takes_the_normal_path(fast, monkeypatch, change):
+    kernel, x = FakeKernel(), torch.zeros(64)
+    args, cx, warps = (x, 32, 1.0), {"BLOCK": 16, "FLAG": True}, 4
+    launch_mod.launch(kernel, (1,), args, cx, warps, 3)
+    if change == "int value":
+        args = (x, 1, 1.0)  # Triton turns an int equal to 1 into a constant
+    elif change == "alignment":
+        args = (x[1:], 32, 1.0)  # 4 bytes off a 16-byte boundary
+    elif change == "dtype":
+        args = (x.half(), 32, 1.0)
+    elif change == "constexpr":
+        cx = {"BLOCK": 32, "FLAG": True}
+    elif change == "warps":
+        warps = 8
+    elif change == "disabled":
+        launch_mod.set_fast_launch(False)
+    elif change == "hook":
+        monkeypatch.setattr(launch_mod, "_hooks_installed", lambda: True)
+    launch_mod.launch(kernel, (1,), args, cx, warps, 3)
+    assert kinds(kernel) == ["normal", "normal"]
+
+
+def test_constexprs_out_of_order_are_refused(fast):
+    with pytest.raises(TypeError, match="constexprs must be its last parameters"):
+        launch_mod.launch(FakeKernel(), (1,), (torch.zeros(4), 2, 1.0), {"FLAG": True, "BLOCK": 16}, 4, 3)
