@@ -49,7 +49,7 @@ def main():
     do = torch.randn_like(q)
     idx = mask.kernel_index(False)
     rows, cols = idx.rows(), idx.cols()
-    geom = [*mask.shape, *mask.block_size]
+    geom = [*mask.shape, *mask.block_size, int(mask.has_long_lists(False))]
     out, lse = attn_fwd(q.detach(), k.detach(), v.detach(), rows, geom, False, 0.125)
     x = torch.empty(10, device="cuda")
 

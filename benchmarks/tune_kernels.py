@@ -81,7 +81,7 @@ def _run_once(kind, cfg, name, causal, D, shape=None):
     rows, cols = idx.rows(), idx.cols()
     if mask.is_dense:
         rows, cols = [], []
-    geom = [*mask.shape, *mask.block_size]
+    geom = [*mask.shape, *mask.block_size, int(mask.has_long_lists(causal))]
     scale = D**-0.5
     if kind == "fwd":
         return lambda: attn_fwd(q, k, v, rows, geom, causal, scale)
@@ -157,8 +157,8 @@ def tune_rows(args):
         shape = {"B": B, "H": H, "N": N}
         mask = _mask(name, N)
         block = None if name == "dense" else 128
-        defaults = {"fwd": tuple(current["fwd"](D, torch.bfloat16, block, block, causal)),
-                    "bwd": tuple(current["bwd"](D, torch.bfloat16, block, block, causal))}
+        defaults = {"fwd": tuple(current["fwd"](D, torch.bfloat16, block, block, causal, N)),
+                    "bwd": tuple(current["bwd"](D, torch.bfloat16, block, block, causal, mask.has_long_lists(causal)))}
         for kind, cands in (("fwd", ROW_FWD), ("bwd", ROW_BWD)):
             for cfg in dict.fromkeys([defaults[kind], *cands]):
                 jobs.append(((kind, cfg, name, causal, D, shape), cfg == defaults[kind], mask.density))

@@ -128,6 +128,7 @@ def _csr(rows: torch.Tensor, values: torch.Tensor, shape: tuple[int, int, int]) 
 SPLIT_MIN_CHUNK = 32  # lists up to this many blocks are never split
 SPLIT_FACTOR = 4  # ... nor lists up to this many times the mean length
 SPLIT_MAX_CHUNKS = 64  # more chunks add scratch memory but no parallelism that a GPU could use
+LONG_LIST_BLOCKS = 16  # rows averaging this many live blocks or more count as long (kernels pick wider tiles)
 
 
 def _plan_work(counts: torch.Tensor, chunk: int) -> WorkPlan:
@@ -157,10 +158,21 @@ def _plan_work(counts: torch.Tensor, chunk: int) -> WorkPlan:
     return plan
 
 
-def _chunk_size(*counts: torch.Tensor) -> list[int]:
-    """The split threshold of each count tensor: max(SPLIT_MIN_CHUNK, SPLIT_FACTOR x mean list length)."""
-    totals = torch.stack([c.sum() for c in counts]).tolist()  # one host sync for all
-    return [max(SPLIT_MIN_CHUNK, math.ceil(SPLIT_FACTOR * total / c.numel())) for total, c in zip(totals, counts)]
+def _causal_blocks(Mq: int, Mk: int, bq: int, bk: int, seq_len_q: int) -> int:
+    """Blocks of a full Mq x Mk layout that hold a causal pair (key <= query): per query block i, the key
+    blocks starting at or before its last query."""
+    q_last = torch.clamp(torch.arange(1, Mq + 1) * bq, max=seq_len_q) - 1
+    return int(torch.clamp(q_last // bk + 1, max=Mk).sum())
+
+
+def _list_totals(*counts: torch.Tensor) -> list[int]:
+    """Total length of the lists of each count tensor, with one host sync for all."""
+    return torch.stack([c.sum() for c in counts]).tolist()
+
+
+def _chunk_size(total: int, num_lists: int) -> int:
+    """The split threshold of lists: max(SPLIT_MIN_CHUNK, SPLIT_FACTOR x their mean length)."""
+    return max(SPLIT_MIN_CHUNK, math.ceil(SPLIT_FACTOR * total / num_lists))
 
 
 class BlockMask:
@@ -267,6 +279,20 @@ class BlockMask:
         """True when every block is on: attention runs the dense path, which loads no indices."""
         return self._is_dense
 
+    @property
+    def covers_causal(self) -> bool:
+        """True if the layout holds every block in which some key precedes some query (key <= query).
+
+        With `causal=True` such a mask (the causal mask itself, or any superset of it) allows exactly the
+        causal pairs, so the triton backend runs its dense causal path, which loads no index lists.
+        """
+        return self._covers_causal
+
+    def has_long_lists(self, causal: bool = False) -> bool:
+        """True if the rows walked by an attention call with this `causal` flag average at least
+        `LONG_LIST_BLOCKS` blocks; the kernels then use wider tiles."""
+        return self._long_lists[bool(causal)]
+
     # ------------------------------------------------------------------ conversions
     def to(self, device) -> "BlockMask":
         """The same mask with its layout on `device` (index lists are rebuilt there on first use)."""
@@ -355,7 +381,7 @@ class BlockMask:
         k_last = torch.clamp(k_first + bk, max=self.seq_len_k) - 1
         # A block touching a sequence tail needs bounds masks on its loads and scores.
         tail = (q_first + bq > self.seq_len_q) | (k_first + bk > self.seq_len_k)
-        self._index = {}
+        self._index, self._long_lists = {}, {}
         for causal in (False, True):
             live = k_first <= q_last if causal else torch.ones_like(tail)  # holds an allowed pair
             partial = tail | (k_last > q_first) if causal else tail  # some key lies after some query
@@ -370,7 +396,12 @@ class BlockMask:
             self._index[("row", causal)], self._index[("col", causal)] = rows_live, cols_live
             row_full, col_full = rows_cols(live & ~partial)
             row_part, col_part = rows_cols(live & partial)
-            row_chunk, col_chunk = _chunk_size(rows_live.counts, cols_live.counts)
+            row_total, col_total = _list_totals(rows_live.counts, cols_live.counts)
+            row_chunk, col_chunk = _chunk_size(row_total, B * H * Mq), _chunk_size(col_total, B * H * Mk)
+            # Python bools, like is_dense: torch.compile guards on them, not on counts
+            self._long_lists[causal] = row_total >= LONG_LIST_BLOCKS * B * H * Mq
+            if causal:
+                self._covers_causal = row_total == B * H * _causal_blocks(Mq, Mk, bq, bk, self.seq_len_q)
             self._index[("kernel", causal)] = KernelIndex(
                 row_full, row_part, col_full, col_part,
                 _plan_work(rows_live.counts, row_chunk), _plan_work(cols_live.counts, col_chunk),

@@ -236,3 +236,21 @@ def test_work_plan_caps_chunks_per_list(monkeypatch):
     plan = masks.bigbird(128 * 256, 128, num_global_blocks=2, seed=0).kernel_index(False).row_plan
     assert plan.chunks[plan.split.long()].tolist() == [3, 3]  # not 8: 256 blocks in chunks of 85 or 86
     assert plan.slot_list.numel() == 6
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", ["causal", "causal | local", "causal, 16x32 blocks", "local"])
+def test_masks_covering_causal_take_the_dense_causal_path(monkeypatch, kind):
+    """With causal=True, a mask holding every block with a causal pair computes what the all-ones mask
+    does; the kernels then walk the dense causal path and load no index lists."""
+    from sparse_flash.kernels import function
+
+    seen, real = [], function.attn_fwd
+    monkeypatch.setattr(function, "attn_fwd", lambda q, k, v, index, *a: seen.append(len(index)) or real(q, k, v, index, *a))
+    n = 150
+    mask = {"causal": masks.causal(n, 32), "causal | local": masks.causal(n, 32) | masks.local(n, 32, window=1),
+            "causal, 16x32 blocks": masks.causal(n, (16, 32)), "local": masks.local(n, 32, window=1)}[kind]
+    q, k, v = make_qkv(1, 2, 2, n, n, 32, dtype=torch.float32, device=DEVICE, seed=3)
+    result = compare_to_reference(q, k, v, mask.to(DEVICE), causal=True, backend="triton")
+    assert not result.failures(), result.failures()
+    assert seen and all((length == 0) == (kind != "local") for length in seen)

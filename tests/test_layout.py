@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sparse_flash import BlockMask, masks
+from sparse_flash.layout import LONG_LIST_BLOCKS
 
 
 @st.composite
@@ -17,10 +18,16 @@ def layouts(draw):
     Mq, Mk = draw(st.integers(1, 9)), draw(st.integers(1, 9))
     bq, bk = draw(st.sampled_from([16, 32, 48])), draw(st.sampled_from([16, 64]))
     seed = draw(st.integers(0, 10_000))
-    density = draw(st.sampled_from([0.0, 0.3, 0.7, 1.0]))
-    layout = torch.rand(B, H, Mq, Mk, generator=torch.Generator().manual_seed(seed)) < density
+    density = draw(st.sampled_from([0.0, 0.3, 0.7, 1.0, "causal"]))
     Nq = draw(st.integers((Mq - 1) * bq + 1, Mq * bq))
     Nk = draw(st.integers((Mk - 1) * bk + 1, Mk * bk))
+    if density == "causal":  # every block holding a pair key <= query, plus random others
+        tril = torch.ones(Nq, Nk, dtype=torch.bool).tril()
+        pairs = torch.stack([torch.stack([tril[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].any() for j in range(Mk)])
+                             for i in range(Mq)])
+        layout = pairs | (torch.rand(B, H, Mq, Mk, generator=torch.Generator().manual_seed(seed)) < 0.3)
+    else:
+        layout = torch.rand(B, H, Mq, Mk, generator=torch.Generator().manual_seed(seed)) < density
     return BlockMask.from_layout(layout, (bq, bk), seq_len_q=Nq, seq_len_k=Nk)
 
 
@@ -56,6 +63,8 @@ def test_index_lists_agree_with_layout(m, causal):
     kidx = m.kernel_index(causal)
     row_full, row_part = lists_from_index(kidx.row_full), lists_from_index(kidx.row_partial)
     col_full, col_part = lists_from_index(kidx.col_full), lists_from_index(kidx.col_partial)
+    assert m.has_long_lists(causal) == (sum(map(len, rows)) >= LONG_LIST_BLOCKS * B * H * Mq)
+    covered = True
     assert m.row_index(causal).counts.shape == (B, H, Mq)
     assert m.col_index(causal).counts.shape == (B, H, Mk)
     for b in range(B):
@@ -69,12 +78,27 @@ def test_index_lists_agree_with_layout(m, causal):
                 for j in row_full[r]:  # a full block needs no element mask and no bounds
                     assert block_elems[j].all() and block_elems[j].shape == (bq, bk)
                 assert int(m.row_index(causal).counts[b, h, i]) == len(live)
+                if causal:
+                    pairs = [j for j in range(Mk) if tril[i * bq : (i + 1) * bq, j * bk : (j + 1) * bk].any()]
+                    covered &= set(pairs) <= set(live)
             for j in range(Mk):
                 c = (b * H + h) * Mk + j
                 live = [i for i in range(Mq) if elem[b, h, i * bq : (i + 1) * bq, j * bk : (j + 1) * bk].any()]
                 assert cols[c] == live
                 assert sorted(col_full[c] + col_part[c]) == live
                 assert set(col_full[c]) == {i for i in live if j in row_full[(b * H + h) * Mq + i]}
+    if causal:
+        assert m.covers_causal == covered
+
+
+def test_long_lists_and_causal_cover():
+    n = 16 * 20  # 20 blocks of 16
+    assert masks.dense(n, 16).has_long_lists() and not masks.local(n, 16, window=2).has_long_lists()
+    assert masks.dense(n, 16).has_long_lists(True) is False  # causal rows average 10.5 blocks
+    assert masks.causal(n, 16).covers_causal and masks.dense(n, 16).covers_causal
+    assert (masks.causal(n, 16) | masks.local(n, 16, window=1)).covers_causal
+    assert not masks.local(n, 16, window=3).covers_causal
+    assert masks.causal(n, (16, 32)).covers_causal  # any block shape: it holds every block with a causal pair
 
 
 def test_index_memory_is_proportional_to_nonzero_blocks():

@@ -289,7 +289,7 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
         do, q, out: `(B, Hq, Nq, D)`; k, v: `(B, Hkv, Nk, D)`; last dimension contiguous.
         lse: float32 `(B, Hq, Nq)` from the forward.
         index: `KernelIndex.rows() + KernelIndex.cols()` (18 tensors), or `[]` for dense.
-        mask_geometry: `(Bm, Hm, Mq, Mk, block_q, block_k)` of the mask (ignored for dense).
+        mask_geometry: `(Bm, Hm, Mq, Mk, block_q, block_k, long_lists)` of the mask (ignored for dense).
 
     Returns:
         `(dq, dk, dv)` shaped and typed like q, k and v.
@@ -297,8 +297,8 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     dense = len(index) == 0
-    Bm, Hm, Mq, Mk, block_q, block_k = mask_geometry
-    cfg = bwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k, causal)
+    Bm, Hm, Mq, Mk, block_q, block_k, long_lists = mask_geometry
+    cfg = bwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k, causal, bool(long_lists))
     if dense:
         rows_plan = cols_plan = SplitPlan(q.device)
         row_index = col_index = [rows_plan.dummy] * 7

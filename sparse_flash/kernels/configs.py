@@ -49,20 +49,26 @@ def block_d(head_dim: int) -> int:
     return max(MIN_TILE, 1 << (head_dim - 1).bit_length())
 
 
+LONG_CAUSAL = 16384  # dense causal problems at least this long use the wide forward tiles at D <= 64
+
+
 def fwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: int | None,
-               causal: bool = False) -> FwdConfig:
+               causal: bool = False, seq_len_q: int = 0) -> FwdConfig:
     """Forward tiles for one problem; `block_q`/`block_k` are the mask's (None for the dense path).
 
-    Measured on an H200 (bf16, B=4, H=16, N=4096; benchmarks/NOTES.md): the dense non-causal path wants
-    the largest tiles, causal and sparse rows (short, uneven lists) smaller ones.
+    Measured on an H200 (bf16; benchmarks/NOTES.md): the dense non-causal path wants the largest tiles;
+    sparse rows (short, uneven lists) 64 x 64. Dense causal: 128 x 128 at D = 128 (3% over 64 x 64 at
+    16,384 tokens), and at D = 64 128 x 64 from 16,384 tokens on (7% at 65,536), 64 x 64 below.
     """
     d = block_d(head_dim)
     dense = block_q is None
     if d <= 64:
-        m, n, warps, stages = (128, 64, 8, 3) if dense and not causal else (64, 64, 4, 3)
+        if dense and (not causal or seq_len_q >= LONG_CAUSAL):
+            m, n, warps, stages = (128, 64, 8, 3) if not causal else (128, 64, 4, 3)
+        else:
+            m, n, warps, stages = 64, 64, 4, 3
     elif d <= 128:
-        # Sparse rows: 64-row tiles give a long (global) row two programs, which halves the critical path.
-        m, n, warps, stages = (128, 128, 8, 3) if dense and not causal else (64, 64, 4, 3)
+        m, n, warps, stages = (128, 128, 8, 3) if dense else (64, 64, 4, 3)
     else:
         m, n, warps, stages = 64, 32, 4, 2
     if dtype == torch.float32:  # twice the bytes per element: smaller tiles and a shallower pipeline
@@ -73,18 +79,26 @@ def fwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
 
 
 def bwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: int | None,
-               causal: bool = False) -> BwdConfig:
+               causal: bool = False, long_lists: bool = False) -> BwdConfig:
     """Backward tiles for one problem; `block_q`/`block_k` are the mask's (None for the dense path).
 
-    Dense problems: 64 x 64 tiles with 4 warps won at D = 64 and 128. Sparse rows run 5-10% faster with
-    32-row inner steps and three stages at D = 64, and with 128-row dK/dV and dQ tiles, 8 warps and three
+    Dense problems: 64 x 64 tiles with 4 warps won at D = 64 and 128 (three stages when causal at D = 64,
+    5% at 65,536 tokens; 128-row tiles and 8 warps when causal at D = 128, 3% at 16,384). Sparse rows run
+    5-10% faster with 32-row inner steps and three stages at D = 64 (128-row dK/dV and dQ tiles when the
+    lists are long: 8% on 10% random at 65,536), and with 128-row dK/dV and dQ tiles, 8 warps and three
     stages at D = 128 (H200, bf16; benchmarks/NOTES.md).
     """
     d = block_d(head_dim)
-    if d <= 64 and block_q is not None:  # sparse, small heads: thinner inner tiles, deeper pipeline
-        kv_m, kv_n, q_m, q_n, warps, stages = 32, 64, 64, 32, 4, 3
+    dense = block_q is None
+    if d <= 64 and not dense:  # sparse, small heads: thinner inner tiles, deeper pipeline
+        kv_m, kv_n, q_m, q_n, warps, stages = (32, 128, 128, 32, 4, 3) if long_lists else (32, 64, 64, 32, 4, 3)
+    elif d <= 64:
+        kv_m, kv_n, q_m, q_n, warps, stages = 64, 64, 64, 64, 4, (3 if causal else 2)
     elif d <= 128:
-        kv_m, kv_n, q_m, q_n, warps, stages = (64, 64, 64, 64, 4, 2) if block_q is None else (64, 128, 128, 64, 8, 3)
+        if dense and not causal:
+            kv_m, kv_n, q_m, q_n, warps, stages = 64, 64, 64, 64, 4, 2
+        else:
+            kv_m, kv_n, q_m, q_n, warps, stages = 64, 128, 128, 64, 8, 3
     else:
         kv_m, kv_n, q_m, q_n, warps, stages = 16, 64, 64, 16, 4, 2
     if dtype == torch.float32:

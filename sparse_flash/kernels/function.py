@@ -37,10 +37,13 @@ class BlockSparseAttentionFunction(torch.autograd.Function):
         ctx.n_index = len(row_index)
         ctx.mask_geometry, ctx.causal, ctx.scale = mask_geometry, causal, scale
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # lse has no gradient: no zero tensor for it on every backward
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if dout is None:
+            return (None,) * 8
         q, k, v, out, lse, *index = ctx.saved_tensors
         bwd = attn_bwd if _plain(dout) else attn_bwd_op
         dq, dk, dv = bwd(_last_dim_contiguous(dout), q, k, v, out, lse, index, ctx.mask_geometry, ctx.causal, ctx.scale)
@@ -54,16 +57,17 @@ def attention_triton(q, k, v, mask: BlockMask | None, *, causal: bool, scale: fl
     Returns `(out, lse)`.
     """
     if mask is None:
-        row_index, col_index, geometry = [], [], [1, 1, 1, 1, 1, 1]
+        row_index, col_index, geometry = [], [], [1, 1, 1, 1, 1, 1, 0]
     else:
         bq, bk = mask.block_size
         if bq % 16 or bk % 16:
             raise ValueError(f"the triton backend needs mask block sizes that are multiples of 16, got {mask.block_size}")
         idx = mask.kernel_index(causal)
         row_index, col_index = idx.rows(), idx.cols()
-        if mask.is_dense:  # the all-ones mask: walk every block without loading indices
+        if mask.is_dense or (causal and mask.covers_causal):
+            # Every block the call can reach is in the mask: walk them all without loading indices.
             row_index, col_index = [], []
-        geometry = [*mask.shape, bq, bk]
+        geometry = [*mask.shape, bq, bk, int(mask.has_long_lists(causal))]
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) and _plain(q):
         # Inference: no graph to record, so no autograd.Function either.
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))

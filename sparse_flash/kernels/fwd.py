@@ -156,7 +156,7 @@ def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float):
     Args:
         q: `(B, Hq, Nq, D)`; k, v: `(B, Hkv, Nk, D)`; last dimension contiguous.
         index: `KernelIndex.rows()` (full and partial row lists, then the work plan), or `[]` for dense.
-        mask_geometry: `(Bm, Hm, Mq, Mk, block_q, block_k)` of the mask (ignored for dense).
+        mask_geometry: `(Bm, Hm, Mq, Mk, block_q, block_k, long_lists)` of the mask (ignored for dense).
 
     Returns:
         `(out, lse)`: out like q, lse float32 `(B, Hq, Nq)` natural log.
@@ -164,8 +164,8 @@ def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float):
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     dense = len(index) == 0
-    Bm, Hm, Mq, Mk, block_q, block_k = mask_geometry
-    cfg = fwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k, causal)
+    Bm, Hm, Mq, Mk, block_q, block_k, long_lists = mask_geometry
+    cfg = fwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k, causal, Nq)
     out = new_output(q.shape, q.dtype, q.device)
     lse = new_output((B, Hq, Nq), torch.float32, q.device)
     if dense:

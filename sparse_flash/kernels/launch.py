@@ -28,20 +28,14 @@ def set_fast_launch(enabled: bool) -> bool:
     return previous
 
 
-def _arg_key(a):
-    """What Triton specialises a runtime argument on: an int's value, a tensor's dtype and alignment."""
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() & 15)
-    if isinstance(a, float):
-        return float  # floats are not specialised
-    return a  # ints (value: Triton specialises on ==1, divisibility by 16 and 32/64-bit range), bools, None
-
-
 def _hooks_installed() -> bool:
-    from triton import knobs
-
-    hook = knobs.runtime.launch_enter_hook
-    return bool(getattr(hook, "calls", hook)) or bool(getattr(knobs.runtime.launch_exit_hook, "calls", None))
+    """A launch hook (a profiler) is installed: it must see every launch, so the normal path runs."""
+    try:
+        from triton import knobs
+    except ImportError:  # a Triton without knobs: never skip its launch path
+        return True
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter)) or bool(getattr(leave, "calls", leave))
 
 
 def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int) -> None:
@@ -51,8 +45,11 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
     signature order (their values are passed positionally to the compiled kernel).
     """
     if _ENABLED[0] and not _interpreting():
-        key = (id(kernel), num_warps, num_stages, _current_device(), tuple(constexprs.values()),
-               *map(_arg_key, args))
+        # What Triton specialises a runtime argument on: a tensor's dtype and 16-byte alignment, an int's
+        # value (it checks == 1, divisibility by 16 and the 32/64-bit range); floats it does not.
+        key = (id(kernel), num_warps, num_stages, _current_device(), *constexprs.values(),
+               *[(a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor) else (float if type(a) is float else a)
+                 for a in args])
         compiled = _CACHE.get(key)
         if compiled is not None and not _hooks_installed():
             compiled.run(grid[0], 1, 1, _current_stream(), compiled.function, compiled.packed_metadata, None, None, None,
@@ -83,7 +80,7 @@ def _current_device() -> int:
 
 
 def _current_stream() -> int:
-    return torch.cuda.current_stream().cuda_stream
+    return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())  # what Triton's launcher uses
 
 
 def _interpreting() -> bool:
