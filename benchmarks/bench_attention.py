@@ -1,7 +1,9 @@
 """Side-by-side attention benchmark on one CUDA GPU: sparse_flash against FlexAttention and SDPA.
 
 Every competitor runs in the same process on the same inputs and masks, timed the same way
-(`triton.testing.do_bench`, median after warm-up). Effective TFLOP/s count only the nonzero blocks:
+(`triton.testing.do_bench`, median after warm-up). sparse_flash and FlexAttention are each timed twice per
+row, in opposite orders, and the faster median counts, so neither pays for running first after a new mask
+(compilation, an idle GPU). Effective TFLOP/s count only the nonzero blocks:
 forward 4·B·H·N²·D·density, forward+backward 3.5x that (backward = 2.5x forward).
 
     python benchmarks/bench_attention.py                 # the full table (about 10 minutes on an H200)
@@ -142,26 +144,39 @@ def run_rows(shapes, mask_names, dtypes, log) -> list[dict]:
                         ref = comp.flex_attention(q, k, v, mask, causal)
                 except Exception:  # flex's row reports its own error below
                     ref = torch.full_like(q, float("nan"))
-                for impl, fn in impls.items():
-                    for mode in ("fwd", "fwd+bwd"):
-                        if impl == "sdpa_bool_mask" and mode == "fwd+bwd":
-                            continue
-                        row = {"B": B, "Hq": Hq, "Hkv": Hkv, "N": N, "D": D, "dtype": str(dtype).replace("torch.", ""),
-                               "mask": mname, "causal": causal, "density": density, "impl": impl, "mode": mode}
-                        try:
-                            if mode == "fwd":
-                                with torch.no_grad():
+                # sparse_flash and flex run twice, in opposite orders, and keep the faster median: whichever
+                # runs first after a new mask (compiles, idle GPU) would otherwise pay for it.
+                tasks = [(impl, mode) for impl in impls for mode in ("fwd", "fwd+bwd")
+                         if not (impl == "sdpa_bool_mask" and mode == "fwd+bwd")]
+                tasks += [t for t in reversed(tasks) if t[0] in ("sparse_flash", "flex")]
+                done = {}
+                for impl, mode in tasks:
+                    fn = impls[impl]
+                    row = done.get((impl, mode))
+                    if row is None:
+                        row = done[(impl, mode)] = {
+                            "B": B, "Hq": Hq, "Hkv": Hkv, "N": N, "D": D, "dtype": str(dtype).replace("torch.", ""),
+                            "mask": mname, "causal": causal, "density": density, "impl": impl, "mode": mode,
+                            "runs_ms": []}
+                        rows.append(row)
+                    elif "error" in row:
+                        continue
+                    try:
+                        if mode == "fwd":
+                            with torch.no_grad():
+                                if "max_diff_vs_flex" not in row:
                                     out = fn(q, k, v, mask, causal)
                                     row["max_diff_vs_flex"] = float((out.float() - ref.float()).abs().max())
-                                    row["ms"] = bench(lambda: fn(q, k, v, mask, causal))
-                            else:
-                                row["ms"] = bench(lambda: fn(q, k, v, mask, causal), grad_of=[q, k, v])
-                            flops = 4 * B * Hq * N * N * D * density * (3.5 if mode == "fwd+bwd" else 1.0)
-                            row["tflops"] = flops / row["ms"] / 1e9
-                        except Exception as e:  # a competitor that cannot run this row says why
-                            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                            torch.cuda.empty_cache()
-                        rows.append(row)
+                                row["runs_ms"].append(bench(lambda: fn(q, k, v, mask, causal)))
+                        else:
+                            row["runs_ms"].append(bench(lambda: fn(q, k, v, mask, causal), grad_of=[q, k, v]))
+                        row["ms"] = min(row["runs_ms"])
+                        flops = 4 * B * Hq * N * N * D * density * (3.5 if mode == "fwd+bwd" else 1.0)
+                        row["tflops"] = flops / row["ms"] / 1e9
+                    except Exception as e:  # a competitor that cannot run this row says why
+                        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                        torch.cuda.empty_cache()
+                    if len(row["runs_ms"]) == (2 if impl in ("sparse_flash", "flex") else 1) or "error" in row:
                         log(row)
                 del mask
             del q, k, v

@@ -5,6 +5,7 @@ users get tuned kernels without autotuning at run time.
 
     python benchmarks/tune_kernels.py --out results.json               # tile defaults, B=4 H=16 N=4096
     python benchmarks/tune_kernels.py --set rows --out results.json    # the benchmark's rows, best per row
+    python benchmarks/tune_kernels.py --set bwd-passes --out r.json    # dQ and dK/dV pass settings, each alone
 
 Candidates compile in parallel worker processes first (they share Triton's on-disk cache), then the main
 process times each one with `triton.testing.do_bench` on the same inputs.
@@ -103,10 +104,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="tune.json")
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
-    parser.add_argument("--set", choices=("defaults", "rows"), default="defaults")
+    parser.add_argument("--set", choices=("defaults", "rows", "bwd-passes"), default="defaults")
     args = parser.parse_args()
     if args.set == "rows":
         return tune_rows(args)
+    if args.set == "bwd-passes":
+        return tune_bwd_passes(args)
     from triton.testing import do_bench
 
     jobs = [(kind, cfg, name, causal, D) for kind, cands in (("fwd", FWD), ("bwd", BWD)) for cfg in cands
@@ -185,6 +188,61 @@ def tune_rows(args):
             top = sorted(rs, key=lambda r: r["ms"])[:3]
             print(f"{kind:4} {f'{B},{H},{N},{D}':16} {name + (' causal' if causal else ''):10} {base:10.3f}  "
                   + "  ".join(f"{tuple(r['cfg'])} {r['ms']:.3f}" for r in top), flush=True)
+
+
+# --set bwd-passes: the dQ pass (q_block_m, q_block_n, warps, stages) and the dK/dV pass (kv_block_m,
+# kv_block_n, warps, stages) varied one at a time, the other pass held at its default
+PASS_ROWS = [(4, 16, 4096, 128, m, False) for m in ("butterfly", "random", "local")] + [
+    (1, 16, 16384, 128, m, False) for m in ("butterfly", "random")] + [
+    (4, 16, 4096, 64, m, False) for m in ("butterfly", "random")] + [(1, 8, 65536, 64, "butterfly", False)]
+DQ_PASS = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3), (64, 64, 4, 2),
+           (128, 32, 4, 3)]
+DKDV_PASS = [(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 3),
+             (64, 128, 4, 3)]
+
+
+def tune_bwd_passes(args):
+    """Each backward pass's settings alone; prints the best three per pass and row against the default."""
+    from triton.testing import do_bench
+
+    from sparse_flash.kernels import bwd
+
+    current = bwd.bwd_config
+    jobs = []
+    for B, H, N, D, name, causal in PASS_ROWS:
+        shape = {"B": B, "H": H, "N": N}
+        mask = _mask(name, N)
+        kv_m, kv_n, q_m, q_n, warps, stages, *_ = current(D, torch.bfloat16, 128, 128, causal,
+                                                          mask.has_long_lists(causal))
+        for q_pass in dict.fromkeys([(q_m, q_n, warps, stages), *DQ_PASS]):
+            cfg = (kv_m, kv_n, q_pass[0], q_pass[1], warps, stages, q_pass[2], q_pass[3])
+            jobs.append((("bwd", cfg, name, causal, D, shape), "dq", q_pass, q_pass == (q_m, q_n, warps, stages)))
+        for kv_pass in dict.fromkeys([(kv_m, kv_n, warps, stages), *DKDV_PASS]):
+            cfg = (kv_pass[0], kv_pass[1], q_m, q_n, kv_pass[2], kv_pass[3], warps, stages)
+            jobs.append((("bwd", cfg, name, causal, D, shape), "dkdv", kv_pass, kv_pass == (kv_m, kv_n, warps, stages)))
+    with ProcessPoolExecutor(args.workers, mp_context=torch.multiprocessing.get_context("spawn")) as pool:
+        errors = list(pool.map(_warm, [j for j, *_ in jobs]))
+    results = []
+    for (job, which, setting, is_default), err in zip(jobs, errors):
+        _, cfg, name, causal, D, shape = job
+        row = {"pass": which, "setting": list(setting), "cfg": list(cfg), "default": is_default, "mask": name,
+               "D": D, **shape}
+        if err:
+            row["error"] = err
+        else:
+            row["ms"] = do_bench(_run_once(*job), warmup=10, rep=50, return_mode="median")
+        results.append(row)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"{'pass':4} {'B,H,N,D':16} {'mask':10} {'default ms':>10}  best three (setting, ms)")
+    for which in ("dq", "dkdv"):
+        for B, H, N, D, name, causal in PASS_ROWS:
+            rs = [r for r in results if r["pass"] == which and (r["B"], r["H"], r["N"], r["D"], r["mask"])
+                  == (B, H, N, D, name) and "ms" in r]
+            base = next((r["ms"] for r in rs if r["default"]), float("nan"))
+            top = sorted(rs, key=lambda r: r["ms"])[:3]
+            print(f"{which:4} {f'{B},{H},{N},{D}':16} {name:10} {base:10.3f}  "
+                  + "  ".join(f"{tuple(r['setting'])} {r['ms']:.3f}" for r in top), flush=True)
 
 
 if __name__ == "__main__":

@@ -328,7 +328,7 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
             MASK_BLOCK_Q=q_bq, MASK_BLOCK_K=q_bk,
             CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision,
         ),
-        cfg.num_warps, cfg.num_stages,
+        cfg.dq_warps or cfg.num_warps, cfg.dq_stages or cfg.num_stages,
     )
     if rows_plan.num_split:
         merge_split_rows(rows_plan, row_index[5], row_index[6], dq, None, Mq, heads=Hq, groups=1)

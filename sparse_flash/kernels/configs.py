@@ -26,6 +26,8 @@ class BwdConfig(NamedTuple):
     q_block_n: int  # dQ pass: key columns per inner step
     num_warps: int
     num_stages: int
+    dq_warps: int = 0  # the dQ pass's own warps and stages; 0: the same as the dK/dV pass
+    dq_stages: int = 0
 
 
 MIN_TILE = 16  # tl.dot needs every dimension to be at least 16
