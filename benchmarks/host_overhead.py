@@ -14,7 +14,6 @@ import cProfile
 import io
 import json
 import pstats
-import time
 
 import torch
 
@@ -23,18 +22,7 @@ from sparse_flash import masks
 from sparse_flash.kernels.bwd import attn_bwd
 from sparse_flash.kernels.fwd import attn_fwd
 from sparse_flash.kernels.launch import set_fast_launch
-
-
-def host_us(step, reps=300) -> float:
-    for _ in range(20):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        step()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / reps * 1e6
+from profile_rows import host_us
 
 
 def main():
@@ -74,9 +62,9 @@ def main():
     for fast in (False, True):
         set_fast_launch(fast)
         for name, step in steps.items():
-            results[f"{name} (fast launch {'on' if fast else 'off'})"] = host_us(step)
-    results["flex fwd no_grad"] = host_us(lambda: flex(q.detach(), k.detach(), v.detach(), block_mask=fm))
-    results["flex fwd+bwd"] = host_us(lambda: flex(q, k, v, block_mask=fm).backward(do))
+            results[f"{name} (fast launch {'on' if fast else 'off'})"] = host_us(step, reps=300, warmup=20)
+    results["flex fwd no_grad"] = host_us(lambda: flex(q.detach(), k.detach(), v.detach(), block_mask=fm), 300, 20)
+    results["flex fwd+bwd"] = host_us(lambda: flex(q, k, v, block_mask=fm).backward(do), 300, 20)
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(100):

@@ -16,22 +16,12 @@ import time
 import torch
 
 import sparse_flash
-from sparse_flash import masks
+from bench_attention import build_mask  # the benchmark's masks (run from the repository root)
 
 ROWS = [  # (B, H, N, D, mask)
     (4, 16, 4096, 64, "butterfly"), (4, 16, 4096, 64, "random"), (4, 16, 4096, 64, "local"),
     (4, 16, 4096, 128, "butterfly"), (4, 16, 4096, 128, "random"), (1, 16, 16384, 128, "bigbird"),
 ]
-
-
-def build(name, n):
-    if name == "random":
-        return masks.random(n, 128, density=0.1, seed=0, device="cuda") | masks.local(n, 128, window=0, device="cuda")
-    if name == "local":
-        return masks.local(n, 128, window=4, device="cuda")
-    if name == "bigbird":
-        return masks.bigbird(n, 128, seed=0, device="cuda")
-    return getattr(masks, name)(n, 128, device="cuda")
 
 
 def kernel_us(step, reps=10) -> float:
@@ -47,8 +37,10 @@ def kernel_us(step, reps=10) -> float:
     return sum(e.self_device_time_total for e in prof.key_averages()) / reps
 
 
-def host_us(step, reps=30) -> float:
+def host_us(step, reps=30, warmup=0) -> float:
     """Host time per call while the GPU queue absorbs the launches."""
+    for _ in range(warmup):
+        step()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(reps):
@@ -74,7 +66,7 @@ def main():
     flex = torch.compile(flex_attention, dynamic=False)
     results = []
     for B, H, N, D, name in ROWS:
-        mask = build(name, N)
+        mask = build_mask(name, N, "cuda")[0]
         fm = mask.to_flex(False, eager_exact=False)
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()

@@ -43,15 +43,10 @@ ROW_BWD = [(32, 64, 64, 32, 4, 3), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4,
 
 
 def _mask(name, N):
-    from sparse_flash import masks
+    """The benchmark's mask of that name ("dense" is the all-ones mask, for either causal flag)."""
+    from bench_attention import build_mask
 
-    if name == "random":  # as in bench_attention.py: 10% plus the diagonal
-        return masks.random(N, 128, density=0.1, seed=0, device="cuda") | masks.local(N, 128, window=0, device="cuda")
-    if name == "local":
-        return masks.local(N, 128, window=4, device="cuda")
-    if name == "bigbird":
-        return masks.bigbird(N, 128, seed=0, device="cuda")
-    return getattr(masks, name)(N, 128, device="cuda")
+    return build_mask(name, N, "cuda")[0]
 
 
 def _problem(name, causal, D, N=4096, B=4, H=16):
@@ -110,24 +105,10 @@ def main():
         return tune_rows(args)
     if args.set == "bwd-passes":
         return tune_bwd_passes(args)
-    from triton.testing import do_bench
-
     jobs = [(kind, cfg, name, causal, D) for kind, cands in (("fwd", FWD), ("bwd", BWD)) for cfg in cands
             for name, causal in PROBLEMS for D in HEAD_DIMS]
-    with ProcessPoolExecutor(args.workers, mp_context=torch.multiprocessing.get_context("spawn")) as pool:
-        errors = dict(zip(jobs, pool.map(_warm, jobs)))
-    results = []
-    for job in jobs:
-        kind, cfg, name, causal, D = job
-        row = {"kind": kind, "cfg": cfg, "mask": name, "causal": causal, "D": D}
-        if errors[job]:
-            row["error"] = errors[job]
-        else:
-            try:
-                row["ms"] = do_bench(_run_once(*job), warmup=10, rep=40, return_mode="median")
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {e}"[:200]
-        results.append(row)
+    results = [{"kind": kind, "cfg": cfg, "mask": name, "causal": causal, "D": D, **t}
+               for (kind, cfg, name, causal, D), t in zip(jobs, _compile_and_time(jobs, args.workers))]
     best = {}
     for kind in ("fwd", "bwd"):
         for D in HEAD_DIMS:
@@ -148,10 +129,38 @@ def main():
     print(json.dumps(best, indent=1))
 
 
-def tune_rows(args):
-    """Every candidate on every benchmark row; prints the best three per row against the current default."""
+def _compile_and_time(jobs, workers) -> list[dict]:
+    """Compile every job in worker processes (they share Triton's cache), then time each here: {"ms"} or
+    {"error"} per job."""
     from triton.testing import do_bench
 
+    with ProcessPoolExecutor(workers, mp_context=torch.multiprocessing.get_context("spawn")) as pool:
+        errors = list(pool.map(_warm, jobs))
+    timed = []
+    for job, err in zip(jobs, errors):
+        try:
+            timed.append({"error": err} if err else
+                         {"ms": do_bench(_run_once(*job), warmup=10, rep=50, return_mode="median")})
+        except Exception as e:
+            timed.append({"error": f"{type(e).__name__}: {e}"[:200]})
+    return timed
+
+
+def _print_best(results, label, groups, kinds, name_of) -> None:
+    """Per (kind, problem): the default's time and the best three candidates."""
+    print(f"{label:4} {'B,H,N,D':16} {'mask':10} {'default ms':>10}  best three ({name_of}, ms)")
+    for kind in kinds:
+        for B, H, N, D, name, causal in groups:
+            rs = [r for r in results if r[label] == kind and (r["B"], r["H"], r["N"], r["D"], r["mask"], r["causal"])
+                  == (B, H, N, D, name, causal) and "ms" in r]
+            base = next((r["ms"] for r in rs if r["default"]), float("nan"))
+            top = sorted(rs, key=lambda r: r["ms"])[:3]
+            print(f"{kind:4} {f'{B},{H},{N},{D}':16} {name + (' causal' if causal else ''):10} {base:10.3f}  "
+                  + "  ".join(f"{tuple(r[name_of])} {r['ms']:.3f}" for r in top), flush=True)
+
+
+def tune_rows(args):
+    """Every candidate on every benchmark row; prints the best three per row against the current default."""
     from sparse_flash.kernels import bwd, fwd
 
     current = {"fwd": fwd.fwd_config, "bwd": bwd.bwd_config}
@@ -161,33 +170,20 @@ def tune_rows(args):
         mask = _mask(name, N)
         block = None if name == "dense" else 128
         defaults = {"fwd": tuple(current["fwd"](D, torch.bfloat16, block, block, causal, N)),
-                    "bwd": tuple(current["bwd"](D, torch.bfloat16, block, block, causal, mask.has_long_lists(causal)))}
+                    "bwd": tuple(current["bwd"](D, torch.bfloat16, block, block, causal,
+                                                mask.has_long_lists(causal)))[:6]}  # one warps/stages for both passes
         for kind, cands in (("fwd", ROW_FWD), ("bwd", ROW_BWD)):
             for cfg in dict.fromkeys([defaults[kind], *cands]):
                 jobs.append(((kind, cfg, name, causal, D, shape), cfg == defaults[kind], mask.density))
-    with ProcessPoolExecutor(args.workers, mp_context=torch.multiprocessing.get_context("spawn")) as pool:
-        errors = list(pool.map(_warm, [j for j, _, _ in jobs]))
+    timed = _compile_and_time([j for j, _, _ in jobs], args.workers)
     results = []
-    for (job, is_default, density), err in zip(jobs, errors):
+    for (job, is_default, density), t in zip(jobs, timed):
         kind, cfg, name, causal, D, shape = job
-        row = {"kind": kind, "cfg": list(cfg), "default": is_default, "mask": name, "causal": causal, "D": D,
-               **shape, "density": density}
-        if err:
-            row["error"] = err
-        else:
-            row["ms"] = do_bench(_run_once(*job), warmup=10, rep=50, return_mode="median")
-        results.append(row)
+        results.append({"kind": kind, "cfg": list(cfg), "default": is_default, "mask": name, "causal": causal,
+                        "D": D, **shape, "density": density, **t})
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
-    print(f"{'kind':4} {'B,H,N,D':16} {'mask':10} {'default ms':>10}  best three (cfg, ms)")
-    for kind in ("fwd", "bwd"):
-        for B, H, N, D, name, causal in ROWS:
-            rs = [r for r in results if r["kind"] == kind and (r["B"], r["H"], r["N"], r["D"], r["mask"], r["causal"])
-                  == (B, H, N, D, name, causal) and "ms" in r]
-            base = next((r["ms"] for r in rs if r["default"]), float("nan"))
-            top = sorted(rs, key=lambda r: r["ms"])[:3]
-            print(f"{kind:4} {f'{B},{H},{N},{D}':16} {name + (' causal' if causal else ''):10} {base:10.3f}  "
-                  + "  ".join(f"{tuple(r['cfg'])} {r['ms']:.3f}" for r in top), flush=True)
+    _print_best(results, "kind", ROWS, ("fwd", "bwd"), "cfg")
 
 
 # --set bwd-passes: the dQ pass (q_block_m, q_block_n, warps, stages) and the dK/dV pass (kv_block_m,
@@ -203,8 +199,6 @@ DKDV_PASS = [(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3), (
 
 def tune_bwd_passes(args):
     """Each backward pass's settings alone; prints the best three per pass and row against the default."""
-    from triton.testing import do_bench
-
     from sparse_flash.kernels import bwd
 
     current = bwd.bwd_config
@@ -220,29 +214,15 @@ def tune_bwd_passes(args):
         for kv_pass in dict.fromkeys([(kv_m, kv_n, warps, stages), *DKDV_PASS]):
             cfg = (kv_pass[0], kv_pass[1], q_m, q_n, kv_pass[2], kv_pass[3], warps, stages)
             jobs.append((("bwd", cfg, name, causal, D, shape), "dkdv", kv_pass, kv_pass == (kv_m, kv_n, warps, stages)))
-    with ProcessPoolExecutor(args.workers, mp_context=torch.multiprocessing.get_context("spawn")) as pool:
-        errors = list(pool.map(_warm, [j for j, *_ in jobs]))
+    timed = _compile_and_time([j for j, *_ in jobs], args.workers)
     results = []
-    for (job, which, setting, is_default), err in zip(jobs, errors):
+    for (job, which, setting, is_default), t in zip(jobs, timed):
         _, cfg, name, causal, D, shape = job
-        row = {"pass": which, "setting": list(setting), "cfg": list(cfg), "default": is_default, "mask": name,
-               "D": D, **shape}
-        if err:
-            row["error"] = err
-        else:
-            row["ms"] = do_bench(_run_once(*job), warmup=10, rep=50, return_mode="median")
-        results.append(row)
+        results.append({"pass": which, "setting": list(setting), "cfg": list(cfg), "default": is_default,
+                        "mask": name, "causal": causal, "D": D, **shape, **t})
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
-    print(f"{'pass':4} {'B,H,N,D':16} {'mask':10} {'default ms':>10}  best three (setting, ms)")
-    for which in ("dq", "dkdv"):
-        for B, H, N, D, name, causal in PASS_ROWS:
-            rs = [r for r in results if r["pass"] == which and (r["B"], r["H"], r["N"], r["D"], r["mask"])
-                  == (B, H, N, D, name) and "ms" in r]
-            base = next((r["ms"] for r in rs if r["default"]), float("nan"))
-            top = sorted(rs, key=lambda r: r["ms"])[:3]
-            print(f"{which:4} {f'{B},{H},{N},{D}':16} {name:10} {base:10.3f}  "
-                  + "  ".join(f"{tuple(r['setting'])} {r['ms']:.3f}" for r in top), flush=True)
+    _print_best(results, "pass", PASS_ROWS, ("dq", "dkdv"), "setting")
 
 
 if __name__ == "__main__":
