@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import platform
 import statistics
 import sys
 import time
@@ -277,10 +279,25 @@ def summarize(rows: list[dict]) -> dict:
     return s
 
 
+def host_info() -> dict:
+    """The host that small, host-bound rows depend on: CPU model, cores, and load when the run started."""
+    model = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+    return {"cpu": model, "cores": os.cpu_count(), "load_1min": load}
+
+
 def markdown(meta: dict, rows: list[dict], costs: list[dict], summary: dict) -> str:
+    host = meta.get("host", {})
     lines = [f"# Attention benchmark, {meta['date']}", "",
-             f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}. Median of "
-             "`triton.testing.do_bench`; TFLOP/s on nonzero blocks only (fwd 4·B·H·N²·D·density, fwd+bwd 3.5x).",
+             f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}; host "
+             f"{host.get('cpu', '?')}, {host.get('cores', '?')} cores, load {host.get('load_1min', '?')} at the start. "
+             "Median of `triton.testing.do_bench` (sparse_flash and FlexAttention: the faster of two medians, "
+             "timed in opposite orders); TFLOP/s on nonzero blocks only (fwd 4·B·H·N²·D·density, fwd+bwd 3.5x).",
              "", "| B,Hq,Hkv,N,D | dtype | mask | density | mode | sparse_flash ms | flex ms | vs flex | vs cuDNN dense | sparse_flash TFLOP/s | flex TFLOP/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     by = {}
@@ -363,7 +380,7 @@ def main(argv=None) -> int:
     out = Path(args.out or f"benchmarks/results/{date}-{gpu.split()[-1].lower()}")
     out.mkdir(parents=True, exist_ok=True)
     meta = {"date": date, "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
-            "cuda": torch.version.cuda, "block_size": BLOCK}
+            "cuda": torch.version.cuda, "block_size": BLOCK, "host": host_info()}
     shapes = QUICK_SHAPES if args.quick else SHAPES
     mask_names = QUICK_MASKS if args.quick else MASKS
     log_file = open(out / "bench.jsonl", "w")
