@@ -6,6 +6,7 @@ users get tuned kernels without autotuning at run time.
     python benchmarks/tune_kernels.py --out results.json               # tile defaults, B=4 H=16 N=4096
     python benchmarks/tune_kernels.py --set rows --out results.json    # the benchmark's rows, best per row
     python benchmarks/tune_kernels.py --set bwd-passes --out r.json    # dQ and dK/dV pass settings, each alone
+    python benchmarks/tune_kernels.py --set order --out r.json         # heads scheduled together, then tiles
 
 Candidates compile in parallel worker processes first (they share Triton's on-disk cache), then the main
 process times each one with `triton.testing.do_bench` on the same inputs.
@@ -49,29 +50,34 @@ def _mask(name, N):
     return build_mask(name, N, "cuda")[0]
 
 
-def _problem(name, causal, D, N=4096, B=4, H=16):
+def _problem(name, causal, D, N=4096, B=4, H=16, Hkv=None):
     import sparse_flash  # noqa: F401
 
     mask = _mask(name, N)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    q, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(B, Hkv or H, N, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
     return mask, q, k, v, do
 
 
-def _patch(kind, cfg):
+def _patch(kind, cfg, group=None):
+    """Fix the launchers' tile settings to `cfg`, and the heads scheduled together to `group` (None: the
+    library's rule)."""
     from sparse_flash.kernels import bwd, configs, fwd
 
     if kind == "fwd":
         fwd.fwd_config = lambda *a: configs.FwdConfig(*cfg)
     else:
         bwd.bwd_config = lambda *a: configs.BwdConfig(*cfg)
+    for module in (fwd, bwd):
+        module.schedule_heads = configs.schedule_heads if group is None else (lambda nbytes, heads: min(group, heads))
 
 
-def _run_once(kind, cfg, name, causal, D, shape=None):
+def _run_once(kind, cfg, name, causal, D, shape=None, group=None):
     from sparse_flash.kernels.bwd import attn_bwd
     from sparse_flash.kernels.fwd import attn_fwd
 
-    _patch(kind, cfg)
+    _patch(kind, cfg, group)
     mask, q, k, v, do = _problem(name, causal, D, **(shape or {}))
     idx = mask.kernel_index(causal)
     rows, cols = idx.rows(), idx.cols()
@@ -99,8 +105,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="tune.json")
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
-    parser.add_argument("--set", choices=("defaults", "rows", "bwd-passes"), default="defaults")
+    parser.add_argument("--set", choices=("defaults", "rows", "bwd-passes", "order"), default="defaults")
     args = parser.parse_args()
+    if args.set == "order":
+        return tune_order(args)
     if args.set == "rows":
         return tune_rows(args)
     if args.set == "bwd-passes":
@@ -223,6 +231,66 @@ def tune_bwd_passes(args):
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     _print_best(results, "pass", PASS_ROWS, ("dq", "dkdv"), "setting")
+
+
+# --set order: (B, Hq, Hkv, N, D, mask) sparse rows of bench_attention.py; each is timed with the (batch,
+# head) pairs scheduled in groups of 1, 2, 4, ... up to all of them (the old order), then, for the rows below
+# FlexAttention, every tile candidate with one head at a time.
+ORDER_ROWS = [(4, 16, 16, 4096, 64, m) for m in ("local", "butterfly", "random", "bigbird", "longformer")] + [
+    (4, 16, 16, 4096, 128, m) for m in ("local", "butterfly", "random", "bigbird")] + [
+    (4, 32, 8, 4096, 128, m) for m in ("butterfly", "random")] + [
+    (1, 16, 16, 16384, 128, m) for m in ("local", "butterfly", "random", "bigbird", "longformer")] + [
+    (1, 8, 8, 65536, 64, m) for m in ("local", "butterfly", "random", "bigbird")]
+ORDER_TILE_ROWS = [r for r in ORDER_ROWS if r[5] in ("local", "butterfly", "random") and (r[4] == 128 or r[3] == 65536)]
+
+
+def _default_cfgs(D, N, mask):
+    from sparse_flash.kernels import configs
+
+    return {"fwd": tuple(configs.fwd_config(D, torch.bfloat16, 128, 128, False, N)),
+            "bwd": tuple(configs.bwd_config(D, torch.bfloat16, 128, 128, False, mask.has_long_lists(False)))[:6]}
+
+
+def tune_order(args):
+    """Heads scheduled together at the default tiles; then tiles with one head at a time."""
+    jobs = []
+    for B, H, Hkv, N, D, name in ORDER_ROWS:
+        mask = _mask(name, N)
+        defaults = _default_cfgs(D, N, mask)
+        shape = {"B": B, "H": H, "N": N, "Hkv": Hkv}
+        groups = sorted({min(g, B * Hkv) for g in (1, 2, 4, 8, 16)} | {B * H})
+        for kind in ("fwd", "bwd"):
+            for g in groups:
+                jobs.append(((kind, defaults[kind], name, False, D, shape, g), "group", g, g == B * H))
+        if (B, H, Hkv, N, D, name) in ORDER_TILE_ROWS:
+            for kind, cands in (("fwd", ROW_FWD), ("bwd", ROW_BWD)):
+                for cfg in dict.fromkeys([defaults[kind], *cands]):
+                    jobs.append(((kind, cfg, name, False, D, shape, 1), "tiles", cfg, cfg == defaults[kind]))
+    timed = _compile_and_time([j for j, *_ in jobs], args.workers)
+    results = []
+    for (job, what, setting, is_default), t in zip(jobs, timed):
+        kind, cfg, name, causal, D, shape, g = job
+        results.append({"kind": kind, "sweep": what, "setting": setting, "cfg": list(cfg), "group": g,
+                        "default": is_default, "mask": name, "D": D, **shape, **t})
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"{'kind':4} {'B,Hq,Hkv,N,D':20} {'mask':10} old order ms -> ms per group size")
+    for kind in ("fwd", "bwd"):
+        for B, H, Hkv, N, D, name in ORDER_ROWS:
+            rs = [r for r in results if r["kind"] == kind and r["sweep"] == "group" and "ms" in r
+                  and (r["B"], r["H"], r["Hkv"], r["N"], r["D"], r["mask"]) == (B, H, Hkv, N, D, name)]
+            old = next((r["ms"] for r in rs if r["default"]), float("nan"))
+            print(f"{kind:4} {f'{B},{H},{Hkv},{N},{D}':20} {name:10} {old:.3f} -> "
+                  + " ".join(f"{r['group']}:{r['ms']:.3f}({old / r['ms']:.2f}x)" for r in rs), flush=True)
+    print("tiles with one head at a time: default ms, best three")
+    for kind in ("fwd", "bwd"):
+        for B, H, Hkv, N, D, name in ORDER_TILE_ROWS:
+            rs = [r for r in results if r["kind"] == kind and r["sweep"] == "tiles" and "ms" in r
+                  and (r["B"], r["H"], r["Hkv"], r["N"], r["D"], r["mask"]) == (B, H, Hkv, N, D, name)]
+            base = next((r["ms"] for r in rs if r["default"]), float("nan"))
+            top = sorted(rs, key=lambda r: r["ms"])[:3]
+            print(f"{kind:4} {f'{B},{H},{Hkv},{N},{D}':20} {name:10} {base:.3f}  "
+                  + "  ".join(f"{tuple(r['cfg'])} {r['ms']:.3f}" for r in top), flush=True)
 
 
 if __name__ == "__main__":

@@ -210,6 +210,22 @@ def test_split_lists_match_reference(dtype, p):
     assert not result.failures(), f"{p}: {result.failures()}"
 
 
+@needs_triton
+@pytest.mark.parametrize("group", [1, 2, 3])
+@given(p=problems())
+@example(p=EDGE_CASES[3])
+@example(p=EDGE_CASES[5])
+def test_head_groups_match_reference(group, p):
+    """Sparse programs run (batch, head) pairs in groups (the last one smaller when the group size does
+    not divide them), with split lists too: every tile is still computed exactly once."""
+    from sparse_flash.kernels import bwd, fwd
+
+    with pytest.MonkeyPatch.context() as mp, split_every_list():
+        for module in (fwd, bwd):
+            mp.setattr(module, "schedule_heads", lambda nbytes, heads: min(group, heads))
+        check(p, torch.float32, "triton")
+
+
 def test_work_plan_splits_only_long_lists():
     """BigBird's global rows and columns are split into chunks of at most 4x the mean list length (at
     least 32 blocks); every other list is one program, and every list's chunks cover it exactly once."""

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, chunk_range, chunk_scratch_rows, dot_precision, list_tile_start, load_unmasked_rows, schedule
-from .configs import block_d, bwd_config
+from .configs import block_d, bwd_config, schedule_heads
 from .launch import launch
 from .memory import new_output
 from .split import SplitPlan, merge_split_rows
@@ -87,7 +87,7 @@ def _attn_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     Hq, Hkv, BH, groups, Nq, Nk, mask_stride_b, mask_stride_h, item_stride_b, item_stride_h,
-    copy_stride_b, copy_stride_h, copies, qk_scale, sm_scale,
+    copy_stride_b, copy_stride_h, copies, qk_scale, sm_scale, head_group,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -95,7 +95,7 @@ def _attn_bwd_dkdv_kernel(
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     # Columns are ordered by the lists of the group's first query head.
     b, hk, tile, j, chunk, valid = schedule(tl.program_id(0), Hkv, BH, ColItems, item_stride_b, item_stride_h, groups,
-                              tl.cdiv(Nk, BLOCK_N), MASK_BLOCK_K, BLOCK_N, DENSE, False)
+                              tl.cdiv(Nk, BLOCK_N), head_group, MASK_BLOCK_K, BLOCK_N, DENSE, False)
     start_n = tile * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
@@ -220,14 +220,14 @@ def _attn_bwd_dq_kernel(
     stride_db, stride_dh, stride_dm,
     stride_dqb, stride_dqh, stride_dqm,
     Hq, BH, groups, Nq, Nk, mask_stride_b, mask_stride_h, item_stride_b, item_stride_h,
-    copy_stride_b, copy_stride_h, copies, qk_scale, sm_scale,
+    copy_stride_b, copy_stride_h, copies, qk_scale, sm_scale, head_group,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     b, h, tile, i, chunk, valid = schedule(tl.program_id(0), Hq, BH, RowItems, item_stride_b, item_stride_h, 1,
-                             tl.cdiv(Nq, BLOCK_M), MASK_BLOCK_Q, BLOCK_M, DENSE, CAUSAL)
+                             tl.cdiv(Nq, BLOCK_M), head_group, MASK_BLOCK_Q, BLOCK_M, DENSE, CAUSAL)
     pid_bh = b * Hq + h
     start_m = tile * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
@@ -321,7 +321,7 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
             Hq, B * Hq, Hq // Hkv, Nq, Nk,
             Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0, *rows_plan.item_strides,
             *rows_plan.copy_strides, rows_plan.copies,
-            scale * LOG2E, scale,
+            scale * LOG2E, scale, schedule_heads(2 * Nk * D * k.element_size() // (Hq // Hkv), B * Hq),
         ),
         dict(
             HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n,
@@ -345,7 +345,7 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
             Hq, Hkv, B * Hkv, Hq // Hkv, Nq, Nk,
             Hm * Mk if Bm > 1 else 0, Mk if Hm > 1 else 0, *cols_plan.item_strides,
             *cols_plan.copy_strides, cols_plan.copies,
-            scale * LOG2E, scale,
+            scale * LOG2E, scale, schedule_heads(2 * Nq * D * q.element_size() * (Hq // Hkv), B * Hkv),
         ),
         dict(
             HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n,

@@ -19,14 +19,16 @@ def load_unmasked_rows(ptrs, d_ok, EVEN_D: tl.constexpr):
 
 
 @triton.jit
-def schedule(pid, H, BH, Items, item_stride_b, item_stride_h, head_scale, num_tiles,
+def schedule(pid, H, BH, Items, item_stride_b, item_stride_h, head_scale, num_tiles, head_group,
              MASK_BLOCK: tl.constexpr, BLOCK: tl.constexpr, DENSE: tl.constexpr, REVERSE: tl.constexpr):
     """Map a program id to (batch, head, tile, mask block, chunk, valid).
 
-    Sparse: program ids run over (rank, batch x head), batch x head fastest, and rank r takes work item
-    r // SUB of its (batch, head)'s plan (`Items`, mask head `h * head_scale`): a (mask block, chunk) pair,
-    longest first, so every head's heaviest lists start in the first wave. Padding items (block -1) are
-    not valid: their programs walk nothing and store nothing.
+    Sparse: the (batch x head) pairs run in groups of `head_group`, one group after another, so the
+    programs in flight read the K and V (or Q and dO) of a few heads, which stay in L2. Within a group,
+    program ids run over (rank, batch x head), batch x head fastest, and rank r takes work item r // SUB of
+    its (batch, head)'s plan (`Items`, mask head `h * head_scale`): a (mask block, chunk) pair, longest
+    first, so every head's heaviest lists start first. Padding items (block -1) are not valid: their
+    programs walk nothing and store nothing.
     Dense: tiles run fastest within a head, so K and V stay in L2; in reverse when REVERSE (causal rows
     grow with the tile index).
     """
@@ -40,8 +42,12 @@ def schedule(pid, H, BH, Items, item_stride_b, item_stride_h, head_scale, num_ti
         valid = True
     else:
         SUB: tl.constexpr = MASK_BLOCK // BLOCK
-        bh = pid % BH
-        rank = pid // BH
+        ranks = tl.num_programs(0) // BH  # programs per (batch, head)
+        first = (pid // (head_group * ranks)) * head_group  # first (batch x head) of this program's group
+        size = tl.minimum(head_group, BH - first)  # the last group may be smaller
+        r = pid - first * ranks
+        bh = first + r % size
+        rank = r // size
         item = Items + (bh // H) * item_stride_b + (bh % H) * head_scale * item_stride_h + (rank // SUB) * 2
         block = tl.load(item)
         chunk = tl.load(item + 1)

@@ -108,3 +108,16 @@ def bwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
     return BwdConfig(
         fit_tile(kv_m, block_q), fit_tile(kv_n, block_k), fit_tile(q_m, block_q), fit_tile(q_n, block_k), warps, stages
     )
+
+
+SCHEDULE_L2_BYTES = 16 << 20  # operand bytes of the heads that sparse programs work on together
+
+
+def schedule_heads(bytes_per_head: int, heads: int) -> int:
+    """How many (batch, head) pairs the sparse kernels schedule together (see `common.schedule`).
+
+    `bytes_per_head` is what the programs of one (batch, head) read again and again: K and V for the
+    forward and dQ passes, Q and dO for the dK/dV pass. Heads are grouped until that reaches
+    SCHEDULE_L2_BYTES, so the blocks that the programs in flight share stay in L2.
+    """
+    return max(1, min(heads, SCHEDULE_L2_BYTES // max(bytes_per_head, 1)))

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, chunk_range, chunk_scratch_rows, dot_precision, list_tile_start, load_unmasked_rows, schedule
-from .configs import block_d, fwd_config
+from .configs import block_d, fwd_config, schedule_heads
 from .launch import launch
 from .memory import new_output
 from .split import SplitPlan, merge_split_rows
@@ -82,14 +82,14 @@ def _attn_fwd_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
     Hq, BH, groups, Nq, Nk, mask_stride_b, mask_stride_h, item_stride_b, item_stride_h,
-    copy_stride_b, copy_stride_h, copies, qk_scale,
+    copy_stride_b, copy_stride_h, copies, qk_scale, head_group,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     b, h, tile, i, chunk, valid = schedule(tl.program_id(0), Hq, BH, RowItems, item_stride_b, item_stride_h, 1,
-                                           tl.cdiv(Nq, BLOCK_M), MASK_BLOCK_Q, BLOCK_M, DENSE, CAUSAL)
+                                           tl.cdiv(Nq, BLOCK_M), head_group, MASK_BLOCK_Q, BLOCK_M, DENSE, CAUSAL)
     start_m = tile * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
@@ -186,7 +186,7 @@ def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float):
             Hq, B * Hq, Hq // Hkv, Nq, Nk,
             Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0, *plan.item_strides,
             *plan.copy_strides, plan.copies,
-            scale * LOG2E,
+            scale * LOG2E, schedule_heads(2 * Nk * D * k.element_size() // (Hq // Hkv), B * Hq),
         ),
         dict(
             HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
