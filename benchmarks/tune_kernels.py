@@ -106,6 +106,7 @@ def main():
     parser.add_argument("--out", default="tune.json")
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     parser.add_argument("--set", choices=("defaults", "rows", "bwd-passes", "order"), default="defaults")
+    parser.add_argument("--no-tiles", action="store_true", help="--set order: the head-group sweep only")
     args = parser.parse_args()
     if args.set == "order":
         return tune_order(args)
@@ -177,7 +178,7 @@ def tune_rows(args):
         shape = {"B": B, "H": H, "N": N}
         mask = _mask(name, N)
         block = None if name == "dense" else 128
-        defaults = {"fwd": tuple(current["fwd"](D, torch.bfloat16, block, block, causal, N)),
+        defaults = {"fwd": tuple(current["fwd"](D, torch.bfloat16, block, block, causal, N, mask.has_long_lists(causal))),
                     "bwd": tuple(current["bwd"](D, torch.bfloat16, block, block, causal,
                                                 mask.has_long_lists(causal)))[:6]}  # one warps/stages for both passes
         for kind, cands in (("fwd", ROW_FWD), ("bwd", ROW_BWD)):
@@ -247,7 +248,7 @@ ORDER_TILE_ROWS = [r for r in ORDER_ROWS if r[5] in ("local", "butterfly", "rand
 def _default_cfgs(D, N, mask):
     from sparse_flash.kernels import configs
 
-    return {"fwd": tuple(configs.fwd_config(D, torch.bfloat16, 128, 128, False, N)),
+    return {"fwd": tuple(configs.fwd_config(D, torch.bfloat16, 128, 128, False, N, mask.has_long_lists(False))),
             "bwd": tuple(configs.bwd_config(D, torch.bfloat16, 128, 128, False, mask.has_long_lists(False)))[:6]}
 
 
@@ -260,9 +261,9 @@ def tune_order(args):
         shape = {"B": B, "H": H, "N": N, "Hkv": Hkv}
         groups = sorted({min(g, B * Hkv) for g in (1, 2, 4, 8, 16)} | {B * H})
         for kind in ("fwd", "bwd"):
-            for g in groups:
+            for g in [*groups, None]:  # None: the library's rule
                 jobs.append(((kind, defaults[kind], name, False, D, shape, g), "group", g, g == B * H))
-        if (B, H, Hkv, N, D, name) in ORDER_TILE_ROWS:
+        if (B, H, Hkv, N, D, name) in ORDER_TILE_ROWS and not args.no_tiles:
             for kind, cands in (("fwd", ROW_FWD), ("bwd", ROW_BWD)):
                 for cfg in dict.fromkeys([defaults[kind], *cands]):
                     jobs.append(((kind, cfg, name, False, D, shape, 1), "tiles", cfg, cfg == defaults[kind]))
@@ -281,7 +282,7 @@ def tune_order(args):
                   and (r["B"], r["H"], r["Hkv"], r["N"], r["D"], r["mask"]) == (B, H, Hkv, N, D, name)]
             old = next((r["ms"] for r in rs if r["default"]), float("nan"))
             print(f"{kind:4} {f'{B},{H},{Hkv},{N},{D}':20} {name:10} {old:.3f} -> "
-                  + " ".join(f"{r['group']}:{r['ms']:.3f}({old / r['ms']:.2f}x)" for r in rs), flush=True)
+                  + " ".join(f"{r['group'] or 'rule'}:{r['ms']:.3f}({old / r['ms']:.2f}x)" for r in rs), flush=True)
     print("tiles with one head at a time: default ms, best three")
     for kind in ("fwd", "bwd"):
         for B, H, Hkv, N, D, name in ORDER_TILE_ROWS:

@@ -42,13 +42,16 @@ class WorkPlan(NamedTuple):
     A list longer than max(SPLIT_MIN_CHUNK, SPLIT_FACTOR x the mean length) blocks (a global row or
     column) is cut into `ceil(length / chunk)` nearly equal chunks, at most SPLIT_MAX_CHUNKS, each walked
     by its own program into a scratch slot; a merge pass combines the slots. Programs start longest chunk
-    first within each (batch, head).
+    first within each (batch, head). The first `lead` ranks of every head hold its heavy items (longer than
+    HEAVY_FACTOR x the mean list length): the kernels start those of all heads together, before running
+    the rest head group by head group.
 
     Attributes:
         items: int32 `(B|1, H|1, W, 2)`: the (block, chunk) walked by program rank w; block -1 pads heads
             with fewer items.
         chunks: int32 `(B|1 * H|1 * M,)`: number of chunks of each list (1: not split).
         slots: int32 `(B|1 * H|1 * M,)`: first scratch slot of a split list (-1: not split).
+        lead: int32 `(1,)`: the number of leading ranks that hold a heavy item in some head.
         split: int32 `(S,)`: the flat numbers `(b * H + h) * M + i` of the split lists.
         slot_list: int32 `(num_slots,)`: the list each scratch slot belongs to.
     """
@@ -56,6 +59,7 @@ class WorkPlan(NamedTuple):
     items: torch.Tensor
     chunks: torch.Tensor
     slots: torch.Tensor
+    lead: torch.Tensor
     split: torch.Tensor
     slot_list: torch.Tensor
 
@@ -128,11 +132,13 @@ def _csr(rows: torch.Tensor, values: torch.Tensor, shape: tuple[int, int, int]) 
 SPLIT_MIN_CHUNK = 32  # lists up to this many blocks are never split
 SPLIT_FACTOR = 4  # ... nor lists up to this many times the mean length
 SPLIT_MAX_CHUNKS = 64  # more chunks add scratch memory but no parallelism that a GPU could use
+HEAVY_FACTOR = 2  # items longer than this many times the mean list length start first in every head
 LONG_LIST_BLOCKS = 16  # rows averaging this many live blocks or more count as long (kernels pick wider tiles)
 
 
-def _plan_work(counts: torch.Tensor, chunk: int) -> WorkPlan:
-    """Programs for lists of `counts` (B, H, M) blocks: lists longer than `chunk` split, longest first."""
+def _plan_work(counts: torch.Tensor, chunk: int, mean: float) -> WorkPlan:
+    """Programs for lists of `counts` (B, H, M) blocks (`mean` long on average): lists longer than `chunk`
+    split, longest first."""
     B, H, M = counts.shape
     flat = counts.reshape(-1).long()
     n = torch.where(flat > chunk, torch.clamp((flat + chunk - 1) // chunk, max=SPLIT_MAX_CHUNKS), 1)  # chunks per list
@@ -147,13 +153,14 @@ def _plan_work(counts: torch.Tensor, chunk: int) -> WorkPlan:
     items = torch.full((B * H, int(per_head.max()), 2), -1, dtype=torch.int32, device=flat.device)
     items[bh[by_head], rank, 0] = (lists[by_head] % M).to(torch.int32)
     items[bh[by_head], rank, 1] = chunk_id[by_head].to(torch.int32)
+    lead = torch.bincount(bh[length > HEAVY_FACTOR * mean], minlength=B * H).max().reshape(1).to(torch.int32)
     is_split = n > 1
     split = torch.nonzero(is_split).reshape(-1)
     slots = torch.full_like(flat, -1)
     slots[split] = torch.cumsum(n[split], 0) - n[split]
     slot_list = torch.repeat_interleave(split, n[split]).to(torch.int32)
-    plan = WorkPlan(items.reshape(B, H, -1, 2), n.to(torch.int32), slots.to(torch.int32), split.to(torch.int32),
-                    slot_list)
+    plan = WorkPlan(items.reshape(B, H, -1, 2), n.to(torch.int32), slots.to(torch.int32), lead,
+                    split.to(torch.int32), slot_list)
     _unbacked((plan.items, 2), (plan.split, 0), (plan.slot_list, 0))
     return plan
 
@@ -404,7 +411,8 @@ class BlockMask:
                 self._covers_causal = row_total == B * H * _causal_blocks(Mq, Mk, bq, bk, self.seq_len_q)
             self._index[("kernel", causal)] = KernelIndex(
                 row_full, row_part, col_full, col_part,
-                _plan_work(rows_live.counts, row_chunk), _plan_work(cols_live.counts, col_chunk),
+                _plan_work(rows_live.counts, row_chunk, row_total / (B * H * Mq)),
+                _plan_work(cols_live.counts, col_chunk, col_total / (B * H * Mk)),
             )
 
     # ------------------------------------------------------------------ algebra

@@ -241,6 +241,7 @@ def test_work_plan_splits_only_long_lists():
     assert sorted(items[:, 0].tolist()) == sorted(torch.repeat_interleave(torch.arange(256), plan.chunks).tolist())
     lengths = counts[items[:, 0].long()] // plan.chunks[items[:, 0].long()]
     assert torch.all(lengths[:-1] >= lengths[1:])  # longest first
+    assert plan.lead.tolist() == [16]  # the 16 chunks of the two global rows start first in every head
     assert plan.slot_list.numel() == 16 and plan.slots[long_rows].tolist() == [0, 8]
     assert idx.col_plan.split.numel() == 2
 

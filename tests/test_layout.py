@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sparse_flash import BlockMask, masks
-from sparse_flash.layout import LONG_LIST_BLOCKS
+from sparse_flash.layout import HEAVY_FACTOR, LONG_LIST_BLOCKS
 
 
 @st.composite
@@ -89,6 +89,24 @@ def test_index_lists_agree_with_layout(m, causal):
                 assert set(col_full[c]) == {i for i in live if j in row_full[(b * H + h) * Mq + i]}
     if causal:
         assert m.covers_causal == covered
+
+
+@given(m=layouts(), causal=st.booleans())
+def test_work_plan_leads_with_heavy_items(m, causal):
+    """`lead` counts the ranks that hold, in some (batch, head), an item longer than HEAVY_FACTOR x the
+    mean list length; items are longest first, so in every head those are the first ranks."""
+    kidx = m.kernel_index(causal)
+    for plan, counts in ((kidx.row_plan, m.row_index(causal).counts), (kidx.col_plan, m.col_index(causal).counts)):
+        B, H, M = counts.shape
+        mean = counts.sum().item() / counts.numel()
+        chunks = plan.chunks.reshape(B, H, M)
+        heavy = []
+        for b in range(B):
+            for h in range(H):
+                lengths = [int(counts[b, h, i]) // int(chunks[b, h, i]) for i, _ in plan.items[b, h].tolist() if i >= 0]
+                assert lengths == sorted(lengths, reverse=True)
+                heavy.append(sum(length > HEAVY_FACTOR * mean for length in lengths))
+        assert plan.lead.tolist() == [max(heavy)]
 
 
 def test_long_lists_and_causal_cover():

@@ -79,7 +79,7 @@ def _dkdv_list(
 @triton.jit
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, DKPart, DVPart,
-    ColFullOff, ColFullIdx, ColPartOff, ColPartIdx, ColItems, ColChunks, ColSlots,
+    ColFullOff, ColFullIdx, ColPartOff, ColPartIdx, ColItems, ColChunks, ColSlots, ColLead,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -94,7 +94,7 @@ def _attn_bwd_dkdv_kernel(
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     # Columns are ordered by the lists of the group's first query head.
-    b, hk, tile, j, chunk, valid = schedule(tl.program_id(0), Hkv, BH, ColItems, item_stride_b, item_stride_h, groups,
+    b, hk, tile, j, chunk, valid = schedule(tl.program_id(0), Hkv, BH, ColItems, ColLead, item_stride_b, item_stride_h, groups,
                               tl.cdiv(Nk, BLOCK_N), head_group, MASK_BLOCK_K, BLOCK_N, DENSE, False)
     start_n = tile * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
@@ -212,7 +212,7 @@ def _dq_list(
 @triton.jit
 def _attn_bwd_dq_kernel(
     Q, K, V, Out, DO, Lse, Delta, DQ, DQPart,
-    RowFullOff, RowFullIdx, RowPartOff, RowPartIdx, RowItems, RowChunks, RowSlots,
+    RowFullOff, RowFullIdx, RowPartOff, RowPartIdx, RowItems, RowChunks, RowSlots, RowLead,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -226,7 +226,7 @@ def _attn_bwd_dq_kernel(
     CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    b, h, tile, i, chunk, valid = schedule(tl.program_id(0), Hq, BH, RowItems, item_stride_b, item_stride_h, 1,
+    b, h, tile, i, chunk, valid = schedule(tl.program_id(0), Hq, BH, RowItems, RowLead, item_stride_b, item_stride_h, 1,
                              tl.cdiv(Nq, BLOCK_M), head_group, MASK_BLOCK_Q, BLOCK_M, DENSE, CAUSAL)
     pid_bh = b * Hq + h
     start_m = tile * BLOCK_M
@@ -288,7 +288,7 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
     Args:
         do, q, out: `(B, Hq, Nq, D)`; k, v: `(B, Hkv, Nk, D)`; last dimension contiguous.
         lse: float32 `(B, Hq, Nq)` from the forward.
-        index: `KernelIndex.rows() + KernelIndex.cols()` (18 tensors), or `[]` for dense.
+        index: `KernelIndex.rows() + KernelIndex.cols()` (20 tensors), or `[]` for dense.
         mask_geometry: `(Bm, Hm, Mq, Mk, block_q, block_k, long_lists)` of the mask (ignored for dense).
 
     Returns:
@@ -301,11 +301,11 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
     cfg = bwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k, causal, bool(long_lists))
     if dense:
         rows_plan = cols_plan = SplitPlan(q.device)
-        row_index = col_index = [rows_plan.dummy] * 7
+        row_index = col_index = [rows_plan.dummy] * 8
     else:
-        row_index, col_index = index[:7], index[9:16]  # lists, items, chunks, slots
-        rows_plan = SplitPlan(q.device, (index[4], index[7], index[8]), B, Hq, Bm, Hm, block_q, D, parts=1)
-        cols_plan = SplitPlan(q.device, (index[13], index[16], index[17]), B, Hkv, Bm, Hm, block_k, D, parts=2)
+        row_index, col_index = index[:8], index[10:18]  # lists, items, chunks, slots, lead
+        rows_plan = SplitPlan(q.device, (index[4], index[8], index[9]), B, Hq, Bm, Hm, block_q, D, parts=1)
+        cols_plan = SplitPlan(q.device, (index[14], index[18], index[19]), B, Hkv, Bm, Hm, block_k, D, parts=2)
     BLOCK_D = block_d(D)
     precision = dot_precision(q.dtype)
 

@@ -19,16 +19,17 @@ def load_unmasked_rows(ptrs, d_ok, EVEN_D: tl.constexpr):
 
 
 @triton.jit
-def schedule(pid, H, BH, Items, item_stride_b, item_stride_h, head_scale, num_tiles, head_group,
+def schedule(pid, H, BH, Items, Lead, item_stride_b, item_stride_h, head_scale, num_tiles, head_group,
              MASK_BLOCK: tl.constexpr, BLOCK: tl.constexpr, DENSE: tl.constexpr, REVERSE: tl.constexpr):
     """Map a program id to (batch, head, tile, mask block, chunk, valid).
 
-    Sparse: the (batch x head) pairs run in groups of `head_group`, one group after another, so the
-    programs in flight read the K and V (or Q and dO) of a few heads, which stay in L2. Within a group,
-    program ids run over (rank, batch x head), batch x head fastest, and rank r takes work item r // SUB of
-    its (batch, head)'s plan (`Items`, mask head `h * head_scale`): a (mask block, chunk) pair, longest
-    first, so every head's heaviest lists start first. Padding items (block -1) are not valid: their
-    programs walk nothing and store nothing.
+    Sparse: rank r of a (batch, head) takes work item r // SUB of its plan (`Items`, mask head
+    `h * head_scale`): a (mask block, chunk) pair, longest first. The first `Lead` items (the heavy ones,
+    such as global rows) of every (batch, head) run first, batch x head fastest, so that no long program
+    starts late. The rest run in groups of `head_group` (batch x head) pairs, one group after another,
+    batch x head fastest within a group: the programs in flight then read the K and V (or Q and dO) of a
+    few heads, which stay in L2. Padding items (block -1) are not valid: their programs walk nothing and
+    store nothing.
     Dense: tiles run fastest within a head, so K and V stay in L2; in reverse when REVERSE (causal rows
     grow with the tile index).
     """
@@ -43,11 +44,15 @@ def schedule(pid, H, BH, Items, item_stride_b, item_stride_h, head_scale, num_ti
     else:
         SUB: tl.constexpr = MASK_BLOCK // BLOCK
         ranks = tl.num_programs(0) // BH  # programs per (batch, head)
-        first = (pid // (head_group * ranks)) * head_group  # first (batch x head) of this program's group
+        lead = tl.load(Lead) * SUB  # ranks that every (batch, head) starts with
+        rest = tl.maximum(ranks - lead, 1)
+        p = pid - lead * BH
+        first = (p // (head_group * rest)) * head_group  # first (batch x head) of this program's group
         size = tl.minimum(head_group, BH - first)  # the last group may be smaller
-        r = pid - first * ranks
-        bh = first + r % size
-        rank = r // size
+        r = p - first * rest
+        in_lead = pid < lead * BH
+        bh = tl.where(in_lead, pid % BH, first + r % tl.maximum(size, 1))
+        rank = tl.where(in_lead, pid // BH, lead + r // tl.maximum(size, 1))
         item = Items + (bh // H) * item_stride_b + (bh % H) * head_scale * item_stride_h + (rank // SUB) * 2
         block = tl.load(item)
         chunk = tl.load(item + 1)

@@ -55,18 +55,21 @@ LONG_CAUSAL = 16384  # dense causal problems at least this long use the wide for
 
 
 def fwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: int | None,
-               causal: bool = False, seq_len_q: int = 0) -> FwdConfig:
+               causal: bool = False, seq_len_q: int = 0, long_lists: bool = False) -> FwdConfig:
     """Forward tiles for one problem; `block_q`/`block_k` are the mask's (None for the dense path).
 
     Measured on an H200 (bf16; benchmarks/NOTES.md): the dense non-causal path wants the largest tiles;
-    sparse rows (short, uneven lists) 64 x 64. Dense causal: 128 x 128 at D = 128 (3% over 64 x 64 at
-    16,384 tokens), and at D = 64 128 x 64 from 16,384 tokens on (7% at 65,536), 64 x 64 below.
+    sparse rows (short, uneven lists) 64 x 64, long lists at D = 64 128 x 64 (4% on 10% random at 65,536
+    tokens). Dense causal: 128 x 128 at D = 128 (3% over 64 x 64 at 16,384 tokens), and at D = 64 128 x 64
+    from 16,384 tokens on (7% at 65,536), 64 x 64 below.
     """
     d = block_d(head_dim)
     dense = block_q is None
     if d <= 64:
         if dense and (not causal or seq_len_q >= LONG_CAUSAL):
             m, n, warps, stages = (128, 64, 8, 3) if not causal else (128, 64, 4, 3)
+        elif not dense and long_lists:
+            m, n, warps, stages = 128, 64, 4, 3
         else:
             m, n, warps, stages = 64, 64, 4, 3
     elif d <= 128:
@@ -87,8 +90,9 @@ def bwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
     Dense problems: 64 x 64 tiles with 4 warps won at D = 64 and 128 (three stages when causal at D = 64,
     5% at 65,536 tokens; 128-row tiles and 8 warps when causal at D = 128, 3% at 16,384). Sparse rows run
     5-10% faster with 32-row inner steps and three stages at D = 64 (128-row dK/dV and dQ tiles when the
-    lists are long: 8% on 10% random at 65,536), and with 128-row dK/dV and dQ tiles, 8 warps and three
-    stages at D = 128 (H200, bf16; benchmarks/NOTES.md).
+    lists are long: 8% on 10% random at 65,536). At D = 128 short lists take the dense 64 x 64 tiles (4-7%
+    over 128-row tiles once heads are grouped, `schedule_heads`), long lists 128-row dK/dV and dQ tiles,
+    8 warps and three stages (H200, bf16; benchmarks/NOTES.md).
     """
     d = block_d(head_dim)
     dense = block_q is None
@@ -97,7 +101,7 @@ def bwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
     elif d <= 64:
         kv_m, kv_n, q_m, q_n, warps, stages = 64, 64, 64, 64, 4, (3 if causal else 2)
     elif d <= 128:
-        if dense and not causal:
+        if (dense and not causal) or (not dense and not long_lists):
             kv_m, kv_n, q_m, q_n, warps, stages = 64, 64, 64, 64, 4, 2
         else:
             kv_m, kv_n, q_m, q_n, warps, stages = 64, 128, 128, 64, 8, 3
@@ -110,7 +114,7 @@ def bwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
     )
 
 
-SCHEDULE_L2_BYTES = 16 << 20  # operand bytes of the heads that sparse programs work on together
+SCHEDULE_L2_BYTES = 8 << 20  # operand bytes of the heads that sparse programs work on together
 
 
 def schedule_heads(bytes_per_head: int, heads: int) -> int:

@@ -76,7 +76,7 @@ def _fwd_list(
 @triton.jit
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, OutPart, LsePart,
-    RowFullOff, RowFullIdx, RowPartOff, RowPartIdx, RowItems, RowChunks, RowSlots,
+    RowFullOff, RowFullIdx, RowPartOff, RowPartIdx, RowItems, RowChunks, RowSlots, RowLead,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -88,7 +88,7 @@ def _attn_fwd_kernel(
     CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    b, h, tile, i, chunk, valid = schedule(tl.program_id(0), Hq, BH, RowItems, item_stride_b, item_stride_h, 1,
+    b, h, tile, i, chunk, valid = schedule(tl.program_id(0), Hq, BH, RowItems, RowLead, item_stride_b, item_stride_h, 1,
                                            tl.cdiv(Nq, BLOCK_M), head_group, MASK_BLOCK_Q, BLOCK_M, DENSE, CAUSAL)
     start_m = tile * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
@@ -165,23 +165,24 @@ def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float):
     Hkv, Nk = k.shape[1], k.shape[2]
     dense = len(index) == 0
     Bm, Hm, Mq, Mk, block_q, block_k, long_lists = mask_geometry
-    cfg = fwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k, causal, Nq)
+    cfg = fwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k, causal, Nq,
+                     bool(long_lists))
     out = new_output(q.shape, q.dtype, q.device)
     lse = new_output((B, Hq, Nq), torch.float32, q.device)
     if dense:
         block_q, block_k = cfg.block_m, cfg.block_n
         plan = SplitPlan(q.device)
-        full_off, full_idx, part_off, part_idx, items, chunks, slots = [plan.dummy] * 7
+        full_off, full_idx, part_off, part_idx, items, chunks, slots, lead = [plan.dummy] * 8
         grid = (triton.cdiv(Nq, cfg.block_m) * B * Hq,)
     else:
-        full_off, full_idx, part_off, part_idx, items, chunks, slots, split, slot_list = index
+        full_off, full_idx, part_off, part_idx, items, chunks, slots, lead, split, slot_list = index
         plan = SplitPlan(q.device, (items, split, slot_list), B, Hq, Bm, Hm, block_q, D, with_lse=True)
         grid = (items.shape[2] * (block_q // cfg.block_m) * B * Hq,)
     launch(
         _attn_fwd_kernel, grid,
         (
             q, k, v, out, lse, plan.parts[0], plan.lse_part,
-            full_off, full_idx, part_off, part_idx, items, chunks, slots,
+            full_off, full_idx, part_off, part_idx, items, chunks, slots, lead,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             Hq, B * Hq, Hq // Hkv, Nq, Nk,
             Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0, *plan.item_strides,
