@@ -4,7 +4,7 @@ For each row and competitor it reports the `do_bench` median (what bench_attenti
 GPU kernel time of one call from the profiler, and the host time per call, so a row that is bound by
 Python and launch overhead rather than by its kernels shows as wall >> kernel time.
 
-    python benchmarks/profile_rows.py --out rows.json
+    python benchmarks/profile_rows.py --out rows.json [--rows d128]
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ import torch
 import sparse_flash
 from bench_attention import build_mask  # the benchmark's masks (run from the repository root)
 
-ROWS = [  # (B, H, N, D, mask)
-    (4, 16, 4096, 64, "butterfly"), (4, 16, 4096, 64, "random"), (4, 16, 4096, 64, "local"),
-    (4, 16, 4096, 128, "butterfly"), (4, 16, 4096, 128, "random"), (1, 16, 16384, 128, "bigbird"),
-]
+ROWS = {  # (B, H, N, D, mask[, Hkv])
+    "host": [(4, 16, 4096, 64, "butterfly"), (4, 16, 4096, 64, "random"), (4, 16, 4096, 64, "local"),
+             (4, 16, 4096, 128, "butterfly"), (4, 16, 4096, 128, "random"), (1, 16, 16384, 128, "bigbird")],
+    "d128": [(4, 16, 4096, 128, "random"), (1, 16, 16384, 128, "random"), (1, 16, 16384, 128, "butterfly"),
+             (4, 32, 4096, 128, "butterfly", 8), (4, 32, 4096, 128, "random", 8)],
+}
 
 
 def kernel_us(step, reps=10) -> float:
@@ -60,32 +62,35 @@ def measure(step, grad_of=None):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="rows.json")
+    parser.add_argument("--rows", choices=sorted(ROWS), default="host")
     args = parser.parse_args()
     from torch.nn.attention.flex_attention import flex_attention
 
     flex = torch.compile(flex_attention, dynamic=False)
     results = []
-    for B, H, N, D, name in ROWS:
+    for B, H, N, D, name, *kv_heads in ROWS[args.rows]:
+        Hkv = kv_heads[0] if kv_heads else H
         mask = build_mask(name, N, "cuda")[0]
         fm = mask.to_flex(False, eager_exact=False)
         gen = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-                   for _ in range(3))
+        q = torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+        k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+                for _ in range(2))
         do = torch.randn_like(q)
         impls = {"ours": lambda: sparse_flash.block_sparse_attention(q, k, v, mask, backend="triton"),
-                 "flex": lambda: flex(q, k, v, block_mask=fm)}
+                 "flex": lambda: flex(q, k, v, block_mask=fm, enable_gqa=Hkv != H)}
         for impl, fn in impls.items():
             with torch.no_grad():
                 r = measure(fn)
-            results.append({"row": [B, H, N, D, name], "impl": impl, "mode": "fwd", **r})
+            results.append({"row": [B, H, Hkv, N, D, name], "impl": impl, "mode": "fwd", **r})
             r = measure(lambda: fn().backward(do), grad_of=[q, k, v])
-            results.append({"row": [B, H, N, D, name], "impl": impl, "mode": "fwd+bwd", **r})
+            results.append({"row": [B, H, Hkv, N, D, name], "impl": impl, "mode": "fwd+bwd", **r})
             print(results[-2], results[-1], flush=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
-    print(f"{'row':32} {'impl':5} {'mode':8} {'bench ms':>9} {'kernel ms':>9} {'host ms':>8}")
+    print(f"{'row':36} {'impl':5} {'mode':8} {'bench ms':>9} {'kernel ms':>9} {'host ms':>8}")
     for r in results:
-        print(f"{str(r['row']):32} {r['impl']:5} {r['mode']:8} {r['bench_ms']:9.3f} {r['kernel_us'] / 1e3:9.3f} "
+        print(f"{str(r['row']):36} {r['impl']:5} {r['mode']:8} {r['bench_ms']:9.3f} {r['kernel_us'] / 1e3:9.3f} "
               f"{r['host_us'] / 1e3:8.3f}")
 
 
