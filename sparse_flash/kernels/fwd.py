@@ -37,22 +37,22 @@ def _fwd_tile(
     else:
         kt = load_unmasked_rows(kt_ptrs, d_ok[:, None], EVEN_D)
         v = load_unmasked_rows(v_ptrs, d_ok[None, :], EVEN_D)
-    qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+    qk = tl.dot(q, kt, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) unscaled scores
     if MASKED:
         valid = cols[None, :] < Nk
         if CAUSAL:
             valid = valid & (cols[None, :] <= offs_m[:, None])
         qk = tl.where(valid, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))  # (BLOCK_M,)
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # (BLOCK_M,) running max, log2 units (qk_scale > 0)
     if MASKED:
         # A row with no allowed key so far keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
-    p = tl.math.exp2(qk - m_use[:, None])  # (BLOCK_M, BLOCK_N)
+    p = tl.math.exp2(qk * qk_scale - m_use[:, None])  # (BLOCK_M, BLOCK_N); scale and shift in one FMA
     alpha = tl.math.exp2(m_i - m_use)  # rescales what was accumulated under the old maximum
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # P V into acc
     return acc, l_i, m_new
 
 
