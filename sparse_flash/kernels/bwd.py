@@ -21,6 +21,7 @@ from .configs import block_d, bwd_config, schedule_heads
 from .launch import launch
 from .memory import new_output
 from .split import SplitPlan, merge_split_rows
+from .tma import tile_descriptor
 
 
 @triton.jit
@@ -32,14 +33,22 @@ def _load_lse_log2(Lse, offs_m, Nq):
 
 @triton.jit
 def _dkdv_tile(
-    dk, dv, k, v, Q, DO, Lse, Delta, start_m, offs_n, offs_d, stride_qm, stride_dm, Nq, qk_scale,
+    dk, dv, k, v, Q, DO, q_b, q_h, Lse, Delta, start_m, offs_n, offs_d, stride_qm, stride_dm, Nq, qk_scale,
     HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Add one query tile's contribution to the dK and dV of a key tile."""
+    """Add one query tile's contribution to the dK and dV of a key tile.
+
+    TMA: Q and DO are tensor descriptors of the whole (B, Hq, Nq, D) tensors, read at (q_b, q_h, start_m);
+    otherwise pointers already offset to this (batch, head).
+    """
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     d_ok = offs_d < HEAD_DIM
-    if MASKED:
+    if TMA:  # rows past Nq and columns past HEAD_DIM arrive as zeros
+        BLOCK_D: tl.constexpr = offs_d.shape[0]
+        qt = tl.trans(Q.load([q_b, q_h, start_m, 0]).reshape(BLOCK_M, BLOCK_D))  # (BLOCK_D, BLOCK_M)
+        do = DO.load([q_b, q_h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)  # (BLOCK_M, BLOCK_D)
+    elif MASKED:
         m_ok = offs_m < Nq
         qt = tl.load(Q + offs_m[None, :] * stride_qm + offs_d[:, None], mask=d_ok[:, None] & m_ok[None, :], other=0.0)
         do = tl.load(DO + offs_m[:, None] * stride_dm + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
@@ -61,17 +70,17 @@ def _dkdv_tile(
 
 @triton.jit
 def _dkdv_list(
-    dk, dv, k, v, Q, DO, Lse, Delta, Idx, lo, hi, offs_n, offs_d, stride_qm, stride_dm, Nq, qk_scale,
+    dk, dv, k, v, Q, DO, q_b, q_h, Lse, Delta, Idx, lo, hi, offs_n, offs_d, stride_qm, stride_dm, Nq, qk_scale,
     HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_BLOCK_Q: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_BLOCK_Q: tl.constexpr, TMA: tl.constexpr,
 ):
     """Add the query blocks of list entries [lo, hi) to a key tile's dK and dV; each mask block is SUB tiles."""
     SUB: tl.constexpr = MASK_BLOCK_Q // BLOCK_M
     start_m = list_tile_start(Idx, lo * SUB, hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
     for t in range(lo * SUB, hi * SUB):
         next_m = list_tile_start(Idx, t + 1, hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
-        dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, Lse, Delta, start_m, offs_n, offs_d, stride_qm, stride_dm, Nq,
-                            qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, MASKED, CAUSAL, DOT_PRECISION)
+        dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, q_b, q_h, Lse, Delta, start_m, offs_n, offs_d, stride_qm, stride_dm,
+                            Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, MASKED, CAUSAL, DOT_PRECISION, TMA)
         start_m = next_m
     return dk, dv
 
@@ -90,7 +99,7 @@ def _attn_bwd_dkdv_kernel(
     copy_stride_b, copy_stride_h, copies, qk_scale, sm_scale, head_group,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
-    CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     # Columns are ordered by the lists of the group's first query head.
@@ -114,8 +123,12 @@ def _attn_bwd_dkdv_kernel(
         num_chunks = tl.load(ColChunks + col0)
     for g in range(0, groups):  # every query head that shares this KV head
         h = hk * groups + g
-        Qh = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-        DOh = DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
+        if TMA:
+            Qh = Q
+            DOh = DO
+        else:
+            Qh = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+            DOh = DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
         Lseh = Lse + (b * Hq + h).to(tl.int64) * Nq
         Deltah = Delta + (b * Hq + h).to(tl.int64) * Nq
         if DENSE:
@@ -128,24 +141,27 @@ def _attn_bwd_dkdv_kernel(
                 m_full_start = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M), m_full_end)
             m_full_start = tl.maximum(m_full_start, m_start)
             for m in range(m_start, m_full_start):
-                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, Lseh, Deltah, m * BLOCK_M, offs_n, offs_d, stride_qm,
-                                    stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, True, CAUSAL, DOT_PRECISION)
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, b, h, Lseh, Deltah, m * BLOCK_M, offs_n, offs_d, stride_qm,
+                                    stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, True, CAUSAL, DOT_PRECISION,
+                                    TMA)
             for m in range(m_full_start, m_full_end):
-                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, Lseh, Deltah, m * BLOCK_M, offs_n, offs_d, stride_qm,
-                                    stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, False, CAUSAL, DOT_PRECISION)
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, b, h, Lseh, Deltah, m * BLOCK_M, offs_n, offs_d, stride_qm,
+                                    stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, False, CAUSAL, DOT_PRECISION,
+                                    TMA)
             for m in range(tl.maximum(m_full_end, m_full_start), m_end):
-                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, Lseh, Deltah, m * BLOCK_M, offs_n, offs_d, stride_qm,
-                                    stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, True, CAUSAL, DOT_PRECISION)
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, b, h, Lseh, Deltah, m * BLOCK_M, offs_n, offs_d, stride_qm,
+                                    stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, True, CAUSAL, DOT_PRECISION,
+                                    TMA)
         else:
             # This program's chunk of every group head's column list (chunked like the first head's).
             col = b * mask_stride_b + h * mask_stride_h + j
             full_lo, full_hi, part_lo, part_hi = chunk_range(ColFullOff, ColPartOff, col, chunk, num_chunks, valid)
-            dk, dv = _dkdv_list(dk, dv, k, v, Qh, DOh, Lseh, Deltah, ColFullIdx, full_lo, full_hi, offs_n, offs_d,
-                                stride_qm, stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, False, CAUSAL,
-                                DOT_PRECISION, MASK_BLOCK_Q)
-            dk, dv = _dkdv_list(dk, dv, k, v, Qh, DOh, Lseh, Deltah, ColPartIdx, part_lo, part_hi, offs_n, offs_d,
-                                stride_qm, stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, True, CAUSAL,
-                                DOT_PRECISION, MASK_BLOCK_Q)
+            dk, dv = _dkdv_list(dk, dv, k, v, Qh, DOh, b, h, Lseh, Deltah, ColFullIdx, full_lo, full_hi, offs_n,
+                                offs_d, stride_qm, stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, False, CAUSAL,
+                                DOT_PRECISION, MASK_BLOCK_Q, TMA)
+            dk, dv = _dkdv_list(dk, dv, k, v, Qh, DOh, b, h, Lseh, Deltah, ColPartIdx, part_lo, part_hi, offs_n,
+                                offs_d, stride_qm, stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, True, CAUSAL,
+                                DOT_PRECISION, MASK_BLOCK_Q, TMA)
 
     dk = dk * sm_scale
     if num_chunks > 1:
@@ -163,22 +179,32 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_tile(
-    dq, q, do, lse, delta, K, V, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn, Nk, qk_scale,
+    dq, q, do, lse, delta, K, V, kv_b, kv_h, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn, Nk, qk_scale,
     HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Add one key tile's contribution to the dQ of a query tile."""
+    """Add one key tile's contribution to the dQ of a query tile.
+
+    TMA: K and V are tensor descriptors of the whole (B, Hkv, Nk, D) tensors, read at (kv_b, kv_h,
+    start_n); otherwise pointers already offset to this (batch, head).
+    """
     cols = start_n + offs_n  # (BLOCK_N,)
-    d_ok = offs_d < HEAD_DIM
-    kt_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None]  # (BLOCK_D, BLOCK_N): K^T
-    vt_ptrs = V + cols[None, :] * stride_vn + offs_d[:, None]  # (BLOCK_D, BLOCK_N): V^T
-    if MASKED:
-        ok = d_ok[:, None] & (cols[None, :] < Nk)
-        kt = tl.load(kt_ptrs, mask=ok, other=0.0)
-        vt = tl.load(vt_ptrs, mask=ok, other=0.0)
+    if TMA:  # rows past Nk and columns past HEAD_DIM arrive as zeros
+        BLOCK_N: tl.constexpr = offs_n.shape[0]
+        BLOCK_D: tl.constexpr = offs_d.shape[0]
+        kt = tl.trans(K.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D))  # (BLOCK_D, BLOCK_N): K^T
+        vt = tl.trans(V.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D))  # (BLOCK_D, BLOCK_N): V^T
     else:
-        kt = load_unmasked_rows(kt_ptrs, d_ok[:, None], EVEN_D)
-        vt = load_unmasked_rows(vt_ptrs, d_ok[:, None], EVEN_D)
+        d_ok = offs_d < HEAD_DIM
+        kt_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None]  # (BLOCK_D, BLOCK_N): K^T
+        vt_ptrs = V + cols[None, :] * stride_vn + offs_d[:, None]  # (BLOCK_D, BLOCK_N): V^T
+        if MASKED:
+            ok = d_ok[:, None] & (cols[None, :] < Nk)
+            kt = tl.load(kt_ptrs, mask=ok, other=0.0)
+            vt = tl.load(vt_ptrs, mask=ok, other=0.0)
+        else:
+            kt = load_unmasked_rows(kt_ptrs, d_ok[:, None], EVEN_D)
+            vt = load_unmasked_rows(vt_ptrs, d_ok[:, None], EVEN_D)
     s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
     p = tl.math.exp2(s - lse[:, None])  # (BLOCK_M, BLOCK_N)
     if MASKED:
@@ -194,17 +220,17 @@ def _dq_tile(
 
 @triton.jit
 def _dq_list(
-    dq, q, do, lse, delta, K, V, Idx, lo, hi, offs_m, offs_n, offs_d, stride_kn, stride_vn, Nk, qk_scale,
+    dq, q, do, lse, delta, K, V, kv_b, kv_h, Idx, lo, hi, offs_m, offs_n, offs_d, stride_kn, stride_vn, Nk, qk_scale,
     HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, MASK_BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MASK_BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
     """Add the key blocks of list entries [lo, hi) to a query tile's dQ; each mask block is SUB tiles."""
     SUB: tl.constexpr = MASK_BLOCK_K // BLOCK_N
     start_n = list_tile_start(Idx, lo * SUB, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
     for t in range(lo * SUB, hi * SUB):
         next_n = list_tile_start(Idx, t + 1, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
-        dq = _dq_tile(dq, q, do, lse, delta, K, V, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn, Nk,
-                      qk_scale, HEAD_DIM, EVEN_D, MASKED, CAUSAL, DOT_PRECISION)
+        dq = _dq_tile(dq, q, do, lse, delta, K, V, kv_b, kv_h, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn,
+                      Nk, qk_scale, HEAD_DIM, EVEN_D, MASKED, CAUSAL, DOT_PRECISION, TMA)
         start_n = next_n
     return dq
 
@@ -223,7 +249,7 @@ def _attn_bwd_dq_kernel(
     copy_stride_b, copy_stride_h, copies, qk_scale, sm_scale, head_group,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
-    CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     b, h, tile, i, chunk, valid = schedule(tl.program_id(0), Hq, BH, RowItems, RowLead, item_stride_b, item_stride_h, 1,
@@ -244,8 +270,10 @@ def _attn_bwd_dq_kernel(
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BLOCK_M,) rowsum(dO * O)
     tl.store(Delta + pid_bh.to(tl.int64) * Nq + offs_m, delta, mask=rows_ok)  # for the dK/dV launch
     lse = _load_lse_log2(Lse + pid_bh.to(tl.int64) * Nq, offs_m, Nq)  # (BLOCK_M,)
-    K += b.to(tl.int64) * stride_kb + (h // groups).to(tl.int64) * stride_kh
-    V += b.to(tl.int64) * stride_vb + (h // groups).to(tl.int64) * stride_vh
+    hk = h // groups
+    if not TMA:
+        K += b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+        V += b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     if DENSE:
@@ -257,19 +285,21 @@ def _attn_bwd_dq_kernel(
             n_full = tl.minimum(n_full, (start_m + 1) // BLOCK_N)
             n_end = tl.minimum(n_end, tl.cdiv(start_m + BLOCK_M, BLOCK_N))
         for n in range(0, n_full):
-            dq = _dq_tile(dq, q, do, lse, delta, K, V, n * BLOCK_N, offs_m, offs_n, offs_d, stride_kn, stride_vn,
-                          Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL, DOT_PRECISION)
+            dq = _dq_tile(dq, q, do, lse, delta, K, V, b, hk, n * BLOCK_N, offs_m, offs_n, offs_d, stride_kn,
+                          stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL, DOT_PRECISION, TMA)
         for n in range(n_full, n_end):
-            dq = _dq_tile(dq, q, do, lse, delta, K, V, n * BLOCK_N, offs_m, offs_n, offs_d, stride_kn, stride_vn,
-                          Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION)
+            dq = _dq_tile(dq, q, do, lse, delta, K, V, b, hk, n * BLOCK_N, offs_m, offs_n, offs_d, stride_kn,
+                          stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION, TMA)
     else:
         row = b * mask_stride_b + h * mask_stride_h + i
         num_chunks = tl.load(RowChunks + row)
         full_lo, full_hi, part_lo, part_hi = chunk_range(RowFullOff, RowPartOff, row, chunk, num_chunks, valid)
-        dq = _dq_list(dq, q, do, lse, delta, K, V, RowFullIdx, full_lo, full_hi, offs_m, offs_n, offs_d, stride_kn,
-                      stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL, DOT_PRECISION, MASK_BLOCK_K, BLOCK_N)
-        dq = _dq_list(dq, q, do, lse, delta, K, V, RowPartIdx, part_lo, part_hi, offs_m, offs_n, offs_d, stride_kn,
-                      stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION, MASK_BLOCK_K, BLOCK_N)
+        dq = _dq_list(dq, q, do, lse, delta, K, V, b, hk, RowFullIdx, full_lo, full_hi, offs_m, offs_n, offs_d,
+                      stride_kn, stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL, DOT_PRECISION, MASK_BLOCK_K,
+                      BLOCK_N, TMA)
+        dq = _dq_list(dq, q, do, lse, delta, K, V, b, hk, RowPartIdx, part_lo, part_hi, offs_m, offs_n, offs_d,
+                      stride_kn, stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION, MASK_BLOCK_K,
+                      BLOCK_N, TMA)
 
     dq = dq * sm_scale
     if num_chunks > 1:
@@ -313,10 +343,12 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
     dq = new_output(q.shape, q.dtype, q.device)
     q_bq, q_bk = (cfg.q_block_m, cfg.q_block_n) if dense else (block_q, block_k)
     q_items = triton.cdiv(Nq, cfg.q_block_m) if dense else row_index[4].shape[2] * (block_q // cfg.q_block_m)
+    k_desc, v_desc = tile_descriptor(k, cfg.q_block_n, BLOCK_D), tile_descriptor(v, cfg.q_block_n, BLOCK_D)
+    dq_tma = k_desc is not None and v_desc is not None
     launch(
         _attn_bwd_dq_kernel, (q_items * B * Hq,),
         (
-            q, k, v, out, do, lse, delta, dq, rows_plan.parts[0], *row_index,
+            q, k_desc if dq_tma else k, v_desc if dq_tma else v, out, do, lse, delta, dq, rows_plan.parts[0], *row_index,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
             Hq, B * Hq, Hq // Hkv, Nq, Nk,
             Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0, *rows_plan.item_strides,
@@ -326,7 +358,7 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
         dict(
             HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n,
             MASK_BLOCK_Q=q_bq, MASK_BLOCK_K=q_bk,
-            CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision,
+            CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision, TMA=dq_tma,
         ),
         cfg.dq_warps or cfg.num_warps, cfg.dq_stages or cfg.num_stages,
     )
@@ -337,10 +369,12 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
     dv = new_output(v.shape, v.dtype, v.device)
     kv_bq, kv_bk = (cfg.kv_block_m, cfg.kv_block_n) if dense else (block_q, block_k)
     kv_items = triton.cdiv(Nk, cfg.kv_block_n) if dense else col_index[4].shape[2] * (block_k // cfg.kv_block_n)
+    q_desc, do_desc = tile_descriptor(q, cfg.kv_block_m, BLOCK_D), tile_descriptor(do, cfg.kv_block_m, BLOCK_D)
+    kv_tma = q_desc is not None and do_desc is not None
     launch(
         _attn_bwd_dkdv_kernel, (kv_items * B * Hkv,),
         (
-            q, k, v, do, lse, delta, dk, dv, *cols_plan.parts[:2], *col_index,
+            q_desc if kv_tma else q, k, v, do_desc if kv_tma else do, lse, delta, dk, dv, *cols_plan.parts[:2], *col_index,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
             Hq, Hkv, B * Hkv, Hq // Hkv, Nq, Nk,
             Hm * Mk if Bm > 1 else 0, Mk if Hm > 1 else 0, *cols_plan.item_strides,
@@ -350,7 +384,7 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
         dict(
             HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n,
             MASK_BLOCK_Q=kv_bq, MASK_BLOCK_K=kv_bk,
-            CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision,
+            CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision, TMA=kv_tma,
         ),
         cfg.num_warps, cfg.num_stages,
     )

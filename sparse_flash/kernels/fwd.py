@@ -18,30 +18,39 @@ from .configs import block_d, fwd_config, schedule_heads
 from .launch import launch
 from .memory import new_output
 from .split import SplitPlan, merge_split_rows
+from .tma import tile_descriptor
 
 
 @triton.jit
 def _fwd_tile(
-    acc, l_i, m_i, q, K, V, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn, Nk, qk_scale,
+    acc, l_i, m_i, q, K, V, kv_b, kv_h, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn, Nk, qk_scale,
     HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FUSED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FUSED: tl.constexpr, TMA: tl.constexpr,
 ):
     """Fold one key tile into the running softmax state (acc, l_i, m_i) of a query tile.
 
-    FUSED: each score is scaled and shifted in one multiply-add and P V accumulates into the rescaled
-    output (2-5% faster on sparse rows); otherwise scores are scaled first and P V is added after, which
-    keeps the dense causal kernel at D = 128 free of register spills (3% faster there).
+    TMA: K and V are tensor descriptors of the whole (B, Hkv, Nk, D) tensors, read at (kv_b, kv_h,
+    start_n); otherwise pointers already offset to this (batch, head). FUSED: each score is scaled and
+    shifted in one multiply-add and P V accumulates into the rescaled output (2-5% faster on sparse rows);
+    otherwise scores are scaled first and P V is added after, which keeps the dense causal kernel at
+    D = 128 free of register spills (3% faster there).
     """
     cols = start_n + offs_n  # (BLOCK_N,)
-    kt_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None]  # (BLOCK_D, BLOCK_N): K^T
-    v_ptrs = V + cols[:, None] * stride_vn + offs_d[None, :]  # (BLOCK_N, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    if MASKED:
-        kt = tl.load(kt_ptrs, mask=d_ok[:, None] & (cols[None, :] < Nk), other=0.0)
-        v = tl.load(v_ptrs, mask=(cols[:, None] < Nk) & d_ok[None, :], other=0.0)
+    if TMA:  # rows past Nk and columns past HEAD_DIM arrive as zeros
+        BLOCK_N: tl.constexpr = offs_n.shape[0]
+        BLOCK_D: tl.constexpr = offs_d.shape[0]
+        kt = tl.trans(K.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D))  # (BLOCK_D, BLOCK_N): K^T
+        v = V.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # (BLOCK_N, BLOCK_D)
     else:
-        kt = load_unmasked_rows(kt_ptrs, d_ok[:, None], EVEN_D)
-        v = load_unmasked_rows(v_ptrs, d_ok[None, :], EVEN_D)
+        kt_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None]  # (BLOCK_D, BLOCK_N): K^T
+        v_ptrs = V + cols[:, None] * stride_vn + offs_d[None, :]  # (BLOCK_N, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        if MASKED:
+            kt = tl.load(kt_ptrs, mask=d_ok[:, None] & (cols[None, :] < Nk), other=0.0)
+            v = tl.load(v_ptrs, mask=(cols[:, None] < Nk) & d_ok[None, :], other=0.0)
+        else:
+            kt = load_unmasked_rows(kt_ptrs, d_ok[:, None], EVEN_D)
+            v = load_unmasked_rows(v_ptrs, d_ok[None, :], EVEN_D)
     qk = tl.dot(q, kt, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) unscaled scores
     if not FUSED:
         qk = qk * qk_scale  # log2 units from here on
@@ -69,17 +78,18 @@ def _fwd_tile(
 
 @triton.jit
 def _fwd_list(
-    acc, l_i, m_i, q, K, V, Idx, lo, hi, offs_m, offs_n, offs_d, stride_kn, stride_vn, Nk, qk_scale,
+    acc, l_i, m_i, q, K, V, kv_b, kv_h, Idx, lo, hi, offs_m, offs_n, offs_d, stride_kn, stride_vn, Nk, qk_scale,
     HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, MASK_BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, FUSED: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Fold the key blocks of list entries [lo, hi) into the softmax state; each mask block is SUB tiles."""
     SUB: tl.constexpr = MASK_BLOCK_K // BLOCK_N
     start_n = list_tile_start(Idx, lo * SUB, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
     for t in range(lo * SUB, hi * SUB):
         next_n = list_tile_start(Idx, t + 1, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn,
-                                  Nk, qk_scale, HEAD_DIM, EVEN_D, MASKED, CAUSAL, DOT_PRECISION, FUSED)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, kv_b, kv_h, start_n, offs_m, offs_n, offs_d, stride_kn,
+                                  stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, MASKED, CAUSAL, DOT_PRECISION, FUSED, TMA)
         start_n = next_n
     return acc, l_i, m_i
 
@@ -96,7 +106,7 @@ def _attn_fwd_kernel(
     copy_stride_b, copy_stride_h, copies, qk_scale, head_group,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
-    CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     b, h, tile, i, chunk, valid = schedule(tl.program_id(0), Hq, BH, RowItems, RowLead, item_stride_b, item_stride_h, 1,
@@ -109,8 +119,10 @@ def _attn_fwd_kernel(
     d_ok = offs_d < HEAD_DIM
 
     Q += b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    K += b.to(tl.int64) * stride_kb + (h // groups).to(tl.int64) * stride_kh
-    V += b.to(tl.int64) * stride_vb + (h // groups).to(tl.int64) * stride_vh
+    hk = h // groups
+    if not TMA:
+        K += b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+        V += b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
     q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -127,24 +139,24 @@ def _attn_fwd_kernel(
             n_full = tl.minimum(n_full, (start_m + 1) // BLOCK_N)
             n_end = tl.minimum(n_end, tl.cdiv(start_m + BLOCK_M, BLOCK_N))
         for n in range(0, n_full):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, n * BLOCK_N, offs_m, offs_n, offs_d, stride_kn,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, b, hk, n * BLOCK_N, offs_m, offs_n, offs_d, stride_kn,
                                       stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL, DOT_PRECISION,
-                                      not CAUSAL)
+                                      not CAUSAL, TMA)
         for n in range(n_full, n_end):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, n * BLOCK_N, offs_m, offs_n, offs_d, stride_kn,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, b, hk, n * BLOCK_N, offs_m, offs_n, offs_d, stride_kn,
                                       stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION,
-                                      not CAUSAL)
+                                      not CAUSAL, TMA)
     else:
         # Walk this program's chunk of the query block's row list; each mask block is SUB key tiles.
         row = b * mask_stride_b + h * mask_stride_h + i
         num_chunks = tl.load(RowChunks + row)
         full_lo, full_hi, part_lo, part_hi = chunk_range(RowFullOff, RowPartOff, row, chunk, num_chunks, valid)
-        acc, l_i, m_i = _fwd_list(acc, l_i, m_i, q, K, V, RowFullIdx, full_lo, full_hi, offs_m, offs_n, offs_d,
-                                  stride_kn, stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL, DOT_PRECISION,
-                                  MASK_BLOCK_K, BLOCK_N, True)
-        acc, l_i, m_i = _fwd_list(acc, l_i, m_i, q, K, V, RowPartIdx, part_lo, part_hi, offs_m, offs_n, offs_d,
-                                  stride_kn, stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION,
-                                  MASK_BLOCK_K, BLOCK_N, True)
+        acc, l_i, m_i = _fwd_list(acc, l_i, m_i, q, K, V, b, hk, RowFullIdx, full_lo, full_hi, offs_m, offs_n,
+                                  offs_d, stride_kn, stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL,
+                                  DOT_PRECISION, MASK_BLOCK_K, BLOCK_N, True, TMA)
+        acc, l_i, m_i = _fwd_list(acc, l_i, m_i, q, K, V, b, hk, RowPartIdx, part_lo, part_hi, offs_m, offs_n,
+                                  offs_d, stride_kn, stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL,
+                                  DOT_PRECISION, MASK_BLOCK_K, BLOCK_N, True, TMA)
 
     # Empty rows (no allowed key): output 0 and lse -inf, never 0/0.
     empty = l_i == 0.0
@@ -191,10 +203,13 @@ def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float):
         full_off, full_idx, part_off, part_idx, items, chunks, slots, lead, split, slot_list = index
         plan = SplitPlan(q.device, (items, split, slot_list), B, Hq, Bm, Hm, block_q, D, with_lse=True)
         grid = (items.shape[2] * (block_q // cfg.block_m) * B * Hq,)
+    k_desc = tile_descriptor(k, cfg.block_n, block_d(D))
+    v_desc = tile_descriptor(v, cfg.block_n, block_d(D))
+    tma = k_desc is not None and v_desc is not None
     launch(
         _attn_fwd_kernel, grid,
         (
-            q, k, v, out, lse, plan.parts[0], plan.lse_part,
+            q, k_desc if tma else k, v_desc if tma else v, out, lse, plan.parts[0], plan.lse_part,
             full_off, full_idx, part_off, part_idx, items, chunks, slots, lead,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             Hq, B * Hq, Hq // Hkv, Nq, Nk,
@@ -205,7 +220,7 @@ def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float):
         dict(
             HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             MASK_BLOCK_Q=block_q, MASK_BLOCK_K=block_k,
-            CAUSAL=causal, DENSE=dense, DOT_PRECISION=dot_precision(q.dtype),
+            CAUSAL=causal, DENSE=dense, DOT_PRECISION=dot_precision(q.dtype), TMA=tma,
         ),
         cfg.num_warps, cfg.num_stages,
     )

@@ -46,10 +46,8 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
     """
     if _ENABLED[0] and not _interpreting():
         # What Triton specialises a runtime argument on: a tensor's dtype and 16-byte alignment, an int's
-        # value (it checks == 1, divisibility by 16 and the 32/64-bit range); floats it does not.
-        key = (id(kernel), num_warps, num_stages, _current_device(), *constexprs.values(),
-               *[(a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor) else (float if type(a) is float else a)
-                 for a in args])
+        # value (it checks == 1, divisibility by 16 and the 32/64-bit range); floats it does not (`_arg_key`).
+        key = (id(kernel), num_warps, num_stages, _current_device(), *constexprs.values(), *map(_arg_key, args))
         compiled = _CACHE.get(key)
         if compiled is not None and not _hooks_installed():
             compiled.run(grid[0], 1, 1, _current_stream(), compiled.function, compiled.packed_metadata, None, None, None,
@@ -65,6 +63,18 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
             _CACHE[key] = compiled
         return
     kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+
+
+def _arg_key(a):
+    """What Triton specialises one runtime argument on (a descriptor: conservatively, all of it but its data)."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() & 15
+    if type(a) is float:
+        return float
+    if hasattr(a, "block_shape"):  # a TMA tensor descriptor (tma.py)
+        return (a.base.dtype, a.base.data_ptr() & 15, tuple(a.shape), tuple(a.strides), tuple(a.block_shape),
+                a.padding)
+    return a
 
 
 def _check_order(kernel, n_args: int, constexprs: dict) -> None:

@@ -1,0 +1,55 @@
+"""Tensor descriptors (Hopper's TMA unit) for the tiles the kernels stream from their inner loops.
+
+The forward and dQ passes stream K and V tiles, the dK/dV pass Q and dO tiles.
+
+On an sm_90 or newer GPU, a kernel can fetch a whole tile with one TMA instruction from a host-built
+descriptor instead of having every thread compute and issue its own addresses. The descriptor covers a
+`(B, H, N, D)` tensor in four dimensions, so a tile that runs past the sequence end or the head dimension
+reads zeros and never the next head's rows. `tile_descriptor` returns None where TMA cannot serve: an older
+GPU, a Triton without host descriptors, or a tensor whose base or strides are not 16-byte aligned; the
+kernels then load through pointers (the same arithmetic).
+
+Under the interpreter (`TRITON_INTERPRET=1`) the descriptor path runs as on a Hopper GPU, so CPU tests
+cover it; `set_tma(False)` (or `SPARSE_FLASH_TMA=0`) selects the pointer path everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .configs import interpreting
+
+_ENABLED = [os.environ.get("SPARSE_FLASH_TMA", "1") != "0"]
+
+
+def set_tma(enabled: bool) -> bool:
+    """Allow or forbid the descriptor path (tests run both); returns the previous setting."""
+    previous = _ENABLED[0]
+    _ENABLED[0] = bool(enabled)
+    return previous
+
+
+def _device_has_tma(device: torch.device) -> bool:
+    if interpreting():
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def tile_descriptor(t: torch.Tensor, block_rows: int, block_d: int):
+    """A descriptor of `t` (B, H, N, D) that loads `(1, 1, block_rows, block_d)` tiles, or None (see module)."""
+    if not _ENABLED[0] or not _device_has_tma(t.device):
+        return None
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    shape, strides = list(t.shape), list(t.stride())
+    for i in range(len(shape) - 2, -1, -1):  # a dimension of size 1 is never stepped: any valid stride will do
+        if shape[i] == 1:
+            strides[i] = shape[i + 1] * strides[i + 1]
+    elt = t.element_size()
+    if strides[-1] != 1 or t.data_ptr() % 16 or any(s <= 0 or s * elt % 16 for s in strides[:-1]):
+        return None
+    return TensorDescriptor(t, shape, strides, [1, 1, block_rows, block_d])

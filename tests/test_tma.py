@@ -1,0 +1,72 @@
+"""The two ways the kernels fetch their streamed tiles: TMA tensor descriptors and pointer loads.
+
+Every other test runs the descriptor path (the interpreter runs it as a Hopper GPU does); here the pointer
+path, which older GPUs and misaligned tensors take, meets the same reference, and the choice between the two
+is checked tensor by tensor.
+"""
+
+import contextlib
+
+import pytest
+import torch
+from conftest import DEVICE, triton_usable
+from hypothesis import example, given
+from strategies import Problem, problems
+
+from sparse_flash.testing import compare_to_reference, make_qkv
+
+pytestmark = pytest.mark.skipif(not triton_usable(), reason="triton is not usable here")
+
+
+@contextlib.contextmanager
+def pointer_loads():
+    from sparse_flash.kernels import tma
+
+    previous = tma.set_tma(False)
+    try:
+        yield
+    finally:
+        tma.set_tma(previous)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@given(p=problems())
+@example(p=Problem(2, 4, 2, 97, 131, 59, 64, 32, "dense", 1.0, True, 3))
+@example(p=Problem(2, 2, 2, 200, 77, 16, 128, 64, "per_batch", 0.5, False, 5))
+def test_pointer_loads_match_reference(dtype, p):
+    q, k, v = make_qkv(p.B, p.Hq, p.Hkv, p.Nq, p.Nk, p.D, dtype=dtype, device=DEVICE, seed=p.seed)
+    with pointer_loads():
+        result = compare_to_reference(q, k, v, p.mask(DEVICE), causal=p.causal, backend="triton")
+    assert not result.failures(), f"{p}: {result.failures()}"
+
+
+def test_descriptor_only_for_aligned_tensors():
+    from sparse_flash.kernels.tma import set_tma, tile_descriptor
+
+    base = torch.randn(2, 3, 40, 72, dtype=torch.float16, device=DEVICE)
+    desc = tile_descriptor(base, 32, 128)
+    assert desc is not None and list(desc.block_shape) == [1, 1, 32, 128] and list(desc.shape) == [2, 3, 40, 72]
+    # a fused-projection view (B, N, H, D) -> (B, H, N, D): strides permuted, still 16-byte multiples
+    assert tile_descriptor(torch.randn(2, 40, 3, 64, device=DEVICE).transpose(1, 2), 16, 64) is not None
+    # a size-1 batch whose stride is meaningless gets a valid one
+    one = torch.randn(1, 3, 40, 64, device=DEVICE).as_strided((1, 3, 40, 64), (7, 2560, 64, 1))
+    assert tile_descriptor(one, 16, 64).strides[0] % 4 == 0
+    # rows of 36 fp16 (72 bytes) are not 16-byte multiples; a base one element in is not 16-byte aligned;
+    # a broadcast (stride 0) head; a strided head dimension
+    assert tile_descriptor(torch.randn(2, 3, 40, 36, dtype=torch.float16, device=DEVICE), 16, 64) is None
+    assert tile_descriptor(base[..., 1:65], 16, 64) is None
+    assert tile_descriptor(torch.randn(2, 1, 40, 64, device=DEVICE).expand(2, 3, 40, 64), 16, 64) is None
+    assert tile_descriptor(torch.randn(2, 3, 40, 128, device=DEVICE)[..., ::2], 16, 64) is None
+    previous = set_tma(False)
+    try:
+        assert tile_descriptor(base, 32, 128) is None
+    finally:
+        set_tma(previous)
+
+
+def test_misaligned_inputs_take_pointer_loads():
+    """Rows of 36 fp16 values are not 16-byte multiples: the kernels load them through pointers, exactly."""
+    p = Problem(1, 2, 1, 100, 90, 36, 32, 32, "random", 0.5, True, 21)
+    q, k, v = make_qkv(p.B, p.Hq, p.Hkv, p.Nq, p.Nk, p.D, dtype=torch.float16, device=DEVICE, seed=p.seed)
+    result = compare_to_reference(q, k, v, p.mask(DEVICE), causal=p.causal, backend="triton")
+    assert not result.failures(), f"{p}: {result.failures()}"
