@@ -107,6 +107,7 @@ def main():
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     parser.add_argument("--set", choices=("defaults", "rows", "bwd-passes", "order"), default="defaults")
     parser.add_argument("--no-tiles", action="store_true", help="--set order: the head-group sweep only")
+    parser.add_argument("--masks", help="--set rows: only rows of these masks (comma-separated)")
     args = parser.parse_args()
     if args.set == "order":
         return tune_order(args)
@@ -152,6 +153,7 @@ def _compile_and_time(jobs, workers) -> list[dict]:
                          {"ms": do_bench(_run_once(*job), warmup=10, rep=50, return_mode="median")})
         except Exception as e:
             timed.append({"error": f"{type(e).__name__}: {e}"[:200]})
+        print("timed", job[:2], job[2:], timed[-1], flush=True)  # a run cut short keeps what it measured
     return timed
 
 
@@ -173,16 +175,19 @@ def tune_rows(args):
     from sparse_flash.kernels import bwd, fwd
 
     current = {"fwd": fwd.fwd_config, "bwd": bwd.bwd_config}
+    rows = [r for r in ROWS if args.masks is None or r[4] in args.masks.split(",")]
     jobs = []
-    for B, H, N, D, name, causal in ROWS:
+    for B, H, N, D, name, causal in rows:
         shape = {"B": B, "H": H, "N": N}
         mask = _mask(name, N)
         block = None if name == "dense" else 128
         defaults = {"fwd": tuple(current["fwd"](D, torch.bfloat16, block, block, causal, N, mask.has_long_lists(causal))),
-                    "bwd": tuple(current["bwd"](D, torch.bfloat16, block, block, causal,
-                                                mask.has_long_lists(causal)))[:6]}  # one warps/stages for both passes
-        for kind, cands in (("fwd", ROW_FWD), ("bwd", ROW_BWD)):
-            for cfg in dict.fromkeys([defaults[kind], *cands]):
+                    "bwd": tuple(current["bwd"](D, torch.bfloat16, block, block, causal, mask.has_long_lists(causal)))}
+        # candidates with TMA descriptor loads; the backward also with pointer loads (their default at D = 64)
+        cands = {"fwd": [(*c, True) for c in ROW_FWD],
+                 "bwd": [(*c, 0, 0, tma) for c in ROW_BWD for tma in (True, False)]}
+        for kind in ("fwd", "bwd"):
+            for cfg in dict.fromkeys([defaults[kind], *cands[kind]]):
                 jobs.append(((kind, cfg, name, causal, D, shape), cfg == defaults[kind], mask.density))
     timed = _compile_and_time([j for j, _, _ in jobs], args.workers)
     results = []
@@ -192,7 +197,7 @@ def tune_rows(args):
                         "D": D, **shape, "density": density, **t})
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
-    _print_best(results, "kind", ROWS, ("fwd", "bwd"), "cfg")
+    _print_best(results, "kind", rows, ("fwd", "bwd"), "cfg")
 
 
 # --set bwd-passes: the dQ pass (q_block_m, q_block_n, warps, stages) and the dK/dV pass (kv_block_m,

@@ -20,12 +20,19 @@ FP32_POINTERS = {"Lse", "OutPart", "LsePart", "Delta", "DQPart", "DKPart", "DVPa
 FLOATS = {"qk_scale", "sm_scale"}
 
 
-def signature(fn, constexprs):
-    """Triton types for a kernel's parameters: index tensors int32, scratch fp32, inputs bf16."""
+STREAMED = {"fwd": ("K", "V"), "dq": ("K", "V"), "dkdv": ("Q", "DO")}  # TMA descriptors when TMA=True
+
+
+def signature(fn, constexprs, descriptors=()):
+    """Triton types for a kernel's parameters: index tensors int32, scratch fp32, inputs bf16, and the
+    streamed inputs as (1, 1, rows, BLOCK_D) tensor descriptors when TMA is on."""
     sig = {}
     for name in inspect.signature(fn.fn).parameters:
         if name in constexprs:
             sig[name] = "constexpr"
+        elif name in descriptors:
+            rows = constexprs["BLOCK_M" if name in ("Q", "DO") else "BLOCK_N"]
+            sig[name] = f"tensordesc<bf16[1,1,{rows},{constexprs['BLOCK_D']}]>"
         elif name in FP32_POINTERS:
             sig[name] = "*fp32"
         elif name.startswith(("Row", "Col")) or name in ("Split", "Chunks", "Slots"):
@@ -38,7 +45,7 @@ def signature(fn, constexprs):
 
 
 def cases():
-    """(name, kernel, constexprs) for every kernel and path."""
+    """(name, kernel, constexprs, descriptors) for every kernel and path."""
     from sparse_flash.kernels import bwd, fwd, split
 
     tiles = {"fwd": (fwd._attn_fwd_kernel, dict(BLOCK_M=64, BLOCK_N=64)),
@@ -47,12 +54,14 @@ def cases():
     for name, (fn, t) in tiles.items():
         for dense in (False, True):
             for causal in (False, True):
-                yield (f"{name} dense={dense} causal={causal}", fn,
-                       dict(HEAD_DIM=72, BLOCK_D=128, MASK_BLOCK_Q=128, MASK_BLOCK_K=128, CAUSAL=causal, DENSE=dense,
-                            DOT_PRECISION="tf32", **t))
+                for tma in (False, True):
+                    yield (f"{name} dense={dense} causal={causal} tma={tma}", fn,
+                           dict(HEAD_DIM=72, BLOCK_D=128, MASK_BLOCK_Q=128, MASK_BLOCK_K=128, CAUSAL=causal,
+                                DENSE=dense, DOT_PRECISION="tf32", TMA=tma, **t),
+                           STREAMED[name] if tma else ())
     for with_lse in (False, True):
         yield (f"merge with_lse={with_lse}", split._merge_kernel,
-               dict(HEAD_DIM=64, BLOCK_D=64, MASK_BLOCK=128, BLOCK_M=64, WITH_LSE=with_lse))
+               dict(HEAD_DIM=64, BLOCK_D=64, MASK_BLOCK=128, BLOCK_M=64, WITH_LSE=with_lse), ())
 
 
 def main() -> int:
@@ -61,8 +70,8 @@ def main() -> int:
     from triton.compiler import ASTSource
 
     failed = 0
-    for name, fn, constexprs in cases():
-        sig = signature(fn, constexprs)
+    for name, fn, constexprs, descriptors in cases():
+        sig = signature(fn, constexprs, descriptors)
         try:
             src = ASTSource(fn=fn, signature=sig, constexprs={(list(sig).index(k),): v for k, v in constexprs.items()})
         except TypeError as e:  # an older Triton spells the ahead-of-time API differently
@@ -83,7 +92,7 @@ def test_kernels_compile_for_sm90():
     if "SKIP" in run.stdout:
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    assert run.stdout.count("ok ") == 14
+    assert run.stdout.count("ok ") == 26
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The two ways the kernels fetch their streamed tiles: TMA tensor descriptors and pointer loads.
 
-Every other test runs the descriptor path (the interpreter runs it as a Hopper GPU does); here the pointer
-path, which older GPUs and misaligned tensors take, meets the same reference, and the choice between the two
-is checked tensor by tensor.
+The other tests run the library's defaults (under the interpreter, as on a Hopper GPU: descriptors in the
+forward everywhere, in the backward at head dims 65-128). Here each path runs alone in every pass on
+random problems, against the same reference: pointer loads (older GPUs, misaligned tensors) and
+descriptor loads; and the choice between the two is checked tensor by tensor.
 """
 
 import contextlib
@@ -19,23 +20,30 @@ pytestmark = pytest.mark.skipif(not triton_usable(), reason="triton is not usabl
 
 
 @contextlib.contextmanager
-def pointer_loads():
-    from sparse_flash.kernels import tma
+def loads(kind):
+    """"pointer": no descriptors anywhere; "descriptor": descriptors in every pass at every head dim
+    (the defaults use them only where they measured faster, configs.py)."""
+    from sparse_flash.kernels import bwd, configs, fwd, tma
 
-    previous = tma.set_tma(False)
+    previous = tma.set_tma(kind == "descriptor")
     try:
-        yield
+        with pytest.MonkeyPatch.context() as mp:
+            if kind == "descriptor":
+                mp.setattr(fwd, "fwd_config", lambda *a: configs.fwd_config(*a)._replace(tma=True))
+                mp.setattr(bwd, "bwd_config", lambda *a: configs.bwd_config(*a)._replace(tma=True))
+            yield
     finally:
         tma.set_tma(previous)
 
 
+@pytest.mark.parametrize("kind", ["pointer", "descriptor"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
 @given(p=problems())
 @example(p=Problem(2, 4, 2, 97, 131, 59, 64, 32, "dense", 1.0, True, 3))
 @example(p=Problem(2, 2, 2, 200, 77, 16, 128, 64, "per_batch", 0.5, False, 5))
-def test_pointer_loads_match_reference(dtype, p):
+def test_loads_match_reference(kind, dtype, p):
     q, k, v = make_qkv(p.B, p.Hq, p.Hkv, p.Nq, p.Nk, p.D, dtype=dtype, device=DEVICE, seed=p.seed)
-    with pointer_loads():
+    with loads(kind):
         result = compare_to_reference(q, k, v, p.mask(DEVICE), causal=p.causal, backend="triton")
     assert not result.failures(), f"{p}: {result.failures()}"
 

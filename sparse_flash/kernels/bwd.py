@@ -343,7 +343,7 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
     dq = new_output(q.shape, q.dtype, q.device)
     q_bq, q_bk = (cfg.q_block_m, cfg.q_block_n) if dense else (block_q, block_k)
     q_items = triton.cdiv(Nq, cfg.q_block_m) if dense else row_index[4].shape[2] * (block_q // cfg.q_block_m)
-    k_desc, v_desc = tile_descriptor(k, cfg.q_block_n, BLOCK_D), tile_descriptor(v, cfg.q_block_n, BLOCK_D)
+    k_desc, v_desc = (tile_descriptor(t, cfg.q_block_n, BLOCK_D) if cfg.tma else None for t in (k, v))
     dq_tma = k_desc is not None and v_desc is not None
     launch(
         _attn_bwd_dq_kernel, (q_items * B * Hq,),
@@ -369,7 +369,7 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
     dv = new_output(v.shape, v.dtype, v.device)
     kv_bq, kv_bk = (cfg.kv_block_m, cfg.kv_block_n) if dense else (block_q, block_k)
     kv_items = triton.cdiv(Nk, cfg.kv_block_n) if dense else col_index[4].shape[2] * (block_k // cfg.kv_block_n)
-    q_desc, do_desc = tile_descriptor(q, cfg.kv_block_m, BLOCK_D), tile_descriptor(do, cfg.kv_block_m, BLOCK_D)
+    q_desc, do_desc = (tile_descriptor(t, cfg.kv_block_m, BLOCK_D) if cfg.tma else None for t in (q, do))
     kv_tma = q_desc is not None and do_desc is not None
     launch(
         _attn_bwd_dkdv_kernel, (kv_items * B * Hkv,),

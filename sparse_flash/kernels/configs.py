@@ -17,6 +17,7 @@ class FwdConfig(NamedTuple):
     block_n: int  # key columns per inner step
     num_warps: int
     num_stages: int
+    tma: bool = True  # stream K and V through tensor descriptors where the GPU and tensors allow (tma.py)
 
 
 class BwdConfig(NamedTuple):
@@ -28,6 +29,7 @@ class BwdConfig(NamedTuple):
     num_stages: int
     dq_warps: int = 0  # the dQ pass's own warps and stages; 0: the same as the dK/dV pass
     dq_stages: int = 0
+    tma: bool = True  # stream K, V (dQ pass) and Q, dO (dK/dV pass) through tensor descriptors (tma.py)
 
 
 MIN_TILE = 16  # tl.dot needs every dimension to be at least 16
@@ -61,7 +63,8 @@ def fwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
     Measured on an H200 (bf16; benchmarks/NOTES.md): the dense non-causal path wants the largest tiles;
     sparse rows (short, uneven lists) 64 x 64, long lists at D = 64 128 x 64 (4% on 10% random at 65,536
     tokens). Dense causal: 128 x 128 at D = 128 (3% over 64 x 64 at 16,384 tokens), and at D = 64 128 x 64
-    from 16,384 tokens on (7% at 65,536), 64 x 64 below.
+    from 16,384 tokens on (7% at 65,536), 64 x 64 below. K and V stream through TMA descriptors: 5-12%
+    faster than pointer loads at D = 128, 0-4% at D = 64.
     """
     d = block_d(head_dim)
     dense = block_q is None
@@ -92,7 +95,8 @@ def bwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
     5-10% faster with 32-row inner steps and three stages at D = 64 (128-row dK/dV and dQ tiles when the
     lists are long: 8% on 10% random at 65,536). At D = 128 short lists take the dense 64 x 64 tiles (4-7%
     over 128-row tiles once heads are grouped, `schedule_heads`), long lists 128-row dK/dV and dQ tiles,
-    8 warps and three stages (H200, bf16; benchmarks/NOTES.md).
+    8 warps and three stages (H200, bf16; benchmarks/NOTES.md). TMA descriptor loads serve D = 128 (3-6%
+    faster on sparse rows) except dense causal (3% slower); at D = 64 pointer loads are 1-5% faster.
     """
     d = block_d(head_dim)
     dense = block_q is None
@@ -109,8 +113,10 @@ def bwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
         kv_m, kv_n, q_m, q_n, warps, stages = 16, 64, 64, 16, 4, 2
     if dtype == torch.float32:
         kv_m, kv_n, q_m, q_n, stages = min(kv_m, 32), min(kv_n, 32), min(q_m, 32), min(q_n, 32), 1
+    tma = d == 128 and not (dense and causal)
     return BwdConfig(
-        fit_tile(kv_m, block_q), fit_tile(kv_n, block_k), fit_tile(q_m, block_q), fit_tile(q_n, block_k), warps, stages
+        fit_tile(kv_m, block_q), fit_tile(kv_n, block_k), fit_tile(q_m, block_q), fit_tile(q_n, block_k), warps, stages,
+        tma=tma,
     )
 
 

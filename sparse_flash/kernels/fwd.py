@@ -203,8 +203,7 @@ def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float):
         full_off, full_idx, part_off, part_idx, items, chunks, slots, lead, split, slot_list = index
         plan = SplitPlan(q.device, (items, split, slot_list), B, Hq, Bm, Hm, block_q, D, with_lse=True)
         grid = (items.shape[2] * (block_q // cfg.block_m) * B * Hq,)
-    k_desc = tile_descriptor(k, cfg.block_n, block_d(D))
-    v_desc = tile_descriptor(v, cfg.block_n, block_d(D))
+    k_desc, v_desc = (tile_descriptor(t, cfg.block_n, block_d(D)) if cfg.tma else None for t in (k, v))
     tma = k_desc is not None and v_desc is not None
     launch(
         _attn_fwd_kernel, grid,
