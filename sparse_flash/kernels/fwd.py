@@ -190,8 +190,7 @@ def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float):
     Hkv, Nk = k.shape[1], k.shape[2]
     dense = len(index) == 0
     Bm, Hm, Mq, Mk, block_q, block_k, long_lists = mask_geometry
-    cfg = fwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k, causal, Nq,
-                     bool(long_lists))
+    cfg = fwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k, causal, Nq)
     out = new_output(q.shape, q.dtype, q.device)
     lse = new_output((B, Hq, Nq), torch.float32, q.device)
     if dense:
