@@ -40,8 +40,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", help="a saved copy of sparse_flash/kernels/fwd.py")
     parser.add_argument("--switch", choices=["tma"], help="time the library with a setting off (base) and on (new)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--rows", help="only rows whose (B, Hq, Hkv, N, D, mask, causal) text contains this")
     parser.add_argument("--out", default="ab.json")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     if (args.base is None) == (args.switch is None):
         parser.error("give exactly one of --base and --switch")
     from triton.testing import do_bench
@@ -64,21 +67,21 @@ def main():
         versions = {"base": switched(fwd.attn_fwd, False), "new": switched(fwd.attn_fwd, True)}
         backward = {"base": switched(bwd.attn_bwd, False), "new": switched(bwd.attn_bwd, True)}
     results = []
-    for B, Hq, Hkv, N, D, name, causal in ROWS:
+    for B, Hq, Hkv, N, D, name, causal in [r for r in ROWS if args.rows is None or args.rows in str(r)]:
         mask = build_mask(name, N, "cuda")[0]
         idx = mask.kernel_index(causal)
         rows = [] if mask.is_dense or (causal and mask.covers_causal) else idx.rows()
         geom = [*mask.shape, *mask.block_size, int(mask.has_long_lists(causal))]
         gen = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        q = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype, generator=gen)
+        k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
         outs = {tag: f(q, k, v, rows, geom, causal, D**-0.5)[0] for tag, f in versions.items()}
         times = {tag: [] for tag in versions}
         for tag in ("base", "new", "new", "base"):
             f = versions[tag]
             times[tag].append(do_bench(lambda: f(q, k, v, rows, geom, causal, D**-0.5), warmup=25, rep=100,
                                        return_mode="median"))
-        r = {"row": [B, Hq, Hkv, N, D, name, causal], "pass": "fwd", "base_ms": min(times["base"]),
+        r = {"row": [B, Hq, Hkv, N, D, name, causal], "dtype": args.dtype, "pass": "fwd", "base_ms": min(times["base"]),
              "new_ms": min(times["new"]), "runs_ms": times,
              "max_diff": float((outs["base"].float() - outs["new"].float()).abs().max())}
         r["gain"] = r["base_ms"] / r["new_ms"]
@@ -96,7 +99,7 @@ def main():
             times[tag].append(do_bench(lambda: f(do, q, k, v, out, lse, index, geom, causal, D**-0.5), warmup=25,
                                        rep=100, return_mode="median"))
         diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads["base"], grads["new"]))
-        r = {"row": [B, Hq, Hkv, N, D, name, causal], "pass": "bwd", "base_ms": min(times["base"]),
+        r = {"row": [B, Hq, Hkv, N, D, name, causal], "dtype": args.dtype, "pass": "bwd", "base_ms": min(times["base"]),
              "new_ms": min(times["new"]), "runs_ms": times, "max_diff": diff}
         r["gain"] = r["base_ms"] / r["new_ms"]
         results.append(r)

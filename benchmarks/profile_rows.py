@@ -21,6 +21,7 @@ from bench_attention import build_mask  # the benchmark's masks (run from the re
 ROWS = {  # (B, H, N, D, mask[, Hkv])
     "host": [(4, 16, 4096, 64, "butterfly"), (4, 16, 4096, 64, "random"), (4, 16, 4096, 64, "local"),
              (4, 16, 4096, 128, "butterfly"), (4, 16, 4096, 128, "random"), (1, 16, 16384, 128, "bigbird")],
+    "fp16": [(4, 16, 4096, 128, "butterfly"), (4, 16, 4096, 128, "random")],
     "d128": [(4, 16, 4096, 128, "random"), (1, 16, 16384, 128, "random"), (1, 16, 16384, 128, "butterfly"),
              (4, 32, 4096, 128, "butterfly", 8), (4, 32, 4096, 128, "random", 8)],
 }
@@ -63,7 +64,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="rows.json")
     parser.add_argument("--rows", choices=sorted(ROWS), default="host")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     from torch.nn.attention.flex_attention import flex_attention
 
     flex = torch.compile(flex_attention, dynamic=False)
@@ -73,8 +76,8 @@ def main():
         mask = build_mask(name, N, "cuda")[0]
         fm = mask.to_flex(False, eager_exact=False)
         gen = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-        k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+        q = torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+        k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=gen).requires_grad_()
                 for _ in range(2))
         do = torch.randn_like(q)
         impls = {"ours": lambda: sparse_flash.block_sparse_attention(q, k, v, mask, backend="triton"),
@@ -82,9 +85,9 @@ def main():
         for impl, fn in impls.items():
             with torch.no_grad():
                 r = measure(fn)
-            results.append({"row": [B, H, Hkv, N, D, name], "impl": impl, "mode": "fwd", **r})
+            results.append({"row": [B, H, Hkv, N, D, name], "dtype": args.dtype, "impl": impl, "mode": "fwd", **r})
             r = measure(lambda: fn().backward(do), grad_of=[q, k, v])
-            results.append({"row": [B, H, Hkv, N, D, name], "impl": impl, "mode": "fwd+bwd", **r})
+            results.append({"row": [B, H, Hkv, N, D, name], "dtype": args.dtype, "impl": impl, "mode": "fwd+bwd", **r})
             print(results[-2], results[-1], flush=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
