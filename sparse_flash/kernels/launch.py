@@ -66,11 +66,17 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
 
 
 def _arg_key(a):
-    """What Triton specialises one runtime argument on (a descriptor: conservatively, all of it but its data)."""
+    """What Triton specialises one runtime argument on (a descriptor: conservatively, all of it but its data).
+
+    Called for every argument of every launch, so the common types are tested first, by exact type.
+    """
+    kind = type(a)
+    if kind is int or kind is bool:
+        return a
+    if kind is float:
+        return float
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() & 15
-    if type(a) is float:
-        return float
     if hasattr(a, "block_shape"):  # a TMA tensor descriptor (tma.py)
         return (a.base.dtype, a.base.data_ptr() & 15, tuple(a.shape), tuple(a.strides), tuple(a.block_shape),
                 a.padding)

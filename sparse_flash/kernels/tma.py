@@ -31,10 +31,16 @@ def set_tma(enabled: bool) -> bool:
     return previous
 
 
+_HAS_TMA: dict = {}  # device -> bool, asked once per device
+
+
 def _device_has_tma(device: torch.device) -> bool:
     if interpreting():
         return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    has = _HAS_TMA.get(device)
+    if has is None:
+        has = _HAS_TMA[device] = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return has
 
 
 def tile_descriptor(t: torch.Tensor, block_rows: int, block_d: int):
