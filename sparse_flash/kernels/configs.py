@@ -64,7 +64,7 @@ def fwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
     sparse rows (short, uneven lists) 64 x 64 at D = 128, and 128 x 64 with 8 warps at D = 64 when the mask
     block allows (1-4% over 4 warps with TMA loads; 4% over 64 x 64 on 10% random at 65,536 tokens). Dense causal: 128 x 128 at D = 128 (3% over 64 x 64 at 16,384 tokens), and at D = 64 128 x 64
     from 16,384 tokens on (7% at 65,536), 64 x 64 below. K and V stream through TMA descriptors: 5-12%
-    faster than pointer loads at D = 128, 0-4% at D = 64.
+    faster than pointer loads at D = 128, within -0.4% to +4% at D = 64.
     """
     d = block_d(head_dim)
     dense = block_q is None
