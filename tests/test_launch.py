@@ -86,3 +86,20 @@ def test_anything_triton_specialises_on_takes_the_normal_path(fast, monkeypatch,
 def test_constexprs_out_of_order_are_refused(fast):
     with pytest.raises(TypeError, match="constexprs must be its last parameters"):
         launch_mod.launch(FakeKernel(), (1,), (torch.zeros(4), 2, 1.0), {"FLAG": True, "BLOCK": 16}, 4, 3)
+
+
+@pytest.mark.parametrize("change", ["none", "block shape", "shape", "strides", "dtype", "tensor instead"])
+def test_descriptor_arguments_key_on_all_but_their_data(fast, change):
+    """A TMA descriptor's block shape, shape, strides and dtype select the compiled kernel; its data does not."""
+    TensorDescriptor = pytest.importorskip("triton.tools.tensor_descriptor").TensorDescriptor
+
+    def desc(t, block=(1, 1, 16, 32)):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
+
+    kernel, x = FakeKernel(), torch.zeros(2, 3, 64, 32)
+    launch_mod.launch(kernel, (1,), (desc(x), 32, 1.0), {"BLOCK": 16, "FLAG": True}, 4, 3)
+    y = {"none": desc(torch.ones(2, 3, 64, 32)), "block shape": desc(x, (1, 1, 32, 32)),
+         "shape": desc(torch.zeros(2, 3, 48, 32)), "strides": desc(torch.zeros(2, 64, 3, 32).transpose(1, 2)),
+         "dtype": desc(x.half()), "tensor instead": x}[change]
+    launch_mod.launch(kernel, (1,), (y, 32, 1.0), {"BLOCK": 16, "FLAG": True}, 4, 3)
+    assert kinds(kernel) == ["normal", "direct" if change == "none" else "normal"]
