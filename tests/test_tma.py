@@ -78,3 +78,19 @@ def test_misaligned_inputs_take_pointer_loads():
     q, k, v = make_qkv(p.B, p.Hq, p.Hkv, p.Nq, p.Nk, p.D, dtype=torch.float16, device=DEVICE, seed=p.seed)
     result = compare_to_reference(q, k, v, p.mask(DEVICE), causal=p.causal, backend="triton")
     assert not result.failures(), f"{p}: {result.failures()}"
+
+
+@pytest.mark.parametrize("kind", ["pointer", "descriptor"])
+def test_loads_on_fused_projection_layout(kind):
+    """q, k, v as (B, N, H, D) views, the layout a fused QKV projection gives: descriptors take the
+    permuted strides as they are, in every pass (GQA, sequence tails, head dim below its tile)."""
+    p = Problem(2, 4, 2, 150, 131, 48, 64, 32, "random", 0.5, True, 31)
+    for dtype in (torch.float32, torch.float16):
+        q, k, v = make_qkv(p.B, p.Hq, p.Hkv, p.Nq, p.Nk, p.D, dtype=dtype, device=DEVICE, seed=p.seed,
+                           layout="transposed")
+        from sparse_flash.kernels.tma import tile_descriptor
+
+        assert all(tile_descriptor(t.detach(), 16, 64) is not None for t in (q, k, v))  # the layout qualifies
+        with loads(kind):
+            result = compare_to_reference(q, k, v, p.mask(DEVICE), causal=p.causal, backend="triton")
+        assert not result.failures(), f"{p} {dtype}: {result.failures()}"
