@@ -8,8 +8,6 @@ faster `do_bench` median; the ratio base/new is the change's gain. Two ways to n
     python benchmarks/ab_kernels.py --base benchmarks/_fwd_base.py --out ab.json
     # pointer loads (base) against TMA descriptor loads (new), forward and backward
     python benchmarks/ab_kernels.py --switch tma --out ab.json
-    # the two-pass backward (base) against dQ added up with atomics by the dK/dV pass (new)
-    python benchmarks/ab_kernels.py --switch atomic_dq --out ab.json
 """
 
 from __future__ import annotations
@@ -41,8 +39,7 @@ def load_base(path: str):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", help="a saved copy of sparse_flash/kernels/fwd.py")
-    parser.add_argument("--switch", choices=["tma", "atomic_dq"],
-                        help="time the library with a setting off (base) and on (new); atomic_dq: backward only")
+    parser.add_argument("--switch", choices=["tma"], help="time the library with a setting off (base) and on (new)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--rows", help="only rows whose (B, Hq, Hkv, N, D, mask, causal) text contains this")
     parser.add_argument("--out", default="ab.json")
@@ -54,19 +51,17 @@ def main():
 
     from sparse_flash.kernels import bwd, fwd, tma
 
-    setting = {"tma": tma.set_tma, "atomic_dq": bwd.set_atomic_dq}.get(args.switch)
-
     if args.base:
         versions = {"base": load_base(args.base).attn_fwd, "new": fwd.attn_fwd}
         backward = None
     else:
         def switched(f, on):
             def call(*a):
-                previous = setting(on)
+                previous = tma.set_tma(on)
                 try:
                     return f(*a)
                 finally:
-                    setting(previous)
+                    tma.set_tma(previous)
             return call
 
         versions = {"base": switched(fwd.attn_fwd, False), "new": switched(fwd.attn_fwd, True)}
@@ -80,19 +75,18 @@ def main():
         gen = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype, generator=gen)
         k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
-        if args.switch != "atomic_dq":  # the forward does not change
-            outs = {tag: f(q, k, v, rows, geom, causal, D**-0.5)[0] for tag, f in versions.items()}
-            times = {tag: [] for tag in versions}
-            for tag in ("base", "new", "new", "base"):
-                f = versions[tag]
-                times[tag].append(do_bench(lambda: f(q, k, v, rows, geom, causal, D**-0.5), warmup=25, rep=100,
-                                           return_mode="median"))
-            r = {"row": [B, Hq, Hkv, N, D, name, causal], "dtype": args.dtype, "pass": "fwd", "base_ms": min(times["base"]),
-                 "new_ms": min(times["new"]), "runs_ms": times,
-                 "max_diff": float((outs["base"].float() - outs["new"].float()).abs().max())}
-            r["gain"] = r["base_ms"] / r["new_ms"]
-            results.append(r)
-            print(r, flush=True)
+        outs = {tag: f(q, k, v, rows, geom, causal, D**-0.5)[0] for tag, f in versions.items()}
+        times = {tag: [] for tag in versions}
+        for tag in ("base", "new", "new", "base"):
+            f = versions[tag]
+            times[tag].append(do_bench(lambda: f(q, k, v, rows, geom, causal, D**-0.5), warmup=25, rep=100,
+                                       return_mode="median"))
+        r = {"row": [B, Hq, Hkv, N, D, name, causal], "dtype": args.dtype, "pass": "fwd", "base_ms": min(times["base"]),
+             "new_ms": min(times["new"]), "runs_ms": times,
+             "max_diff": float((outs["base"].float() - outs["new"].float()).abs().max())}
+        r["gain"] = r["base_ms"] / r["new_ms"]
+        results.append(r)
+        print(r, flush=True)
         if backward is None:
             continue
         out, lse = fwd.attn_fwd(q, k, v, rows, geom, causal, D**-0.5)

@@ -7,7 +7,6 @@ users get tuned kernels without autotuning at run time.
     python benchmarks/tune_kernels.py --set rows --out results.json    # the benchmark's rows, best per row
     python benchmarks/tune_kernels.py --set bwd-passes --out r.json    # dQ and dK/dV pass settings, each alone
     python benchmarks/tune_kernels.py --set order --out r.json         # heads scheduled together, then tiles
-    python benchmarks/tune_kernels.py --set atomic --out r.json        # backward with dQ added by the dK/dV pass
 
 Candidates compile in parallel worker processes first (they share Triton's on-disk cache), then the main
 process times each one with `triton.testing.do_bench` on the same inputs.
@@ -70,7 +69,6 @@ def _patch(kind, cfg, group=None):
         fwd.fwd_config = lambda *a: configs.FwdConfig(*cfg)
     else:
         bwd.bwd_config = lambda *a: configs.BwdConfig(*cfg)
-        bwd._DQ_REDUCE[0] = "pointer" if kind == "bwd-ptr" else "tma"  # how the atomic dQ path adds its tiles
     for module in (fwd, bwd):
         module.schedule_heads = configs.schedule_heads if group is None else (lambda nbytes, heads: min(group, heads))
 
@@ -107,7 +105,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="tune.json")
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
-    parser.add_argument("--set", choices=("defaults", "rows", "bwd-passes", "order", "atomic"), default="defaults")
+    parser.add_argument("--set", choices=("defaults", "rows", "bwd-passes", "order"), default="defaults")
     parser.add_argument("--no-tiles", action="store_true", help="--set order: the head-group sweep only")
     parser.add_argument("--masks", help="--set rows: only rows of these masks (comma-separated)")
     args = parser.parse_args()
@@ -117,8 +115,6 @@ def main():
         return tune_rows(args)
     if args.set == "bwd-passes":
         return tune_bwd_passes(args)
-    if args.set == "atomic":
-        return tune_atomic(args)
     jobs = [(kind, cfg, name, causal, D) for kind, cands in (("fwd", FWD), ("bwd", BWD)) for cfg in cands
             for name, causal in PROBLEMS for D in HEAD_DIMS]
     results = [{"kind": kind, "cfg": cfg, "mask": name, "causal": causal, "D": D, **t}
@@ -305,38 +301,3 @@ def tune_order(args):
 
 if __name__ == "__main__":
     main()
-
-
-# --set atomic: the dK/dV pass (kv_block_m, kv_block_n, warps, stages) adding dQ with TMA reductions
-# ("bwd") or per-element atomics ("bwd-ptr"), against the two-pass default, on the benchmark's rows
-ATOMIC_DKDV = {64: [(32, 64, 4, 3), (64, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 3)],
-               128: [(64, 64, 4, 2), (32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 2)]}
-
-
-def tune_atomic(args):
-    """Every atomic-dQ candidate on every benchmark row (or the rows of --masks) against the default."""
-    from sparse_flash.kernels import bwd
-
-    rows = [r for r in ROWS if args.masks is None or r[4] in args.masks.split(",")]
-    jobs = []
-    for B, H, N, D, name, causal in rows:
-        shape = {"B": B, "H": H, "N": N}
-        mask = _mask(name, N)
-        block = None if name == "dense" else 128
-        default = tuple(bwd.bwd_config(D, torch.bfloat16, block, block, causal, mask.has_long_lists(causal)))
-        jobs.append((("bwd", default, name, causal, D, shape), True, "two-pass"))
-        for kv_m, kv_n, warps, stages in ATOMIC_DKDV[D]:
-            cfg = (kv_m, kv_n, default[2], default[3], warps, stages, 0, 0, D == 128, True)
-            for kind in ("bwd", "bwd-ptr"):
-                jobs.append(((kind, cfg, name, causal, D, shape), False, "tma-reduce" if kind == "bwd" else "atomics"))
-    timed = _compile_and_time([j for j, *_ in jobs], args.workers)
-    results = []
-    for (job, is_default, how), t in zip(jobs, timed):
-        kind, cfg, name, causal, D, shape = job
-        results.append({"kind": "bwd", "how": how, "cfg": list(cfg), "default": is_default, "mask": name,
-                        "causal": causal, "D": D, **shape, **t})
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-    for r in results:
-        r["setting"] = (r["how"], *r["cfg"][:2], *r["cfg"][4:6])
-    _print_best(results, "kind", rows, ("bwd",), "setting")

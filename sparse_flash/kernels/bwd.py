@@ -12,14 +12,12 @@ and `split.merge_split_rows` adds them up.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .common import LOG2E, chunk_range, chunk_scratch_rows, dot_precision, list_tile_start, load_unmasked_rows, schedule
-from .configs import block_d, bwd_config, interpreting, schedule_heads
+from .configs import block_d, bwd_config, schedule_heads
 from .launch import launch
 from .memory import new_output
 from .split import SplitPlan, merge_split_rows
@@ -35,17 +33,14 @@ def _load_lse_log2(Lse, offs_m, Nq):
 
 @triton.jit
 def _dkdv_tile(
-    dk, dv, k, v, Q, DO, q_b, q_h, Lse, Delta, DQ, start_m, offs_n, offs_d, stride_qm, stride_dm, stride_aqm, Nq,
-    qk_scale, sm_scale, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, DQ_MODE: tl.constexpr,
+    dk, dv, k, v, Q, DO, q_b, q_h, Lse, Delta, start_m, offs_n, offs_d, stride_qm, stride_dm, Nq, qk_scale,
+    HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """Add one query tile's contribution to the dK and dV of a key tile.
 
     TMA: Q and DO are tensor descriptors of the whole (B, Hq, Nq, D) tensors, read at (q_b, q_h, start_m);
     otherwise pointers already offset to this (batch, head).
-    DQ_MODE (see `attn_bwd`): 0, dQ is left to the dQ pass; 1, the tile's dQ is added to the float32 `DQ`
-    (pointer to this (batch, head)) with atomic adds; 2, `DQ` is a descriptor of the whole float32 buffer and
-    one TMA reduction adds the tile.
     """
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     d_ok = offs_d < HEAD_DIM
@@ -68,40 +63,31 @@ def _dkdv_tile(
         pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)
     dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
     dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M) dP^T
-    dst = (pt * (dpt - delta[None, :])).to(qt.dtype)  # (BLOCK_N, BLOCK_M) dS^T
-    dk += tl.dot(dst, tl.trans(qt), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
-    if DQ_MODE != 0:
-        dq = tl.dot(tl.trans(dst), k, input_precision=DOT_PRECISION) * sm_scale  # (BLOCK_M, BLOCK_D)
-        if DQ_MODE == 2:  # rows past Nq and columns past HEAD_DIM are clipped by the descriptor
-            DQ.atomic_add([q_b, q_h, start_m, 0], dq.reshape(1, 1, BLOCK_M, offs_d.shape[0]))
-        else:
-            tl.atomic_add(DQ + offs_m[:, None] * stride_aqm + offs_d[None, :], dq,
-                          mask=(offs_m < Nq)[:, None] & d_ok[None, :], sem="relaxed")
+    dst = pt * (dpt - delta[None, :])  # (BLOCK_N, BLOCK_M) dS^T
+    dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
     return dk, dv
 
 
 @triton.jit
 def _dkdv_list(
-    dk, dv, k, v, Q, DO, q_b, q_h, Lse, Delta, DQ, Idx, lo, hi, offs_n, offs_d, stride_qm, stride_dm, stride_aqm, Nq,
-    qk_scale, sm_scale, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+    dk, dv, k, v, Q, DO, q_b, q_h, Lse, Delta, Idx, lo, hi, offs_n, offs_d, stride_qm, stride_dm, Nq, qk_scale,
+    HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_BLOCK_Q: tl.constexpr, TMA: tl.constexpr,
-    DQ_MODE: tl.constexpr,
 ):
     """Add the query blocks of list entries [lo, hi) to a key tile's dK and dV; each mask block is SUB tiles."""
     SUB: tl.constexpr = MASK_BLOCK_Q // BLOCK_M
     start_m = list_tile_start(Idx, lo * SUB, hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
     for t in range(lo * SUB, hi * SUB):
         next_m = list_tile_start(Idx, t + 1, hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
-        dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, q_b, q_h, Lse, Delta, DQ, start_m, offs_n, offs_d, stride_qm,
-                            stride_dm, stride_aqm, Nq, qk_scale, sm_scale, HEAD_DIM, EVEN_D, BLOCK_M, MASKED, CAUSAL,
-                            DOT_PRECISION, TMA, DQ_MODE)
+        dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, q_b, q_h, Lse, Delta, start_m, offs_n, offs_d, stride_qm, stride_dm,
+                            Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, MASKED, CAUSAL, DOT_PRECISION, TMA)
         start_m = next_m
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, DKPart, DVPart, DQAcc,
+    Q, K, V, DO, Lse, Delta, DK, DV, DKPart, DVPart,
     ColFullOff, ColFullIdx, ColPartOff, ColPartIdx, ColItems, ColChunks, ColSlots, ColLead,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -109,13 +95,11 @@ def _attn_bwd_dkdv_kernel(
     stride_db, stride_dh, stride_dm,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    stride_aqb, stride_aqh, stride_aqm,
     Hq, Hkv, BH, groups, Nq, Nk, mask_stride_b, mask_stride_h, item_stride_b, item_stride_h,
     copy_stride_b, copy_stride_h, copies, qk_scale, sm_scale, head_group,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    DQ_MODE: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     # Columns are ordered by the lists of the group's first query head.
@@ -145,10 +129,6 @@ def _attn_bwd_dkdv_kernel(
         else:
             Qh = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
             DOh = DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
-        if DQ_MODE == 1:
-            DQh = DQAcc + b.to(tl.int64) * stride_aqb + h.to(tl.int64) * stride_aqh
-        else:
-            DQh = DQAcc
         Lseh = Lse + (b * Hq + h).to(tl.int64) * Nq
         Deltah = Delta + (b * Hq + h).to(tl.int64) * Nq
         if DENSE:
@@ -161,27 +141,27 @@ def _attn_bwd_dkdv_kernel(
                 m_full_start = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M), m_full_end)
             m_full_start = tl.maximum(m_full_start, m_start)
             for m in range(m_start, m_full_start):
-                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, b, h, Lseh, Deltah, DQh, m * BLOCK_M, offs_n, offs_d,
-                                    stride_qm, stride_dm, stride_aqm, Nq, qk_scale, sm_scale, HEAD_DIM, EVEN_D, BLOCK_M,
-                                    True, CAUSAL, DOT_PRECISION, TMA, DQ_MODE)
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, b, h, Lseh, Deltah, m * BLOCK_M, offs_n, offs_d, stride_qm,
+                                    stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, True, CAUSAL, DOT_PRECISION,
+                                    TMA)
             for m in range(m_full_start, m_full_end):
-                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, b, h, Lseh, Deltah, DQh, m * BLOCK_M, offs_n, offs_d,
-                                    stride_qm, stride_dm, stride_aqm, Nq, qk_scale, sm_scale, HEAD_DIM, EVEN_D, BLOCK_M,
-                                    False, CAUSAL, DOT_PRECISION, TMA, DQ_MODE)
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, b, h, Lseh, Deltah, m * BLOCK_M, offs_n, offs_d, stride_qm,
+                                    stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, False, CAUSAL, DOT_PRECISION,
+                                    TMA)
             for m in range(tl.maximum(m_full_end, m_full_start), m_end):
-                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, b, h, Lseh, Deltah, DQh, m * BLOCK_M, offs_n, offs_d,
-                                    stride_qm, stride_dm, stride_aqm, Nq, qk_scale, sm_scale, HEAD_DIM, EVEN_D, BLOCK_M,
-                                    True, CAUSAL, DOT_PRECISION, TMA, DQ_MODE)
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, b, h, Lseh, Deltah, m * BLOCK_M, offs_n, offs_d, stride_qm,
+                                    stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, True, CAUSAL, DOT_PRECISION,
+                                    TMA)
         else:
             # This program's chunk of every group head's column list (chunked like the first head's).
             col = b * mask_stride_b + h * mask_stride_h + j
             full_lo, full_hi, part_lo, part_hi = chunk_range(ColFullOff, ColPartOff, col, chunk, num_chunks, valid)
-            dk, dv = _dkdv_list(dk, dv, k, v, Qh, DOh, b, h, Lseh, Deltah, DQh, ColFullIdx, full_lo, full_hi, offs_n,
-                                offs_d, stride_qm, stride_dm, stride_aqm, Nq, qk_scale, sm_scale, HEAD_DIM, EVEN_D,
-                                BLOCK_M, False, CAUSAL, DOT_PRECISION, MASK_BLOCK_Q, TMA, DQ_MODE)
-            dk, dv = _dkdv_list(dk, dv, k, v, Qh, DOh, b, h, Lseh, Deltah, DQh, ColPartIdx, part_lo, part_hi, offs_n,
-                                offs_d, stride_qm, stride_dm, stride_aqm, Nq, qk_scale, sm_scale, HEAD_DIM, EVEN_D,
-                                BLOCK_M, True, CAUSAL, DOT_PRECISION, MASK_BLOCK_Q, TMA, DQ_MODE)
+            dk, dv = _dkdv_list(dk, dv, k, v, Qh, DOh, b, h, Lseh, Deltah, ColFullIdx, full_lo, full_hi, offs_n,
+                                offs_d, stride_qm, stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, False, CAUSAL,
+                                DOT_PRECISION, MASK_BLOCK_Q, TMA)
+            dk, dv = _dkdv_list(dk, dv, k, v, Qh, DOh, b, h, Lseh, Deltah, ColPartIdx, part_lo, part_hi, offs_n,
+                                offs_d, stride_qm, stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, True, CAUSAL,
+                                DOT_PRECISION, MASK_BLOCK_Q, TMA)
 
     dk = dk * sm_scale
     if num_chunks > 1:
@@ -332,59 +312,6 @@ def _attn_bwd_dq_kernel(
                  + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def _attn_bwd_prep_kernel(
-    Out, DO, Delta, DQAcc,
-    stride_ob, stride_oh, stride_om,
-    stride_db, stride_dh, stride_dm,
-    Hq, Nq,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """One program per (query tile, batch x head): delta = rowsum(dO * O) for the dK/dV launch, and zeros for
-    the tile's rows of the float32 dQ buffer (contiguous (B, Hq, Nq, HEAD_DIM)) that it adds into."""
-    tiles = tl.cdiv(Nq, BLOCK_M)
-    bh = tl.program_id(0) // tiles
-    b = bh // Hq
-    h = bh % Hq
-    offs_m = (tl.program_id(0) % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
-    ok = (offs_m[:, None] < Nq) & (offs_d[None, :] < HEAD_DIM)  # (BLOCK_M, BLOCK_D)
-    o = tl.load(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om
-                + offs_d[None, :], mask=ok, other=0.0)  # (BLOCK_M, BLOCK_D)
-    do = tl.load(DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + offs_m[:, None] * stride_dm
-                 + offs_d[None, :], mask=ok, other=0.0)  # (BLOCK_M, BLOCK_D)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BLOCK_M,)
-    tl.store(Delta + bh.to(tl.int64) * Nq + offs_m, delta, mask=offs_m < Nq)
-    rows = bh.to(tl.int64) * Nq + offs_m  # (BLOCK_M,) row numbers in the dQ buffer
-    tl.store(DQAcc + rows[:, None] * HEAD_DIM + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=ok)
-
-
-PREP_BLOCK_M = 64  # query rows per program of the prep launch
-_DQ_REDUCE = [os.environ.get("SPARSE_FLASH_DQ_REDUCE", "tma")]
-
-
-_DQ_ATOMIC = [None]  # None: as the config says; True or False: forced (tests and A/B timing run both)
-
-
-def set_atomic_dq(enabled: bool | None) -> bool | None:
-    """Force the atomic dQ path on or off everywhere (None: per problem, from `bwd_config`); returns the
-    previous setting. `torch.use_deterministic_algorithms(True)` always selects the two-pass path."""
-    previous = _DQ_ATOMIC[0]
-    _DQ_ATOMIC[0] = enabled
-    return previous
-
-
-def _atomic_dq(cfg) -> bool:
-    if torch.are_deterministic_algorithms_enabled():
-        return False
-    return cfg.dq_atomic if _DQ_ATOMIC[0] is None else _DQ_ATOMIC[0]
-
-
-def _reduce_by_tma() -> bool:
-    """Add dQ tiles with TMA reductions (Hopper) rather than per-element atomics; the interpreter has none."""
-    return _DQ_REDUCE[0] == "tma" and not interpreting()
-
-
 def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: float):
     """Launch the backward kernels.
 
@@ -412,43 +339,31 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
     BLOCK_D = block_d(D)
     precision = dot_precision(q.dtype)
 
-    delta = new_output((B, Hq, Nq), torch.float32, q.device)  # written before the dK/dV launch reads it
-    if _atomic_dq(cfg):
-        # dQ from the dK/dV launch: each (key tile, query tile) adds its share to a float32 buffer
-        dq_acc = new_output((B, Hq, Nq, D), torch.float32, q.device)  # zeroed by the prep launch
-        launch(
-            _attn_bwd_prep_kernel, (triton.cdiv(Nq, PREP_BLOCK_M) * B * Hq,),
-            (out, do, delta, dq_acc, *out.stride()[:3], *do.stride()[:3], Hq, Nq),
-            dict(HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=PREP_BLOCK_M), 4, 1,
-        )
-        dq_desc = tile_descriptor(dq_acc, cfg.kv_block_m, BLOCK_D) if _reduce_by_tma() else None
-        dq_mode = 1 if dq_desc is None else 2
-    else:
-        dq = new_output(q.shape, q.dtype, q.device)
-        q_bq, q_bk = (cfg.q_block_m, cfg.q_block_n) if dense else (block_q, block_k)
-        q_items = triton.cdiv(Nq, cfg.q_block_m) if dense else row_index[4].shape[2] * (block_q // cfg.q_block_m)
-        k_desc, v_desc = (tile_descriptor(t, cfg.q_block_n, BLOCK_D) if cfg.tma else None for t in (k, v))
-        dq_tma = k_desc is not None and v_desc is not None
-        launch(
-            _attn_bwd_dq_kernel, (q_items * B * Hq,),
-            (
-                q, k_desc if dq_tma else k, v_desc if dq_tma else v, out, do, lse, delta, dq, rows_plan.parts[0], *row_index,
-                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
-                Hq, B * Hq, Hq // Hkv, Nq, Nk,
-                Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0, *rows_plan.item_strides,
-                *rows_plan.copy_strides, rows_plan.copies,
-                scale * LOG2E, scale, schedule_heads(2 * Nk * D * k.element_size() // (Hq // Hkv), B * Hq),
-            ),
-            dict(
-                HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n,
-                MASK_BLOCK_Q=q_bq, MASK_BLOCK_K=q_bk,
-                CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision, TMA=dq_tma,
-            ),
-            cfg.dq_warps or cfg.num_warps, cfg.dq_stages or cfg.num_stages,
-        )
-        if rows_plan.num_split:
-            merge_split_rows(rows_plan, row_index[5], row_index[6], dq, None, Mq, heads=Hq, groups=1)
-        dq_acc, dq_desc, dq_mode = rows_plan.parts[0], None, 0
+    delta = new_output((B, Hq, Nq), torch.float32, q.device)  # written by the dQ launch, read by dK/dV
+    dq = new_output(q.shape, q.dtype, q.device)
+    q_bq, q_bk = (cfg.q_block_m, cfg.q_block_n) if dense else (block_q, block_k)
+    q_items = triton.cdiv(Nq, cfg.q_block_m) if dense else row_index[4].shape[2] * (block_q // cfg.q_block_m)
+    k_desc, v_desc = (tile_descriptor(t, cfg.q_block_n, BLOCK_D) if cfg.tma else None for t in (k, v))
+    dq_tma = k_desc is not None and v_desc is not None
+    launch(
+        _attn_bwd_dq_kernel, (q_items * B * Hq,),
+        (
+            q, k_desc if dq_tma else k, v_desc if dq_tma else v, out, do, lse, delta, dq, rows_plan.parts[0], *row_index,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
+            Hq, B * Hq, Hq // Hkv, Nq, Nk,
+            Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0, *rows_plan.item_strides,
+            *rows_plan.copy_strides, rows_plan.copies,
+            scale * LOG2E, scale, schedule_heads(2 * Nk * D * k.element_size() // (Hq // Hkv), B * Hq),
+        ),
+        dict(
+            HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n,
+            MASK_BLOCK_Q=q_bq, MASK_BLOCK_K=q_bk,
+            CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision, TMA=dq_tma,
+        ),
+        cfg.dq_warps or cfg.num_warps, cfg.dq_stages or cfg.num_stages,
+    )
+    if rows_plan.num_split:
+        merge_split_rows(rows_plan, row_index[5], row_index[6], dq, None, Mq, heads=Hq, groups=1)
 
     dk = new_output(k.shape, k.dtype, k.device)
     dv = new_output(v.shape, v.dtype, v.device)
@@ -459,10 +374,8 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
     launch(
         _attn_bwd_dkdv_kernel, (kv_items * B * Hkv,),
         (
-            q_desc if kv_tma else q, k, v, do_desc if kv_tma else do, lse, delta, dk, dv, *cols_plan.parts[:2],
-            dq_acc if dq_desc is None else dq_desc, *col_index,
+            q_desc if kv_tma else q, k, v, do_desc if kv_tma else do, lse, delta, dk, dv, *cols_plan.parts[:2], *col_index,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-            *(dq_acc.stride()[:3] if dq_mode else (0, 0, 0)),
             Hq, Hkv, B * Hkv, Hq // Hkv, Nq, Nk,
             Hm * Mk if Bm > 1 else 0, Mk if Hm > 1 else 0, *cols_plan.item_strides,
             *cols_plan.copy_strides, cols_plan.copies,
@@ -471,7 +384,7 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
         dict(
             HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n,
             MASK_BLOCK_Q=kv_bq, MASK_BLOCK_K=kv_bk,
-            CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision, TMA=kv_tma, DQ_MODE=dq_mode,
+            CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision, TMA=kv_tma,
         ),
         cfg.num_warps, cfg.num_stages,
     )
@@ -479,6 +392,4 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
         for part, grad in enumerate((dk, dv)):
             merge_split_rows(cols_plan, col_index[5], col_index[6], grad, None, Mk, heads=Hkv, groups=Hq // Hkv,
                              part=part)
-    if dq_mode:
-        dq = dq_acc if q.dtype == torch.float32 else dq_acc.to(q.dtype)
     return dq, dk, dv

@@ -30,7 +30,6 @@ class BwdConfig(NamedTuple):
     dq_warps: int = 0  # the dQ pass's own warps and stages; 0: the same as the dK/dV pass
     dq_stages: int = 0
     tma: bool = True  # stream K, V (dQ pass) and Q, dO (dK/dV pass) through tensor descriptors (tma.py)
-    dq_atomic: bool = False  # dQ added up by the dK/dV pass with atomics instead of its own pass (bwd.py)
 
 
 MIN_TILE = 16  # tl.dot needs every dimension to be at least 16
