@@ -4,7 +4,9 @@ Every competitor runs in the same process on the same inputs and masks, timed th
 (`triton.testing.do_bench`, median after warm-up). sparse_flash and FlexAttention are each timed twice per
 row, in opposite orders, and the faster median counts, so neither pays for running first after a new mask
 (compilation, an idle GPU). Effective TFLOP/s count only the nonzero blocks:
-forward 4·B·H·N²·D·density, forward+backward 3.5x that (backward = 2.5x forward).
+forward 4·B·H·N²·D·density, forward+backward 3.5x that (backward = 2.5x forward). Rows of up to 4,096
+tokens, where one call's host time can exceed its GPU time, are also timed as CUDA-graph replays
+(`do_bench_cudagraph`) for sparse_flash and FlexAttention, which separates the kernels from the host.
 
     python benchmarks/bench_attention.py                 # the full table (about 10 minutes on an H200)
     python benchmarks/bench_attention.py --quick         # two shapes, fewer masks
@@ -63,18 +65,26 @@ def live_density(mask: sparse_flash.BlockMask, causal: bool) -> float:
     return int(mask.row_index(causal).counts.sum()) / mask.layout.numel()
 
 
-def bench(fn, grad_of=None) -> float:
-    """Median milliseconds of fn (forward) or of fn + backward when grad_of lists the inputs."""
-    from triton.testing import do_bench
+GRAPH_MAX_N = 4096  # rows this short are also timed as CUDA-graph replays (no host time between calls)
 
-    if grad_of is None:
-        return do_bench(fn, warmup=25, rep=100, return_mode="median")
-    out = fn()
-    do = torch.randn_like(out)
+
+def bench(fn, grad_of=None, graph=False) -> float:
+    """Median milliseconds of fn (forward) or of fn + backward when grad_of lists the inputs.
+
+    graph=False: `do_bench`, one eager call after another (what a training step pays, host time included
+    when the host is slower than the GPU). graph=True: `do_bench_cudagraph`, calls captured in a CUDA graph
+    and replayed, so only the GPU's time counts.
+    """
+    from triton.testing import do_bench, do_bench_cudagraph
 
     def step():
+        if grad_of is None:
+            return fn()
         fn().backward(do)
 
+    do = None if grad_of is None else torch.randn_like(fn())
+    if graph:
+        return do_bench_cudagraph(step, rep=40, grad_to_none=grad_of, return_mode="median")
     return do_bench(step, warmup=25, rep=100, grad_to_none=grad_of, return_mode="median")
 
 
@@ -176,7 +186,17 @@ def run_rows(shapes, mask_names, dtypes, log) -> list[dict]:
                     except Exception as e:  # a competitor that cannot run this row says why
                         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                         torch.cuda.empty_cache()
-                    if len(row["runs_ms"]) == (2 if impl in ("sparse_flash", "flex") else 1) or "error" in row:
+                    done_eager = len(row["runs_ms"]) == (2 if impl in ("sparse_flash", "flex") else 1)
+                    if done_eager and impl in ("sparse_flash", "flex") and N <= GRAPH_MAX_N and "error" not in row:
+                        try:
+                            if mode == "fwd":
+                                with torch.no_grad():
+                                    row["graph_ms"] = bench(lambda: fn(q, k, v, mask, causal), graph=True)
+                            else:
+                                row["graph_ms"] = bench(lambda: fn(q, k, v, mask, causal), grad_of=[q, k, v], graph=True)
+                        except Exception as e:
+                            row["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    if done_eager or "error" in row:
                         log(row)
                 del mask
             del q, k, v
@@ -198,6 +218,8 @@ def add_ratios(rows: list[dict]) -> None:
         flex = table.get(key(r, impl="flex"))
         if flex:
             r["speedup_vs_flex"] = flex["ms"] / r["ms"]
+            if "graph_ms" in r and "graph_ms" in flex:
+                r["graph_speedup_vs_flex"] = flex["graph_ms"] / r["graph_ms"]
         cudnn = table.get(key(r, impl="sdpa_cudnn", mask="dense"))
         if cudnn:
             r["speedup_vs_cudnn_dense"] = cudnn["ms"] / r["ms"]
@@ -266,7 +288,15 @@ def summarize(rows: list[dict]) -> dict:
         if sp:
             worst = min((r for r in ours if r["mode"] == mode), key=lambda r: r["speedup_vs_flex"])
             s[mode] = {"min_vs_flex": min(sp), "median_vs_flex": statistics.median(sp),
-                       "worst_row": f"{worst['B']},{worst['Hq']},{worst['N']},{worst['D']} {worst['mask']}"}
+                       "worst_row": f"{worst['B']},{worst['Hq']},{worst['N']},{worst['D']} {worst['mask']}",
+                       "rows_at_or_above_1": f"{sum(x >= 1.0 for x in sp)} of {len(sp)}"}
+            graphed = [r for r in ours if r["mode"] == mode and "graph_speedup_vs_flex" in r]
+            if graphed:
+                below = [f"{r['B']},{r['Hq']},{r['N']},{r['D']} {r['mask']}: {r['graph_speedup_vs_flex']:.2f}"
+                         for r in graphed if r["graph_speedup_vs_flex"] < 1.0]
+                s[mode]["cuda_graph_rows"] = {
+                    "rows": len(graphed), "median_vs_flex": statistics.median(r["graph_speedup_vs_flex"] for r in graphed),
+                    "below_1": below}
     dense128 = [r for r in ours if r["mask"] == "dense" and r["D"] == 128 and r["mode"] == "fwd" and r["Hq"] == r["Hkv"]]
     if dense128:
         s["dense_fwd_d128_vs_cudnn"] = min(r.get("speedup_vs_cudnn_dense", 0) for r in dense128)
@@ -297,9 +327,11 @@ def markdown(meta: dict, rows: list[dict], costs: list[dict], summary: dict) -> 
              f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}; host "
              f"{host.get('cpu', '?')}, {host.get('cores', '?')} cores, load {host.get('load_1min', '?')} at the start. "
              "Median of `triton.testing.do_bench` (sparse_flash and FlexAttention: the faster of two medians, "
-             "timed in opposite orders); TFLOP/s on nonzero blocks only (fwd 4·B·H·N²·D·density, fwd+bwd 3.5x).",
-             "", "| B,Hq,Hkv,N,D | dtype | mask | density | mode | sparse_flash ms | flex ms | vs flex | vs cuDNN dense | sparse_flash TFLOP/s | flex TFLOP/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "timed in opposite orders); TFLOP/s on nonzero blocks only (fwd 4·B·H·N²·D·density, fwd+bwd 3.5x). "
+             f"Rows up to {GRAPH_MAX_N} tokens are also timed as CUDA-graph replays (`do_bench_cudagraph`: GPU time "
+             "only, no host time between calls): the last column.",
+             "", "| B,Hq,Hkv,N,D | dtype | mask | density | mode | sparse_flash ms | flex ms | vs flex | vs cuDNN dense | sparse_flash TFLOP/s | flex TFLOP/s | vs flex, CUDA graphs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     by = {}
     for r in rows:
         by.setdefault((r["B"], r["Hq"], r["Hkv"], r["N"], r["D"], r["dtype"], r["mask"], r["mode"]), {})[r["impl"]] = r
@@ -312,7 +344,9 @@ def markdown(meta: dict, rows: list[dict], costs: list[dict], summary: dict) -> 
         lines.append(
             f"| {B},{Hq},{Hkv},{N},{D} | {dt} | {mname} | {o.get('density', 0):.3f} | {mode} | {fmt(o.get('ms'), '.3f')} | "
             f"{fmt(f.get('ms'), '.3f')} | {fmt(o.get('speedup_vs_flex'), '.2f')}x | {fmt(o.get('speedup_vs_cudnn_dense'), '.2f')}x | "
-            f"{fmt(o.get('tflops'), '.0f')} | {fmt(f.get('tflops'), '.0f')} |"
+            f"{fmt(o.get('tflops'), '.0f')} | {fmt(f.get('tflops'), '.0f')} | "
+            + (f"{o['graph_speedup_vs_flex']:.2f}x ({o['graph_ms']:.3f} / {f['graph_ms']:.3f} ms) |"
+               if "graph_speedup_vs_flex" in o else "|")
         )
     lines += ["", "## SDPA on the same shapes", "", "| B,Hq,Hkv,N,D | dtype | mask | mode | impl | ms | TFLOP/s |", "|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -22,6 +22,7 @@ from sparse_flash import masks
 from sparse_flash.kernels.bwd import attn_bwd
 from sparse_flash.kernels.fwd import attn_fwd
 from sparse_flash.kernels.launch import set_fast_launch
+from sparse_flash.kernels.tma import set_tma
 from profile_rows import host_us
 
 
@@ -63,6 +64,10 @@ def main():
         set_fast_launch(fast)
         for name, step in steps.items():
             results[f"{name} (fast launch {'on' if fast else 'off'})"] = host_us(step, reps=300, warmup=20)
+    previous = set_tma(False)  # pointer loads: no descriptors to build on the host
+    for name in ("launcher fwd", "launcher bwd", "api fwd no_grad", "api fwd+bwd"):
+        results[f"{name} (fast launch on, pointer loads)"] = host_us(steps[name], reps=300, warmup=20)
+    set_tma(previous)
     results["flex fwd no_grad"] = host_us(lambda: flex(q.detach(), k.detach(), v.detach(), block_mask=fm), 300, 20)
     results["flex fwd+bwd"] = host_us(lambda: flex(q, k, v, block_mask=fm).backward(do), 300, 20)
     pr = cProfile.Profile()
@@ -73,6 +78,7 @@ def main():
     torch.cuda.synchronize()
     sio = io.StringIO()
     pstats.Stats(pr, stream=sio).sort_stats("tottime").print_stats(30)
+    pstats.Stats(pr, stream=sio).sort_stats("cumulative").print_stats(40)
     with open(args.out, "w") as f:
         json.dump({"us_per_call": results, "cprofile": sio.getvalue()}, f, indent=1)
     print(sio.getvalue())
