@@ -26,6 +26,35 @@ from sparse_flash.kernels.tma import set_tma
 from profile_rows import host_us
 
 
+def launcher_parts(q, k, v, rows, geom) -> dict:
+    """Host microseconds of the pieces of one forward launch: allocation, descriptors, the cache key, and
+    Triton's launcher (argument packing and cuLaunchKernel) called directly with prepared arguments."""
+    from sparse_flash.kernels import fwd, launch as launch_module
+    from sparse_flash.kernels.tma import tile_descriptor
+
+    captured = []
+    real = fwd.launch
+    fwd.launch = lambda *a: (captured.append(a), real(*a))
+    attn_fwd(q, k, v, rows, geom, False, 0.125)
+    fwd.launch = real
+    kernel, grid, args, constexprs, warps, stages = captured[0]
+    key = (id(kernel), warps, stages, launch_module._current_device(), *constexprs.values(),
+           *[a if a.__class__ is int else launch_module._arg_key(a) for a in args])
+    compiled = launch_module._CACHE[key]
+    stream = launch_module._raw_stream(launch_module._current_device())
+    parts = {
+        "torch.empty (out)": lambda: torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        "tile_descriptor (one)": lambda: tile_descriptor(k, 64, 64),
+        "cache key of the arguments": lambda: [a if a.__class__ is int else launch_module._arg_key(a) for a in args],
+        "triton launcher + cuLaunchKernel": lambda: compiled.run(grid[0], 1, 1, stream, compiled.function,
+                                                                 compiled.packed_metadata, None, None, None, *args,
+                                                                 *constexprs.values()),
+        "launch() (cached path)": lambda: launch_module.launch(kernel, grid, args, constexprs, warps, stages),
+        "attn_fwd (whole launcher)": lambda: attn_fwd(q, k, v, rows, geom, False, 0.125),
+    }
+    return {f"part: {name} ({len(args)} args)": host_us(f, reps=300, warmup=20) for name, f in parts.items()}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="host.json")
@@ -59,7 +88,7 @@ def main():
         "api fwd+bwd": lambda: api().backward(do),
         "autograd only": lambda: (q * 1).backward(do),
     }
-    results = {}
+    results = launcher_parts(q.detach(), k.detach(), v.detach(), rows, geom)
     for fast in (False, True):
         set_fast_launch(fast)
         for name, step in steps.items():

@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from conftest import DEVICE, KERNEL_DTYPES, triton_usable
 from hypothesis import example, given
-from hypothesis import strategies as st
 from strategies import Problem, problems
 
 import sparse_flash

@@ -37,7 +37,7 @@ class FakeKernel:
 def fast(monkeypatch):
     monkeypatch.setattr(launch_mod, "_interpreting", lambda: False)
     monkeypatch.setattr(launch_mod, "_current_device", lambda: 0)
-    monkeypatch.setattr(launch_mod, "_current_stream", lambda: 7)
+    monkeypatch.setattr(launch_mod, "_raw_stream", lambda device: 7)
     monkeypatch.setattr(launch_mod, "_hooks_installed", lambda: False)
     monkeypatch.setattr(launch_mod, "_CACHE", {})
     previous = launch_mod.set_fast_launch(True)

@@ -33,8 +33,10 @@ class BlockSparseAttentionFunction(torch.autograd.Function):
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
         fwd = attn_fwd if _plain(q) else attn_fwd_op
         out, lse = fwd(q, k, v, row_index, mask_geometry, causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse, *row_index, *col_index)
-        ctx.n_index = len(row_index)
+        ctx.save_for_backward(q, k, v, out, lse)
+        # The mask's index lists are constant, never differentiated: kept as plain references, which costs
+        # less host time than 20 saved tensors and their version checks.
+        ctx.index = [*row_index, *col_index]
         ctx.mask_geometry, ctx.causal, ctx.scale = mask_geometry, causal, scale
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # lse has no gradient: no zero tensor for it on every backward
@@ -44,9 +46,10 @@ class BlockSparseAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         if dout is None:
             return (None,) * 8
-        q, k, v, out, lse, *index = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         bwd = attn_bwd if _plain(dout) else attn_bwd_op
-        dq, dk, dv = bwd(_last_dim_contiguous(dout), q, k, v, out, lse, index, ctx.mask_geometry, ctx.causal, ctx.scale)
+        dq, dk, dv = bwd(_last_dim_contiguous(dout), q, k, v, out, lse, ctx.index, ctx.mask_geometry, ctx.causal,
+                         ctx.scale)
         return dq, dk, dv, None, None, None, None, None
 
 

@@ -28,11 +28,23 @@ def set_fast_launch(enabled: bool) -> bool:
     return previous
 
 
-def _hooks_installed() -> bool:
-    """A launch hook (a profiler) is installed: it must see every launch, so the normal path runs."""
+def _knobs():
     try:
         from triton import knobs
-    except ImportError:  # a Triton without knobs: never skip its launch path
+    except ImportError:  # a Triton without knobs
+        return None
+    return knobs
+
+
+_KNOBS = []  # Triton's knobs module, looked up on the first launch
+
+
+def _hooks_installed() -> bool:
+    """A launch hook (a profiler) is installed: it must see every launch, so the normal path runs."""
+    if not _KNOBS:
+        _KNOBS.append(_knobs())
+    knobs = _KNOBS[0]
+    if knobs is None:  # never skip the launch path of a Triton without knobs
         return True
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
     return bool(getattr(enter, "calls", enter)) or bool(getattr(leave, "calls", leave))
@@ -47,11 +59,14 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
     if _ENABLED[0] and not _interpreting():
         # What Triton specialises a runtime argument on: a tensor's dtype and 16-byte alignment, an int's
         # value (it checks == 1, divisibility by 16 and the 32/64-bit range); floats it does not (`_arg_key`).
-        key = (id(kernel), num_warps, num_stages, _current_device(), *constexprs.values(), *map(_arg_key, args))
+        # Most arguments are ints, which are their own key: no call for them.
+        device = _current_device()
+        key = (id(kernel), num_warps, num_stages, device, *constexprs.values(),
+               *[a if a.__class__ is int else _arg_key(a) for a in args])
         compiled = _CACHE.get(key)
         if compiled is not None and not _hooks_installed():
-            compiled.run(grid[0], 1, 1, _current_stream(), compiled.function, compiled.packed_metadata, None, None, None,
-                         *args, *constexprs.values())
+            compiled.run(grid[0], 1, 1, _raw_stream(device), compiled.function, compiled.packed_metadata, None, None,
+                         None, *args, *constexprs.values())
             return
         compiled = kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
         if hasattr(compiled, "result"):  # a compile still in flight
@@ -95,8 +110,8 @@ def _current_device() -> int:
     return torch.cuda.current_device()
 
 
-def _current_stream() -> int:
-    return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())  # what Triton's launcher uses
+def _raw_stream(device: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device)  # what Triton's launcher uses
 
 
 def _interpreting() -> bool:
