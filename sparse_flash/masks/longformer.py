@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-
 from ..layout import BlockMask
 from ._common import block_coords, causal_blocks, geometry, make, positive_int
 
