@@ -108,6 +108,8 @@ def main():
     parser.add_argument("--set", choices=("defaults", "rows", "bwd-passes", "order"), default="defaults")
     parser.add_argument("--no-tiles", action="store_true", help="--set order: the head-group sweep only")
     parser.add_argument("--masks", help="--set rows: only rows of these masks (comma-separated)")
+    parser.add_argument("--rows", help="--set rows: only rows whose (B, H, N, D, mask, causal) text contains this")
+    parser.add_argument("--kind", choices=("fwd", "bwd"), help="--set rows: only this pass")
     args = parser.parse_args()
     if args.set == "order":
         return tune_order(args)
@@ -175,7 +177,9 @@ def tune_rows(args):
     from sparse_flash.kernels import bwd, fwd
 
     current = {"fwd": fwd.fwd_config, "bwd": bwd.bwd_config}
-    rows = [r for r in ROWS if args.masks is None or r[4] in args.masks.split(",")]
+    rows = [r for r in ROWS if (args.masks is None or r[4] in args.masks.split(","))
+            and (args.rows is None or args.rows in str(r))]
+    kinds = (args.kind,) if args.kind else ("fwd", "bwd")
     jobs = []
     for B, H, N, D, name, causal in rows:
         shape = {"B": B, "H": H, "N": N}
@@ -186,7 +190,7 @@ def tune_rows(args):
         # candidates with TMA descriptor loads; the backward also with pointer loads (their default at D = 64)
         cands = {"fwd": [(*c, True) for c in ROW_FWD],
                  "bwd": [(*c, 0, 0, tma) for c in ROW_BWD for tma in (True, False)]}
-        for kind in ("fwd", "bwd"):
+        for kind in kinds:
             for cfg in dict.fromkeys([defaults[kind], *cands[kind]]):
                 jobs.append(((kind, cfg, name, causal, D, shape), cfg == defaults[kind], mask.density))
     timed = _compile_and_time([j for j, _, _ in jobs], args.workers)
@@ -197,7 +201,7 @@ def tune_rows(args):
                         "D": D, **shape, "density": density, **t})
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
-    _print_best(results, "kind", rows, ("fwd", "bwd"), "cfg")
+    _print_best(results, "kind", rows, kinds, "cfg")
 
 
 # --set bwd-passes: the dQ pass (q_block_m, q_block_n, warps, stages) and the dK/dV pass (kv_block_m,
