@@ -91,12 +91,12 @@ def bwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
     """Backward tiles for one problem; `block_q`/`block_k` are the mask's (None for the dense path).
 
     Dense problems: 64 x 64 tiles with 4 warps won at D = 64 and 128 (three stages when causal at D = 64,
-    5% at 65,536 tokens; 128-row tiles and 8 warps when causal at D = 128, 3% at 16,384). Sparse rows run
-    5-10% faster with 32-row inner steps and three stages at D = 64 (128-row dK/dV and dQ tiles when the
-    lists are long: 8% on 10% random at 65,536). At D = 128 short lists take the dense 64 x 64 tiles (4-7%
-    over 128-row tiles once heads are grouped, `schedule_heads`), long lists 128-row dK/dV and dQ tiles,
-    8 warps and three stages (H200, bf16; benchmarks/NOTES.md). TMA descriptor loads serve D = 128 (3-6%
-    faster on sparse rows) except dense causal (3% slower); at D = 64 pointer loads are 1-5% faster.
+    5% at 65,536 tokens; with descriptor loads also when causal at D = 128: 11% over 128-row tiles at 4,096
+    tokens, 4% at 16,384). Sparse rows run 5-10% faster with 32-row inner steps and three stages at D = 64
+    (128-row dK/dV and dQ tiles when the lists are long: 8% on 10% random at 65,536). At D = 128 short lists
+    take the dense 64 x 64 tiles (4-7% over 128-row tiles once heads are grouped, `schedule_heads`), long
+    lists 128-row dK/dV and dQ tiles, 8 warps and three stages (H200, bf16; benchmarks/NOTES.md). TMA
+    descriptor loads serve D = 128 (3-6% faster on sparse rows); at D = 64 pointer loads are 1-5% faster.
     """
     d = block_d(head_dim)
     dense = block_q is None
@@ -105,7 +105,7 @@ def bwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
     elif d <= 64:
         kv_m, kv_n, q_m, q_n, warps, stages = 64, 64, 64, 64, 4, (3 if causal else 2)
     elif d <= 128:
-        if (dense and not causal) or (not dense and not long_lists):
+        if dense or not long_lists:
             kv_m, kv_n, q_m, q_n, warps, stages = 64, 64, 64, 64, 4, 2
         else:
             kv_m, kv_n, q_m, q_n, warps, stages = 64, 128, 128, 64, 8, 3
@@ -113,7 +113,7 @@ def bwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
         kv_m, kv_n, q_m, q_n, warps, stages = 16, 64, 64, 16, 4, 2
     if dtype == torch.float32:
         kv_m, kv_n, q_m, q_n, stages = min(kv_m, 32), min(kv_n, 32), min(q_m, 32), min(q_n, 32), 1
-    tma = d == 128 and not (dense and causal)
+    tma = d == 128
     return BwdConfig(
         fit_tile(kv_m, block_q), fit_tile(kv_n, block_k), fit_tile(q_m, block_q), fit_tile(q_n, block_k), warps, stages,
         tma=tma,
