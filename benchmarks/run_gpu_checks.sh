@@ -2,6 +2,7 @@
 # On a CUDA machine, in one go: the test-suite (bf16 included, errors recorded per dtype, memory at
 # 65,536 tokens), then the benchmark. Everything lands in $OUT/results.tgz; a short summary prints last.
 #   OUT=out bash benchmarks/run_gpu_checks.sh [--quick] [--no-tests] [--no-bench]
+#   (TESTS=files to test, KEXPR=a pytest -k expression, WORKERS, TEST_TIMEOUT and BENCH_TIMEOUT seconds)
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 RES=$(mktemp -d)
@@ -19,7 +20,9 @@ done
 
 if [ $tests = 1 ]; then
   workers=$(python -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}" || echo "")
-  timeout "${TEST_TIMEOUT:-360}" python -m pytest -q $workers -p no:cacheprovider ${TESTS:-tests/} > "$RES/pytest.log" 2>&1
+  kexpr=()
+  [ -n "${KEXPR:-}" ] && kexpr=(-k "$KEXPR")  # a -k expression with spaces stays one argument
+  timeout "${TEST_TIMEOUT:-360}" python -m pytest -q $workers -p no:cacheprovider "${kexpr[@]}" ${TESTS:-tests/} > "$RES/pytest.log" 2>&1
   echo "pytest exit code $?" >> "$RES/pytest.log"
   pkill -f "python -m pytest" 2>/dev/null; sleep 1  # workers left by a timeout must not share the GPU with the benchmark
 fi
