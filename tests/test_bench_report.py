@@ -1,0 +1,75 @@
+"""The benchmark's bookkeeping on made-up timings: ratios, the summary the targets are read from, the table.
+
+The timings come from a GPU run; what is computed from them is plain Python and is checked here, so a
+wrong ratio or a miscounted row cannot slip into the README's numbers.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+bench = pytest.importorskip("bench_attention")
+
+
+def row(impl, mode, ms, *, mask="random", N=4096, D=64, density=0.134, graph_ms=None):
+    r = {"B": 4, "Hq": 16, "Hkv": 16, "N": N, "D": D, "dtype": "bfloat16", "mask": mask, "causal": False,
+         "density": density, "impl": impl, "mode": mode, "ms": ms, "runs_ms": [ms], "tflops": 1.0}
+    if graph_ms is not None:
+        r["graph_ms"] = graph_ms
+    return r
+
+
+def rows():
+    return [
+        # host-bound eagerly (0.8x), faster on the GPU (1.25x)
+        row("sparse_flash", "fwd", 0.25, graph_ms=0.08), row("flex", "fwd", 0.20, graph_ms=0.10),
+        row("sparse_flash", "fwd+bwd", 1.00, graph_ms=0.50), row("flex", "fwd+bwd", 0.90, graph_ms=0.45),
+        # a long row: eager timing only
+        row("sparse_flash", "fwd", 2.0, mask="dense", N=16384, D=128, density=1.0),
+        row("flex", "fwd", 3.0, mask="dense", N=16384, D=128, density=1.0),
+        row("sdpa_cudnn", "fwd", 1.8, mask="dense", N=16384, D=128, density=1.0),
+        row("sdpa_flash", "fwd", 3.2, mask="dense", N=16384, D=128, density=1.0),
+        # time over dense 0.1 at density 0.05: above 1.15 * 0.05 + 0.01 = 0.0675 (printed 0.067)
+        row("sparse_flash", "fwd", 0.2, mask="butterfly", N=16384, D=128, density=0.05),
+        row("flex", "fwd", 0.3, mask="butterfly", N=16384, D=128, density=0.05),
+    ]
+
+
+def test_ratios_compare_like_with_like():
+    rs = rows()
+    bench.add_ratios(rs)
+    ours = {(r["mask"], r["mode"]): r for r in rs if r["impl"] == "sparse_flash"}
+    assert ours[("random", "fwd")]["speedup_vs_flex"] == pytest.approx(0.8)
+    assert ours[("random", "fwd")]["graph_speedup_vs_flex"] == pytest.approx(1.25)
+    assert ours[("random", "fwd+bwd")]["graph_speedup_vs_flex"] == pytest.approx(0.9)
+    assert "graph_speedup_vs_flex" not in ours[("dense", "fwd")]  # flex has no graph timing there
+    assert ours[("dense", "fwd")]["speedup_vs_cudnn_dense"] == pytest.approx(0.9)
+    assert ours[("dense", "fwd")]["speedup_vs_sdpa_flash"] == pytest.approx(1.6)
+    assert ours[("butterfly", "fwd")]["time_over_dense"] == pytest.approx(0.1)
+
+
+def test_summary_counts_rows_and_names_every_failure():
+    rs = rows()
+    bench.add_ratios(rs)
+    s = bench.summarize(rs)
+    fwd = s["fwd"]
+    assert fwd["rows_at_or_above_1"] == "2 of 3"
+    assert fwd["median_vs_flex"] == pytest.approx(1.5)
+    assert fwd["min_vs_flex"] == pytest.approx(0.8) and fwd["worst_row"] == "4,16,4096,64 random"
+    assert fwd["cuda_graph_rows"] == {"rows": 1, "median_vs_flex": pytest.approx(1.25), "below_1": []}
+    assert s["fwd+bwd"]["cuda_graph_rows"]["below_1"] == ["4,16,4096,64 random: 0.90"]
+    assert s["dense_fwd_d128_vs_cudnn"] == pytest.approx(0.9)
+    assert s["density_rule_violations"] == ["16384,128 butterfly fwd: 0.100 > 0.067"]
+
+
+def test_markdown_shows_both_timings():
+    rs = rows()
+    bench.add_ratios(rs)
+    meta = {"date": "d", "gpu": "g", "torch": "t", "triton": "x", "cuda": "c"}
+    text = bench.markdown(meta, rs, [], bench.summarize(rs))
+    line = next(x for x in text.splitlines() if x.startswith("| 4,16,16,4096,64 | bfloat16 | random | 0.134 | fwd |"))
+    assert "0.80x" in line and "1.25x (0.080 / 0.100 ms)" in line
+    dense = next(x for x in text.splitlines() if x.startswith("| 4,16,16,16384,128 | bfloat16 | dense | 1.000 | fwd |"))
+    assert dense.rstrip().endswith("| |")  # no graph column for long rows
