@@ -43,19 +43,38 @@ def _device_has_tma(device: torch.device) -> bool:
     return has
 
 
+_DESCRIPTOR_CLASS = []  # Triton's host TensorDescriptor (or None), imported on first use
+
+
+def _descriptor_class():
+    if not _DESCRIPTOR_CLASS:
+        try:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+        except ImportError:  # a Triton without host descriptors
+            TensorDescriptor = None
+        _DESCRIPTOR_CLASS.append(TensorDescriptor)
+    return _DESCRIPTOR_CLASS[0]
+
+
 def tile_descriptor(t: torch.Tensor, block_rows: int, block_d: int):
-    """A descriptor of `t` (B, H, N, D) that loads `(1, 1, block_rows, block_d)` tiles, or None (see module)."""
+    """A descriptor of `t` (B, H, N, D) that loads `(1, 1, block_rows, block_d)` tiles, or None (see module).
+
+    Built for every launch (a few microseconds of host time each), so it avoids anything slower than it
+    needs: one lookup of the descriptor class, plain loops.
+    """
     if not _ENABLED[0] or not _device_has_tma(t.device):
         return None
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:
+    TensorDescriptor = _descriptor_class()
+    if TensorDescriptor is None:
         return None
     shape, strides = list(t.shape), list(t.stride())
     for i in range(len(shape) - 2, -1, -1):  # a dimension of size 1 is never stepped: any valid stride will do
         if shape[i] == 1:
             strides[i] = shape[i + 1] * strides[i + 1]
-    elt = t.element_size()
-    if strides[-1] != 1 or t.data_ptr() % 16 or any(s <= 0 or s * elt % 16 for s in strides[:-1]):
+    if strides[-1] != 1 or t.data_ptr() % 16:
         return None
+    elt = t.element_size()
+    for s in strides[:-1]:
+        if s <= 0 or s * elt % 16:
+            return None
     return TensorDescriptor(t, shape, strides, [1, 1, block_rows, block_d])
