@@ -12,6 +12,7 @@ installed (profilers), every call takes the normal path.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -28,22 +29,19 @@ def set_fast_launch(enabled: bool) -> bool:
     return previous
 
 
+@functools.cache
 def _knobs():
+    """Triton's knobs module (looked up once), or None for a Triton without it."""
     try:
         from triton import knobs
-    except ImportError:  # a Triton without knobs
+    except ImportError:
         return None
     return knobs
 
 
-_KNOBS = []  # Triton's knobs module, looked up on the first launch
-
-
 def _hooks_installed() -> bool:
     """A launch hook (a profiler) is installed: it must see every launch, so the normal path runs."""
-    if not _KNOBS:
-        _KNOBS.append(_knobs())
-    knobs = _KNOBS[0]
+    knobs = _knobs()
     if knobs is None:  # never skip the launch path of a Triton without knobs
         return True
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook

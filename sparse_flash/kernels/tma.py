@@ -15,6 +15,7 @@ cover it; `set_tma(False)` (or `SPARSE_FLASH_TMA=0`) selects the pointer path ev
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -43,17 +44,14 @@ def _device_has_tma(device: torch.device) -> bool:
     return has
 
 
-_DESCRIPTOR_CLASS = []  # Triton's host TensorDescriptor (or None), imported on first use
-
-
+@functools.cache
 def _descriptor_class():
-    if not _DESCRIPTOR_CLASS:
-        try:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-        except ImportError:  # a Triton without host descriptors
-            TensorDescriptor = None
-        _DESCRIPTOR_CLASS.append(TensorDescriptor)
-    return _DESCRIPTOR_CLASS[0]
+    """Triton's host TensorDescriptor (imported once), or None for a Triton without host descriptors."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    return TensorDescriptor
 
 
 def tile_descriptor(t: torch.Tensor, block_rows: int, block_d: int):
