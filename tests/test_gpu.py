@@ -86,3 +86,28 @@ def test_forward_and_backward_replay_from_a_cuda_graph(mask_name):
         out.backward(do)
         for got, want in zip(replayed, [out, q2.grad, k2.grad, v2.grad]):
             torch.testing.assert_close(got, want.detach(), atol=0, rtol=0)
+
+
+BENCH_MASKS = {
+    "dense": lambda n: (masks.dense(n, 128, device="cuda"), False),
+    "causal": lambda n: (masks.causal(n, 128, device="cuda"), True),
+    "butterfly": lambda n: (masks.butterfly(n, 128, device="cuda"), False),
+    "bigbird": lambda n: (masks.bigbird(n, 128, seed=0, device="cuda"), False),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("mask_name", list(BENCH_MASKS))
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_benchmark_tile_configurations_match_reference(dtype, head_dim, mask_name, heads):
+    """The tile shapes, warps and descriptor paths the benchmark's rows run (block 128, D 64 and 128, dense,
+    dense causal, short and split lists, GQA), at a length with a ragged tail, against the float64
+    reference by the 2x rule, outputs NaN-poisoned."""
+    from sparse_flash.testing import compare_to_reference, make_qkv
+
+    n = 2000
+    mask, causal = BENCH_MASKS[mask_name](n)
+    q, k, v = make_qkv(1, *heads, n, n, head_dim, dtype=dtype, device="cuda", seed=head_dim)
+    result = compare_to_reference(q, k, v, mask, causal=causal, backend="triton")
+    assert not result.failures(), result.failures()
