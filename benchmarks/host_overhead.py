@@ -27,30 +27,31 @@ from profile_rows import host_us
 
 
 def launcher_parts(q, k, v, rows, geom) -> dict:
-    """Host microseconds of the pieces of one forward launch: allocation, descriptors, the cache key, and
-    Triton's launcher (argument packing and cuLaunchKernel) called directly with prepared arguments."""
-    from sparse_flash.kernels import fwd, launch as launch_module
-    from sparse_flash.kernels.tma import tile_descriptor
+    """Host microseconds of the pieces of one forward launch: the plan's key, allocation, descriptors,
+    Triton's launcher (argument packing and cuLaunchKernel) called directly, and the whole launcher."""
+    from sparse_flash.kernels import launch as launch_module
+    from sparse_flash.kernels.tma import make_descriptor, tile_descriptor, tma_enabled
 
-    captured = []
-    real = fwd.launch
-    fwd.launch = lambda *a: (captured.append(a), real(*a))
-    attn_fwd(q, k, v, rows, geom, False, 0.125)
-    fwd.launch = real
-    kernel, grid, args, constexprs, warps, stages = captured[0]
-    key = (id(kernel), warps, stages, launch_module._current_device(), *constexprs.values(),
-           *[a if a.__class__ is int else launch_module._arg_key(a) for a in args])
-    compiled = launch_module._CACHE[key]
+    plans = {}
+    attn_fwd(q, k, v, rows, geom, False, 0.125, plans)
+    (plan,) = plans.values()
+    bound, compiled = plan.kernel, plan.kernel._compiled
+    out, lse = plan(q, k, v)
+    part, _, lse_part = plan.split.scratch()
+    head = (q, make_descriptor(k, plan.k_layout), make_descriptor(v, plan.v_layout), out, lse, part, lse_part) \
+        if plan.tma else (q, k, v, out, lse, part, lse_part)
     stream = launch_module._raw_stream(launch_module._current_device())
+    args = (*head, *bound.tail, *bound.constexprs.values())
     parts = {
+        "plan key": lambda: launch_module.plan_key((q, k, v), "fwd", False, 0.125, tma_enabled()),
         "torch.empty (out)": lambda: torch.empty(q.shape, dtype=q.dtype, device=q.device),
-        "tile_descriptor (one)": lambda: tile_descriptor(k, 64, 64),
-        "cache key of the arguments": lambda: [a if a.__class__ is int else launch_module._arg_key(a) for a in args],
-        "triton launcher + cuLaunchKernel": lambda: compiled.run(grid[0], 1, 1, stream, compiled.function,
-                                                                 compiled.packed_metadata, None, None, None, *args,
-                                                                 *constexprs.values()),
-        "launch() (cached path)": lambda: launch_module.launch(kernel, grid, args, constexprs, warps, stages),
-        "attn_fwd (whole launcher)": lambda: attn_fwd(q, k, v, rows, geom, False, 0.125),
+        "make_descriptor (one)": lambda: make_descriptor(k, plan.k_layout),
+        "tile_descriptor (one, with checks)": lambda: tile_descriptor(k, 64, 64),
+        "triton launcher + cuLaunchKernel": lambda: compiled.run(bound.grid, 1, 1, stream, compiled.function,
+                                                                 compiled.packed_metadata, None, None, None, *args),
+        "BoundLaunch (direct path)": lambda: bound(*head),
+        "attn_fwd (whole launcher)": lambda: attn_fwd(q, k, v, rows, geom, False, 0.125, plans),
+        "attn_fwd (no plan cache)": lambda: attn_fwd(q, k, v, rows, geom, False, 0.125),
     }
     return {f"part: {name} ({len(args)} args)": host_us(f, reps=300, warmup=20) for name, f in parts.items()}
 
@@ -68,6 +69,7 @@ def main():
     idx = mask.kernel_index(False)
     rows, cols = idx.rows(), idx.cols()
     geom = [*mask.shape, *mask.block_size, int(mask.has_long_lists(False))]
+    plans = {}
     out, lse = attn_fwd(q.detach(), k.detach(), v.detach(), rows, geom, False, 0.125)
     x = torch.empty(10, device="cuda")
 
@@ -82,8 +84,8 @@ def main():
     fm = mask.to_flex(False, eager_exact=False)
     steps = {
         "tiny torch kernel": lambda: x.add_(1),
-        "launcher fwd": lambda: attn_fwd(q, k, v, rows, geom, False, 0.125),
-        "launcher bwd": lambda: attn_bwd(do, q, k, v, out, lse, rows + cols, geom, False, 0.125),
+        "launcher fwd": lambda: attn_fwd(q, k, v, rows, geom, False, 0.125, plans),
+        "launcher bwd": lambda: attn_bwd(do, q, k, v, out, lse, rows + cols, geom, False, 0.125, plans),
         "api fwd no_grad": api_no_grad,
         "api fwd+bwd": lambda: api().backward(do),
         "autograd only": lambda: (q * 1).backward(do),

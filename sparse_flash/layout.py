@@ -208,6 +208,7 @@ class BlockMask:
         self.seq_len_k = int(seq_len_k)
         self.name = name
         self._copies: dict[str, BlockMask] = {}
+        self._launch_plans: dict = {}  # the triton backend's launch plans for this mask, per call signature
         self._build_index()
 
     # ------------------------------------------------------------------ construction

@@ -5,6 +5,7 @@ set here before anything imports triton); with one, it runs compiled on the GPU 
 dtypes (the interpreter computes bfloat16 wrongly, so it is tested on the GPU only).
 """
 
+import contextlib
 import glob
 import json
 import os
@@ -42,15 +43,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@contextlib.contextmanager
+def fresh_plans():
+    """Launch plans fix their tiles when built: a test that patches the tile settings starts and ends
+    with none kept, so that it runs its settings and leaves no plan built with them behind."""
+    from sparse_flash.kernels.launch import forget_plans
+
+    forget_plans()
+    try:
+        yield
+    finally:
+        forget_plans()
+
+
 @pytest.fixture(autouse=True)
 def _poison_kernel_outputs():
-    """Every kernel output starts as NaN, so a tile the kernels forget to write fails the test."""
+    """Every kernel output starts as NaN, so a tile the kernels forget to write fails the test; and no
+    launch plan kept by an earlier test serves this one."""
     if not triton_usable():
         yield
         return
     from sparse_flash.testing import poison_outputs
 
-    with poison_outputs():
+    with poison_outputs(), fresh_plans():
         yield
 
 

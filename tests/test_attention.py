@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, KERNEL_DTYPES, triton_usable
+from conftest import DEVICE, KERNEL_DTYPES, fresh_plans, triton_usable
 from hypothesis import example, given
 from strategies import Problem, problems
 
@@ -219,7 +219,7 @@ def test_head_groups_match_reference(group, p):
     not divide them), with split lists too: every tile is still computed exactly once."""
     from sparse_flash.kernels import bwd, fwd
 
-    with pytest.MonkeyPatch.context() as mp, split_every_list():
+    with pytest.MonkeyPatch.context() as mp, split_every_list(), fresh_plans():
         for module in (fwd, bwd):
             mp.setattr(module, "schedule_heads", lambda nbytes, heads: min(group, heads))
         check(p, torch.float32, "triton")

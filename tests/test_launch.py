@@ -103,3 +103,67 @@ def test_descriptor_arguments_key_on_all_but_their_data(fast, change):
          "dtype": desc(x.half()), "tensor instead": x}[change]
     launch_mod.launch(kernel, (1,), (y, 32, 1.0), {"BLOCK": 16, "FLAG": True}, 4, 3)
     assert kinds(kernel) == ["normal", "direct" if change == "none" else "normal"]
+
+
+def test_bound_launch_passes_head_then_fixed_tail_and_constexprs(fast):
+    kernel = FakeKernel()
+    bound = launch_mod.BoundLaunch(kernel, 5, (32, 0.5), {"BLOCK": 16, "FLAG": True}, 4, 3)
+    x, y = torch.zeros(64), torch.ones(64)
+    bound(x)
+    bound(y)
+    assert kinds(kernel) == ["normal", "direct"]
+    assert kernel.log[0][1:3] == ((5,), (x, 32, 0.5))
+    _, direct = kernel.log[1]
+    assert direct[:4] == (5, 1, 1, 7) and direct[7:] == (None, None, y, 32, 0.5, 16, True)
+
+
+@pytest.mark.parametrize("change", ["disabled", "hook"])
+def test_bound_launch_takes_the_normal_path_when_direct_calls_are_off(fast, monkeypatch, change):
+    kernel = FakeKernel()
+    bound = launch_mod.BoundLaunch(kernel, 1, (32, 0.5), {"BLOCK": 16, "FLAG": True}, 4, 3)
+    bound(torch.zeros(64))
+    if change == "disabled":
+        launch_mod.set_fast_launch(False)
+    else:
+        monkeypatch.setattr(launch_mod, "_hooks_installed", lambda: True)
+    bound(torch.zeros(64))
+    bound(torch.zeros(64))
+    assert kinds(kernel) == ["normal", "normal", "normal"]
+
+
+def test_bound_launch_under_the_interpreter_launches_normally_every_time(fast, monkeypatch):
+    monkeypatch.setattr(launch_mod, "_interpreting", lambda: True)
+    kernel = FakeKernel()
+    bound = launch_mod.BoundLaunch(kernel, 1, (32, 0.5), {"BLOCK": 16, "FLAG": True}, 4, 3)
+    for _ in range(3):
+        bound(torch.zeros(64))
+    assert kinds(kernel) == ["normal"] * 3
+
+
+def test_plan_key_follows_everything_a_plan_fixes(fast):
+    x = torch.zeros(4, 2, 64, 32)
+    key = launch_mod.plan_key((x,), "fwd", True, 0.5)
+    assert launch_mod.plan_key((torch.ones(4, 2, 64, 32),), "fwd", True, 0.5) == key  # the data does not count
+    others = [
+        launch_mod.plan_key((x,), "fwd", False, 0.5),
+        launch_mod.plan_key((x,), "fwd", True, 0.25),
+        launch_mod.plan_key((x.half(),), "fwd", True, 0.5),
+        launch_mod.plan_key((torch.zeros(4, 2, 48, 32),), "fwd", True, 0.5),
+        launch_mod.plan_key((torch.zeros(4, 64, 2, 32).transpose(1, 2),), "fwd", True, 0.5),
+        launch_mod.plan_key((torch.zeros(4 * 2 * 64 * 32 + 1)[1:].view(4, 2, 64, 32),), "fwd", True, 0.5),
+    ]
+    assert all(other != key for other in others)
+    launch_mod.forget_plans()
+    assert launch_mod.plan_key((x,), "fwd", True, 0.5) != key
+
+
+def test_cached_plan_builds_once_per_key_and_stays_bounded(monkeypatch):
+    built = []
+    cache = {}
+    for key in ("a", "a", "b", "a"):
+        launch_mod.cached_plan(cache, key, lambda: built.append(key) or len(built))
+    assert built == ["a", "b"] and cache == {"a": 1, "b": 2}
+    assert launch_mod.cached_plan(None, "a", lambda: "fresh") == "fresh"  # no cache: built for the call
+    monkeypatch.setattr(launch_mod, "PLAN_LIMIT", 2)
+    launch_mod.cached_plan(cache, "c", lambda: 3)
+    assert cache == {"c": 3}

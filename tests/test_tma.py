@@ -10,7 +10,7 @@ import contextlib
 
 import pytest
 import torch
-from conftest import DEVICE, triton_usable
+from conftest import DEVICE, fresh_plans, triton_usable
 from hypothesis import example, given
 from strategies import Problem, problems
 
@@ -27,7 +27,7 @@ def loads(kind):
 
     previous = tma.set_tma(kind == "descriptor")
     try:
-        with pytest.MonkeyPatch.context() as mp:
+        with pytest.MonkeyPatch.context() as mp, fresh_plans():
             if kind == "descriptor":
                 mp.setattr(fwd, "fwd_config", lambda *a: configs.fwd_config(*a)._replace(tma=True))
                 mp.setattr(bwd, "bwd_config", lambda *a: configs.bwd_config(*a)._replace(tma=True))

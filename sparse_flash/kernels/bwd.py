@@ -18,10 +18,10 @@ import triton.language as tl
 
 from .common import LOG2E, chunk_range, chunk_scratch_rows, dot_precision, list_tile_start, load_unmasked_rows, schedule
 from .configs import block_d, bwd_config, schedule_heads
-from .launch import launch
+from .launch import BoundLaunch, cached_plan, plan_key
 from .memory import new_output
-from .split import SplitPlan, merge_split_rows
-from .tma import tile_descriptor
+from .split import SplitPlan, merge_launch
+from .tma import descriptor_layout, make_descriptor, tma_enabled
 
 
 @triton.jit
@@ -312,7 +312,100 @@ def _attn_bwd_dq_kernel(
                  + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=ok)
 
 
-def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: float):
+class _BwdPlan:
+    """What one call signature of `attn_bwd` fixes: tiles, grids, the launches and their non-tensor
+    arguments. A call then only allocates the gradients (and scratch), builds descriptors and launches."""
+
+    def __init__(self, do, q, k, v, out, index, mask_geometry, causal: bool, scale: float):
+        B, Hq, Nq, D = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        dense = len(index) == 0
+        Bm, Hm, Mq, Mk, block_q, block_k, long_lists = mask_geometry
+        cfg = bwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k, causal, bool(long_lists))
+        if dense:
+            self.rows = self.cols = SplitPlan(q.device)
+            row_index = col_index = [self.rows.dummy] * 8
+        else:
+            row_index, col_index = index[:8], index[10:18]  # lists, items, chunks, slots, lead
+            self.rows = SplitPlan(q.device, (index[4], index[8], index[9]), B, Hq, Bm, Hm, block_q, D, parts=1)
+            self.cols = SplitPlan(q.device, (index[14], index[18], index[19]), B, Hkv, Bm, Hm, block_k, D, parts=2)
+        BLOCK_D = block_d(D)
+        precision = dot_precision(q.dtype)
+        self.q_shape, self.k_shape, self.lse_shape = q.shape, k.shape, (B, Hq, Nq)
+        self.dtype, self.device = q.dtype, q.device
+        q_strides, k_strides = (Hq * Nq * D, Nq * D, D), (Hkv * Nk * D, Nk * D, D)  # of the new dq, dk, dv
+
+        q_bq, q_bk = (cfg.q_block_m, cfg.q_block_n) if dense else (block_q, block_k)
+        q_items = triton.cdiv(Nq, cfg.q_block_m) if dense else row_index[4].shape[2] * (block_q // cfg.q_block_m)
+        self.k_layout, self.v_layout = (descriptor_layout(t, cfg.q_block_n, BLOCK_D) if cfg.tma else None
+                                        for t in (k, v))
+        self.dq_tma = self.k_layout is not None and self.v_layout is not None
+        self.dq = BoundLaunch(
+            _attn_bwd_dq_kernel, q_items * B * Hq,
+            (
+                *row_index,
+                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *do.stride()[:3], *q_strides,
+                Hq, B * Hq, Hq // Hkv, Nq, Nk,
+                Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0, *self.rows.item_strides,
+                *self.rows.copy_strides, self.rows.copies,
+                scale * LOG2E, scale, schedule_heads(2 * Nk * D * k.element_size() // (Hq // Hkv), B * Hq),
+            ),
+            dict(
+                HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n,
+                MASK_BLOCK_Q=q_bq, MASK_BLOCK_K=q_bk,
+                CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision, TMA=self.dq_tma,
+            ),
+            cfg.dq_warps or cfg.num_warps, cfg.dq_stages or cfg.num_stages,
+        )
+        self.dq_merge = merge_launch(self.rows, row_index[5], row_index[6], q.shape, Mq, heads=Hq, groups=1,
+                                     with_lse=False) if self.rows.num_split else None
+
+        kv_bq, kv_bk = (cfg.kv_block_m, cfg.kv_block_n) if dense else (block_q, block_k)
+        kv_items = triton.cdiv(Nk, cfg.kv_block_n) if dense else col_index[4].shape[2] * (block_k // cfg.kv_block_n)
+        self.q_layout, self.do_layout = (descriptor_layout(t, cfg.kv_block_m, BLOCK_D) if cfg.tma else None
+                                         for t in (q, do))
+        self.kv_tma = self.q_layout is not None and self.do_layout is not None
+        self.dkdv = BoundLaunch(
+            _attn_bwd_dkdv_kernel, kv_items * B * Hkv,
+            (
+                *col_index,
+                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *k_strides, *k_strides,
+                Hq, Hkv, B * Hkv, Hq // Hkv, Nq, Nk,
+                Hm * Mk if Bm > 1 else 0, Mk if Hm > 1 else 0, *self.cols.item_strides,
+                *self.cols.copy_strides, self.cols.copies,
+                scale * LOG2E, scale, schedule_heads(2 * Nq * D * q.element_size() * (Hq // Hkv), B * Hkv),
+            ),
+            dict(
+                HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n,
+                MASK_BLOCK_Q=kv_bq, MASK_BLOCK_K=kv_bk,
+                CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision, TMA=self.kv_tma,
+            ),
+            cfg.num_warps, cfg.num_stages,
+        )
+        self.kv_merge = merge_launch(self.cols, col_index[5], col_index[6], k.shape, Mk, heads=Hkv,
+                                     groups=Hq // Hkv, with_lse=False) if self.cols.num_split else None
+
+    def __call__(self, do, q, k, v, out, lse):
+        delta = new_output(self.lse_shape, torch.float32, self.device)  # written by the dQ launch, read by dK/dV
+        dq = new_output(self.q_shape, self.dtype, self.device)
+        part, _, _ = self.rows.scratch()
+        k_in, v_in = (make_descriptor(k, self.k_layout), make_descriptor(v, self.v_layout)) if self.dq_tma else (k, v)
+        self.dq(q, k_in, v_in, out, do, lse, delta, dq, part)
+        if self.dq_merge is not None:
+            self.dq_merge(part, self.rows.dummy, dq, self.rows.dummy)
+
+        dk = new_output(self.k_shape, self.dtype, self.device)
+        dv = new_output(self.k_shape, self.dtype, self.device)
+        part_k, part_v, _ = self.cols.scratch()
+        q_in, do_in = (make_descriptor(q, self.q_layout), make_descriptor(do, self.do_layout)) if self.kv_tma else (q, do)
+        self.dkdv(q_in, k, v, do_in, lse, delta, dk, dv, part_k, part_v)
+        if self.kv_merge is not None:
+            self.kv_merge(part_k, self.cols.dummy, dk, self.cols.dummy)
+            self.kv_merge(part_v, self.cols.dummy, dv, self.cols.dummy)
+        return dq, dk, dv
+
+
+def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: float, plans: dict | None = None):
     """Launch the backward kernels.
 
     Args:
@@ -320,76 +413,12 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
         lse: float32 `(B, Hq, Nq)` from the forward.
         index: `KernelIndex.rows() + KernelIndex.cols()` (20 tensors), or `[]` for dense.
         mask_geometry: `(Bm, Hm, Mq, Mk, block_q, block_k, long_lists)` of the mask (ignored for dense).
+        plans: where to keep this call's launch plan for the next call with the same signature (see
+            `attn_fwd`), or None.
 
     Returns:
         `(dq, dk, dv)` shaped and typed like q, k and v.
     """
-    B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    dense = len(index) == 0
-    Bm, Hm, Mq, Mk, block_q, block_k, long_lists = mask_geometry
-    cfg = bwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k, causal, bool(long_lists))
-    if dense:
-        rows_plan = cols_plan = SplitPlan(q.device)
-        row_index = col_index = [rows_plan.dummy] * 8
-    else:
-        row_index, col_index = index[:8], index[10:18]  # lists, items, chunks, slots, lead
-        rows_plan = SplitPlan(q.device, (index[4], index[8], index[9]), B, Hq, Bm, Hm, block_q, D, parts=1)
-        cols_plan = SplitPlan(q.device, (index[14], index[18], index[19]), B, Hkv, Bm, Hm, block_k, D, parts=2)
-    BLOCK_D = block_d(D)
-    precision = dot_precision(q.dtype)
-
-    delta = new_output((B, Hq, Nq), torch.float32, q.device)  # written by the dQ launch, read by dK/dV
-    dq = new_output(q.shape, q.dtype, q.device)
-    q_bq, q_bk = (cfg.q_block_m, cfg.q_block_n) if dense else (block_q, block_k)
-    q_items = triton.cdiv(Nq, cfg.q_block_m) if dense else row_index[4].shape[2] * (block_q // cfg.q_block_m)
-    k_desc, v_desc = (tile_descriptor(t, cfg.q_block_n, BLOCK_D) if cfg.tma else None for t in (k, v))
-    dq_tma = k_desc is not None and v_desc is not None
-    launch(
-        _attn_bwd_dq_kernel, (q_items * B * Hq,),
-        (
-            q, k_desc if dq_tma else k, v_desc if dq_tma else v, out, do, lse, delta, dq, rows_plan.parts[0], *row_index,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
-            Hq, B * Hq, Hq // Hkv, Nq, Nk,
-            Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0, *rows_plan.item_strides,
-            *rows_plan.copy_strides, rows_plan.copies,
-            scale * LOG2E, scale, schedule_heads(2 * Nk * D * k.element_size() // (Hq // Hkv), B * Hq),
-        ),
-        dict(
-            HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n,
-            MASK_BLOCK_Q=q_bq, MASK_BLOCK_K=q_bk,
-            CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision, TMA=dq_tma,
-        ),
-        cfg.dq_warps or cfg.num_warps, cfg.dq_stages or cfg.num_stages,
-    )
-    if rows_plan.num_split:
-        merge_split_rows(rows_plan, row_index[5], row_index[6], dq, None, Mq, heads=Hq, groups=1)
-
-    dk = new_output(k.shape, k.dtype, k.device)
-    dv = new_output(v.shape, v.dtype, v.device)
-    kv_bq, kv_bk = (cfg.kv_block_m, cfg.kv_block_n) if dense else (block_q, block_k)
-    kv_items = triton.cdiv(Nk, cfg.kv_block_n) if dense else col_index[4].shape[2] * (block_k // cfg.kv_block_n)
-    q_desc, do_desc = (tile_descriptor(t, cfg.kv_block_m, BLOCK_D) if cfg.tma else None for t in (q, do))
-    kv_tma = q_desc is not None and do_desc is not None
-    launch(
-        _attn_bwd_dkdv_kernel, (kv_items * B * Hkv,),
-        (
-            q_desc if kv_tma else q, k, v, do_desc if kv_tma else do, lse, delta, dk, dv, *cols_plan.parts[:2], *col_index,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-            Hq, Hkv, B * Hkv, Hq // Hkv, Nq, Nk,
-            Hm * Mk if Bm > 1 else 0, Mk if Hm > 1 else 0, *cols_plan.item_strides,
-            *cols_plan.copy_strides, cols_plan.copies,
-            scale * LOG2E, scale, schedule_heads(2 * Nq * D * q.element_size() * (Hq // Hkv), B * Hkv),
-        ),
-        dict(
-            HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n,
-            MASK_BLOCK_Q=kv_bq, MASK_BLOCK_K=kv_bk,
-            CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision, TMA=kv_tma,
-        ),
-        cfg.num_warps, cfg.num_stages,
-    )
-    if cols_plan.num_split:
-        for part, grad in enumerate((dk, dv)):
-            merge_split_rows(cols_plan, col_index[5], col_index[6], grad, None, Mk, heads=Hkv, groups=Hq // Hkv,
-                             part=part)
-    return dq, dk, dv
+    key = plan_key((do, q, k, v, out, lse), "bwd", causal, scale, tma_enabled())
+    plan = cached_plan(plans, key, lambda: _BwdPlan(do, q, k, v, out, index, mask_geometry, causal, scale))
+    return plan(do, q, k, v, out, lse)

@@ -15,6 +15,10 @@ from .fwd import attn_fwd
 from .ops import attn_bwd_op, attn_fwd_op
 
 
+_DENSE_GEOMETRY = [1, 1, 1, 1, 1, 1, 0]  # the dense path ignores the mask's geometry
+_DENSE_PLANS: dict = {}  # launch plans of the dense path, which take no mask index
+
+
 def _plain(t: torch.Tensor) -> bool:
     """A real tensor in eager mode: the launchers can take it without the custom-op dispatcher."""
     return type(t) is torch.Tensor and not t.is_meta and not torch.compiler.is_compiling()
@@ -29,15 +33,17 @@ class BlockSparseAttentionFunction(torch.autograd.Function):
     """out, lse = attention(q, k, v); lse is saved for the backward and is not differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, row_index, col_index, mask_geometry, causal, scale):
+    def forward(ctx, q, k, v, row_index, col_index, mask_geometry, causal, scale, plans):
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-        fwd = attn_fwd if _plain(q) else attn_fwd_op
-        out, lse = fwd(q, k, v, row_index, mask_geometry, causal, scale)
+        if _plain(q):
+            out, lse = attn_fwd(q, k, v, row_index, mask_geometry, causal, scale, plans)
+        else:
+            out, lse = attn_fwd_op(q, k, v, row_index, mask_geometry, causal, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         # The mask's index lists are constant, never differentiated: kept as plain references, which costs
         # less host time than 20 saved tensors and their version checks.
         ctx.index = [*row_index, *col_index]
-        ctx.mask_geometry, ctx.causal, ctx.scale = mask_geometry, causal, scale
+        ctx.mask_geometry, ctx.causal, ctx.scale, ctx.plans = mask_geometry, causal, scale, plans
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # lse has no gradient: no zero tensor for it on every backward
         return out, lse
@@ -45,12 +51,12 @@ class BlockSparseAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         if dout is None:
-            return (None,) * 8
+            return (None,) * 9
         q, k, v, out, lse = ctx.saved_tensors
-        bwd = attn_bwd if _plain(dout) else attn_bwd_op
-        dq, dk, dv = bwd(_last_dim_contiguous(dout), q, k, v, out, lse, ctx.index, ctx.mask_geometry, ctx.causal,
-                         ctx.scale)
-        return dq, dk, dv, None, None, None, None, None
+        dout = _last_dim_contiguous(dout)
+        args = (dout, q, k, v, out, lse, ctx.index, ctx.mask_geometry, ctx.causal, ctx.scale)
+        dq, dk, dv = attn_bwd(*args, ctx.plans) if _plain(dout) else attn_bwd_op(*args)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def attention_triton(q, k, v, mask: BlockMask | None, *, causal: bool, scale: float):
@@ -60,24 +66,28 @@ def attention_triton(q, k, v, mask: BlockMask | None, *, causal: bool, scale: fl
     Returns `(out, lse)`.
     """
     if mask is None:
-        row_index, col_index, geometry = [], [], [1, 1, 1, 1, 1, 1, 0]
+        row_index, col_index, geometry = [], [], _DENSE_GEOMETRY
     else:
         bq, bk = mask.block_size
         if bq % 16 or bk % 16:
             raise ValueError(f"the triton backend needs mask block sizes that are multiples of 16, got {mask.block_size}")
-        idx = mask.kernel_index(causal)
-        row_index, col_index = idx.rows(), idx.cols()
         if mask.is_dense or (causal and mask.covers_causal):
             # Every block the call can reach is in the mask: walk them all without loading indices.
-            row_index, col_index = [], []
-        geometry = [*mask.shape, bq, bk, int(mask.has_long_lists(causal))]
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) and _plain(q):
+            row_index, col_index, geometry = [], [], _DENSE_GEOMETRY
+        else:
+            idx = mask.kernel_index(causal)
+            row_index, col_index = idx.rows(), idx.cols()
+            geometry = [*mask.shape, bq, bk, int(mask.has_long_lists(causal))]
+    plain = _plain(q)
+    # Launch plans are kept per mask (the dense path's for all masks); calls inside torch.compile keep none.
+    plans = None if not plain else _DENSE_PLANS if not row_index else mask._launch_plans
+    if plain and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         # Inference: no graph to record, so no autograd.Function either.
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-        return attn_fwd(q, k, v, row_index, geometry, causal, scale)
+        return attn_fwd(q, k, v, row_index, geometry, causal, scale, plans)
     # Self-attention may pass one tensor as q, k and v; torch.compile wants distinct autograd inputs.
     if k is q:
         k = k[...]
     if v is q or v is k:
         v = v[...]
-    return BlockSparseAttentionFunction.apply(q, k, v, row_index, col_index, geometry, causal, scale)
+    return BlockSparseAttentionFunction.apply(q, k, v, row_index, col_index, geometry, causal, scale, plans)

@@ -15,10 +15,10 @@ import triton.language as tl
 
 from .common import LOG2E, chunk_range, chunk_scratch_rows, dot_precision, list_tile_start, load_unmasked_rows, schedule
 from .configs import block_d, fwd_config, schedule_heads
-from .launch import launch
+from .launch import BoundLaunch, cached_plan, plan_key
 from .memory import new_output
-from .split import SplitPlan, merge_split_rows
-from .tma import tile_descriptor
+from .split import SplitPlan, merge_launch
+from .tma import descriptor_layout, make_descriptor, tma_enabled
 
 
 @triton.jit
@@ -175,53 +175,76 @@ def _attn_fwd_kernel(
         tl.store(Lse + (b * Hq + h).to(tl.int64) * Nq + offs_m, lse, mask=m_ok)
 
 
-def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float):
+class _FwdPlan:
+    """What one call signature of `attn_fwd` fixes: tiles, grid, the launches and their non-tensor
+    arguments. A call then only allocates the outputs (and scratch), builds descriptors and launches."""
+
+    def __init__(self, q, k, v, index, mask_geometry, causal: bool, scale: float):
+        B, Hq, Nq, D = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        dense = len(index) == 0
+        Bm, Hm, Mq, Mk, block_q, block_k, long_lists = mask_geometry
+        cfg = fwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k, causal, Nq)
+        if dense:
+            block_q, block_k = cfg.block_m, cfg.block_n
+            self.split = SplitPlan(q.device)
+            full_off, full_idx, part_off, part_idx, items, chunks, slots, lead = [self.split.dummy] * 8
+            grid = triton.cdiv(Nq, cfg.block_m) * B * Hq
+        else:
+            full_off, full_idx, part_off, part_idx, items, chunks, slots, lead, split, slot_list = index
+            self.split = SplitPlan(q.device, (items, split, slot_list), B, Hq, Bm, Hm, block_q, D, with_lse=True)
+            grid = items.shape[2] * (block_q // cfg.block_m) * B * Hq
+        self.k_layout, self.v_layout = (descriptor_layout(t, cfg.block_n, block_d(D)) if cfg.tma else None
+                                        for t in (k, v))
+        self.tma = self.k_layout is not None and self.v_layout is not None
+        self.out_shape, self.lse_shape, self.dtype, self.device = q.shape, (B, Hq, Nq), q.dtype, q.device
+        # Outputs are allocated contiguous, so their strides follow from the shape.
+        out_strides = (Hq * Nq * D, Nq * D, D)
+        self.kernel = BoundLaunch(
+            _attn_fwd_kernel, grid,
+            (
+                full_off, full_idx, part_off, part_idx, items, chunks, slots, lead,
+                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out_strides,
+                Hq, B * Hq, Hq // Hkv, Nq, Nk,
+                Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0, *self.split.item_strides,
+                *self.split.copy_strides, self.split.copies,
+                scale * LOG2E, schedule_heads(2 * Nk * D * k.element_size() // (Hq // Hkv), B * Hq),
+            ),
+            dict(
+                HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                MASK_BLOCK_Q=block_q, MASK_BLOCK_K=block_k,
+                CAUSAL=causal, DENSE=dense, DOT_PRECISION=dot_precision(q.dtype), TMA=self.tma,
+            ),
+            cfg.num_warps, cfg.num_stages,
+        )
+        self.merge = merge_launch(self.split, chunks, slots, q.shape, Mq, heads=Hq, groups=1, with_lse=True) \
+            if self.split.num_split else None
+
+    def __call__(self, q, k, v):
+        out = new_output(self.out_shape, self.dtype, self.device)
+        lse = new_output(self.lse_shape, torch.float32, self.device)
+        part, _, lse_part = self.split.scratch()
+        if self.tma:
+            k, v = make_descriptor(k, self.k_layout), make_descriptor(v, self.v_layout)
+        self.kernel(q, k, v, out, lse, part, lse_part)
+        if self.merge is not None:
+            self.merge(part, lse_part, out, lse)
+        return out, lse
+
+
+def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float, plans: dict | None = None):
     """Launch the forward kernel, then the merge of split rows if the mask has any.
 
     Args:
         q: `(B, Hq, Nq, D)`; k, v: `(B, Hkv, Nk, D)`; last dimension contiguous.
         index: `KernelIndex.rows()` (full and partial row lists, then the work plan), or `[]` for dense.
         mask_geometry: `(Bm, Hm, Mq, Mk, block_q, block_k, long_lists)` of the mask (ignored for dense).
+        plans: where to keep this call's launch plan for the next call with the same signature; one dict
+            per index (the mask's), or None to build one for this call only.
 
     Returns:
         `(out, lse)`: out like q, lse float32 `(B, Hq, Nq)` natural log.
     """
-    B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    dense = len(index) == 0
-    Bm, Hm, Mq, Mk, block_q, block_k, long_lists = mask_geometry
-    cfg = fwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k, causal, Nq)
-    out = new_output(q.shape, q.dtype, q.device)
-    lse = new_output((B, Hq, Nq), torch.float32, q.device)
-    if dense:
-        block_q, block_k = cfg.block_m, cfg.block_n
-        plan = SplitPlan(q.device)
-        full_off, full_idx, part_off, part_idx, items, chunks, slots, lead = [plan.dummy] * 8
-        grid = (triton.cdiv(Nq, cfg.block_m) * B * Hq,)
-    else:
-        full_off, full_idx, part_off, part_idx, items, chunks, slots, lead, split, slot_list = index
-        plan = SplitPlan(q.device, (items, split, slot_list), B, Hq, Bm, Hm, block_q, D, with_lse=True)
-        grid = (items.shape[2] * (block_q // cfg.block_m) * B * Hq,)
-    k_desc, v_desc = (tile_descriptor(t, cfg.block_n, block_d(D)) if cfg.tma else None for t in (k, v))
-    tma = k_desc is not None and v_desc is not None
-    launch(
-        _attn_fwd_kernel, grid,
-        (
-            q, k_desc if tma else k, v_desc if tma else v, out, lse, plan.parts[0], plan.lse_part,
-            full_off, full_idx, part_off, part_idx, items, chunks, slots, lead,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            Hq, B * Hq, Hq // Hkv, Nq, Nk,
-            Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0, *plan.item_strides,
-            *plan.copy_strides, plan.copies,
-            scale * LOG2E, schedule_heads(2 * Nk * D * k.element_size() // (Hq // Hkv), B * Hq),
-        ),
-        dict(
-            HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            MASK_BLOCK_Q=block_q, MASK_BLOCK_K=block_k,
-            CAUSAL=causal, DENSE=dense, DOT_PRECISION=dot_precision(q.dtype), TMA=tma,
-        ),
-        cfg.num_warps, cfg.num_stages,
-    )
-    if plan.num_split:
-        merge_split_rows(plan, chunks, slots, out, lse, Mq, heads=Hq, groups=1)
-    return out, lse
+    key = plan_key((q, k, v), "fwd", causal, scale, tma_enabled())
+    plan = cached_plan(plans, key, lambda: _FwdPlan(q, k, v, index, mask_geometry, causal, scale))
+    return plan(q, k, v)

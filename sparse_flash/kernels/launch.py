@@ -48,11 +48,14 @@ def _hooks_installed() -> bool:
     return bool(getattr(enter, "calls", enter)) or bool(getattr(leave, "calls", leave))
 
 
-def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int) -> None:
+def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int):
     """Launch `kernel` on a 1-D `grid` with positional runtime `args` followed by `constexprs`.
 
     `constexprs` must name the kernel's constexpr parameters, which follow its runtime parameters, in
     signature order (their values are passed positionally to the compiled kernel).
+
+    Returns the compiled kernel that ran, or None where the cached direct launch is off (interpreter,
+    launch hooks, `set_fast_launch(False)`).
     """
     if _ENABLED[0] and not _interpreting():
         # What Triton specialises a runtime argument on: a tensor's dtype and 16-byte alignment, an int's
@@ -65,7 +68,7 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
         if compiled is not None and not _hooks_installed():
             compiled.run(grid[0], 1, 1, _raw_stream(device), compiled.function, compiled.packed_metadata, None, None,
                          None, *args, *constexprs.values())
-            return
+            return compiled
         compiled = kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
         if hasattr(compiled, "result"):  # a compile still in flight
             compiled = compiled.result()
@@ -74,8 +77,36 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
             if len(_CACHE) >= _CACHE_LIMIT:
                 _CACHE.clear()
             _CACHE[key] = compiled
-        return
+            return None if _hooks_installed() else compiled
+        return None
     kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+    return None
+
+
+class BoundLaunch:
+    """A launch prepared once: kernel, grid, trailing arguments, constexprs and options are fixed, and each
+    call passes only the leading arguments, the tensors that change from call to call.
+
+    Whoever keeps a BoundLaunch for reuse must key it on everything Triton specialises the leading tensors
+    on (dtype, 16-byte alignment, a descriptor's shape and strides) and on the current device: the compiled
+    kernel that the first call finds then serves every later call directly, with no per-argument key.
+    """
+
+    __slots__ = ("kernel", "grid", "tail", "constexprs", "num_warps", "num_stages", "_compiled", "_rest")
+
+    def __init__(self, kernel, grid: int, tail: tuple, constexprs: dict, num_warps: int, num_stages: int):
+        self.kernel, self.grid, self.tail, self.constexprs = kernel, grid, tail, constexprs
+        self.num_warps, self.num_stages = num_warps, num_stages
+        self._compiled, self._rest = None, (*tail, *constexprs.values())
+
+    def __call__(self, *head) -> None:
+        compiled = self._compiled
+        if compiled is not None and _ENABLED[0] and not _hooks_installed():
+            compiled.run(self.grid, 1, 1, _raw_stream(_current_device()), compiled.function, compiled.packed_metadata,
+                         None, None, None, *head, *self._rest)
+            return
+        self._compiled = launch(self.kernel, (self.grid,), (*head, *self.tail), self.constexprs, self.num_warps,
+                                self.num_stages)
 
 
 def _arg_key(a):
@@ -114,3 +145,32 @@ def _raw_stream(device: int) -> int:
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+PLAN_LIMIT = 64  # launch plans kept per cache (one per call signature: shapes, strides, dtype, flags)
+_GENERATION = [0]
+
+
+def forget_plans() -> None:
+    """Make every kept launch plan stale: code that changes the tile settings (tests, tuning tools) calls
+    this, since plans fix their tiles when they are built."""
+    _GENERATION[0] += 1
+
+
+def plan_key(tensors, *flags) -> tuple:
+    """The key of a launch plan: the launching device, `flags`, and the shape, strides, dtype and 16-byte
+    alignment of each tensor (everything the plan's launch arguments and Triton's specialisation follow)."""
+    device = -1 if _interpreting() else _current_device()
+    return (device, _GENERATION[0], *flags, *[(t.shape, t.stride(), t.dtype, t.data_ptr() & 15) for t in tensors])
+
+
+def cached_plan(cache: dict | None, key: tuple, build):
+    """`cache[key]`, built by `build()` on a miss; `cache=None` builds a plan for this call only."""
+    plan = None if cache is None else cache.get(key)
+    if plan is None:
+        plan = build()
+        if cache is not None:
+            if len(cache) >= PLAN_LIMIT:
+                cache.clear()
+            cache[key] = plan
+    return plan

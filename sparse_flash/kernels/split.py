@@ -2,11 +2,12 @@
 
 A mask's work plan (`layout.WorkPlan`) cuts lists much longer than average (the global rows and columns
 of BigBird or Longformer) into chunks, each walked by its own program, so one list no longer sets the
-running time. Each chunk writes a partial result to a scratch slot; `merge_split_rows` then combines the
+running time. Each chunk writes a partial result to a scratch slot; the merge pass (`merge_launch`) then combines the
 slots of every split list: forward chunks by their log-sum-exp, gradient chunks by summing.
 
 Scratch slots exist per split list and per *copy*: a mask shared by several batch entries or heads is
-walked once per (batch, head) that uses it.
+walked once per (batch, head) that uses it. The scratch is allocated per call, the rest once per launch
+plan.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import triton
 import triton.language as tl
 
 from .configs import block_d, fit_tile
-from .launch import launch
+from .launch import BoundLaunch
 from .memory import new_output
 
 
 class SplitPlan:
-    """Launch parameters and scratch buffers for the split lists of one kernel launch.
+    """Launch parameters of the split lists of one kernel launch, and their scratch buffers.
 
     Args:
         device: where the scratch lives.
@@ -38,6 +39,7 @@ class SplitPlan:
     def __init__(self, device, plan=None, batch=1, heads=1, mask_batch=1, mask_heads=1, mask_block=1, head_dim=1,
                  parts=1, with_lse=False):
         items, split, slot_list = plan if plan is not None else (None, None, None)
+        self.device = device
         self.dummy = placeholder(device, torch.int32)
         self.split = split
         self.num_split = 0 if split is None else split.shape[0]
@@ -49,14 +51,20 @@ class SplitPlan:
         self.copies = (batch if mask_batch == 1 else 1) * self.head_copies
         self.copy_strides = (self.head_copies if mask_batch == 1 else 0, 1 if mask_heads == 1 else 0)
         self.mask_batch, self.mask_heads, self.mask_block = mask_batch, mask_heads, mask_block
-        if self.num_split:
-            rows, width = slot_list.shape[0] * self.copies * mask_block, block_d(head_dim)
-            self.parts = [new_output((rows, width), torch.float32, device) for _ in range(parts)]
-            self.parts += self.parts[:1] * (2 - parts)  # launchers pass two parts to dK/dV, whatever the plan
-            self.lse_part = new_output((rows,), torch.float32, device) if with_lse else self.dummy
-        else:  # no chunk program stores anything: placeholders keep the kernels' signatures
-            self.parts = [placeholder(device, torch.float32)] * 2
-            self.lse_part = self.parts[0]
+        self.num_parts, self.with_lse = parts, with_lse
+        self.rows = 0 if not self.num_split else slot_list.shape[0] * self.copies * mask_block
+        self.width = block_d(head_dim)
+
+    def scratch(self) -> tuple:
+        """`(part_0, part_1, lse_part)` for one launch: new buffers where lists are split (part_1 is part_0
+        when the launch keeps one part, lse_part a placeholder without lse), placeholders otherwise, which
+        keep the kernels' signatures and are never touched."""
+        if not self.num_split:
+            empty = placeholder(self.device, torch.float32)
+            return empty, empty, empty
+        parts = [new_output((self.rows, self.width), torch.float32, self.device) for _ in range(self.num_parts)]
+        lse_part = new_output((self.rows,), torch.float32, self.device) if self.with_lse else parts[0]
+        return parts[0], parts[-1], lse_part
 
 
 _PLACEHOLDERS: dict = {}
@@ -126,24 +134,23 @@ def _merge_kernel(
         tl.store(DstLse + (b * heads + h).to(tl.int64) * N + tok, lse, mask=ok)
 
 
-def merge_split_rows(plan: SplitPlan, chunks, slots, dst, dst_lse, num_blocks: int, *, heads: int, groups: int,
-                     part: int = 0):
-    """Combine the chunks of every split list of `plan` into `dst` (B, heads, N, D) (and `dst_lse`).
+def merge_launch(plan: SplitPlan, chunks, slots, dst_shape, num_blocks: int, *, heads: int, groups: int,
+                 with_lse: bool) -> BoundLaunch:
+    """The merge of every split list of `plan` into a contiguous `dst_shape` (B, heads, N, D) output.
 
-    With `dst_lse` the chunks hold (out, lse) pairs and merge by log-sum-exp; without, they are summed.
+    Called as `merge(part, lse_part, dst, dst_lse)`: with `with_lse` the chunks hold (out, lse) pairs and
+    merge by log-sum-exp into dst and dst_lse; without, they are summed into dst (pass a placeholder as
+    dst_lse).
     """
-    N, D = dst.shape[2], dst.shape[3]
+    _, H, N, D = dst_shape
     block_m = fit_tile(64, plan.mask_block)
-    with_lse = dst_lse is not None
-    launch(
-        _merge_kernel, (plan.num_split * plan.copies * (plan.mask_block // block_m),),
+    return BoundLaunch(
+        _merge_kernel, plan.num_split * plan.copies * (plan.mask_block // block_m),
         (
-            plan.parts[part], plan.lse_part, dst, dst_lse if with_lse else plan.dummy, plan.split, chunks, slots,
-            *dst.stride()[:3],
+            plan.split, chunks, slots,
+            H * N * D, N * D, D,  # strides of the contiguous destination
             heads, groups, num_blocks, N, plan.copies, plan.head_copies, plan.mask_batch, plan.mask_heads,
         ),
-        dict(
-            HEAD_DIM=D, BLOCK_D=block_d(D), MASK_BLOCK=plan.mask_block, BLOCK_M=block_m, WITH_LSE=with_lse,
-        ),
+        dict(HEAD_DIM=D, BLOCK_D=block_d(D), MASK_BLOCK=plan.mask_block, BLOCK_M=block_m, WITH_LSE=with_lse),
         4, 3,
     )

@@ -1,0 +1,69 @@
+"""Launch plans: built once per call signature and mask, reused with new data, rebuilt when anything they
+fix changes; every call still matches the reference."""
+
+import pytest
+import torch
+from conftest import DEVICE, triton_usable
+
+from sparse_flash import masks
+from sparse_flash.testing import compare_to_reference, make_qkv
+
+pytestmark = pytest.mark.skipif(not triton_usable(), reason="triton is not usable here")
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """Counts the forward and backward plans built."""
+    from sparse_flash.kernels import bwd, fwd
+
+    counts = {"fwd": 0, "bwd": 0}
+    for module, name, kind in ((fwd, "_FwdPlan", "fwd"), (bwd, "_BwdPlan", "bwd")):
+        cls = getattr(module, name)
+
+        def counted(*a, _cls=cls, _kind=kind):
+            counts[_kind] += 1
+            return _cls(*a)
+
+        monkeypatch.setattr(module, name, counted)
+    return counts
+
+
+@pytest.mark.parametrize("kind", ["bigbird", "dense"])
+def test_a_plan_serves_new_data_and_is_rebuilt_when_the_signature_changes(built, kind):
+    n = 160
+    mask = masks.bigbird(n, 16, seed=1) if kind == "bigbird" else masks.dense(n, 16)
+    mask = mask.to(DEVICE)
+
+    def check(seed, **kw):
+        q, k, v = make_qkv(1, 2, 2, n, n, 32, dtype=torch.float32, device=DEVICE, seed=seed, **kw)
+        result = compare_to_reference(q, k, v, mask, backend="triton")
+        assert not result.failures(), result.failures()
+
+    check(0)
+    assert built == {"fwd": 1, "bwd": 1}
+    check(1)  # new values, same signature: the same plans
+    assert built == {"fwd": 1, "bwd": 1}
+    check(2, layout="transposed")  # other strides: new plans
+    assert built == {"fwd": 2, "bwd": 2}
+    check(3)
+    assert built == {"fwd": 2, "bwd": 2}
+
+
+def test_plans_live_with_their_mask(built):
+    import sparse_flash
+
+    n = 96
+    q, k, v = make_qkv(1, 1, 1, n, n, 16, dtype=torch.float32, device=DEVICE, seed=0, requires_grad=False)
+    first, second = (masks.local(n, 16, window=1).to(DEVICE) for _ in range(2))
+    for mask in (first, first, second):
+        sparse_flash.block_sparse_attention(q, k, v, mask, backend="triton")
+    assert built["fwd"] == 2 and len(first._launch_plans) == len(second._launch_plans) == 1
+
+
+def test_descriptors_built_directly_equal_checked_ones():
+    TensorDescriptor = pytest.importorskip("triton.tools.tensor_descriptor").TensorDescriptor
+    from sparse_flash.kernels.tma import descriptor_layout, make_descriptor
+
+    t = torch.randn(2, 1, 40, 64, device=DEVICE)
+    layout = descriptor_layout(t, 16, 64)
+    assert make_descriptor(t, layout) == TensorDescriptor(t, *layout)
