@@ -106,15 +106,19 @@ def test_descriptor_arguments_key_on_all_but_their_data(fast, change):
 
 
 def test_bound_launch_passes_head_then_fixed_tail_and_constexprs(fast):
+    """The first call compiles through Triton with every tensor; direct calls pass the trailing (constant)
+    tensors by address."""
     kernel = FakeKernel()
-    bound = launch_mod.BoundLaunch(kernel, 5, (32, 0.5), {"BLOCK": 16, "FLAG": True}, 4, 3)
+    index = torch.arange(8, dtype=torch.int32)
+    bound = launch_mod.BoundLaunch(kernel, 5, (index, 0.5), {"BLOCK": 16, "FLAG": True}, 4, 3)
     x, y = torch.zeros(64), torch.ones(64)
     bound(x)
     bound(y)
     assert kinds(kernel) == ["normal", "direct"]
-    assert kernel.log[0][1:3] == ((5,), (x, 32, 0.5))
+    assert kernel.log[0][1] == (5,) and kernel.log[0][2][0] is x and kernel.log[0][2][1] is index
     _, direct = kernel.log[1]
-    assert direct[:4] == (5, 1, 1, 7) and direct[7:] == (None, None, y, 32, 0.5, 16, True)
+    assert direct[:4] == (5, 1, 1, 7)
+    assert direct[7:] == (None, None, y, index.data_ptr(), 0.5, 16, True)
 
 
 @pytest.mark.parametrize("change", ["disabled", "hook"])

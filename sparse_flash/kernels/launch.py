@@ -90,6 +90,11 @@ class BoundLaunch:
     Whoever keeps a BoundLaunch for reuse must key it on everything Triton specialises the leading tensors
     on (dtype, 16-byte alignment, a descriptor's shape and strides) and on the current device: the compiled
     kernel that the first call finds then serves every later call directly, with no per-argument key.
+
+    The trailing tensors (a mask's index lists, placeholders) are constant: the direct call passes their
+    addresses as ints, which Triton's launcher takes as pointers without asking the tensor (a Python call)
+    and the driver (a pointer-attribute query) again on every launch. This object holds the tensors, so
+    the addresses stay valid.
     """
 
     __slots__ = ("kernel", "grid", "tail", "constexprs", "num_warps", "num_stages", "_compiled", "_rest")
@@ -97,7 +102,8 @@ class BoundLaunch:
     def __init__(self, kernel, grid: int, tail: tuple, constexprs: dict, num_warps: int, num_stages: int):
         self.kernel, self.grid, self.tail, self.constexprs = kernel, grid, tail, constexprs
         self.num_warps, self.num_stages = num_warps, num_stages
-        self._compiled, self._rest = None, (*tail, *constexprs.values())
+        addresses = (a.data_ptr() if isinstance(a, torch.Tensor) else a for a in tail)
+        self._compiled, self._rest = None, (*addresses, *constexprs.values())
 
     def __call__(self, *head) -> None:
         compiled = self._compiled
