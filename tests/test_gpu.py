@@ -111,3 +111,15 @@ def test_benchmark_tile_configurations_match_reference(dtype, head_dim, mask_nam
     q, k, v = make_qkv(1, *heads, n, n, head_dim, dtype=dtype, device="cuda", seed=head_dim)
     result = compare_to_reference(q, k, v, mask, causal=causal, backend="triton")
     assert not result.failures(), result.failures()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_inputs_on_a_gpu_other_than_the_current_one():
+    """The kernels run on q's device whatever the current device is, forward and backward."""
+    from sparse_flash.testing import compare_to_reference, make_qkv
+
+    mask = masks.butterfly(512, 64, device="cuda:1")
+    q, k, v = make_qkv(1, 2, 2, 512, 512, 64, dtype=torch.bfloat16, device="cuda:1", seed=0)
+    with torch.cuda.device(0):
+        result = compare_to_reference(q, k, v, mask, backend="triton")
+    assert not result.failures(), result.failures()

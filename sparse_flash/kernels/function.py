@@ -79,6 +79,11 @@ def attention_triton(q, k, v, mask: BlockMask | None, *, causal: bool, scale: fl
             row_index, col_index = idx.rows(), idx.cols()
             geometry = [*mask.shape, bq, bk, int(mask.has_long_lists(causal))]
     plain = _plain(q)
+    if plain and q.is_cuda and q.get_device() != torch.cuda.current_device():
+        # Triton launches on the current device: make it q's for this call. The backward runs on the
+        # autograd engine's thread for q's device, whose current device already is q's.
+        with torch.cuda.device(q.device):
+            return attention_triton(q, k, v, mask, causal=causal, scale=scale)
     # Launch plans are kept per mask (the dense path's for all masks); calls inside torch.compile keep none.
     plans = None if not plain else _DENSE_PLANS if not row_index else mask._launch_plans
     if plain and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
