@@ -7,7 +7,7 @@ whose GPU idles between its kernels is bound by the host, and the timeline says 
 It also times the rows with `do_bench` with the process pinned to one or two CPU cores, which shows how
 much thread placement moves the host-bound rows.
 
-    python benchmarks/trace_rows.py --out trace/   (from the repository root, on a CUDA machine)
+    cd benchmarks && python trace_rows.py --out trace/   (on a CUDA machine; traces land in trace/traces.tgz)
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import gzip
 import json
 import os
 import statistics
+import tarfile
 from pathlib import Path
 
 import torch
@@ -133,6 +134,10 @@ def main():
                 table.append((f"{name} D{D}", who, mode, med("host_call_us"), med("gpu_busy_us"), med("gpu_span_us"),
                               *(statistics.median(v) for v in pinned.values())))
     (out / "trace_rows.json").write_text(json.dumps(report, indent=1))
+    with tarfile.open(out / "traces.tgz", "w:gz") as tar:  # one file for the traces (fewer files to fetch)
+        for path in sorted(out.glob("*.json.gz")):
+            tar.add(path, arcname=path.name)
+            path.unlink()
     print(f"{'row':16} {'who':13} {'mode':8} {'host us':>8} {'busy us':>8} {'span us':>8} "
           f"{'all ms':>7} {'core2 ms':>8} {'c2,3 ms':>8}")
     for r in table:
