@@ -2,8 +2,8 @@
 
 A mask's work plan (`layout.WorkPlan`) cuts lists much longer than average (the global rows and columns
 of BigBird or Longformer) into chunks, each walked by its own program, so one list no longer sets the
-running time. Each chunk writes a partial result to a scratch slot; the merge pass (`merge_launch`) then combines the
-slots of every split list: forward chunks by their log-sum-exp, gradient chunks by summing.
+running time. Each chunk writes a partial result to a scratch slot; the merge pass (`merge_launch`) then
+combines the slots of every split list: forward chunks by their log-sum-exp, gradient chunks by summing.
 
 Scratch slots exist per split list and per *copy*: a mask shared by several batch entries or heads is
 walked once per (batch, head) that uses it. The scratch is allocated per call, the rest once per launch
@@ -57,8 +57,8 @@ class SplitPlan:
 
     def scratch(self) -> tuple:
         """`(part_0, part_1, lse_part)` for one launch: new buffers where lists are split (part_1 is part_0
-        when the launch keeps one part, lse_part a placeholder without lse), placeholders otherwise, which
-        keep the kernels' signatures and are never touched."""
+        when the launch keeps one part, lse_part is part_0 when it keeps no lse), placeholders otherwise,
+        which keep the kernels' signatures and are never touched."""
         if not self.num_split:
             empty = placeholder(self.device, torch.float32)
             return empty, empty, empty
