@@ -17,6 +17,13 @@ import torch
 
 __all__ = ["BlockIndex", "BlockMask", "KernelIndex", "WorkPlan"]
 
+# The int32 fields of one work item (`WorkPlan.items`): everything a program needs to start walking its share of
+# a list, read in one round trip. [lo, hi) ranges index the full and the partial lists; `*_first` is the first
+# block of that range (0 when it is empty); `slot` is the scratch slot of a chunk of a split list (-1: the list
+# is not split, so the program writes its result directly).
+ITEM_FIELDS = ("block", "chunk", "chunks", "slot", "full_lo", "full_hi", "part_lo", "part_hi", "full_first",
+               "part_first")
+
 _GRID_MAX_BLOCKS = 64  # repr draws an ASCII grid up to this many blocks per side
 _GRID_MAX_LAYOUTS = 4  # ... and for at most this many (batch, head) layouts
 
@@ -47,8 +54,9 @@ class WorkPlan(NamedTuple):
     the rest head group by head group.
 
     Attributes:
-        items: int32 `(B|1, H|1, W, 2)`: the (block, chunk) walked by program rank w; block -1 pads heads
-            with fewer items.
+        items: int32 `(B|1, H|1, W, len(ITEM_FIELDS))`: what program rank w walks: its (block, chunk), the
+            list's number of chunks, its scratch slot and its ranges of the full and partial lists
+            (`ITEM_FIELDS`); block -1 pads heads with fewer items (their ranges are empty).
         chunks: int32 `(B|1 * H|1 * M,)`: number of chunks of each list (1: not split).
         slots: int32 `(B|1 * H|1 * M,)`: first scratch slot of a split list (-1: not split).
         lead: int32 `(1,)`: the number of leading ranks that hold a heavy item in some head.
@@ -136,9 +144,27 @@ HEAVY_FACTOR = 2  # items longer than this many times the mean list length start
 LONG_LIST_BLOCKS = 16  # rows averaging this many live blocks or more count as long (kernels pick wider tiles)
 
 
-def _plan_work(counts: torch.Tensor, chunk: int, mean: float) -> WorkPlan:
-    """Programs for lists of `counts` (B, H, M) blocks (`mean` long on average): lists longer than `chunk`
-    split, longest first."""
+def _item_ranges(lists, chunk_id, n, full: BlockIndex, part: BlockIndex) -> list[torch.Tensor]:
+    """Per item: its ranges of the full and partial lists (chunk c of n takes positions [c·L//n, (c+1)·L//n)
+    of a list's L blocks, full blocks first) and the first block of each range."""
+    n_full = full.counts.reshape(-1)[lists].long()
+    length = n_full + part.counts.reshape(-1)[lists].long()
+    start, end = chunk_id * length // n, (chunk_id + 1) * length // n
+    full_off, part_off = full.offsets[lists].long(), part.offsets[lists].long()
+    full_lo, full_hi = full_off + torch.clamp(start, max=n_full), full_off + torch.clamp(end, max=n_full)
+    part_lo, part_hi = part_off + torch.clamp(start - n_full, min=0), part_off + torch.clamp(end - n_full, min=0)
+
+    def first(index, lo, hi):
+        if index.indices.numel() == 0:
+            return torch.zeros_like(lo)
+        return torch.where(hi > lo, index.indices[torch.clamp(lo, max=index.indices.numel() - 1)].long(), 0)
+
+    return [full_lo, full_hi, part_lo, part_hi, first(full, full_lo, full_hi), first(part, part_lo, part_hi)]
+
+
+def _plan_work(counts: torch.Tensor, chunk: int, mean: float, full: BlockIndex, part: BlockIndex) -> WorkPlan:
+    """Programs for lists of `counts` (B, H, M) blocks (`mean` long on average; `full` and `part` are the
+    lists' full and partial blocks): lists longer than `chunk` split, longest first."""
     B, H, M = counts.shape
     flat = counts.reshape(-1).long()
     n = torch.where(flat > chunk, torch.clamp((flat + chunk - 1) // chunk, max=SPLIT_MAX_CHUNKS), 1)  # chunks per list
@@ -150,16 +176,18 @@ def _plan_work(counts: torch.Tensor, chunk: int, mean: float) -> WorkPlan:
     by_head = torch.argsort(bh * (1 << 32) - length, stable=True)  # by (b, h), longest first within
     per_head = torch.bincount(bh, minlength=B * H)
     rank = torch.arange(lists.numel(), device=flat.device) - (torch.cumsum(per_head, 0) - per_head)[bh[by_head]]
-    items = torch.full((B * H, int(per_head.max()), 2), -1, dtype=torch.int32, device=flat.device)
-    items[bh[by_head], rank, 0] = (lists[by_head] % M).to(torch.int32)
-    items[bh[by_head], rank, 1] = chunk_id[by_head].to(torch.int32)
     lead = torch.bincount(bh[length > HEAVY_FACTOR * mean], minlength=B * H).max().reshape(1).to(torch.int32)
     is_split = n > 1
     split = torch.nonzero(is_split).reshape(-1)
     slots = torch.full_like(flat, -1)
     slots[split] = torch.cumsum(n[split], 0) - n[split]
+    fields = [lists % M, chunk_id, n[lists], torch.where(n[lists] > 1, slots[lists] + chunk_id, -1),
+              *_item_ranges(lists, chunk_id, n[lists], full, part)]
+    items = torch.zeros((B * H, int(per_head.max()), len(ITEM_FIELDS)), dtype=torch.int32, device=flat.device)
+    items[..., 0] = -1  # padding
+    items[bh[by_head], rank] = torch.stack(fields, 1)[by_head].to(torch.int32)
     slot_list = torch.repeat_interleave(split, n[split]).to(torch.int32)
-    plan = WorkPlan(items.reshape(B, H, -1, 2), n.to(torch.int32), slots.to(torch.int32), lead,
+    plan = WorkPlan(items.reshape(B, H, -1, len(ITEM_FIELDS)), n.to(torch.int32), slots.to(torch.int32), lead,
                     split.to(torch.int32), slot_list)
     _unbacked((plan.items, 2), (plan.split, 0), (plan.slot_list, 0))
     return plan
@@ -412,8 +440,8 @@ class BlockMask:
                 self._covers_causal = row_total == B * H * _causal_blocks(Mq, Mk, bq, bk, self.seq_len_q)
             self._index[("kernel", causal)] = KernelIndex(
                 row_full, row_part, col_full, col_part,
-                _plan_work(rows_live.counts, row_chunk, row_total / (B * H * Mq)),
-                _plan_work(cols_live.counts, col_chunk, col_total / (B * H * Mk)),
+                _plan_work(rows_live.counts, row_chunk, row_total / (B * H * Mq), row_full, row_part),
+                _plan_work(cols_live.counts, col_chunk, col_total / (B * H * Mk), col_full, col_part),
             )
 
     # ------------------------------------------------------------------ algebra

@@ -236,7 +236,7 @@ def test_work_plan_splits_only_long_lists():
     long_rows = torch.nonzero(counts > max(32, 4 * counts.float().mean())).reshape(-1)
     assert plan.split.tolist() == long_rows.tolist() and len(long_rows) == 2
     assert plan.chunks[long_rows].tolist() == [8, 8]  # 256 blocks in chunks of 32
-    items = plan.items.reshape(-1, 2)
+    items = plan.items.reshape(-1, plan.items.shape[-1])
     items = items[items[:, 0] >= 0]
     assert sorted(items[:, 0].tolist()) == sorted(torch.repeat_interleave(torch.arange(256), plan.chunks).tolist())
     lengths = counts[items[:, 0].long()] // plan.chunks[items[:, 0].long()]

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sparse_flash import BlockMask, masks
-from sparse_flash.layout import HEAVY_FACTOR, LONG_LIST_BLOCKS
+from sparse_flash.layout import HEAVY_FACTOR, ITEM_FIELDS, LONG_LIST_BLOCKS
 
 
 @st.composite
@@ -103,10 +103,64 @@ def test_work_plan_leads_with_heavy_items(m, causal):
         heavy = []
         for b in range(B):
             for h in range(H):
-                lengths = [int(counts[b, h, i]) // int(chunks[b, h, i]) for i, _ in plan.items[b, h].tolist() if i >= 0]
+                blocks = [i for i, *_ in plan.items[b, h].tolist() if i >= 0]
+                lengths = [int(counts[b, h, i]) // int(chunks[b, h, i]) for i in blocks]
                 assert lengths == sorted(lengths, reverse=True)
                 heavy.append(sum(length > HEAVY_FACTOR * mean for length in lengths))
         assert plan.lead.tolist() == [max(heavy)]
+
+
+def check_work_items(full, part, plan):
+    """Every list's items, taken in chunk order, walk its full blocks, then its partial blocks, exactly once;
+    each item's record holds its chunk count, scratch slot and the first block of each range."""
+    full_lists, part_lists = lists_from_index(full), lists_from_index(part)
+    B, H, M = full.counts.shape
+    walked = {}
+    for b in range(B):
+        for h in range(H):
+            for record in plan.items[b, h].tolist():
+                item = dict(zip(ITEM_FIELDS, record))
+                if item["block"] < 0:  # padding: nothing to walk
+                    assert item["full_lo"] == item["full_hi"] and item["part_lo"] == item["part_hi"]
+                    continue
+                r = (b * H + h) * M + item["block"]
+                assert item["chunks"] == int(plan.chunks[r])
+                assert item["slot"] == (int(plan.slots[r]) + item["chunk"] if item["chunks"] > 1 else -1)
+                full_blocks = full.indices[item["full_lo"]:item["full_hi"]].tolist()
+                part_blocks = part.indices[item["part_lo"]:item["part_hi"]].tolist()
+                assert item["full_first"] == (full_blocks[0] if full_blocks else 0)
+                assert item["part_first"] == (part_blocks[0] if part_blocks else 0)
+                walked[r, item["chunk"]] = (full_blocks, part_blocks)
+    for r in range(B * H * M):
+        n = int(plan.chunks[r])
+        chunks = [walked[r, c] for c in range(n)]
+        assert sum((f for f, _ in chunks), []) == full_lists[r] and sum((p for _, p in chunks), []) == part_lists[r]
+
+
+@given(m=layouts(), causal=st.booleans())
+def test_work_items_hold_their_share_of_the_list(m, causal):
+    kidx = m.kernel_index(causal)
+    check_work_items(kidx.row_full, kidx.row_partial, kidx.row_plan)
+    check_work_items(kidx.col_full, kidx.col_partial, kidx.col_plan)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_work_items_of_split_lists(causal):
+    """BigBird's global rows (not causal: a causal global row is short) and columns are split into chunks:
+    each chunk's record covers its share."""
+    kidx = masks.bigbird(128 * 96 + 50, 128, num_global_blocks=2, seed=0).kernel_index(causal)
+    assert kidx.row_plan.split.numel() == (0 if causal else 2) and kidx.col_plan.split.numel() == 2
+    check_work_items(kidx.row_full, kidx.row_partial, kidx.row_plan)
+    check_work_items(kidx.col_full, kidx.col_partial, kidx.col_plan)
+
+
+def test_item_fields_agree_with_the_kernels():
+    pytest.importorskip("triton")
+    from sparse_flash.kernels import common
+
+    assert common.ITEM_WIDTH == len(ITEM_FIELDS)
+    for i, name in enumerate(ITEM_FIELDS):
+        assert getattr(common, f"ITEM_{name.upper()}") == i
 
 
 def test_long_lists_and_causal_cover():

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, chunk_range, chunk_scratch_rows, dot_precision, list_tile_start, load_unmasked_rows, schedule
+from .common import (ITEM_BLOCK, LOG2E, chunk_scratch_rows, dot_precision, item_ranges, list_ranges, list_tile_start,
+                     load_unmasked_rows, schedule)
 from .configs import block_d, bwd_config, schedule_heads
 from .launch import BoundLaunch, cached_plan, plan_key
 from .memory import new_output
@@ -70,13 +71,14 @@ def _dkdv_tile(
 
 @triton.jit
 def _dkdv_list(
-    dk, dv, k, v, Q, DO, q_b, q_h, Lse, Delta, Idx, lo, hi, offs_n, offs_d, stride_qm, stride_dm, Nq, qk_scale,
+    dk, dv, k, v, Q, DO, q_b, q_h, Lse, Delta, Idx, lo, hi, first, offs_n, offs_d, stride_qm, stride_dm, Nq, qk_scale,
     HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_BLOCK_Q: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Add the query blocks of list entries [lo, hi) to a key tile's dK and dV; each mask block is SUB tiles."""
+    """Add the query blocks of list entries [lo, hi) to a key tile's dK and dV; each mask block is SUB tiles.
+    `first` is entry lo's block (from the work item, so the first tile needs no index load)."""
     SUB: tl.constexpr = MASK_BLOCK_Q // BLOCK_M
-    start_m = list_tile_start(Idx, lo * SUB, hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
+    start_m = first * MASK_BLOCK_Q
     for t in range(lo * SUB, hi * SUB):
         next_m = list_tile_start(Idx, t + 1, hi * SUB, SUB, MASK_BLOCK_Q, BLOCK_M)
         dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, q_b, q_h, Lse, Delta, start_m, offs_n, offs_d, stride_qm, stride_dm,
@@ -88,7 +90,7 @@ def _dkdv_list(
 @triton.jit
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, DKPart, DVPart,
-    ColFullOff, ColFullIdx, ColPartOff, ColPartIdx, ColItems, ColChunks, ColSlots, ColLead,
+    ColFullOff, ColFullIdx, ColPartOff, ColPartIdx, ColItems, ColLead,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -103,8 +105,8 @@ def _attn_bwd_dkdv_kernel(
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     # Columns are ordered by the lists of the group's first query head.
-    b, hk, tile, j, chunk, valid = schedule(tl.program_id(0), Hkv, BH, ColItems, ColLead, item_stride_b, item_stride_h, groups,
-                              tl.cdiv(Nk, BLOCK_N), head_group, MASK_BLOCK_K, BLOCK_N, DENSE, False)
+    b, hk, tile, item, valid = schedule(tl.program_id(0), Hkv, BH, ColItems, ColLead, item_stride_b, item_stride_h,
+                                        groups, tl.cdiv(Nk, BLOCK_N), head_group, MASK_BLOCK_K, BLOCK_N, DENSE, False)
     start_n = tile * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
@@ -116,11 +118,10 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    col0 = 0
-    num_chunks = 1
+    slot = -1
     if not DENSE:
-        col0 = b * mask_stride_b + hk * groups * mask_stride_h + j  # the group's first head plans the chunks
-        num_chunks = tl.load(ColChunks + col0)
+        # The group's first head plans the chunks; its ranges come with the work item.
+        full_lo, full_hi, part_lo, part_hi, full_first, part_first, slot = item_ranges(item)
     for g in range(0, groups):  # every query head that shares this KV head
         h = hk * groups + g
         if TMA:
@@ -154,20 +155,22 @@ def _attn_bwd_dkdv_kernel(
                                     TMA)
         else:
             # This program's chunk of every group head's column list (chunked like the first head's).
-            col = b * mask_stride_b + h * mask_stride_h + j
-            full_lo, full_hi, part_lo, part_hi = chunk_range(ColFullOff, ColPartOff, col, chunk, num_chunks, valid)
-            dk, dv = _dkdv_list(dk, dv, k, v, Qh, DOh, b, h, Lseh, Deltah, ColFullIdx, full_lo, full_hi, offs_n,
-                                offs_d, stride_qm, stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, False, CAUSAL,
-                                DOT_PRECISION, MASK_BLOCK_Q, TMA)
-            dk, dv = _dkdv_list(dk, dv, k, v, Qh, DOh, b, h, Lseh, Deltah, ColPartIdx, part_lo, part_hi, offs_n,
-                                offs_d, stride_qm, stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, True, CAUSAL,
-                                DOT_PRECISION, MASK_BLOCK_Q, TMA)
+            if (g > 0) & (mask_stride_h != 0):  # another head's list
+                col = b * mask_stride_b + h * mask_stride_h + tl.maximum(tl.load(item + ITEM_BLOCK), 0)
+                full_lo, full_hi, part_lo, part_hi, full_first, part_first, slot = list_ranges(
+                    ColFullOff, ColFullIdx, ColPartOff, ColPartIdx, col, item, valid)
+            dk, dv = _dkdv_list(dk, dv, k, v, Qh, DOh, b, h, Lseh, Deltah, ColFullIdx, full_lo, full_hi, full_first,
+                                offs_n, offs_d, stride_qm, stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, False,
+                                CAUSAL, DOT_PRECISION, MASK_BLOCK_Q, TMA)
+            dk, dv = _dkdv_list(dk, dv, k, v, Qh, DOh, b, h, Lseh, Deltah, ColPartIdx, part_lo, part_hi, part_first,
+                                offs_n, offs_d, stride_qm, stride_dm, Nq, qk_scale, HEAD_DIM, EVEN_D, BLOCK_M, True,
+                                CAUSAL, DOT_PRECISION, MASK_BLOCK_Q, TMA)
 
     dk = dk * sm_scale
-    if num_chunks > 1:
+    if slot >= 0:
         # One chunk of a split column: the merge pass sums the chunks.
-        rows, keep = chunk_scratch_rows(ColSlots, col0, chunk, copies, b * copy_stride_b + hk * copy_stride_h, tile,
-                                        valid, MASK_BLOCK_K, BLOCK_N)
+        rows, keep = chunk_scratch_rows(slot, copies, b * copy_stride_b + hk * copy_stride_h, tile, valid,
+                                        MASK_BLOCK_K, BLOCK_N)
         tl.store(DKPart + rows[:, None] * BLOCK_D + offs_d[None, :], dk, mask=keep[:, None])
         tl.store(DVPart + rows[:, None] * BLOCK_D + offs_d[None, :], dv, mask=keep[:, None])
     else:
@@ -220,13 +223,14 @@ def _dq_tile(
 
 @triton.jit
 def _dq_list(
-    dq, q, do, lse, delta, K, V, kv_b, kv_h, Idx, lo, hi, offs_m, offs_n, offs_d, stride_kn, stride_vn, Nk, qk_scale,
-    HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    dq, q, do, lse, delta, K, V, kv_b, kv_h, Idx, lo, hi, first, offs_m, offs_n, offs_d, stride_kn, stride_vn, Nk,
+    qk_scale, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, MASK_BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Add the key blocks of list entries [lo, hi) to a query tile's dQ; each mask block is SUB tiles."""
+    """Add the key blocks of list entries [lo, hi) to a query tile's dQ; each mask block is SUB tiles.
+    `first` is entry lo's block (from the work item, so the first tile needs no index load)."""
     SUB: tl.constexpr = MASK_BLOCK_K // BLOCK_N
-    start_n = list_tile_start(Idx, lo * SUB, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
+    start_n = first * MASK_BLOCK_K
     for t in range(lo * SUB, hi * SUB):
         next_n = list_tile_start(Idx, t + 1, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
         dq = _dq_tile(dq, q, do, lse, delta, K, V, kv_b, kv_h, start_n, offs_m, offs_n, offs_d, stride_kn, stride_vn,
@@ -238,22 +242,22 @@ def _dq_list(
 @triton.jit
 def _attn_bwd_dq_kernel(
     Q, K, V, Out, DO, Lse, Delta, DQ, DQPart,
-    RowFullOff, RowFullIdx, RowPartOff, RowPartIdx, RowItems, RowChunks, RowSlots, RowLead,
+    RowFullIdx, RowPartIdx, RowItems, RowLead,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
     stride_db, stride_dh, stride_dm,
     stride_dqb, stride_dqh, stride_dqm,
-    Hq, BH, groups, Nq, Nk, mask_stride_b, mask_stride_h, item_stride_b, item_stride_h,
+    Hq, BH, groups, Nq, Nk, item_stride_b, item_stride_h,
     copy_stride_b, copy_stride_h, copies, qk_scale, sm_scale, head_group,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    b, h, tile, i, chunk, valid = schedule(tl.program_id(0), Hq, BH, RowItems, RowLead, item_stride_b, item_stride_h, 1,
-                             tl.cdiv(Nq, BLOCK_M), head_group, MASK_BLOCK_Q, BLOCK_M, DENSE, CAUSAL)
+    b, h, tile, item, valid = schedule(tl.program_id(0), Hq, BH, RowItems, RowLead, item_stride_b, item_stride_h, 1,
+                                       tl.cdiv(Nq, BLOCK_M), head_group, MASK_BLOCK_Q, BLOCK_M, DENSE, CAUSAL)
     pid_bh = b * Hq + h
     start_m = tile * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
@@ -277,8 +281,7 @@ def _attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     if DENSE:
-        row = 0
-        num_chunks = 1
+        slot = -1
         n_full = Nk // BLOCK_N
         n_end = tl.cdiv(Nk, BLOCK_N)
         if CAUSAL:
@@ -291,21 +294,19 @@ def _attn_bwd_dq_kernel(
             dq = _dq_tile(dq, q, do, lse, delta, K, V, b, hk, n * BLOCK_N, offs_m, offs_n, offs_d, stride_kn,
                           stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION, TMA)
     else:
-        row = b * mask_stride_b + h * mask_stride_h + i
-        num_chunks = tl.load(RowChunks + row)
-        full_lo, full_hi, part_lo, part_hi = chunk_range(RowFullOff, RowPartOff, row, chunk, num_chunks, valid)
-        dq = _dq_list(dq, q, do, lse, delta, K, V, b, hk, RowFullIdx, full_lo, full_hi, offs_m, offs_n, offs_d,
-                      stride_kn, stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL, DOT_PRECISION, MASK_BLOCK_K,
-                      BLOCK_N, TMA)
-        dq = _dq_list(dq, q, do, lse, delta, K, V, b, hk, RowPartIdx, part_lo, part_hi, offs_m, offs_n, offs_d,
-                      stride_kn, stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION, MASK_BLOCK_K,
-                      BLOCK_N, TMA)
+        full_lo, full_hi, part_lo, part_hi, full_first, part_first, slot = item_ranges(item)
+        dq = _dq_list(dq, q, do, lse, delta, K, V, b, hk, RowFullIdx, full_lo, full_hi, full_first, offs_m, offs_n,
+                      offs_d, stride_kn, stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL, DOT_PRECISION,
+                      MASK_BLOCK_K, BLOCK_N, TMA)
+        dq = _dq_list(dq, q, do, lse, delta, K, V, b, hk, RowPartIdx, part_lo, part_hi, part_first, offs_m, offs_n,
+                      offs_d, stride_kn, stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL, DOT_PRECISION,
+                      MASK_BLOCK_K, BLOCK_N, TMA)
 
     dq = dq * sm_scale
-    if num_chunks > 1:
+    if slot >= 0:
         # One chunk of a split row: the merge pass sums the chunks.
-        rows, keep = chunk_scratch_rows(RowSlots, row, chunk, copies, b * copy_stride_b + h * copy_stride_h, tile,
-                                        valid, MASK_BLOCK_Q, BLOCK_M)
+        rows, keep = chunk_scratch_rows(slot, copies, b * copy_stride_b + h * copy_stride_h, tile, valid,
+                                        MASK_BLOCK_Q, BLOCK_M)
         tl.store(DQPart + rows[:, None] * BLOCK_D + offs_d[None, :], dq, mask=keep[:, None])
     else:
         tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + offs_m[:, None] * stride_dqm
@@ -324,11 +325,14 @@ class _BwdPlan:
         cfg = bwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k, causal, bool(long_lists))
         if dense:
             self.rows = self.cols = SplitPlan(q.device)
-            row_index = col_index = [self.rows.dummy] * 8
+            rows = cols = [self.rows.dummy] * 10
         else:
-            row_index, col_index = index[:8], index[10:18]  # lists, items, chunks, slots, lead
-            self.rows = SplitPlan(q.device, (index[4], index[8], index[9]), B, Hq, Bm, Hm, block_q, D, parts=1)
-            self.cols = SplitPlan(q.device, (index[14], index[18], index[19]), B, Hkv, Bm, Hm, block_k, D, parts=2)
+            rows, cols = index[:10], index[10:]  # KernelIndex.rows(), .cols()
+            self.rows = SplitPlan(q.device, (rows[4], rows[8], rows[9]), B, Hq, Bm, Hm, block_q, D, parts=1)
+            self.cols = SplitPlan(q.device, (cols[4], cols[8], cols[9]), B, Hkv, Bm, Hm, block_k, D, parts=2)
+        # (full offsets, full indices, partial offsets, partial indices, items, chunks, slots, lead, ...)
+        row_args = (rows[1], rows[3], rows[4], rows[7])  # the dQ kernel's: indices, items, lead
+        col_args = (*cols[:5], cols[7])  # the dK/dV kernel's: offsets too (grouped heads' lists)
         BLOCK_D = block_d(D)
         precision = dot_precision(q.dtype)
         self.q_shape, self.k_shape, self.lse_shape = q.shape, k.shape, (B, Hq, Nq)
@@ -336,17 +340,16 @@ class _BwdPlan:
         q_strides, k_strides = (Hq * Nq * D, Nq * D, D), (Hkv * Nk * D, Nk * D, D)  # of the new dq, dk, dv
 
         q_bq, q_bk = (cfg.q_block_m, cfg.q_block_n) if dense else (block_q, block_k)
-        q_items = triton.cdiv(Nq, cfg.q_block_m) if dense else row_index[4].shape[2] * (block_q // cfg.q_block_m)
+        q_items = triton.cdiv(Nq, cfg.q_block_m) if dense else rows[4].shape[2] * (block_q // cfg.q_block_m)
         self.k_layout, self.v_layout = (descriptor_layout(t, cfg.q_block_n, BLOCK_D) if cfg.tma else None
                                         for t in (k, v))
         self.dq_tma = self.k_layout is not None and self.v_layout is not None
         self.dq = BoundLaunch(
             _attn_bwd_dq_kernel, q_items * B * Hq,
             (
-                *row_index,
+                *row_args,
                 *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *do.stride()[:3], *q_strides,
-                Hq, B * Hq, Hq // Hkv, Nq, Nk,
-                Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0, *self.rows.item_strides,
+                Hq, B * Hq, Hq // Hkv, Nq, Nk, *self.rows.item_strides,
                 *self.rows.copy_strides, self.rows.copies,
                 scale * LOG2E, scale, schedule_heads(2 * Nk * D * k.element_size() // (Hq // Hkv), B * Hq),
             ),
@@ -357,18 +360,18 @@ class _BwdPlan:
             ),
             cfg.dq_warps or cfg.num_warps, cfg.dq_stages or cfg.num_stages,
         )
-        self.dq_merge = merge_launch(self.rows, row_index[5], row_index[6], q.shape, Mq, heads=Hq, groups=1,
+        self.dq_merge = merge_launch(self.rows, rows[5], rows[6], q.shape, Mq, heads=Hq, groups=1,
                                      with_lse=False) if self.rows.num_split else None
 
         kv_bq, kv_bk = (cfg.kv_block_m, cfg.kv_block_n) if dense else (block_q, block_k)
-        kv_items = triton.cdiv(Nk, cfg.kv_block_n) if dense else col_index[4].shape[2] * (block_k // cfg.kv_block_n)
+        kv_items = triton.cdiv(Nk, cfg.kv_block_n) if dense else cols[4].shape[2] * (block_k // cfg.kv_block_n)
         self.q_layout, self.do_layout = (descriptor_layout(t, cfg.kv_block_m, BLOCK_D) if cfg.tma else None
                                          for t in (q, do))
         self.kv_tma = self.q_layout is not None and self.do_layout is not None
         self.dkdv = BoundLaunch(
             _attn_bwd_dkdv_kernel, kv_items * B * Hkv,
             (
-                *col_index,
+                *col_args,
                 *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *k_strides, *k_strides,
                 Hq, Hkv, B * Hkv, Hq // Hkv, Nq, Nk,
                 Hm * Mk if Bm > 1 else 0, Mk if Hm > 1 else 0, *self.cols.item_strides,
@@ -382,7 +385,7 @@ class _BwdPlan:
             ),
             cfg.num_warps, cfg.num_stages,
         )
-        self.kv_merge = merge_launch(self.cols, col_index[5], col_index[6], k.shape, Mk, heads=Hkv,
+        self.kv_merge = merge_launch(self.cols, cols[5], cols[6], k.shape, Mk, heads=Hkv,
                                      groups=Hq // Hkv, with_lse=False) if self.cols.num_split else None
 
     def __call__(self, do, q, k, v, out, lse):

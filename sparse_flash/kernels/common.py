@@ -8,6 +8,19 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634  # scores are kept in log2 units so that the kernels can use exp2
 
+# Field offsets of a work item record (`layout.ITEM_FIELDS`; tests/test_layout.py checks that they agree).
+ITEM_WIDTH = tl.constexpr(10)
+ITEM_BLOCK = tl.constexpr(0)
+ITEM_CHUNK = tl.constexpr(1)
+ITEM_CHUNKS = tl.constexpr(2)
+ITEM_SLOT = tl.constexpr(3)
+ITEM_FULL_LO = tl.constexpr(4)
+ITEM_FULL_HI = tl.constexpr(5)
+ITEM_PART_LO = tl.constexpr(6)
+ITEM_PART_HI = tl.constexpr(7)
+ITEM_FULL_FIRST = tl.constexpr(8)
+ITEM_PART_FIRST = tl.constexpr(9)
+
 
 @triton.jit
 def load_unmasked_rows(ptrs, d_ok, EVEN_D: tl.constexpr):
@@ -24,22 +37,22 @@ def schedule(pid, H, BH, Items, Lead, item_stride_b, item_stride_h, head_scale, 
     """Map a program id to (batch, head, tile, mask block, chunk, valid).
 
     Sparse: rank r of a (batch, head) takes work item r // SUB of its plan (`Items`, mask head
-    `h * head_scale`): a (mask block, chunk) pair, longest first. The first `Lead` items (the heavy ones,
+    `h * head_scale`; the item's record is returned for `item_ranges`): a (mask block, chunk) pair, longest
+    first. The first `Lead` items (the heavy ones,
     such as global rows) of every (batch, head) run first, batch x head fastest, so that no long program
     starts late. The rest run in groups of `head_group` (batch x head) pairs, one group after another,
     batch x head fastest within a group: the programs in flight then read the K and V (or Q and dO) of a
     few heads, which stay in L2. Padding items (block -1) are not valid: their programs walk nothing and
     store nothing.
     Dense: tiles run fastest within a head, so K and V stay in L2; in reverse when REVERSE (causal rows
-    grow with the tile index).
+    grow with the tile index). The record returned is `Items` itself, unused.
     """
     if DENSE:
         bh = pid // num_tiles
         tile = pid % num_tiles
         if REVERSE:
             tile = num_tiles - 1 - tile
-        block = tile
-        chunk = 0
+        item = Items
         valid = True
     else:
         SUB: tl.constexpr = MASK_BLOCK // BLOCK
@@ -53,30 +66,42 @@ def schedule(pid, H, BH, Items, Lead, item_stride_b, item_stride_h, head_scale, 
         in_lead = pid < lead * BH
         bh = tl.where(in_lead, pid % BH, first + r % tl.maximum(size, 1))
         rank = tl.where(in_lead, pid // BH, lead + r // tl.maximum(size, 1))
-        item = Items + (bh // H) * item_stride_b + (bh % H) * head_scale * item_stride_h + (rank // SUB) * 2
-        block = tl.load(item)
-        chunk = tl.load(item + 1)
+        item = Items + (bh // H) * item_stride_b + (bh % H) * head_scale * item_stride_h + (rank // SUB) * ITEM_WIDTH
+        block = tl.load(item + ITEM_BLOCK)
         valid = block >= 0
-        block = tl.maximum(block, 0)
-        tile = block * SUB + rank % SUB
-    return bh // H, bh % H, tile, block, chunk, valid
+        tile = tl.maximum(block, 0) * SUB + rank % SUB
+    return bh // H, bh % H, tile, item, valid
 
 
 @triton.jit
-def chunk_range(FullOff, PartOff, row, chunk, num_chunks, valid):
-    """The slice of list `row` that one chunk walks, as [lo, hi) ranges into the full and partial lists.
+def item_ranges(item):
+    """A work item's share of its list, read from its record in one round trip: (full_lo, full_hi, part_lo,
+    part_hi, full_first, part_first, slot); [lo, hi) index the full and partial lists, `*_first` is the
+    first block of each range, `slot` the chunk's scratch slot (-1: the list is not split). Padding items
+    have empty ranges."""
+    return (tl.load(item + ITEM_FULL_LO), tl.load(item + ITEM_FULL_HI), tl.load(item + ITEM_PART_LO),
+            tl.load(item + ITEM_PART_HI), tl.load(item + ITEM_FULL_FIRST), tl.load(item + ITEM_PART_FIRST),
+            tl.load(item + ITEM_SLOT))
 
-    A list is its full blocks followed by its partial blocks; chunk c of n takes positions
-    [c * L // n, (c + 1) * L // n) of the L blocks. An invalid program gets empty ranges.
-    """
+
+@triton.jit
+def list_ranges(FullOff, FullIdx, PartOff, PartIdx, row, item, valid):
+    """`item_ranges` for list `row` of another head, chunked like the item's own list (the dK/dV pass of
+    grouped heads walks every query head's column): chunk c of n takes positions [c * L // n,
+    (c + 1) * L // n) of the list's L blocks, full blocks first. An invalid program gets empty ranges."""
+    chunk = tl.load(item + ITEM_CHUNK)
+    num_chunks = tl.maximum(tl.load(item + ITEM_CHUNKS), 1)  # padding items hold 0
     full_lo = tl.load(FullOff + row)
     n_full = tl.load(FullOff + row + 1) - full_lo
     part_lo = tl.load(PartOff + row)
     length = n_full + tl.load(PartOff + row + 1) - part_lo
     start = chunk * length // num_chunks
     end = tl.where(valid, (chunk + 1) * length // num_chunks, start)
-    return (full_lo + tl.minimum(start, n_full), full_lo + tl.minimum(end, n_full),
-            part_lo + tl.maximum(start - n_full, 0), part_lo + tl.maximum(end - n_full, 0))
+    full_lo, full_hi = full_lo + tl.minimum(start, n_full), full_lo + tl.minimum(end, n_full)
+    part_lo, part_hi = part_lo + tl.maximum(start - n_full, 0), part_lo + tl.maximum(end - n_full, 0)
+    full_first = tl.load(FullIdx + full_lo, mask=full_lo < full_hi, other=0)
+    part_first = tl.load(PartIdx + part_lo, mask=part_lo < part_hi, other=0)
+    return full_lo, full_hi, part_lo, part_hi, full_first, part_first, tl.load(item + ITEM_SLOT)
 
 
 @triton.jit
@@ -91,10 +116,10 @@ def list_tile_start(Idx, t, end, SUB: tl.constexpr, MASK_BLOCK: tl.constexpr, BL
 
 
 @triton.jit
-def chunk_scratch_rows(Slots, row, chunk, copies, copy, tile, valid, MASK_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+def chunk_scratch_rows(slot, copies, copy, tile, valid, MASK_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     """Where a chunk program of a split list stores its partial tile: scratch row numbers (BLOCK,) and which
-    of them to store (none for a padding program). Slot order: (list's first slot + chunk, copy)."""
-    slot = (tl.load(Slots + row) + chunk) * copies + copy
+    of them to store (none for a padding program). Slot order: (the chunk's slot, copy)."""
+    slot = slot * copies + copy
     rows = slot.to(tl.int64) * MASK_BLOCK + (tile % (MASK_BLOCK // BLOCK)) * BLOCK + tl.arange(0, BLOCK)
     keep = tl.arange(0, BLOCK) < tl.where(valid, BLOCK, 0)
     return rows, keep

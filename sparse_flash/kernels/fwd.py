@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, chunk_range, chunk_scratch_rows, dot_precision, list_tile_start, load_unmasked_rows, schedule
+from .common import LOG2E, chunk_scratch_rows, dot_precision, item_ranges, list_tile_start, load_unmasked_rows, schedule
 from .configs import block_d, fwd_config, schedule_heads
 from .launch import BoundLaunch, cached_plan, plan_key
 from .memory import new_output
@@ -78,14 +78,15 @@ def _fwd_tile(
 
 @triton.jit
 def _fwd_list(
-    acc, l_i, m_i, q, K, V, kv_b, kv_h, Idx, lo, hi, offs_m, offs_n, offs_d, stride_kn, stride_vn, Nk, qk_scale,
+    acc, l_i, m_i, q, K, V, kv_b, kv_h, Idx, lo, hi, first, offs_m, offs_n, offs_d, stride_kn, stride_vn, Nk, qk_scale,
     HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, MASK_BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, FUSED: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    """Fold the key blocks of list entries [lo, hi) into the softmax state; each mask block is SUB tiles."""
+    """Fold the key blocks of list entries [lo, hi) into the softmax state; each mask block is SUB tiles.
+    `first` is entry lo's block (from the work item, so the first tile needs no index load)."""
     SUB: tl.constexpr = MASK_BLOCK_K // BLOCK_N
-    start_n = list_tile_start(Idx, lo * SUB, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
+    start_n = first * MASK_BLOCK_K
     for t in range(lo * SUB, hi * SUB):
         next_n = list_tile_start(Idx, t + 1, hi * SUB, SUB, MASK_BLOCK_K, BLOCK_N)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, kv_b, kv_h, start_n, offs_m, offs_n, offs_d, stride_kn,
@@ -97,20 +98,20 @@ def _fwd_list(
 @triton.jit
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, OutPart, LsePart,
-    RowFullOff, RowFullIdx, RowPartOff, RowPartIdx, RowItems, RowChunks, RowSlots, RowLead,
+    RowFullIdx, RowPartIdx, RowItems, RowLead,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
-    Hq, BH, groups, Nq, Nk, mask_stride_b, mask_stride_h, item_stride_b, item_stride_h,
+    Hq, BH, groups, Nq, Nk, item_stride_b, item_stride_h,
     copy_stride_b, copy_stride_h, copies, qk_scale, head_group,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    b, h, tile, i, chunk, valid = schedule(tl.program_id(0), Hq, BH, RowItems, RowLead, item_stride_b, item_stride_h, 1,
-                                           tl.cdiv(Nq, BLOCK_M), head_group, MASK_BLOCK_Q, BLOCK_M, DENSE, CAUSAL)
+    b, h, tile, item, valid = schedule(tl.program_id(0), Hq, BH, RowItems, RowLead, item_stride_b, item_stride_h, 1,
+                                       tl.cdiv(Nq, BLOCK_M), head_group, MASK_BLOCK_Q, BLOCK_M, DENSE, CAUSAL)
     start_m = tile * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
@@ -130,8 +131,7 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     if DENSE:
-        row = 0
-        num_chunks = 1
+        slot = -1
         # Every key tile, no index loads: tiles wholly before the diagonal (and the tail) run unmasked.
         n_full = Nk // BLOCK_N
         n_end = tl.cdiv(Nk, BLOCK_N)
@@ -148,24 +148,22 @@ def _attn_fwd_kernel(
                                       not CAUSAL, TMA)
     else:
         # Walk this program's chunk of the query block's row list; each mask block is SUB key tiles.
-        row = b * mask_stride_b + h * mask_stride_h + i
-        num_chunks = tl.load(RowChunks + row)
-        full_lo, full_hi, part_lo, part_hi = chunk_range(RowFullOff, RowPartOff, row, chunk, num_chunks, valid)
-        acc, l_i, m_i = _fwd_list(acc, l_i, m_i, q, K, V, b, hk, RowFullIdx, full_lo, full_hi, offs_m, offs_n,
-                                  offs_d, stride_kn, stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL,
+        full_lo, full_hi, part_lo, part_hi, full_first, part_first, slot = item_ranges(item)
+        acc, l_i, m_i = _fwd_list(acc, l_i, m_i, q, K, V, b, hk, RowFullIdx, full_lo, full_hi, full_first, offs_m,
+                                  offs_n, offs_d, stride_kn, stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL,
                                   DOT_PRECISION, MASK_BLOCK_K, BLOCK_N, True, TMA)
-        acc, l_i, m_i = _fwd_list(acc, l_i, m_i, q, K, V, b, hk, RowPartIdx, part_lo, part_hi, offs_m, offs_n,
-                                  offs_d, stride_kn, stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL,
+        acc, l_i, m_i = _fwd_list(acc, l_i, m_i, q, K, V, b, hk, RowPartIdx, part_lo, part_hi, part_first, offs_m,
+                                  offs_n, offs_d, stride_kn, stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, True, CAUSAL,
                                   DOT_PRECISION, MASK_BLOCK_K, BLOCK_N, True, TMA)
 
     # Empty rows (no allowed key): output 0 and lse -inf, never 0/0.
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    if num_chunks > 1:
+    if slot >= 0:
         # One chunk of a split row: the merge pass combines the chunks' (out, lse) pairs.
-        rows, keep = chunk_scratch_rows(RowSlots, row, chunk, copies, b * copy_stride_b + h * copy_stride_h, tile,
-                                        valid, MASK_BLOCK_Q, BLOCK_M)
+        rows, keep = chunk_scratch_rows(slot, copies, b * copy_stride_b + h * copy_stride_h, tile, valid,
+                                        MASK_BLOCK_Q, BLOCK_M)
         tl.store(OutPart + rows[:, None] * BLOCK_D + offs_d[None, :], out, mask=keep[:, None])
         tl.store(LsePart + rows, lse, mask=keep)
     else:
@@ -188,7 +186,7 @@ class _FwdPlan:
         if dense:
             block_q, block_k = cfg.block_m, cfg.block_n
             self.split = SplitPlan(q.device)
-            full_off, full_idx, part_off, part_idx, items, chunks, slots, lead = [self.split.dummy] * 8
+            full_idx, part_idx, items, lead, chunks, slots = [self.split.dummy] * 6
             grid = triton.cdiv(Nq, cfg.block_m) * B * Hq
         else:
             full_off, full_idx, part_off, part_idx, items, chunks, slots, lead, split, slot_list = index
@@ -203,10 +201,10 @@ class _FwdPlan:
         self.kernel = BoundLaunch(
             _attn_fwd_kernel, grid,
             (
-                full_off, full_idx, part_off, part_idx, items, chunks, slots, lead,
+                full_idx, part_idx, items, lead,
                 *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out_strides,
                 Hq, B * Hq, Hq // Hkv, Nq, Nk,
-                Hm * Mq if Bm > 1 else 0, Mq if Hm > 1 else 0, *self.split.item_strides,
+                *self.split.item_strides,
                 *self.split.copy_strides, self.split.copies,
                 scale * LOG2E, schedule_heads(2 * Nk * D * k.element_size() // (Hq // Hkv), B * Hq),
             ),
