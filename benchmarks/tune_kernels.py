@@ -34,11 +34,13 @@ HEAD_DIMS = (64, 128)
 ROWS = [(4, 16, 4096, 64, m, False) for m in ("butterfly", "random", "longformer")] + [
     (4, 16, 4096, 128, m, False) for m in ("butterfly", "random", "bigbird")] + [
     (4, 16, 4096, 128, "dense", True)] + [
-    (1, 16, 16384, 128, m, False) for m in ("butterfly", "random", "local", "bigbird")] + [
+    (1, 16, 16384, 128, m, False) for m in ("butterfly", "random", "local", "bigbird", "longformer")] + [
     (1, 16, 16384, 128, "dense", True)] + [
     (1, 8, 65536, 64, m, False) for m in ("butterfly", "random", "local")] + [(1, 8, 65536, 64, "dense", True)]
 ROW_FWD = [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 3), (64, 128, 4, 3),
-           (128, 64, 8, 4)]
+           (128, 64, 8, 4),
+           # shallower pipelines and narrower key tiles: less shared memory per program, more programs per SM
+           (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 2), (64, 32, 4, 3), (64, 128, 4, 2), (128, 64, 8, 2)]
 ROW_BWD = [(32, 64, 64, 32, 4, 3), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 2), (32, 128, 128, 32, 4, 3),
            (64, 128, 128, 64, 8, 2), (64, 64, 64, 64, 4, 3)]
 

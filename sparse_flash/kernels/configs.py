@@ -61,18 +61,19 @@ def fwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
     """Forward tiles for one problem; `block_q`/`block_k` are the mask's (None for the dense path).
 
     Measured on an H200 (bf16; benchmarks/NOTES.md): the dense non-causal path wants the largest tiles;
-    sparse rows (short, uneven lists) 64 x 64 at D = 128, and 128 x 64 with 8 warps at D = 64 when the mask
-    block allows (1-4% over 4 warps with TMA loads; 4% over 64 x 64 on 10% random at 65,536 tokens). Dense causal: 128 x 128 at D = 128 (3% over 64 x 64 at 16,384 tokens), and at D = 64 128 x 64
-    from 16,384 tokens on (7% at 65,536), 64 x 64 below. K and V stream through TMA descriptors: 5-12%
-    faster than pointer loads at D = 128, within -0.4% to +4% at D = 64.
+    sparse rows (short, uneven lists) 64 x 64 at D = 128, and at D = 64 64 x 128 with 4 warps and a
+    two-stage pipeline (3-8% over 128 x 64 with 8 warps: small programs, three of them per SM). Dense
+    causal: 128 x 128 at D = 128 (3% over 64 x 64 at 16,384 tokens), and at D = 64 128 x 64 from 16,384
+    tokens on (7% at 65,536), 64 x 64 below. K and V stream through TMA descriptors: 5-12% faster than
+    pointer loads at D = 128, within -0.4% to +4% at D = 64.
     """
     d = block_d(head_dim)
     dense = block_q is None
     if d <= 64:
         if dense and (not causal or seq_len_q >= LONG_CAUSAL):
             m, n, warps, stages = (128, 64, 8, 3) if not causal else (128, 64, 4, 3)
-        elif not dense and (block_q or 0) % 128 == 0:  # sparse: 128 x 64 tiles over two warp groups
-            m, n, warps, stages = 128, 64, 8, 3
+        elif not dense:  # sparse: one key tile per 128-wide mask block, shallow pipeline
+            m, n, warps, stages = 64, 128, 4, 2
         else:
             m, n, warps, stages = 64, 64, 4, 3
     elif d <= 128:
