@@ -127,14 +127,34 @@ def _unbacked(*tensor_dims) -> None:
             mark_unbacked(t, dim)
 
 
-def _csr(rows: torch.Tensor, values: torch.Tensor, shape: tuple[int, int, int]) -> BlockIndex:
-    """Index lists from entries already sorted by (row, value); `shape` is `(B, H, M)`, the rows' layout."""
-    counts = torch.bincount(rows, minlength=math.prod(shape)).to(torch.int32)
-    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=rows.device)
-    torch.cumsum(counts, dim=0, out=offsets[1:])
-    indices = values.to(torch.int32)
-    _unbacked((indices, 0))
-    return BlockIndex(counts.reshape(shape), offsets, indices)
+FULL, PARTIAL, DEAD = 0, 1, 2  # what a nonzero block is for one causal flag: no element mask needed, one
+# needed (causal diagonal, sequence tail), or no allowed pair at all (above the causal diagonal)
+
+
+def _class_lists(keys: torch.Tensor, values: torch.Tensor, cls: torch.Tensor, sizes: tuple[int, int],
+                 shape: tuple[int, int, int]) -> tuple[BlockIndex, BlockIndex, BlockIndex]:
+    """The live, full and partial index lists of entries sorted by (list, value).
+
+    `keys` numbers each entry's list (`(b * H + h) * M + i` for `shape` (B, H, M)), `values` holds its block
+    index and `cls` its class (FULL, PARTIAL or DEAD); `sizes` are the numbers of FULL and PARTIAL entries,
+    known on the host, so that nothing here waits for the device.
+    """
+    n_full, n_part = sizes
+    lists = math.prod(shape)
+    by_class = torch.bincount(cls * lists + keys, minlength=3 * lists)[: 2 * lists].view(2, lists)
+    counts = torch.cat([by_class.sum(0, keepdim=True), by_class]).to(torch.int32)  # (3, lists): live, full, part
+    offsets = torch.zeros(3, lists + 1, dtype=torch.int32, device=keys.device)
+    torch.cumsum(counts, dim=1, out=offsets[:, 1:])
+    # A stable sort keeps the (list, value) order within each class: full entries, then partial, then dead.
+    sorted_values = values[torch.argsort(cls, stable=True)].to(torch.int32)
+    if n_full + n_part == values.numel():
+        live = values.to(torch.int32)
+    else:
+        live = values[torch.argsort((cls == DEAD).to(torch.uint8), stable=True)[: n_full + n_part]].to(torch.int32)
+    indices = (live, sorted_values[:n_full], sorted_values[n_full:n_full + n_part])
+    for t in indices:
+        _unbacked((t, 0))
+    return tuple(BlockIndex(c.reshape(shape), o, t) for c, o, t in zip(counts, offsets, indices))
 
 
 SPLIT_MIN_CHUNK = 32  # lists up to this many blocks are never split
@@ -168,7 +188,11 @@ def _plan_work(counts: torch.Tensor, chunk: int, mean: float, full: BlockIndex, 
     B, H, M = counts.shape
     flat = counts.reshape(-1).long()
     n = torch.where(flat > chunk, torch.clamp((flat + chunk - 1) // chunk, max=SPLIT_MAX_CHUNKS), 1)  # chunks per list
-    lists = torch.repeat_interleave(torch.arange(flat.numel(), device=flat.device), n)  # one entry per item
+    is_split = n > 1
+    # The sizes below, fetched from the device together: items, the most items of one (b, h), split lists, slots
+    num_items, width, num_split, num_slots = torch.stack(
+        [n.sum(), n.view(B * H, M).sum(1).max(), is_split.sum(), (n * is_split).sum()]).tolist()
+    lists = torch.repeat_interleave(torch.arange(flat.numel(), device=flat.device), n, output_size=num_items)
     starts = torch.cumsum(n, 0) - n
     chunk_id = torch.arange(lists.numel(), device=flat.device) - starts[lists]
     length = flat[lists] // n[lists]  # every chunk of a list has this length or one more
@@ -177,16 +201,15 @@ def _plan_work(counts: torch.Tensor, chunk: int, mean: float, full: BlockIndex, 
     per_head = torch.bincount(bh, minlength=B * H)
     rank = torch.arange(lists.numel(), device=flat.device) - (torch.cumsum(per_head, 0) - per_head)[bh[by_head]]
     lead = torch.bincount(bh[length > HEAVY_FACTOR * mean], minlength=B * H).max().reshape(1).to(torch.int32)
-    is_split = n > 1
-    split = torch.nonzero(is_split).reshape(-1)
+    split = torch.argsort((~is_split).to(torch.uint8), stable=True)[:num_split]  # the split lists, in order
     slots = torch.full_like(flat, -1)
     slots[split] = torch.cumsum(n[split], 0) - n[split]
     fields = [lists % M, chunk_id, n[lists], torch.where(n[lists] > 1, slots[lists] + chunk_id, -1),
               *_item_ranges(lists, chunk_id, n[lists], full, part)]
-    items = torch.zeros((B * H, int(per_head.max()), len(ITEM_FIELDS)), dtype=torch.int32, device=flat.device)
+    items = torch.zeros((B * H, width, len(ITEM_FIELDS)), dtype=torch.int32, device=flat.device)
     items[..., 0] = -1  # padding
     items[bh[by_head], rank] = torch.stack(fields, 1)[by_head].to(torch.int32)
-    slot_list = torch.repeat_interleave(split, n[split]).to(torch.int32)
+    slot_list = torch.repeat_interleave(split, n[split], output_size=num_slots).to(torch.int32)
     plan = WorkPlan(items.reshape(B, H, -1, len(ITEM_FIELDS)), n.to(torch.int32), slots.to(torch.int32), lead,
                     split.to(torch.int32), slot_list)
     _unbacked((plan.items, 2), (plan.split, 0), (plan.slot_list, 0))
@@ -198,11 +221,6 @@ def _causal_blocks(Mq: int, Mk: int, bq: int, bk: int, seq_len_q: int) -> int:
     blocks starting at or before its last query."""
     q_last = torch.clamp(torch.arange(1, Mq + 1) * bq, max=seq_len_q) - 1
     return int(torch.clamp(q_last // bk + 1, max=Mk).sum())
-
-
-def _list_totals(*counts: torch.Tensor) -> list[int]:
-    """Total length of the lists of each count tensor, with one host sync for all."""
-    return torch.stack([c.sum() for c in counts]).tolist()
 
 
 def _chunk_size(total: int, num_lists: int) -> int:
@@ -401,7 +419,9 @@ class BlockMask:
     def _build_index(self) -> None:
         """Build every index list from one pass over the layout; the rest costs O(nnz).
 
-        Built eagerly so that attention calls inside `torch.compile` only read them.
+        Built eagerly so that attention calls inside `torch.compile` only read them. On a GPU the host waits
+        for the device six times: for the nonzero blocks, for the class sizes of both causal flags, and once
+        per work plan; every other size is known on the host.
         """
         B, H, Mq, Mk = self.layout.shape
         bq, bk = self.block_size
@@ -411,37 +431,35 @@ class BlockMask:
         b, h, i, j = coords.T.contiguous().unbind(0)
         row = (b * H + h) * Mq + i
         col = (b * H + h) * Mk + j
-        by_col = torch.argsort(col * Mq + i)  # the same entries sorted by (b, h, j, i)
         q_first, k_first = i * bq, j * bk
         q_last = torch.clamp(q_first + bq, max=self.seq_len_q) - 1
         k_last = torch.clamp(k_first + bk, max=self.seq_len_k) - 1
         # A block touching a sequence tail needs bounds masks on its loads and scores.
         tail = (q_first + bq > self.seq_len_q) | (k_first + bk > self.seq_len_k)
         self._index, self._long_lists = {}, {}
+        by_col = torch.argsort(col * Mq + i)  # the same entries sorted by (b, h, j, i)
+        classes = {}  # each entry's class, per causal flag
         for causal in (False, True):
-            live = k_first <= q_last if causal else torch.ones_like(tail)  # holds an allowed pair
-            partial = tail | (k_last > q_first) if causal else tail  # some key lies after some query
-
-            def rows_cols(select):
-                return (
-                    _csr(row[select], j[select], (B, H, Mq)),
-                    _csr(col[by_col][select[by_col]], i[by_col][select[by_col]], (B, H, Mk)),
-                )
-
-            rows_live, cols_live = rows_cols(live)
+            cls = torch.where(tail | (k_last > q_first), PARTIAL, FULL) if causal else torch.where(tail, PARTIAL, FULL)
+            classes[causal] = torch.where(k_first <= q_last, cls, DEAD) if causal else cls
+        # The class sizes of both flags, fetched from the device at once: (full, partial) per flag
+        sizes = torch.stack([(c == k).sum() for c in classes.values() for k in (FULL, PARTIAL)]).tolist()
+        for causal, cls in classes.items():
+            n_full, n_part = sizes[2 * causal:2 * causal + 2]
+            rows_live, row_full, row_part = _class_lists(row, j, cls, (n_full, n_part), (B, H, Mq))
+            cols_live, col_full, col_part = _class_lists(col[by_col], i[by_col], cls[by_col], (n_full, n_part),
+                                                         (B, H, Mk))
             self._index[("row", causal)], self._index[("col", causal)] = rows_live, cols_live
-            row_full, col_full = rows_cols(live & ~partial)
-            row_part, col_part = rows_cols(live & partial)
-            row_total, col_total = _list_totals(rows_live.counts, cols_live.counts)
-            row_chunk, col_chunk = _chunk_size(row_total, B * H * Mq), _chunk_size(col_total, B * H * Mk)
+            total = n_full + n_part  # live blocks: the total length of the row lists, and of the column lists
+            row_chunk, col_chunk = _chunk_size(total, B * H * Mq), _chunk_size(total, B * H * Mk)
             # Python bools, like is_dense: torch.compile guards on them, not on counts
-            self._long_lists[causal] = row_total >= LONG_LIST_BLOCKS * B * H * Mq
+            self._long_lists[causal] = total >= LONG_LIST_BLOCKS * B * H * Mq
             if causal:
-                self._covers_causal = row_total == B * H * _causal_blocks(Mq, Mk, bq, bk, self.seq_len_q)
+                self._covers_causal = total == B * H * _causal_blocks(Mq, Mk, bq, bk, self.seq_len_q)
             self._index[("kernel", causal)] = KernelIndex(
                 row_full, row_part, col_full, col_part,
-                _plan_work(rows_live.counts, row_chunk, row_total / (B * H * Mq), row_full, row_part),
-                _plan_work(cols_live.counts, col_chunk, col_total / (B * H * Mk), col_full, col_part),
+                _plan_work(rows_live.counts, row_chunk, total / (B * H * Mq), row_full, row_part),
+                _plan_work(cols_live.counts, col_chunk, total / (B * H * Mk), col_full, col_part),
             )
 
     # ------------------------------------------------------------------ algebra

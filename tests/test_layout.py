@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sparse_flash import BlockMask, masks
 from sparse_flash.layout import HEAVY_FACTOR, ITEM_FIELDS, LONG_LIST_BLOCKS
@@ -161,6 +162,42 @@ def test_item_fields_agree_with_the_kernels():
     assert common.ITEM_WIDTH == len(ITEM_FIELDS)
     for i, name in enumerate(ITEM_FIELDS):
         assert getattr(common, f"ITEM_{name.upper()}") == i
+
+
+class _DeviceWaits(TorchDispatchMode):
+    """Counts the operators that make the host wait for the device's result: a GPU queue drains at each."""
+
+    def __init__(self):
+        super().__init__()
+        self.waits = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        bool_index = func is torch.ops.aten.index.Tensor and any(
+            t is not None and t.dtype == torch.bool for t in args[1])
+        sized = func is torch.ops.aten.repeat_interleave.Tensor and kwargs.get("output_size") is not None
+        if bool_index or (func in _WAITING_OPS and not sized):
+            self.waits += 1
+        return func(*args, **kwargs)
+
+
+_WAITING_OPS = (torch.ops.aten.nonzero.default, torch.ops.aten._local_scalar_dense.default,
+                torch.ops.aten.masked_select.default, torch.ops.aten.repeat_interleave.Tensor)
+
+
+@pytest.mark.parametrize("layout_kind", ["random", "bigbird"])
+def test_index_build_waits_on_the_device_six_times(layout_kind):
+    """The layout's nonzero blocks, the class sizes of both causal flags, and one fetch per work plan (rows
+    and columns, for each flag): every other size is derived on the host or passed along."""
+    n = 128 * 40 + 50  # a sequence tail: partial blocks in every flag
+    if layout_kind == "random":
+        layout = torch.rand(2, 3, 41, 41, generator=torch.Generator().manual_seed(0)) < 0.3
+    else:
+        layout = masks.bigbird(n, 128, num_global_blocks=2, seed=0).layout  # split lists
+    with _DeviceWaits() as counter:
+        m = BlockMask.from_layout(layout, 128, seq_len_q=n, seq_len_k=n)
+    assert counter.waits == 6
+    assert m.kernel_index(False).row_plan.split.numel() == (2 if layout_kind == "bigbird" else 0)
 
 
 def test_long_lists_and_causal_cover():
