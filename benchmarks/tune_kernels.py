@@ -42,7 +42,9 @@ ROW_FWD = [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (
            # shallower pipelines and narrower key tiles: less shared memory per program, more programs per SM
            (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 2), (64, 32, 4, 3), (64, 128, 4, 2), (128, 64, 8, 2)]
 ROW_BWD = [(32, 64, 64, 32, 4, 3), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 2), (32, 128, 128, 32, 4, 3),
-           (64, 128, 128, 64, 8, 2), (64, 64, 64, 64, 4, 3)]
+           (64, 128, 128, 64, 8, 2), (64, 64, 64, 64, 4, 3),
+           # 64-row programs with wide inner steps and two stages, as the D=64 forward won with (NOTES step 26)
+           (32, 64, 64, 32, 4, 2), (64, 64, 64, 128, 4, 2), (128, 64, 64, 64, 4, 2), (128, 64, 64, 128, 4, 2)]
 
 
 def _mask(name, N):
