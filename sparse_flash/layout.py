@@ -141,20 +141,23 @@ def _class_lists(keys: torch.Tensor, values: torch.Tensor, cls: torch.Tensor, si
     """
     n_full, n_part = sizes
     lists = math.prod(shape)
-    by_class = torch.bincount(cls * lists + keys, minlength=3 * lists)[: 2 * lists].view(2, lists)
-    counts = torch.cat([by_class.sum(0, keepdim=True), by_class]).to(torch.int32)  # (3, lists): live, full, part
-    offsets = torch.zeros(3, lists + 1, dtype=torch.int32, device=keys.device)
-    torch.cumsum(counts, dim=1, out=offsets[:, 1:])
+    full_count, part_count = torch.bincount(cls * lists + keys, minlength=3 * lists)[: 2 * lists].view(2, lists)
     # A stable sort keeps the (list, value) order within each class: full entries, then partial, then dead.
     sorted_values = values[torch.argsort(cls, stable=True)].to(torch.int32)
     if n_full + n_part == values.numel():
         live = values.to(torch.int32)
     else:
         live = values[torch.argsort((cls == DEAD).to(torch.uint8), stable=True)[: n_full + n_part]].to(torch.int32)
-    indices = (live, sorted_values[:n_full], sorted_values[n_full:n_full + n_part])
-    for t in indices:
-        _unbacked((t, 0))
-    return tuple(BlockIndex(c.reshape(shape), o, t) for c, o, t in zip(counts, offsets, indices))
+    # Separate tensors, none a view of another: torch.compile guards on how its inputs alias, and the slices'
+    # offsets differ from mask to mask.
+    lists_of = []
+    for count, indices in ((full_count + part_count, live), (full_count, sorted_values[:n_full].clone()),
+                           (part_count, sorted_values[n_full:n_full + n_part].clone())):
+        offsets = torch.zeros(lists + 1, dtype=torch.int32, device=keys.device)
+        torch.cumsum(count, dim=0, out=offsets[1:])
+        _unbacked((indices, 0))
+        lists_of.append(BlockIndex(count.to(torch.int32).reshape(shape), offsets, indices))
+    return tuple(lists_of)
 
 
 SPLIT_MIN_CHUNK = 32  # lists up to this many blocks are never split
