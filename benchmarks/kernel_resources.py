@@ -1,0 +1,123 @@
+"""Registers, spills, shared memory and programs per SM of each kernel's default launch, without a GPU.
+
+Every kernel is compiled for sm_90a (H100/H200) at the tile settings `configs.py` picks for a benchmark row,
+then assembled with Triton's own ptxas. A program's share of an SM's 64K registers, 228 KB of shared memory
+and 2,048 threads says how many programs an SM holds at once: more of them hide each other's prologue and
+epilogue (NOTES steps 25 and 26).
+
+    python benchmarks/kernel_resources.py            # needs triton with its CUDA backend; no GPU
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from sparse_flash.kernels import bwd, fwd
+from sparse_flash.kernels.configs import block_d, bwd_config, fwd_config
+
+SM_REGISTERS, SM_SHARED, SM_THREADS = 65536, 228 * 1024, 2048  # per SM on Hopper
+BLOCK_SHARED_RESERVED = 1024  # shared memory the driver reserves per program
+INTS = {"Nq", "Nk", "Hq", "Hkv", "BH"}
+FP32_POINTERS = {"Lse", "OutPart", "LsePart", "Delta", "DQPart", "DKPart", "DVPart"}
+FLOATS = {"qk_scale", "sm_scale"}
+
+
+def _signature(kernel, constexprs: dict, descriptors: dict) -> dict:
+    """Triton's signature for `kernel`: constexprs, descriptors, then types read off the argument names."""
+    sig = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in descriptors:
+            sig[name] = descriptors[name]
+        elif name in FP32_POINTERS:
+            sig[name] = "*fp32"
+        elif name.startswith(("Row", "Col")):
+            sig[name] = "*i32"
+        elif name[0].isupper() and name not in INTS:
+            sig[name] = "*bf16"
+        else:
+            sig[name] = "fp32" if name in FLOATS else "i32"
+    return sig
+
+
+def compile_report(kernel, constexprs: dict, warps: int, stages: int, descriptors: dict) -> dict:
+    """Compile for sm_90a; registers and spills from ptxas, shared memory from Triton, programs per SM."""
+    sig = _signature(kernel, constexprs, descriptors)
+    names = list(sig)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if sig[n].startswith("*") or n.startswith("stride") or n in ("Nq", "Nk", "BH", "Hq")}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                    attrs=aligned)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    folder = tempfile.mkdtemp()
+    with open(f"{folder}/k.ptx", "w") as f:
+        f.write(compiled.asm["ptx"])
+    run = subprocess.run([ptxas, "-v", "-arch=sm_90a", f"{folder}/k.ptx", "-o", f"{folder}/k.cubin"],
+                         capture_output=True, text=True)
+    lines = (run.stderr + run.stdout).splitlines()
+    regs = int(next(line for line in lines if "Used" in line).split("Used")[1].split("registers")[0])
+    spills = int(next(line for line in lines if "spill stores" in line).split(",")[1].split("bytes")[0])
+    shared = compiled.metadata.shared
+    threads = 32 * warps
+    fits = min(SM_REGISTERS // (max(regs, 1) * threads), SM_SHARED // (shared + BLOCK_SHARED_RESERVED),
+               SM_THREADS // threads)
+    return {"registers": regs, "spill_bytes": spills, "shared_kb": round(shared / 1024, 1), "programs_per_sm": fits}
+
+
+def _tile_descriptors(names, rows: int, D: int) -> dict:
+    return {n: f"tensordesc<bf16[1,1,{rows},{D}]>" for n in names}
+
+
+def forward_rows(D: int):
+    """(label, kernel, constexprs, warps, stages, descriptors) of the forward for sparse, dense and causal rows."""
+    for label, dense, causal in (("sparse", False, False), ("dense", True, False), ("dense causal", True, True)):
+        block = None if dense else 128
+        cfg = fwd_config(D, torch.bfloat16, block, block, causal, 65536)
+        cx = dict(HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                  MASK_BLOCK_Q=block or cfg.block_m, MASK_BLOCK_K=block or cfg.block_n, CAUSAL=causal, DENSE=dense,
+                  DOT_PRECISION="tf32", TMA=cfg.tma)
+        descs = _tile_descriptors(("K", "V"), cfg.block_n, block_d(D)) if cfg.tma else {}
+        yield f"fwd D={D} {label} {tuple(cfg)[:4]}", fwd._attn_fwd_kernel, cx, cfg.num_warps, cfg.num_stages, descs
+
+
+def backward_rows(D: int):
+    """The dQ and dK/dV launches of sparse (short and long lists) and dense rows."""
+    for label, dense, long_lists in (("sparse", False, False), ("sparse long", False, True), ("dense", True, False)):
+        block = None if dense else 128
+        cfg = bwd_config(D, torch.bfloat16, block, block, False, long_lists)
+        common = dict(HEAD_DIM=D, BLOCK_D=block_d(D), CAUSAL=False, DENSE=dense, DOT_PRECISION="tf32", TMA=cfg.tma)
+        dq = dict(common, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n, MASK_BLOCK_Q=block or cfg.q_block_m,
+                  MASK_BLOCK_K=block or cfg.q_block_n)
+        descs = _tile_descriptors(("K", "V"), cfg.q_block_n, block_d(D)) if cfg.tma else {}
+        yield (f"dQ D={D} {label} {(cfg.q_block_m, cfg.q_block_n)}", bwd._attn_bwd_dq_kernel, dq,
+               cfg.dq_warps or cfg.num_warps, cfg.dq_stages or cfg.num_stages, descs)
+        dkdv = dict(common, BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n, MASK_BLOCK_Q=block or cfg.kv_block_m,
+                    MASK_BLOCK_K=block or cfg.kv_block_n)
+        descs = _tile_descriptors(("Q", "DO"), cfg.kv_block_m, block_d(D)) if cfg.tma else {}
+        yield (f"dK/dV D={D} {label} {(cfg.kv_block_m, cfg.kv_block_n)}", bwd._attn_bwd_dkdv_kernel, dkdv,
+               cfg.num_warps, cfg.num_stages, descs)
+
+
+def main():
+    print(f"triton {triton.__version__}, sm_90a, bf16; limits per SM: {SM_REGISTERS} registers, "
+          f"{SM_SHARED // 1024} KB shared memory, {SM_THREADS} threads")
+    print(f"{'kernel and tiles':42} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>7} {'smem KB':>7} {'per SM':>6}")
+    for D in (64, 128):
+        for label, kernel, cx, warps, stages, descs in [*forward_rows(D), *backward_rows(D)]:
+            r = compile_report(kernel, cx, warps, stages, descs)
+            print(f"{label:42} {warps:5d} {stages:6d} {r['registers']:5d} {r['spill_bytes']:7d} {r['shared_kb']:7.1f} "
+                  f"{r['programs_per_sm']:6d}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
