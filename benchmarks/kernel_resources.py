@@ -10,54 +10,24 @@ epilogue (NOTES steps 25 and 26).
 
 from __future__ import annotations
 
-import inspect
 import os
 import subprocess
 import tempfile
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from sparse_flash.kernels import bwd, fwd
+from sparse_flash.kernels.aot import compile_sm90
 from sparse_flash.kernels.configs import block_d, bwd_config, fwd_config
 
 SM_REGISTERS, SM_SHARED, SM_THREADS = 65536, 228 * 1024, 2048  # per SM on Hopper
 BLOCK_SHARED_RESERVED = 1024  # shared memory the driver reserves per program
-INTS = {"Nq", "Nk", "Hq", "Hkv", "BH"}
-FP32_POINTERS = {"Lse", "OutPart", "LsePart", "Delta", "DQPart", "DKPart", "DVPart"}
-FLOATS = {"qk_scale", "sm_scale"}
 
 
-def _signature(kernel, constexprs: dict, descriptors: dict) -> dict:
-    """Triton's signature for `kernel`: constexprs, descriptors, then types read off the argument names."""
-    sig = {}
-    for name in inspect.signature(kernel.fn).parameters:
-        if name in constexprs:
-            sig[name] = "constexpr"
-        elif name in descriptors:
-            sig[name] = descriptors[name]
-        elif name in FP32_POINTERS:
-            sig[name] = "*fp32"
-        elif name.startswith(("Row", "Col")):
-            sig[name] = "*i32"
-        elif name[0].isupper() and name not in INTS:
-            sig[name] = "*bf16"
-        else:
-            sig[name] = "fp32" if name in FLOATS else "i32"
-    return sig
-
-
-def compile_report(kernel, constexprs: dict, warps: int, stages: int, descriptors: dict) -> dict:
+def compile_report(kernel, constexprs: dict, warps: int, stages: int, descriptors=()) -> dict:
     """Compile for sm_90a; registers and spills from ptxas, shared memory from Triton, programs per SM."""
-    sig = _signature(kernel, constexprs, descriptors)
-    names = list(sig)
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if sig[n].startswith("*") or n.startswith("stride") or n in ("Nq", "Nk", "BH", "Hq")}
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
-                    attrs=aligned)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    compiled = compile_sm90(kernel, constexprs, descriptors, warps, stages, aligned=True)
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
     folder = tempfile.mkdtemp()
     with open(f"{folder}/k.ptx", "w") as f:
@@ -74,10 +44,6 @@ def compile_report(kernel, constexprs: dict, warps: int, stages: int, descriptor
     return {"registers": regs, "spill_bytes": spills, "shared_kb": round(shared / 1024, 1), "programs_per_sm": fits}
 
 
-def _tile_descriptors(names, rows: int, D: int) -> dict:
-    return {n: f"tensordesc<bf16[1,1,{rows},{D}]>" for n in names}
-
-
 def forward_rows(D: int):
     """(label, kernel, constexprs, warps, stages, descriptors) of the forward for sparse, dense and causal rows."""
     for label, dense, causal in (("sparse", False, False), ("dense", True, False), ("dense causal", True, True)):
@@ -86,7 +52,7 @@ def forward_rows(D: int):
         cx = dict(HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   MASK_BLOCK_Q=block or cfg.block_m, MASK_BLOCK_K=block or cfg.block_n, CAUSAL=causal, DENSE=dense,
                   DOT_PRECISION="tf32", TMA=cfg.tma)
-        descs = _tile_descriptors(("K", "V"), cfg.block_n, block_d(D)) if cfg.tma else {}
+        descs = ("K", "V") if cfg.tma else ()
         yield f"fwd D={D} {label} {tuple(cfg)[:4]}", fwd._attn_fwd_kernel, cx, cfg.num_warps, cfg.num_stages, descs
 
 
@@ -98,12 +64,12 @@ def backward_rows(D: int):
         common = dict(HEAD_DIM=D, BLOCK_D=block_d(D), CAUSAL=False, DENSE=dense, DOT_PRECISION="tf32", TMA=cfg.tma)
         dq = dict(common, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n, MASK_BLOCK_Q=block or cfg.q_block_m,
                   MASK_BLOCK_K=block or cfg.q_block_n)
-        descs = _tile_descriptors(("K", "V"), cfg.q_block_n, block_d(D)) if cfg.tma else {}
+        descs = ("K", "V") if cfg.tma else ()
         yield (f"dQ D={D} {label} {(cfg.q_block_m, cfg.q_block_n)}", bwd._attn_bwd_dq_kernel, dq,
                cfg.dq_warps or cfg.num_warps, cfg.dq_stages or cfg.num_stages, descs)
         dkdv = dict(common, BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n, MASK_BLOCK_Q=block or cfg.kv_block_m,
                     MASK_BLOCK_K=block or cfg.kv_block_n)
-        descs = _tile_descriptors(("Q", "DO"), cfg.kv_block_m, block_d(D)) if cfg.tma else {}
+        descs = ("Q", "DO") if cfg.tma else ()
         yield (f"dK/dV D={D} {label} {(cfg.kv_block_m, cfg.kv_block_n)}", bwd._attn_bwd_dkdv_kernel, dkdv,
                cfg.num_warps, cfg.num_stages, descs)
 
