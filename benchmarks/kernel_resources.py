@@ -6,10 +6,12 @@ and 2,048 threads says how many programs an SM holds at once: more of them hide 
 epilogue (NOTES steps 25 and 26).
 
     python benchmarks/kernel_resources.py            # needs triton with its CUDA backend; no GPU
+    python benchmarks/kernel_resources.py --dkdv     # the dK/dV kernel at candidate tiles, both load paths
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import tempfile
@@ -74,12 +76,30 @@ def backward_rows(D: int):
                cfg.num_warps, cfg.num_stages, descs)
 
 
+# dK/dV candidates (kv_block_m, kv_block_n, warps, stages): the default tiles register-spill at D=128
+DKDV_CANDIDATES = [(64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 8, 3), (32, 64, 4, 2), (32, 64, 4, 3), (64, 32, 4, 2),
+                   (128, 64, 8, 2), (64, 128, 8, 2), (32, 128, 8, 2)]
+
+
+def dkdv_candidate_rows(D: int):
+    for kv_m, kv_n, warps, stages in DKDV_CANDIDATES:
+        for tma in (False, True):
+            cx = dict(HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=kv_m, BLOCK_N=kv_n, MASK_BLOCK_Q=128, MASK_BLOCK_K=128,
+                      CAUSAL=False, DENSE=False, DOT_PRECISION="tf32", TMA=tma)
+            yield (f"dK/dV D={D} sparse {(kv_m, kv_n)}{' tma' if tma else ''}", bwd._attn_bwd_dkdv_kernel, cx, warps,
+                   stages, ("Q", "DO") if tma else ())
+
+
 def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dkdv", action="store_true", help="the dK/dV candidates instead of the defaults")
+    args = parser.parse_args()
     print(f"triton {triton.__version__}, sm_90a, bf16; limits per SM: {SM_REGISTERS} registers, "
           f"{SM_SHARED // 1024} KB shared memory, {SM_THREADS} threads")
     print(f"{'kernel and tiles':42} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>7} {'smem KB':>7} {'per SM':>6}")
     for D in (64, 128):
-        for label, kernel, cx, warps, stages, descs in [*forward_rows(D), *backward_rows(D)]:
+        launches = list(dkdv_candidate_rows(D)) if args.dkdv else [*forward_rows(D), *backward_rows(D)]
+        for label, kernel, cx, warps, stages, descs in launches:
             r = compile_report(kernel, cx, warps, stages, descs)
             print(f"{label:42} {warps:5d} {stages:6d} {r['registers']:5d} {r['spill_bytes']:7d} {r['shared_kb']:7.1f} "
                   f"{r['programs_per_sm']:6d}", flush=True)
