@@ -203,7 +203,8 @@ def _plan_work(counts: torch.Tensor, chunk: int, mean: float, full: BlockIndex, 
     by_head = torch.argsort(bh * (1 << 32) - length, stable=True)  # by (b, h), longest first within
     per_head = torch.bincount(bh, minlength=B * H)
     rank = torch.arange(lists.numel(), device=flat.device) - (torch.cumsum(per_head, 0) - per_head)[bh[by_head]]
-    lead = torch.bincount(bh[length > HEAVY_FACTOR * mean], minlength=B * H).max().reshape(1).to(torch.int32)
+    heavy_bh = torch.where(length > HEAVY_FACTOR * mean, bh, B * H)  # light items count in a bin past the end
+    lead = torch.bincount(heavy_bh, minlength=B * H + 1)[: B * H].max().reshape(1).to(torch.int32)
     split = torch.argsort((~is_split).to(torch.uint8), stable=True)[:num_split]  # the split lists, in order
     slots = torch.full_like(flat, -1)
     slots[split] = torch.cumsum(n[split], 0) - n[split]
