@@ -17,8 +17,12 @@ FLOATS = {"qk_scale", "sm_scale"}
 def signature(kernel, constexprs: dict, descriptors=()) -> dict:
     """Triton types for `kernel`'s parameters; `descriptors` names the inputs streamed through TMA
     descriptors (Q and DO: BLOCK_M rows per tile; K and V: BLOCK_N)."""
+    params = inspect.signature(kernel.fn).parameters
+    unset = [n for n, p in params.items() if "constexpr" in str(p.annotation) and n not in constexprs]
+    if unset:
+        raise ValueError(f"compile-time arguments without a value: {unset}")
     sig = {}
-    for name in inspect.signature(kernel.fn).parameters:
+    for name in params:
         if name in constexprs:
             sig[name] = "constexpr"
         elif name in descriptors:

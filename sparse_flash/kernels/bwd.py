@@ -105,8 +105,9 @@ def _attn_bwd_dkdv_kernel(
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     # Columns are ordered by the lists of the group's first query head.
-    b, hk, tile, item, valid = schedule(tl.program_id(0), Hkv, BH, ColItems, ColLead, item_stride_b, item_stride_h,
-                                        groups, tl.cdiv(Nk, BLOCK_N), head_group, MASK_BLOCK_K, BLOCK_N, DENSE, False)
+    b, hk, tile, item, valid = schedule(tl.program_id(0), tl.num_programs(0), Hkv, BH, ColItems, ColLead,
+                                        item_stride_b, item_stride_h, groups, tl.cdiv(Nk, BLOCK_N), head_group,
+                                        MASK_BLOCK_K, BLOCK_N, DENSE, False)
     start_n = tile * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
@@ -256,8 +257,9 @@ def _attn_bwd_dq_kernel(
     CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    b, h, tile, item, valid = schedule(tl.program_id(0), Hq, BH, RowItems, RowLead, item_stride_b, item_stride_h, 1,
-                                       tl.cdiv(Nq, BLOCK_M), head_group, MASK_BLOCK_Q, BLOCK_M, DENSE, CAUSAL)
+    b, h, tile, item, valid = schedule(tl.program_id(0), tl.num_programs(0), Hq, BH, RowItems, RowLead,
+                                       item_stride_b, item_stride_h, 1, tl.cdiv(Nq, BLOCK_M), head_group, MASK_BLOCK_Q,
+                                       BLOCK_M, DENSE, CAUSAL)
     pid_bh = b * Hq + h
     start_m = tile * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)

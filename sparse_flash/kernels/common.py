@@ -32,9 +32,10 @@ def load_unmasked_rows(ptrs, d_ok, EVEN_D: tl.constexpr):
 
 
 @triton.jit
-def schedule(pid, H, BH, Items, Lead, item_stride_b, item_stride_h, head_scale, num_tiles, head_group,
+def schedule(pid, programs, H, BH, Items, Lead, item_stride_b, item_stride_h, head_scale, num_tiles, head_group,
              MASK_BLOCK: tl.constexpr, BLOCK: tl.constexpr, DENSE: tl.constexpr, REVERSE: tl.constexpr):
-    """Map a program id to (batch, head, tile, mask block, chunk, valid).
+    """Map work unit `pid` of a launch's `programs` (its grid, or the units that persistent programs walk) to
+    (batch, head, tile, work item record, valid).
 
     Sparse: rank r of a (batch, head) takes work item r // SUB of its plan (`Items`, mask head
     `h * head_scale`; the item's record is returned for `item_ranges`): a (mask block, chunk) pair, longest
@@ -56,7 +57,7 @@ def schedule(pid, H, BH, Items, Lead, item_stride_b, item_stride_h, head_scale, 
         valid = True
     else:
         SUB: tl.constexpr = MASK_BLOCK // BLOCK
-        ranks = tl.num_programs(0) // BH  # programs per (batch, head)
+        ranks = programs // BH  # work units per (batch, head)
         lead = tl.load(Lead) * SUB  # ranks that every (batch, head) starts with
         rest = tl.maximum(ranks - lead, 1)
         p = pid - lead * BH
