@@ -39,9 +39,8 @@ def schedule(pid, programs, H, BH, Items, Lead, item_stride_b, item_stride_h, he
 
     Sparse: rank r of a (batch, head) takes work item r // SUB of its plan (`Items`, mask head
     `h * head_scale`; the item's record is returned for `item_ranges`): a (mask block, chunk) pair, longest
-    first. The first `Lead` items (the heavy ones,
-    such as global rows) of every (batch, head) run first, batch x head fastest, so that no long program
-    starts late. The rest run in groups of `head_group` (batch x head) pairs, one group after another,
+    first. The first `Lead` items (the heavy ones, such as global rows) of every (batch, head) run first,
+    batch x head fastest, so that no long program starts late. The rest run in groups of `head_group` (batch x head) pairs, one group after another,
     batch x head fastest within a group: the programs in flight then read the K and V (or Q and dO) of a
     few heads, which stay in L2. Padding items (block -1) are not valid: their programs walk nothing and
     store nothing.
@@ -67,7 +66,8 @@ def schedule(pid, programs, H, BH, Items, Lead, item_stride_b, item_stride_h, he
         in_lead = pid < lead * BH
         bh = tl.where(in_lead, pid % BH, first + r % tl.maximum(size, 1))
         rank = tl.where(in_lead, pid // BH, lead + r // tl.maximum(size, 1))
-        item = Items + (bh // H) * item_stride_b + (bh % H) * head_scale * item_stride_h + (rank // SUB) * ITEM_WIDTH
+        item = Items + (bh // H) * item_stride_b + (bh % H) * head_scale * item_stride_h
+        item += (rank // SUB) * ITEM_WIDTH
         block = tl.load(item + ITEM_BLOCK)
         valid = block >= 0
         tile = tl.maximum(block, 0) * SUB + rank % SUB
