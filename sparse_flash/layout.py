@@ -211,7 +211,7 @@ def _plan_work(counts: torch.Tensor, chunk: int, mean: float, full: BlockIndex, 
     fields = [lists % M, chunk_id, n[lists], torch.where(n[lists] > 1, slots[lists] + chunk_id, -1),
               *_item_ranges(lists, chunk_id, n[lists], full, part)]
     items = torch.zeros((B * H, width, len(ITEM_FIELDS)), dtype=torch.int32, device=flat.device)
-    items[..., 0] = -1  # padding
+    items[..., [ITEM_FIELDS.index("block"), ITEM_FIELDS.index("slot")]] = -1  # padding: no block, no slot
     items[bh[by_head], rank] = torch.stack(fields, 1)[by_head].to(torch.int32)
     slot_list = torch.repeat_interleave(split, n[split], output_size=num_slots).to(torch.int32)
     plan = WorkPlan(items.reshape(B, H, -1, len(ITEM_FIELDS)), n.to(torch.int32), slots.to(torch.int32), lead,

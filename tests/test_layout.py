@@ -122,8 +122,9 @@ def check_work_items(full, part, plan):
         for h in range(H):
             for record in plan.items[b, h].tolist():
                 item = dict(zip(ITEM_FIELDS, record))
-                if item["block"] < 0:  # padding: nothing to walk
+                if item["block"] < 0:  # padding: nothing to walk, nowhere to store
                     assert item["full_lo"] == item["full_hi"] and item["part_lo"] == item["part_hi"]
+                    assert item["slot"] == -1
                     continue
                 r = (b * H + h) * M + item["block"]
                 assert item["chunks"] == int(plan.chunks[r])
