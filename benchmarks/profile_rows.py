@@ -1,7 +1,7 @@
 """Where the time of a benchmark row goes: GPU kernel time against wall time per call.
 
 For each row and competitor it reports the `do_bench` median (what bench_attention.py reports), the summed
-GPU kernel time of one call from the profiler, and the host time per call, so a row that is bound by
+GPU kernel time of one call from the profiler (in all and per kernel), and the host time per call, so a row that is bound by
 Python and launch overhead rather than by its kernels shows as wall >> kernel time.
 
     python benchmarks/profile_rows.py --out rows.json [--rows d128]
@@ -24,11 +24,12 @@ ROWS = {  # (B, H, N, D, mask[, Hkv])
     "fp16": [(4, 16, 4096, 128, "butterfly"), (4, 16, 4096, 128, "random")],
     "d128": [(4, 16, 4096, 128, "random"), (1, 16, 16384, 128, "random"), (1, 16, 16384, 128, "butterfly"),
              (4, 32, 4096, 128, "butterfly", 8), (4, 32, 4096, 128, "random", 8)],
+    "density": [(1, 16, 16384, 128, m) for m in ("dense", "local", "butterfly", "bigbird", "longformer")],
 }
 
 
-def kernel_us(step, reps=10) -> float:
-    """Summed device time of all kernels one call launches (profiler), in microseconds."""
+def kernel_us(step, reps=10) -> dict:
+    """Device time of each kernel one call launches (profiler), in microseconds, by kernel name."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -37,7 +38,7 @@ def kernel_us(step, reps=10) -> float:
         for _ in range(reps):
             step()
         torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / reps
+    return {e.key: e.self_device_time_total / reps for e in prof.key_averages() if e.self_device_time_total > 0}
 
 
 def host_us(step, reps=30, warmup=0) -> float:
@@ -56,8 +57,9 @@ def host_us(step, reps=30, warmup=0) -> float:
 def measure(step, grad_of=None):
     from triton.testing import do_bench
 
+    kernels = kernel_us(step)
     return {"bench_ms": do_bench(step, warmup=25, rep=100, grad_to_none=grad_of, return_mode="median"),
-            "kernel_us": kernel_us(step), "host_us": host_us(step)}
+            "kernel_us": sum(kernels.values()), "kernels_us": kernels, "host_us": host_us(step)}
 
 
 def main():
@@ -95,6 +97,9 @@ def main():
     for r in results:
         print(f"{str(r['row']):36} {r['impl']:5} {r['mode']:8} {r['bench_ms']:9.3f} {r['kernel_us'] / 1e3:9.3f} "
               f"{r['host_us'] / 1e3:8.3f}")
+    for r in results:
+        if r["impl"] == "ours":
+            print(r["row"], r["mode"], {name[:40]: round(us, 1) for name, us in r["kernels_us"].items()})
 
 
 if __name__ == "__main__":

@@ -116,6 +116,8 @@ def main():
     parser.add_argument("--masks", help="--set rows: only rows of these masks (comma-separated)")
     parser.add_argument("--rows", help="--set rows: only rows whose (B, H, N, D, mask, causal) text contains this")
     parser.add_argument("--kind", choices=("fwd", "bwd"), help="--set rows: only this pass")
+    parser.add_argument("--cands", help="--set rows: these candidates instead of ROW_FWD / ROW_BWD, as tuples "
+                        "separated by ';' (with --kind), e.g. '32,64,64,64,4,2;64,64,64,64,8,2'")
     args = parser.parse_args()
     if args.set == "order":
         return tune_order(args)
@@ -194,8 +196,9 @@ def tune_rows(args):
         defaults = {"fwd": tuple(current["fwd"](D, torch.bfloat16, block, block, causal, N)),
                     "bwd": tuple(current["bwd"](D, torch.bfloat16, block, block, causal, mask.has_long_lists(causal)))}
         # candidates with TMA descriptor loads; the backward also with pointer loads (their default at D = 64)
-        cands = {"fwd": [(*c, True) for c in ROW_FWD],
-                 "bwd": [(*c, 0, 0, tma) for c in ROW_BWD for tma in (True, False)]}
+        chosen = [tuple(int(x) for x in c.split(",")) for c in args.cands.split(";")] if args.cands else None
+        cands = {"fwd": [(*c, True) for c in chosen or ROW_FWD],
+                 "bwd": [(*c, 0, 0, tma) for c in chosen or ROW_BWD for tma in (True, False)]}
         for kind in kinds:
             for cfg in dict.fromkeys([defaults[kind], *cands[kind]]):
                 jobs.append(((kind, cfg, name, causal, D, shape), cfg == defaults[kind], mask.density))
