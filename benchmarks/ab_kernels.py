@@ -9,8 +9,6 @@ ratios base/new are the change's gain. Three ways to name the versions:
     python benchmarks/ab_kernels.py --base benchmarks/_fwd_base.py --out ab.json
     # pointer loads (base) against TMA descriptor loads (new), forward and backward
     python benchmarks/ab_kernels.py --switch tma --out ab.json
-    # one program per work unit (base) against resident forward programs, 2 per SM (new)
-    python benchmarks/ab_kernels.py --switch persistent --per-sm 2 --out ab.json
     # a saved copy of the whole package (kernels and the mask's index lists) against the current one,
     # forward and backward
     mkdir -p /tmp/base && git archive HEAD sparse_flash | tar -x -C /tmp/base
@@ -92,9 +90,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", help="a saved copy of sparse_flash/kernels/fwd.py")
     parser.add_argument("--base-package", help="a saved copy of the sparse_flash package folder")
-    parser.add_argument("--switch", choices=["tma", "persistent"],
-                        help="time the library with a setting off (base) and on (new)")
-    parser.add_argument("--per-sm", type=int, default=2, help="--switch persistent: resident programs per SM")
+    parser.add_argument("--switch", choices=["tma"], help="time the library with a setting off (base) and on (new)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--rows", help="only rows whose (B, Hq, Hkv, N, D, mask, causal) text contains one of these "
                         "('|'-separated)")
@@ -106,7 +102,7 @@ def main():
         parser.error("give exactly one of --base, --base-package and --switch")
     from triton.testing import do_bench
 
-    from sparse_flash.kernels import bwd, configs, fwd, tma
+    from sparse_flash.kernels import bwd, fwd, tma
 
     same_mask = lambda mask: mask  # noqa: E731
     masks = {"base": same_mask, "new": same_mask}  # the mask each version walks
@@ -120,8 +116,7 @@ def main():
         masks["base"] = lambda mask: base_layout.BlockMask.from_layout(
             mask.layout, mask.block_size, seq_len_q=mask.seq_len_q, seq_len_k=mask.seq_len_k)
     else:
-        setter = tma.set_tma if args.switch == "tma" else configs.set_persistent
-        off, on = (False, True) if args.switch == "tma" else (0, args.per_sm)
+        setter, off, on = tma.set_tma, False, True
 
         def switched(f, value):
             def call(*a):
@@ -134,8 +129,6 @@ def main():
 
         versions = {"base": switched(fwd.attn_fwd, off), "new": switched(fwd.attn_fwd, on)}
         backward = {"base": switched(bwd.attn_bwd, off), "new": switched(bwd.attn_bwd, on)}
-        if args.switch == "persistent":  # the backward does not change
-            backward = None
     results = []
     chosen = [r for r in ROWS if args.rows is None or any(part in str(r) for part in args.rows.split("|"))]
     for B, Hq, Hkv, N, D, name, causal in chosen:

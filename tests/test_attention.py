@@ -226,25 +226,6 @@ def test_head_groups_match_reference(group, p):
         check(p, torch.float32, "triton")
 
 
-@needs_triton
-@pytest.mark.parametrize("per_sm", [1, 3])
-@settings(max_examples=max(1, settings().max_examples // 4))  # an experiment's path: a few draws each
-@given(p=problems())
-@example(p=EDGE_CASES[3])
-@example(p=EDGE_CASES[5])
-def test_persistent_forward_matches_reference(per_sm, p):
-    """With `configs.set_persistent`, resident forward programs walk several work units each (split lists
-    included): every tile is still computed exactly once."""
-    from sparse_flash.kernels import configs
-
-    previous = configs.set_persistent(per_sm)
-    try:
-        with split_every_list(), fresh_plans():
-            check(p, torch.float32, "triton")
-    finally:
-        configs.set_persistent(previous)
-
-
 def test_work_plan_splits_only_long_lists():
     """BigBird's global rows and columns are split into chunks of at most 4x the mean list length (at
     least 32 blocks); every other list is one program, and every list's chunks cover it exactly once."""

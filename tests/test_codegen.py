@@ -28,12 +28,10 @@ def cases():
         for dense in (False, True):
             for causal in (False, True):
                 for tma in (False, True):
-                    for persistent in ((False, True) if name == "fwd" else (None,)):
-                        extra = {} if persistent is None else {"PERSISTENT": persistent}
-                        yield (f"{name} dense={dense} causal={causal} tma={tma} persistent={persistent}", fn,
-                               dict(HEAD_DIM=72, BLOCK_D=128, MASK_BLOCK_Q=128, MASK_BLOCK_K=128, CAUSAL=causal,
-                                    DENSE=dense, DOT_PRECISION="tf32", TMA=tma, **t, **extra),
-                               STREAMED[name] if tma else ())
+                    yield (f"{name} dense={dense} causal={causal} tma={tma}", fn,
+                           dict(HEAD_DIM=72, BLOCK_D=128, MASK_BLOCK_Q=128, MASK_BLOCK_K=128, CAUSAL=causal,
+                                DENSE=dense, DOT_PRECISION="tf32", TMA=tma, **t),
+                           STREAMED[name] if tma else ())
     for with_lse in (False, True):
         yield (f"merge with_lse={with_lse}", split._merge_kernel,
                dict(HEAD_DIM=64, BLOCK_D=64, MASK_BLOCK=128, BLOCK_M=64, WITH_LSE=with_lse), ())
@@ -62,7 +60,7 @@ def test_kernels_compile_for_sm90():
     if "SKIP" in run.stdout:
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    assert run.stdout.count("ok ") == 34
+    assert run.stdout.count("ok ") == len(list(cases()))  # every kernel and path compiled
 
 
 if __name__ == "__main__":

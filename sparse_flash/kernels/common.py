@@ -34,8 +34,7 @@ def load_unmasked_rows(ptrs, d_ok, EVEN_D: tl.constexpr):
 @triton.jit
 def schedule(pid, programs, H, BH, Items, Lead, item_stride_b, item_stride_h, head_scale, num_tiles, head_group,
              MASK_BLOCK: tl.constexpr, BLOCK: tl.constexpr, DENSE: tl.constexpr, REVERSE: tl.constexpr):
-    """Map work unit `pid` of a launch's `programs` (its grid, or the units that persistent programs walk) to
-    (batch, head, tile, work item record, valid).
+    """Map program `pid` of a launch's `programs` to (batch, head, tile, work item record, valid).
 
     Sparse: rank r of a (batch, head) takes work item r // SUB of its plan (`Items`, mask head
     `h * head_scale`; the item's record is returned for `item_ranges`): a (mask block, chunk) pair, longest

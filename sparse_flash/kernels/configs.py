@@ -121,23 +121,6 @@ def bwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
     )
 
 
-_PERSISTENT = [int(os.environ.get("SPARSE_FLASH_PERSISTENT", "0"))]
-
-
-def set_persistent(programs_per_sm: int) -> int:
-    """An experiment (NOTES, lever 1): with `programs_per_sm` > 0 the forward launches that many resident
-    programs per SM, each walking work units pid, pid + grid, ... instead of one program per unit. 0 (the
-    default, or `SPARSE_FLASH_PERSISTENT=0`) turns it off. Returns the previous setting."""
-    previous = _PERSISTENT[0]
-    _PERSISTENT[0] = int(programs_per_sm)
-    return previous
-
-
-def persistent_programs() -> int:
-    """The current `set_persistent` setting (launch plans key on it)."""
-    return _PERSISTENT[0]
-
-
 SCHEDULE_L2_BYTES = 8 << 20  # operand bytes of the heads that sparse programs work on together
 
 

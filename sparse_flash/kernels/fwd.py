@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, chunk_scratch_rows, dot_precision, item_ranges, list_tile_start, load_unmasked_rows, schedule
-from .configs import block_d, fwd_config, persistent_programs, schedule_heads
+from .configs import block_d, fwd_config, schedule_heads
 from .launch import BoundLaunch, cached_plan, plan_key
 from .memory import new_output
 from .split import SplitPlan, merge_launch
@@ -96,8 +96,8 @@ def _fwd_list(
 
 
 @triton.jit
-def _fwd_program(
-    pid, programs, Q, K, V, Out, Lse, OutPart, LsePart,
+def _attn_fwd_kernel(
+    Q, K, V, Out, Lse, OutPart, LsePart,
     RowFullIdx, RowPartIdx, RowItems, RowLead,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -109,10 +109,11 @@ def _fwd_program(
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Work unit `pid` of `programs`: one query tile of one (batch, head), or one chunk of a split row."""
+    """One program per query tile of one (batch, head), or per chunk of a split row."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    b, h, tile, item, valid = schedule(pid, programs, Hq, BH, RowItems, RowLead, item_stride_b, item_stride_h, 1,
-                                       tl.cdiv(Nq, BLOCK_M), head_group, MASK_BLOCK_Q, BLOCK_M, DENSE, CAUSAL)
+    b, h, tile, item, valid = schedule(tl.program_id(0), tl.num_programs(0), Hq, BH, RowItems, RowLead, item_stride_b,
+                                       item_stride_h, 1, tl.cdiv(Nq, BLOCK_M), head_group, MASK_BLOCK_Q, BLOCK_M, DENSE,
+                                       CAUSAL)
     start_m = tile * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
@@ -174,44 +175,6 @@ def _fwd_program(
         tl.store(Lse + (b * Hq + h).to(tl.int64) * Nq + offs_m, lse, mask=m_ok)
 
 
-@triton.jit
-def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, OutPart, LsePart,
-    RowFullIdx, RowPartIdx, RowItems, RowLead,
-    stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_om,
-    Hq, BH, groups, Nq, Nk, item_stride_b, item_stride_h,
-    copy_stride_b, copy_stride_h, copies, qk_scale, head_group, programs,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
-    CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    PERSISTENT: tl.constexpr,
-):
-    """One work unit per program, or, PERSISTENT, each program walks units pid, pid + grid, ... of
-    `programs` (an experiment: no program launch per unit; `configs.set_persistent`)."""
-    if PERSISTENT:
-        for pid in tl.range(tl.program_id(0), programs, tl.num_programs(0)):
-            _fwd_program(pid, programs, Q, K, V, Out, Lse, OutPart, LsePart, RowFullIdx, RowPartIdx, RowItems,
-                         RowLead, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
-                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, Hq, BH, groups, Nq, Nk,
-                         item_stride_b, item_stride_h, copy_stride_b, copy_stride_h, copies, qk_scale, head_group,
-                         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, MASK_BLOCK_Q, MASK_BLOCK_K, CAUSAL, DENSE,
-                         DOT_PRECISION, TMA)
-    else:
-        _fwd_program(tl.program_id(0), programs, Q, K, V, Out, Lse, OutPart, LsePart, RowFullIdx, RowPartIdx,
-                     RowItems, RowLead, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
-                     stride_vh, stride_vn, stride_ob, stride_oh, stride_om, Hq, BH, groups, Nq, Nk, item_stride_b,
-                     item_stride_h, copy_stride_b, copy_stride_h, copies, qk_scale, head_group, HEAD_DIM, BLOCK_D,
-                     BLOCK_M, BLOCK_N, MASK_BLOCK_Q, MASK_BLOCK_K, CAUSAL, DENSE, DOT_PRECISION, TMA)
-
-
-def _multiprocessors(device: torch.device) -> int:
-    """SMs of a CUDA device; 4 elsewhere (the interpreter), so that programs there walk several units."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 class _FwdPlan:
     """What one call signature of `attn_fwd` fixes: tiles, grid, the launches and their non-tensor
     arguments. A call then only allocates the outputs (and scratch), builds descriptors and launches."""
@@ -231,9 +194,6 @@ class _FwdPlan:
             full_off, full_idx, part_off, part_idx, items, chunks, slots, lead, split, slot_list = index
             self.split = SplitPlan(q.device, (items, split, slot_list), B, Hq, Bm, Hm, block_q, D, with_lse=True)
             grid = items.shape[2] * (block_q // cfg.block_m) * B * Hq
-        programs, per_sm = grid, persistent_programs()
-        if per_sm:  # resident programs that walk the work units (experiment, off by default)
-            grid = min(programs, per_sm * _multiprocessors(q.device))
         self.k_layout, self.v_layout = (descriptor_layout(t, cfg.block_n, block_d(D)) if cfg.tma else None
                                         for t in (k, v))
         self.tma = self.k_layout is not None and self.v_layout is not None
@@ -248,13 +208,12 @@ class _FwdPlan:
                 Hq, B * Hq, Hq // Hkv, Nq, Nk,
                 *self.split.item_strides,
                 *self.split.copy_strides, self.split.copies,
-                scale * LOG2E, schedule_heads(2 * Nk * D * k.element_size() // (Hq // Hkv), B * Hq), programs,
+                scale * LOG2E, schedule_heads(2 * Nk * D * k.element_size() // (Hq // Hkv), B * Hq),
             ),
             dict(
                 HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 MASK_BLOCK_Q=block_q, MASK_BLOCK_K=block_k,
                 CAUSAL=causal, DENSE=dense, DOT_PRECISION=dot_precision(q.dtype), TMA=self.tma,
-                PERSISTENT=bool(per_sm),
             ),
             cfg.num_warps, cfg.num_stages,
         )
@@ -286,6 +245,6 @@ def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float, plans: d
     Returns:
         `(out, lse)`: out like q, lse float32 `(B, Hq, Nq)` natural log.
     """
-    key = plan_key((q, k, v), "fwd", causal, scale, tma_enabled(), persistent_programs())
+    key = plan_key((q, k, v), "fwd", causal, scale, tma_enabled())
     plan = cached_plan(plans, key, lambda: _FwdPlan(q, k, v, index, mask_geometry, causal, scale))
     return plan(q, k, v)
