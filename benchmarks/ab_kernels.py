@@ -34,7 +34,7 @@ from bench_attention import build_mask  # the benchmark's masks (run from benchm
 ROWS = [(4, 16, 16, 4096, 128, m, False) for m in ("dense", "local", "butterfly", "random", "bigbird")] + [
     (4, 16, 16, 4096, 128, "dense", True), (4, 32, 8, 4096, 128, "butterfly", False)] + [
     (1, 16, 16, 16384, 128, m, False) for m in ("dense", "local", "butterfly", "random", "bigbird", "longformer")] + [
-    (1, 8, 8, 65536, 64, m, False) for m in ("dense", "local", "butterfly", "random")] + [
+    (1, 8, 8, 65536, 64, m, False) for m in ("dense", "local", "butterfly", "random", "bigbird", "longformer")] + [
     (4, 16, 16, 4096, 64, m, False) for m in ("butterfly", "random")]
 
 

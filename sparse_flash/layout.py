@@ -48,8 +48,8 @@ class WorkPlan(NamedTuple):
 
     A list longer than max(SPLIT_MIN_CHUNK, SPLIT_FACTOR x the mean length) blocks (a global row or
     column) is cut into `ceil(length / chunk)` nearly equal chunks, at most SPLIT_MAX_CHUNKS, each walked
-    by its own program into a scratch slot; a merge pass combines the slots. Programs start longest chunk
-    first within each (batch, head). The first `lead` ranks of every head hold its heavy items (longer than
+    by its own program into a scratch slot; the list's last chunk to finish combines the slots. Programs
+    start longest chunk first within each (batch, head). The first `lead` ranks of every head hold its heavy items (longer than
     HEAVY_FACTOR x the mean list length): the kernels start those of all heads together, before running
     the rest head group by head group.
 

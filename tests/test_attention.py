@@ -183,8 +183,8 @@ def test_triton_backward_is_deterministic():
 @contextlib.contextmanager
 def split_every_list():
     """Masks built in this context cut every list longer than 2 blocks into chunks of about 2 blocks, at
-    most 3 chunks (so longer lists get uneven chunks), so that the chunked programs and the merge pass run
-    on every drawn problem."""
+    most 3 chunks (so longer lists get uneven chunks), so that the chunked programs and the merge by the
+    last chunk run on every drawn problem."""
     from sparse_flash import layout
 
     with pytest.MonkeyPatch.context() as mp:
@@ -207,6 +207,30 @@ def test_split_lists_match_reference(dtype, p):
     q, k, v = make_qkv(p.B, p.Hq, p.Hkv, p.Nq, p.Nk, p.D, dtype=dtype, device=DEVICE, seed=p.seed)
     result = compare_to_reference(q, k, v, mask, causal=p.causal, backend="triton")
     assert not result.failures(), f"{p}: {result.failures()}"
+
+
+@needs_triton
+def test_split_lists_leave_their_counters_at_zero():
+    """The last chunk of each split tile resets its counter, so the next call (same launch plans, same
+    counters) merges again; the sums run in chunk order, so both calls agree bit for bit."""
+    with split_every_list():
+        mask = masks.bigbird(256, 16, seed=0, device=DEVICE)
+    assert mask.kernel_index(False).row_plan.split.numel() > 0
+    q, k, v = make_qkv(2, 2, 2, 256, 256, 32, dtype=torch.float32, device=DEVICE, seed=0)
+    runs = []
+    for _ in range(2):
+        qkv = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = sparse_flash.block_sparse_attention(*qkv, mask, backend="triton")
+        out.backward(torch.ones_like(out))
+        runs.append([out.detach(), *(t.grad for t in qkv)])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    splits = [s for plan in mask._launch_plans.values()
+              for s in (getattr(plan, "split", None), getattr(plan, "rows", None), getattr(plan, "cols", None))
+              if s is not None and s.num_split]
+    assert len(splits) == 3  # the forward's rows, the backward's rows and columns
+    for split in splits:
+        assert split._counters and all(int(c.abs().sum()) == 0 for c in split._counters.values())
 
 
 @needs_triton

@@ -19,7 +19,7 @@ STREAMED = {"fwd": ("K", "V"), "dq": ("K", "V"), "dkdv": ("Q", "DO")}  # TMA des
 
 def cases():
     """(name, kernel, constexprs, descriptors) for every kernel and path."""
-    from sparse_flash.kernels import bwd, fwd, split
+    from sparse_flash.kernels import bwd, fwd
 
     tiles = {"fwd": (fwd._attn_fwd_kernel, dict(BLOCK_M=64, BLOCK_N=64)),
              "dq": (bwd._attn_bwd_dq_kernel, dict(BLOCK_M=64, BLOCK_N=32)),
@@ -32,9 +32,6 @@ def cases():
                            dict(HEAD_DIM=72, BLOCK_D=128, MASK_BLOCK_Q=128, MASK_BLOCK_K=128, CAUSAL=causal,
                                 DENSE=dense, DOT_PRECISION="tf32", TMA=tma, **t),
                            STREAMED[name] if tma else ())
-    for with_lse in (False, True):
-        yield (f"merge with_lse={with_lse}", split._merge_kernel,
-               dict(HEAD_DIM=64, BLOCK_D=64, MASK_BLOCK=128, BLOCK_M=64, WITH_LSE=with_lse), ())
 
 
 def main() -> int:

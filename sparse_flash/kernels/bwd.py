@@ -1,13 +1,13 @@
 """Backward kernels: recompute P from q, k and the saved log-sum-exp, block by block.
 
-Two launches (plus merge passes for split lists), no atomics, so gradients are deterministic:
+Two launches; gradients are deterministic (no atomics on them):
 1. `_attn_bwd_dq_kernel`: one program per (query tile, batch x head) first computes delta = rowsum(dO * O)
    for its rows and stores it, then walks its row lists, accumulating dQ.
 2. `_attn_bwd_dkdv_kernel`: one program per (key tile, batch x KV head) walks its key block's column lists
    of query blocks, for every query head sharing that KV head (GQA), accumulating dK and dV on chip; it
    reads the delta that launch 1 stored.
 A list that the mask's work plan splits gets one program per chunk; chunks write partial sums to scratch
-and `split.merge_split_rows` adds them up.
+and the list's last chunk adds them up in chunk order (`split.py`).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (ITEM_BLOCK, LOG2E, chunk_scratch_rows, dot_precision, item_ranges, list_ranges, list_tile_start,
-                     load_unmasked_rows, schedule)
+from .common import (ITEM_BLOCK, LOG2E, dot_precision, item_ranges, list_ranges, list_tile_start, load_unmasked_rows,
+                     schedule)
 from .configs import block_d, bwd_config, schedule_heads
 from .launch import BoundLaunch, cached_plan, plan_key
 from .memory import new_output
-from .split import SplitPlan, merge_launch
+from .split import SplitPlan, chunk_rows, last_chunk, sum_chunks
 from .tma import descriptor_layout, make_descriptor, tma_enabled
 
 
@@ -89,7 +89,7 @@ def _dkdv_list(
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, DKPart, DVPart,
+    Q, K, V, DO, Lse, Delta, DK, DV, DKPart, DVPart, Counters,
     ColFullOff, ColFullIdx, ColPartOff, ColPartIdx, ColItems, ColLead,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -168,13 +168,18 @@ def _attn_bwd_dkdv_kernel(
                                 CAUSAL, DOT_PRECISION, MASK_BLOCK_Q, TMA)
 
     dk = dk * sm_scale
+    write = slot < 0
     if slot >= 0:
-        # One chunk of a split column: the merge pass sums the chunks.
-        rows, keep = chunk_scratch_rows(slot, copies, b * copy_stride_b + hk * copy_stride_h, tile, valid,
-                                        MASK_BLOCK_K, BLOCK_N)
-        tl.store(DKPart + rows[:, None] * BLOCK_D + offs_d[None, :], dk, mask=keep[:, None])
-        tl.store(DVPart + rows[:, None] * BLOCK_D + offs_d[None, :], dv, mask=keep[:, None])
-    else:
+        # One chunk of a split column: store it; the column's last chunk sums them all and writes the tile.
+        copy = b * copy_stride_b + hk * copy_stride_h
+        rows = chunk_rows(slot, copies, copy, tile, MASK_BLOCK_K, BLOCK_N)  # (BLOCK_N,)
+        tl.store(DKPart + rows[:, None] * BLOCK_D + offs_d[None, :], dk)
+        tl.store(DVPart + rows[:, None] * BLOCK_D + offs_d[None, :], dv)
+        write, first, num_chunks = last_chunk(Counters, item, slot, copies, copy, tile, MASK_BLOCK_K, BLOCK_N)
+        if write:
+            dk = sum_chunks(DKPart, first, num_chunks, copies, copy, tile, MASK_BLOCK_K, BLOCK_N, BLOCK_D)
+            dv = sum_chunks(DVPart, first, num_chunks, copies, copy, tile, MASK_BLOCK_K, BLOCK_N, BLOCK_D)
+    if write:
         tl.store(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
                  + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_ok)
         tl.store(DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvn
@@ -242,7 +247,7 @@ def _dq_list(
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, Out, DO, Lse, Delta, DQ, DQPart,
+    Q, K, V, Out, DO, Lse, Delta, DQ, DQPart, Counters,
     RowFullIdx, RowPartIdx, RowItems, RowLead,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -305,12 +310,16 @@ def _attn_bwd_dq_kernel(
                       MASK_BLOCK_K, BLOCK_N, TMA)
 
     dq = dq * sm_scale
+    write = slot < 0
     if slot >= 0:
-        # One chunk of a split row: the merge pass sums the chunks.
-        rows, keep = chunk_scratch_rows(slot, copies, b * copy_stride_b + h * copy_stride_h, tile, valid,
-                                        MASK_BLOCK_Q, BLOCK_M)
-        tl.store(DQPart + rows[:, None] * BLOCK_D + offs_d[None, :], dq, mask=keep[:, None])
-    else:
+        # One chunk of a split row: store it; the row's last chunk sums them all and writes the tile.
+        copy = b * copy_stride_b + h * copy_stride_h
+        rows = chunk_rows(slot, copies, copy, tile, MASK_BLOCK_Q, BLOCK_M)  # (BLOCK_M,)
+        tl.store(DQPart + rows[:, None] * BLOCK_D + offs_d[None, :], dq)
+        write, first, num_chunks = last_chunk(Counters, item, slot, copies, copy, tile, MASK_BLOCK_Q, BLOCK_M)
+        if write:
+            dq = sum_chunks(DQPart, first, num_chunks, copies, copy, tile, MASK_BLOCK_Q, BLOCK_M, BLOCK_D)
+    if write:
         tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + offs_m[:, None] * stride_dqm
                  + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=ok)
 
@@ -362,8 +371,6 @@ class _BwdPlan:
             ),
             cfg.dq_warps or cfg.num_warps, cfg.dq_stages or cfg.num_stages,
         )
-        self.dq_merge = merge_launch(self.rows, rows[5], rows[6], q.shape, Mq, heads=Hq, groups=1,
-                                     with_lse=False) if self.rows.num_split else None
 
         kv_bq, kv_bk = (cfg.kv_block_m, cfg.kv_block_n) if dense else (block_q, block_k)
         kv_items = triton.cdiv(Nk, cfg.kv_block_n) if dense else cols[4].shape[2] * (block_k // cfg.kv_block_n)
@@ -387,26 +394,19 @@ class _BwdPlan:
             ),
             cfg.num_warps, cfg.num_stages,
         )
-        self.kv_merge = merge_launch(self.cols, cols[5], cols[6], k.shape, Mk, heads=Hkv,
-                                     groups=Hq // Hkv, with_lse=False) if self.cols.num_split else None
 
     def __call__(self, do, q, k, v, out, lse):
         delta = new_output(self.lse_shape, torch.float32, self.device)  # written by the dQ launch, read by dK/dV
         dq = new_output(self.q_shape, self.dtype, self.device)
         part, _, _ = self.rows.scratch()
         k_in, v_in = (make_descriptor(k, self.k_layout), make_descriptor(v, self.v_layout)) if self.dq_tma else (k, v)
-        self.dq(q, k_in, v_in, out, do, lse, delta, dq, part)
-        if self.dq_merge is not None:
-            self.dq_merge(part, self.rows.dummy, dq, self.rows.dummy)
+        self.dq(q, k_in, v_in, out, do, lse, delta, dq, part, self.rows.counters())
 
         dk = new_output(self.k_shape, self.dtype, self.device)
         dv = new_output(self.k_shape, self.dtype, self.device)
         part_k, part_v, _ = self.cols.scratch()
         q_in, do_in = (make_descriptor(q, self.q_layout), make_descriptor(do, self.do_layout)) if self.kv_tma else (q, do)
-        self.dkdv(q_in, k, v, do_in, lse, delta, dk, dv, part_k, part_v)
-        if self.kv_merge is not None:
-            self.kv_merge(part_k, self.cols.dummy, dk, self.cols.dummy)
-            self.kv_merge(part_v, self.cols.dummy, dv, self.cols.dummy)
+        self.dkdv(q_in, k, v, do_in, lse, delta, dk, dv, part_k, part_v, self.cols.counters())
         return dq, dk, dv
 
 

@@ -115,16 +115,6 @@ def list_tile_start(Idx, t, end, SUB: tl.constexpr, MASK_BLOCK: tl.constexpr, BL
     return j * MASK_BLOCK + (t % SUB) * BLOCK
 
 
-@triton.jit
-def chunk_scratch_rows(slot, copies, copy, tile, valid, MASK_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
-    """Where a chunk program of a split list stores its partial tile: scratch row numbers (BLOCK,) and which
-    of them to store (none for a padding program). Slot order: (the chunk's slot, copy)."""
-    slot = slot * copies + copy
-    rows = slot.to(tl.int64) * MASK_BLOCK + (tile % (MASK_BLOCK // BLOCK)) * BLOCK + tl.arange(0, BLOCK)
-    keep = tl.arange(0, BLOCK) < tl.where(valid, BLOCK, 0)
-    return rows, keep
-
-
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs use full-precision IEEE dots (not TF32), so fp32 results match fp32 PyTorch."""
     return "ieee" if dtype == torch.float32 else "tf32"

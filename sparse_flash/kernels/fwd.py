@@ -4,7 +4,8 @@ One program per (query tile, batch x head), or per chunk of a row that the mask'
 walks the key blocks of its row list, full blocks first in a loop with no element mask, then partial
 blocks (causal diagonal, sequence tails) with one. Online softmax runs in fp32 in the log2 domain (exp2,
 with the scale folded into `qk_scale`); O is accumulated on chip and written once with the log-sum-exp,
-or, for a chunk, written to scratch for the merge pass (`split.py`). Scores never leave the chip.
+or, for a chunk of a split row, to scratch, and the row's last chunk combines them (`split.py`). Scores
+never leave the chip.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, chunk_scratch_rows, dot_precision, item_ranges, list_tile_start, load_unmasked_rows, schedule
+from .common import LOG2E, dot_precision, item_ranges, list_tile_start, load_unmasked_rows, schedule
 from .configs import block_d, fwd_config, schedule_heads
 from .launch import BoundLaunch, cached_plan, plan_key
 from .memory import new_output
-from .split import SplitPlan, merge_launch
+from .split import SplitPlan, chunk_rows, last_chunk, merge_chunks
 from .tma import descriptor_layout, make_descriptor, tma_enabled
 
 
@@ -97,7 +98,7 @@ def _fwd_list(
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, OutPart, LsePart,
+    Q, K, V, Out, Lse, OutPart, LsePart, Counters,
     RowFullIdx, RowPartIdx, RowItems, RowLead,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -162,13 +163,18 @@ def _attn_fwd_kernel(
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    write = slot < 0
     if slot >= 0:
-        # One chunk of a split row: the merge pass combines the chunks' (out, lse) pairs.
-        rows, keep = chunk_scratch_rows(slot, copies, b * copy_stride_b + h * copy_stride_h, tile, valid,
-                                        MASK_BLOCK_Q, BLOCK_M)
-        tl.store(OutPart + rows[:, None] * BLOCK_D + offs_d[None, :], out, mask=keep[:, None])
-        tl.store(LsePart + rows, lse, mask=keep)
-    else:
+        # One chunk of a split row: store it; the row's last chunk combines them all and writes the tile.
+        copy = b * copy_stride_b + h * copy_stride_h
+        rows = chunk_rows(slot, copies, copy, tile, MASK_BLOCK_Q, BLOCK_M)  # (BLOCK_M,)
+        tl.store(OutPart + rows[:, None] * BLOCK_D + offs_d[None, :], out)
+        tl.store(LsePart + rows, lse)
+        write, first, num_chunks = last_chunk(Counters, item, slot, copies, copy, tile, MASK_BLOCK_Q, BLOCK_M)
+        if write:
+            out, lse = merge_chunks(OutPart, LsePart, first, num_chunks, copies, copy, tile, MASK_BLOCK_Q, BLOCK_M,
+                                    BLOCK_D)
+    if write:
         Out += b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
         tl.store(Out + offs_m[:, None] * stride_om + offs_d[None, :], out.to(Out.dtype.element_ty),
                  mask=m_ok[:, None] & d_ok[None, :])
@@ -188,10 +194,10 @@ class _FwdPlan:
         if dense:
             block_q, block_k = cfg.block_m, cfg.block_n
             self.split = SplitPlan(q.device)
-            full_idx, part_idx, items, lead, chunks, slots = [self.split.dummy] * 6
+            full_idx, part_idx, items, lead = [self.split.dummy] * 4
             grid = triton.cdiv(Nq, cfg.block_m) * B * Hq
         else:
-            full_off, full_idx, part_off, part_idx, items, chunks, slots, lead, split, slot_list = index
+            full_off, full_idx, part_off, part_idx, items, _, _, lead, split, slot_list = index
             self.split = SplitPlan(q.device, (items, split, slot_list), B, Hq, Bm, Hm, block_q, D, with_lse=True)
             grid = items.shape[2] * (block_q // cfg.block_m) * B * Hq
         self.k_layout, self.v_layout = (descriptor_layout(t, cfg.block_n, block_d(D)) if cfg.tma else None
@@ -217,8 +223,6 @@ class _FwdPlan:
             ),
             cfg.num_warps, cfg.num_stages,
         )
-        self.merge = merge_launch(self.split, chunks, slots, q.shape, Mq, heads=Hq, groups=1, with_lse=True) \
-            if self.split.num_split else None
 
     def __call__(self, q, k, v):
         out = new_output(self.out_shape, self.dtype, self.device)
@@ -226,14 +230,12 @@ class _FwdPlan:
         part, _, lse_part = self.split.scratch()
         if self.tma:
             k, v = make_descriptor(k, self.k_layout), make_descriptor(v, self.v_layout)
-        self.kernel(q, k, v, out, lse, part, lse_part)
-        if self.merge is not None:
-            self.merge(part, lse_part, out, lse)
+        self.kernel(q, k, v, out, lse, part, lse_part, self.split.counters())
         return out, lse
 
 
 def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float, plans: dict | None = None):
-    """Launch the forward kernel, then the merge of split rows if the mask has any.
+    """Launch the forward kernel (split rows included: their last chunks combine them).
 
     Args:
         q: `(B, Hq, Nq, D)`; k, v: `(B, Hkv, Nk, D)`; last dimension contiguous.

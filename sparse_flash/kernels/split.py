@@ -1,13 +1,16 @@
-"""Long lists split across programs: scratch for the chunks and the merge pass that combines them.
+"""Long lists split across programs: scratch for the chunks, and how the last chunk combines them.
 
 A mask's work plan (`layout.WorkPlan`) cuts lists much longer than average (the global rows and columns
 of BigBird or Longformer) into chunks, each walked by its own program, so one list no longer sets the
-running time. Each chunk writes a partial result to a scratch slot; the merge pass (`merge_launch`) then
-combines the slots of every split list: forward chunks by their log-sum-exp, gradient chunks by summing.
+running time. Each chunk program stores its partial result in a scratch slot and counts itself done on an
+atomic counter of its tile; the program that counts last combines the chunks (forward: by their
+log-sum-exp; gradients: by summing, in chunk order, so results do not depend on which program is last),
+writes the result where an unsplit program would, and resets the counter for the next launch. No second
+launch, and no atomics on the results themselves.
 
 Scratch slots exist per split list and per *copy*: a mask shared by several batch entries or heads is
-walked once per (batch, head) that uses it. The scratch is allocated per call, the rest once per launch
-plan.
+walked once per (batch, head) that uses it. The scratch is allocated per call; the counters once per launch
+plan and stream (each launch leaves them at zero).
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import block_d, fit_tile
-from .launch import BoundLaunch
+from .common import ITEM_CHUNK, ITEM_CHUNKS
+from .configs import MIN_TILE, block_d
 from .memory import new_output
 
 
@@ -41,7 +44,6 @@ class SplitPlan:
         items, split, slot_list = plan if plan is not None else (None, None, None)
         self.device = device
         self.dummy = placeholder(device, torch.int32)
-        self.split = split
         self.num_split = 0 if split is None else split.shape[0]
         self.item_strides = (0, 0) if items is None else (
             items.stride(0) if mask_batch > 1 else 0, items.stride(1) if mask_heads > 1 else 0)
@@ -54,6 +56,7 @@ class SplitPlan:
         self.num_parts, self.with_lse = parts, with_lse
         self.rows = 0 if not self.num_split else slot_list.shape[0] * self.copies * mask_block
         self.width = block_d(head_dim)
+        self._counters: dict = {}  # per stream: launches on different streams must not share counts
 
     def scratch(self) -> tuple:
         """`(part_0, part_1, lse_part)` for one launch: new buffers where lists are split (part_1 is part_0
@@ -65,6 +68,18 @@ class SplitPlan:
         parts = [new_output((self.rows, self.width), torch.float32, self.device) for _ in range(self.num_parts)]
         lse_part = new_output((self.rows,), torch.float32, self.device) if self.with_lse else parts[0]
         return parts[0], parts[-1], lse_part
+
+    def counters(self) -> torch.Tensor:
+        """int32 chunk counters, one per (split list, copy, tile of a mask block) for the current stream: zero
+        before a launch and after it (the last chunk of each tile resets its counter); a placeholder where
+        nothing is split."""
+        if not self.num_split:
+            return self.dummy
+        key = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
+        counters = self._counters.get(key)
+        if counters is None:
+            counters = self._counters[key] = torch.zeros(self.rows // MIN_TILE, dtype=torch.int32, device=self.device)
+        return counters
 
 
 _PLACEHOLDERS: dict = {}
@@ -80,77 +95,63 @@ def placeholder(device, dtype: torch.dtype) -> torch.Tensor:
 
 
 @triton.jit
-def _merge_kernel(
-    Part, LsePart, Dst, DstLse, Split, Chunks, Slots,
-    stride_b, stride_h, stride_m,
-    heads, groups, num_blocks, N, copies, head_copies, mask_batch, mask_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-    WITH_LSE: tl.constexpr,
-):
-    """One program per (split list, copy, row tile): combine the list's chunks into the destination."""
-    SUB: tl.constexpr = MASK_BLOCK // BLOCK_M
-    pid = tl.program_id(0)
-    sub = pid % SUB
-    copy = (pid // SUB) % copies
-    row = tl.load(Split + pid // (SUB * copies))  # (bm * mask_heads + hm) * num_blocks + i
-    i = row % num_blocks
-    hm = (row // num_blocks) % mask_heads
-    bm = row // (num_blocks * mask_heads)
-    b = tl.where(mask_batch > 1, bm, copy // head_copies)
-    h = tl.where(mask_heads > 1, hm // groups, copy % head_copies)
-    valid = (mask_heads == 1) | (hm % groups == 0)  # GQA: only the group's first query head has programs
-    num_chunks = tl.load(Chunks + row)
-    first = tl.load(Slots + row)
-    offs_r = sub * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) rows within the mask block
-    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
-
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if WITH_LSE:
-        m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        for c in range(0, num_chunks):
-            rows = ((first + c) * copies + copy).to(tl.int64) * MASK_BLOCK + offs_r
-            m = tl.maximum(m, tl.load(LsePart + rows))
-        m_use = tl.where(m == float("-inf"), 0.0, m)  # a row empty in every chunk stays at weight 0
-        total = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for c in range(0, num_chunks):
-            rows = ((first + c) * copies + copy).to(tl.int64) * MASK_BLOCK + offs_r
-            w = tl.exp(tl.load(LsePart + rows) - m_use)  # (BLOCK_M,)
-            acc += w[:, None] * tl.load(Part + rows[:, None] * BLOCK_D + offs_d[None, :])
-            total += w
-        empty = total == 0.0
-        acc = acc / tl.where(empty, 1.0, total)[:, None]
-        lse = tl.where(empty, float("-inf"), m_use + tl.log(tl.where(empty, 1.0, total)))
-    else:
-        for c in range(0, num_chunks):
-            rows = ((first + c) * copies + copy).to(tl.int64) * MASK_BLOCK + offs_r
-            acc += tl.load(Part + rows[:, None] * BLOCK_D + offs_d[None, :])
-
-    tok = i * MASK_BLOCK + offs_r  # (BLOCK_M,) token rows of the destination
-    ok = tok < tl.where(valid, N, 0)
-    Dst += b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
-    tl.store(Dst + tok[:, None] * stride_m + offs_d[None, :], acc.to(Dst.dtype.element_ty),
-             mask=ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-    if WITH_LSE:
-        tl.store(DstLse + (b * heads + h).to(tl.int64) * N + tok, lse, mask=ok)
+def chunk_rows(slot, copies, copy, tile, MASK_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    """Scratch rows (BLOCK,) of a program's tile (tile `tile % (MASK_BLOCK // BLOCK)` of its mask block) in
+    chunk slot `slot`, copy `copy`. Slot order: (slot, copy), then the mask block's rows."""
+    SUB: tl.constexpr = MASK_BLOCK // BLOCK
+    return (slot * copies + copy).to(tl.int64) * MASK_BLOCK + (tile % SUB) * BLOCK + tl.arange(0, BLOCK)
 
 
-def merge_launch(plan: SplitPlan, chunks, slots, dst_shape, num_blocks: int, *, heads: int, groups: int,
-                 with_lse: bool) -> BoundLaunch:
-    """The merge of every split list of `plan` into a contiguous `dst_shape` (B, heads, N, D) output.
+@triton.jit
+def last_chunk(Counters, item, slot, copies, copy, tile, MASK_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    """Count this program's chunk of a split list as done, once its partial result is stored.
 
-    Called as `merge(part, lse_part, dst, dst_lse)`: with `with_lse` the chunks hold (out, lse) pairs and
-    merge by log-sum-exp into dst and dst_lse; without, they are summed into dst (pass a placeholder as
-    dst_lse).
+    Returns (last, first slot of the list, number of chunks): `last` is true in the one program that counts
+    the tile's last chunk; it then reads every chunk's partial result (`sum_chunks`, `merge_chunks`) and
+    writes the tile. The count is released after every thread's stores (barrier, then an acq_rel atomic at
+    GPU scope) and acquired before the last program reads; that program resets the counter to 0.
     """
-    _, H, N, D = dst_shape
-    block_m = fit_tile(64, plan.mask_block)
-    return BoundLaunch(
-        _merge_kernel, plan.num_split * plan.copies * (plan.mask_block // block_m),
-        (
-            plan.split, chunks, slots,
-            H * N * D, N * D, D,  # strides of the contiguous destination
-            heads, groups, num_blocks, N, plan.copies, plan.head_copies, plan.mask_batch, plan.mask_heads,
-        ),
-        dict(HEAD_DIM=D, BLOCK_D=block_d(D), MASK_BLOCK=plan.mask_block, BLOCK_M=block_m, WITH_LSE=with_lse),
-        4, 3,
-    )
+    SUB: tl.constexpr = MASK_BLOCK // BLOCK
+    first = slot - tl.load(item + ITEM_CHUNK)
+    num_chunks = tl.load(item + ITEM_CHUNKS)
+    counter = Counters + (first * copies + copy) * SUB + tile % SUB
+    tl.debug_barrier()  # the partial result of every thread is stored before the count
+    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_chunks - 1
+    tl.store(counter, 0, mask=last)
+    return last, first, num_chunks
+
+
+@triton.jit
+def sum_chunks(Part, first, num_chunks, copies, copy, tile, MASK_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """The sum (BLOCK, BLOCK_D), in chunk order, of a tile's partial results in slots first, first + 1, ..."""
+    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    acc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    for c in range(0, num_chunks):
+        rows = chunk_rows(first + c, copies, copy, tile, MASK_BLOCK, BLOCK)  # (BLOCK,)
+        acc += tl.load(Part + rows[:, None] * BLOCK_D + offs_d[None, :], cache_modifier=".cg")  # L2: other SMs wrote it
+    return acc
+
+
+@triton.jit
+def merge_chunks(Part, LsePart, first, num_chunks, copies, copy, tile, MASK_BLOCK: tl.constexpr,
+                 BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A tile's forward chunks (normalised output, natural-log lse) combined by their log-sum-exp: (out
+    (BLOCK, BLOCK_D), lse (BLOCK,)). A row empty in every chunk gets out 0 and lse -inf."""
+    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    for c in range(0, num_chunks):
+        m = tl.maximum(m, tl.load(LsePart + chunk_rows(first + c, copies, copy, tile, MASK_BLOCK, BLOCK),
+                                  cache_modifier=".cg"))
+    m_use = tl.where(m == float("-inf"), 0.0, m)  # a row empty in every chunk stays at weight 0
+    acc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for c in range(0, num_chunks):
+        rows = chunk_rows(first + c, copies, copy, tile, MASK_BLOCK, BLOCK)  # (BLOCK,)
+        w = tl.exp(tl.load(LsePart + rows, cache_modifier=".cg") - m_use)  # (BLOCK,)
+        acc += w[:, None] * tl.load(Part + rows[:, None] * BLOCK_D + offs_d[None, :], cache_modifier=".cg")
+        total += w
+    empty = total == 0.0
+    out = acc / tl.where(empty, 1.0, total)[:, None]
+    lse = tl.where(empty, float("-inf"), m_use + tl.log(tl.where(empty, 1.0, total)))
+    return out, lse
