@@ -17,11 +17,11 @@ import triton
 import triton.language as tl
 
 from .common import (ITEM_BLOCK, LOG2E, dot_precision, item_ranges, list_ranges, list_tile_start, load_unmasked_rows,
-                     schedule)
+                     schedule, store_rows)
 from .configs import block_d, bwd_config, schedule_heads
 from .launch import BoundLaunch, cached_plan, plan_key
 from .memory import new_output
-from .split import SplitPlan, chunk_rows, last_chunk, sum_chunks
+from .split import SplitPlan, chunk_rows, last_chunk, store_chunk_sum
 from .tma import descriptor_layout, make_descriptor, tma_enabled
 
 
@@ -168,22 +168,23 @@ def _attn_bwd_dkdv_kernel(
                                 CAUSAL, DOT_PRECISION, MASK_BLOCK_Q, TMA)
 
     dk = dk * sm_scale
-    write = slot < 0
+    DK += b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
+    DV += b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
     if slot >= 0:
         # One chunk of a split column: store it; the column's last chunk sums them all and writes the tile.
         copy = b * copy_stride_b + hk * copy_stride_h
         rows = chunk_rows(slot, copies, copy, tile, MASK_BLOCK_K, BLOCK_N)  # (BLOCK_N,)
         tl.store(DKPart + rows[:, None] * BLOCK_D + offs_d[None, :], dk)
         tl.store(DVPart + rows[:, None] * BLOCK_D + offs_d[None, :], dv)
-        write, first, num_chunks = last_chunk(Counters, item, slot, copies, copy, tile, MASK_BLOCK_K, BLOCK_N)
-        if write:
-            dk = sum_chunks(DKPart, first, num_chunks, copies, copy, tile, MASK_BLOCK_K, BLOCK_N, BLOCK_D)
-            dv = sum_chunks(DVPart, first, num_chunks, copies, copy, tile, MASK_BLOCK_K, BLOCK_N, BLOCK_D)
-    if write:
-        tl.store(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
-                 + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_ok)
-        tl.store(DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvn
-                 + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_ok)
+        last, first, num_chunks = last_chunk(Counters, item, slot, copies, copy, tile, MASK_BLOCK_K, BLOCK_N)
+        if last:
+            store_chunk_sum(DK, stride_dkn, start_n, Nk, DKPart, first, num_chunks, copies, copy, tile, MASK_BLOCK_K,
+                            BLOCK_N, BLOCK_D, HEAD_DIM)
+            store_chunk_sum(DV, stride_dvn, start_n, Nk, DVPart, first, num_chunks, copies, copy, tile, MASK_BLOCK_K,
+                            BLOCK_N, BLOCK_D, HEAD_DIM)
+    else:
+        store_rows(DK, offs_n, stride_dkn, offs_d, dk, kv_ok)
+        store_rows(DV, offs_n, stride_dvn, offs_d, dv, kv_ok)
 
 
 @triton.jit
@@ -310,18 +311,18 @@ def _attn_bwd_dq_kernel(
                       MASK_BLOCK_K, BLOCK_N, TMA)
 
     dq = dq * sm_scale
-    write = slot < 0
+    DQ += b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
     if slot >= 0:
         # One chunk of a split row: store it; the row's last chunk sums them all and writes the tile.
         copy = b * copy_stride_b + h * copy_stride_h
         rows = chunk_rows(slot, copies, copy, tile, MASK_BLOCK_Q, BLOCK_M)  # (BLOCK_M,)
         tl.store(DQPart + rows[:, None] * BLOCK_D + offs_d[None, :], dq)
-        write, first, num_chunks = last_chunk(Counters, item, slot, copies, copy, tile, MASK_BLOCK_Q, BLOCK_M)
-        if write:
-            dq = sum_chunks(DQPart, first, num_chunks, copies, copy, tile, MASK_BLOCK_Q, BLOCK_M, BLOCK_D)
-    if write:
-        tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + offs_m[:, None] * stride_dqm
-                 + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=ok)
+        last, first, num_chunks = last_chunk(Counters, item, slot, copies, copy, tile, MASK_BLOCK_Q, BLOCK_M)
+        if last:
+            store_chunk_sum(DQ, stride_dqm, start_m, Nq, DQPart, first, num_chunks, copies, copy, tile, MASK_BLOCK_Q,
+                            BLOCK_M, BLOCK_D, HEAD_DIM)
+    else:
+        store_rows(DQ, offs_m, stride_dqm, offs_d, dq, ok)
 
 
 class _BwdPlan:

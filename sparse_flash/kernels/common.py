@@ -32,6 +32,12 @@ def load_unmasked_rows(ptrs, d_ok, EVEN_D: tl.constexpr):
 
 
 @triton.jit
+def store_rows(Ptr, offs_r, stride_r, offs_d, x, mask):
+    """Store tile `x` (rows offs_r, columns offs_d) at Ptr, in Ptr's dtype."""
+    tl.store(Ptr + offs_r[:, None] * stride_r + offs_d[None, :], x.to(Ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def schedule(pid, programs, H, BH, Items, Lead, item_stride_b, item_stride_h, head_scale, num_tiles, head_group,
              MASK_BLOCK: tl.constexpr, BLOCK: tl.constexpr, DENSE: tl.constexpr, REVERSE: tl.constexpr):
     """Map program `pid` of a launch's `programs` to (batch, head, tile, work item record, valid).

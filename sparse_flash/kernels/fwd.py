@@ -14,11 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, dot_precision, item_ranges, list_tile_start, load_unmasked_rows, schedule
+from .common import LOG2E, dot_precision, item_ranges, list_tile_start, load_unmasked_rows, schedule, store_rows
 from .configs import block_d, fwd_config, schedule_heads
 from .launch import BoundLaunch, cached_plan, plan_key
 from .memory import new_output
-from .split import SplitPlan, chunk_rows, last_chunk, merge_chunks
+from .split import SplitPlan, chunk_rows, last_chunk, store_chunk_merge
 from .tma import descriptor_layout, make_descriptor, tma_enabled
 
 
@@ -163,22 +163,22 @@ def _attn_fwd_kernel(
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    write = slot < 0
+    Out += b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    Lse += (b * Hq + h).to(tl.int64) * Nq
+    out_ok = m_ok[:, None] & d_ok[None, :]
     if slot >= 0:
         # One chunk of a split row: store it; the row's last chunk combines them all and writes the tile.
         copy = b * copy_stride_b + h * copy_stride_h
         rows = chunk_rows(slot, copies, copy, tile, MASK_BLOCK_Q, BLOCK_M)  # (BLOCK_M,)
         tl.store(OutPart + rows[:, None] * BLOCK_D + offs_d[None, :], out)
         tl.store(LsePart + rows, lse)
-        write, first, num_chunks = last_chunk(Counters, item, slot, copies, copy, tile, MASK_BLOCK_Q, BLOCK_M)
-        if write:
-            out, lse = merge_chunks(OutPart, LsePart, first, num_chunks, copies, copy, tile, MASK_BLOCK_Q, BLOCK_M,
-                                    BLOCK_D)
-    if write:
-        Out += b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-        tl.store(Out + offs_m[:, None] * stride_om + offs_d[None, :], out.to(Out.dtype.element_ty),
-                 mask=m_ok[:, None] & d_ok[None, :])
-        tl.store(Lse + (b * Hq + h).to(tl.int64) * Nq + offs_m, lse, mask=m_ok)
+        last, first, num_chunks = last_chunk(Counters, item, slot, copies, copy, tile, MASK_BLOCK_Q, BLOCK_M)
+        if last:
+            store_chunk_merge(Out, stride_om, Lse, start_m, Nq, OutPart, LsePart, first, num_chunks, copies, copy, tile,
+                              MASK_BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM)
+    else:
+        store_rows(Out, offs_m, stride_om, offs_d, out, out_ok)
+        tl.store(Lse + offs_m, lse, mask=m_ok)
 
 
 class _FwdPlan:

@@ -121,37 +121,54 @@ def last_chunk(Counters, item, slot, copies, copy, tile, MASK_BLOCK: tl.constexp
     return last, first, num_chunks
 
 
-@triton.jit
-def sum_chunks(Part, first, num_chunks, copies, copy, tile, MASK_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
-               BLOCK_D: tl.constexpr):
-    """The sum (BLOCK, BLOCK_D), in chunk order, of a tile's partial results in slots first, first + 1, ..."""
-    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
-    acc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-    for c in range(0, num_chunks):
-        rows = chunk_rows(first + c, copies, copy, tile, MASK_BLOCK, BLOCK)  # (BLOCK,)
-        acc += tl.load(Part + rows[:, None] * BLOCK_D + offs_d[None, :], cache_modifier=".cg")  # L2: other SMs wrote it
-    return acc
+MERGE_ROWS = tl.constexpr(16)  # rows combined at a time: the merge must not add to the kernels' register peak
 
 
 @triton.jit
-def merge_chunks(Part, LsePart, first, num_chunks, copies, copy, tile, MASK_BLOCK: tl.constexpr,
-                 BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A tile's forward chunks (normalised output, natural-log lse) combined by their log-sum-exp: (out
-    (BLOCK, BLOCK_D), lse (BLOCK,)). A row empty in every chunk gets out 0 and lse -inf."""
+def store_chunk_sum(Dst, stride_r, start_r, limit_r, Part, first, num_chunks, copies, copy, tile,
+                    MASK_BLOCK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Write the sum, in chunk order, of a tile's partial results (slots first, first + 1, ...) to rows
+    [start_r, start_r + BLOCK) of Dst (those below limit_r), MERGE_ROWS rows at a time."""
+    SUB: tl.constexpr = MASK_BLOCK // BLOCK
+    offs_p = tl.arange(0, MERGE_ROWS)  # (MERGE_ROWS,)
     offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
-    m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    for c in range(0, num_chunks):
-        m = tl.maximum(m, tl.load(LsePart + chunk_rows(first + c, copies, copy, tile, MASK_BLOCK, BLOCK),
-                                  cache_modifier=".cg"))
-    m_use = tl.where(m == float("-inf"), 0.0, m)  # a row empty in every chunk stays at weight 0
-    acc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-    total = tl.zeros([BLOCK], dtype=tl.float32)
-    for c in range(0, num_chunks):
-        rows = chunk_rows(first + c, copies, copy, tile, MASK_BLOCK, BLOCK)  # (BLOCK,)
-        w = tl.exp(tl.load(LsePart + rows, cache_modifier=".cg") - m_use)  # (BLOCK,)
-        acc += w[:, None] * tl.load(Part + rows[:, None] * BLOCK_D + offs_d[None, :], cache_modifier=".cg")
-        total += w
-    empty = total == 0.0
-    out = acc / tl.where(empty, 1.0, total)[:, None]
-    lse = tl.where(empty, float("-inf"), m_use + tl.log(tl.where(empty, 1.0, total)))
-    return out, lse
+    for r in tl.static_range(0, BLOCK, MERGE_ROWS):
+        acc = tl.zeros([MERGE_ROWS, BLOCK_D], dtype=tl.float32)
+        for c in range(0, num_chunks):
+            base = ((first + c) * copies + copy).to(tl.int64) * MASK_BLOCK + (tile % SUB) * BLOCK + r  # scratch row
+            acc += tl.load(Part + (base + offs_p)[:, None] * BLOCK_D + offs_d[None, :], cache_modifier=".cg")  # L2
+        rows = start_r + r + offs_p  # (MERGE_ROWS,)
+        tl.store(Dst + rows[:, None] * stride_r + offs_d[None, :], acc.to(Dst.dtype.element_ty),
+                 mask=(rows < limit_r)[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def store_chunk_merge(Dst, stride_r, DstLse, start_r, limit_r, Part, LsePart, first, num_chunks, copies, copy, tile,
+                      MASK_BLOCK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The forward's `store_chunk_sum`: chunks (normalised output, natural-log lse) combined by their
+    log-sum-exp into Dst and DstLse. A row empty in every chunk gets output 0 and lse -inf."""
+    SUB: tl.constexpr = MASK_BLOCK // BLOCK
+    offs_p = tl.arange(0, MERGE_ROWS)  # (MERGE_ROWS,)
+    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    for r in tl.static_range(0, BLOCK, MERGE_ROWS):
+        first_row = (tile % SUB) * BLOCK + r
+        m = tl.full([MERGE_ROWS], float("-inf"), dtype=tl.float32)
+        for c in range(0, num_chunks):
+            base = ((first + c) * copies + copy).to(tl.int64) * MASK_BLOCK + first_row
+            m = tl.maximum(m, tl.load(LsePart + base + offs_p, cache_modifier=".cg"))
+        m_use = tl.where(m == float("-inf"), 0.0, m)  # a row empty in every chunk stays at weight 0
+        acc = tl.zeros([MERGE_ROWS, BLOCK_D], dtype=tl.float32)
+        total = tl.zeros([MERGE_ROWS], dtype=tl.float32)
+        for c in range(0, num_chunks):
+            base = ((first + c) * copies + copy).to(tl.int64) * MASK_BLOCK + first_row
+            w = tl.exp(tl.load(LsePart + base + offs_p, cache_modifier=".cg") - m_use)  # (MERGE_ROWS,)
+            acc += w[:, None] * tl.load(Part + (base + offs_p)[:, None] * BLOCK_D + offs_d[None, :],
+                                        cache_modifier=".cg")
+            total += w
+        empty = total == 0.0
+        rows = start_r + r + offs_p  # (MERGE_ROWS,)
+        ok = rows < limit_r
+        tl.store(Dst + rows[:, None] * stride_r + offs_d[None, :],
+                 (acc / tl.where(empty, 1.0, total)[:, None]).to(Dst.dtype.element_ty),
+                 mask=ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+        tl.store(DstLse + rows, tl.where(empty, float("-inf"), m_use + tl.log(tl.where(empty, 1.0, total))), mask=ok)
