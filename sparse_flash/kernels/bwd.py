@@ -246,7 +246,10 @@ def _dq_list(
     return dq
 
 
-@triton.jit
+# Nq and Nk stay runtime values: when either is 1, Triton would make it a constant, and Triton 3.6's ptxas
+# (CUDA 12.8) crashes on the dense causal two-stage loop whose trip count that bounds by 1 (fp16 and bf16,
+# D from 72 to 128; NOTES step 32). Two scalars fewer specialised cost nothing measurable.
+@triton.jit(do_not_specialize=["Nq", "Nk"])
 def _attn_bwd_dq_kernel(
     Q, K, V, Out, DO, Lse, Delta, DQ, DQPart, Counters,
     RowFullIdx, RowPartIdx, RowItems, RowLead,
