@@ -27,9 +27,9 @@ SM_REGISTERS, SM_SHARED, SM_THREADS = 65536, 228 * 1024, 2048  # per SM on Hoppe
 BLOCK_SHARED_RESERVED = 1024  # shared memory the driver reserves per program
 
 
-def compile_report(kernel, constexprs: dict, warps: int, stages: int, descriptors=()) -> dict:
+def compile_report(kernel, constexprs: dict, warps: int, stages: int, descriptors=(), maxnreg: int = 0) -> dict:
     """Compile for sm_90a; registers and spills from ptxas, shared memory from Triton, programs per SM."""
-    compiled = compile_sm90(kernel, constexprs, descriptors, warps, stages, aligned=True)
+    compiled = compile_sm90(kernel, constexprs, descriptors, warps, stages, aligned=True, maxnreg=maxnreg)
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
     folder = tempfile.mkdtemp()
     with open(f"{folder}/k.ptx", "w") as f:
@@ -55,7 +55,9 @@ def forward_rows(D: int):
                   MASK_BLOCK_Q=block or cfg.block_m, MASK_BLOCK_K=block or cfg.block_n, CAUSAL=causal, DENSE=dense,
                   DOT_PRECISION="tf32", TMA=cfg.tma)
         descs = ("K", "V") if cfg.tma else ()
-        yield f"fwd D={D} {label} {tuple(cfg)[:4]}", fwd._attn_fwd_kernel, cx, cfg.num_warps, cfg.num_stages, descs
+        cap = f" <={cfg.maxnreg} regs" if cfg.maxnreg else ""
+        yield (f"fwd D={D} {label} {tuple(cfg)[:4]}{cap}", fwd._attn_fwd_kernel, cx, cfg.num_warps, cfg.num_stages,
+               descs, cfg.maxnreg)
 
 
 def backward_rows(D: int):
@@ -68,12 +70,12 @@ def backward_rows(D: int):
                   MASK_BLOCK_K=block or cfg.q_block_n)
         descs = ("K", "V") if cfg.tma else ()
         yield (f"dQ D={D} {label} {(cfg.q_block_m, cfg.q_block_n)}", bwd._attn_bwd_dq_kernel, dq,
-               cfg.dq_warps or cfg.num_warps, cfg.dq_stages or cfg.num_stages, descs)
+               cfg.dq_warps or cfg.num_warps, cfg.dq_stages or cfg.num_stages, descs, 0)
         dkdv = dict(common, BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n, MASK_BLOCK_Q=block or cfg.kv_block_m,
                     MASK_BLOCK_K=block or cfg.kv_block_n)
         descs = ("Q", "DO") if cfg.tma else ()
         yield (f"dK/dV D={D} {label} {(cfg.kv_block_m, cfg.kv_block_n)}", bwd._attn_bwd_dkdv_kernel, dkdv,
-               cfg.num_warps, cfg.num_stages, descs)
+               cfg.num_warps, cfg.num_stages, descs, 0)
 
 
 # dK/dV candidates (kv_block_m, kv_block_n, warps, stages): the default tiles register-spill at D=128
@@ -87,7 +89,7 @@ def dkdv_candidate_rows(D: int):
             cx = dict(HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=kv_m, BLOCK_N=kv_n, MASK_BLOCK_Q=128, MASK_BLOCK_K=128,
                       CAUSAL=False, DENSE=False, DOT_PRECISION="tf32", TMA=tma)
             yield (f"dK/dV D={D} sparse {(kv_m, kv_n)}{' tma' if tma else ''}", bwd._attn_bwd_dkdv_kernel, cx, warps,
-                   stages, ("Q", "DO") if tma else ())
+                   stages, ("Q", "DO") if tma else (), 0)
 
 
 def main():
@@ -99,8 +101,8 @@ def main():
     print(f"{'kernel and tiles':42} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>7} {'smem KB':>7} {'per SM':>6}")
     for D in (64, 128):
         launches = list(dkdv_candidate_rows(D)) if args.dkdv else [*forward_rows(D), *backward_rows(D)]
-        for label, kernel, cx, warps, stages, descs in launches:
-            r = compile_report(kernel, cx, warps, stages, descs)
+        for label, kernel, cx, warps, stages, descs, maxnreg in launches:
+            r = compile_report(kernel, cx, warps, stages, descs, maxnreg)
             print(f"{label:42} {warps:5d} {stages:6d} {r['registers']:5d} {r['spill_bytes']:7d} {r['shared_kb']:7.1f} "
                   f"{r['programs_per_sm']:6d}", flush=True)
 

@@ -35,8 +35,9 @@ ROWS = [(4, 16, 4096, 64, m, False) for m in ("butterfly", "random", "longformer
     (4, 16, 4096, 128, m, False) for m in ("butterfly", "random", "bigbird")] + [
     (4, 16, 4096, 128, "dense", True)] + [
     (1, 16, 16384, 128, m, False) for m in ("butterfly", "random", "local", "bigbird", "longformer")] + [
-    (1, 16, 16384, 128, "dense", True)] + [
-    (1, 8, 65536, 64, m, False) for m in ("butterfly", "random", "local")] + [(1, 8, 65536, 64, "dense", True)]
+    (1, 16, 16384, 128, "dense", True), (1, 16, 16384, 128, "dense", False)] + [
+    (1, 8, 65536, 64, m, False) for m in ("butterfly", "random", "local")] + [
+    (B, H, N, 64, "dense", causal) for B, H, N in ((4, 16, 4096), (1, 8, 65536)) for causal in (True, False)]
 ROW_FWD = [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 3), (64, 128, 4, 3),
            (128, 64, 8, 4),
            # shallower pipelines and narrower key tiles: less shared memory per program, more programs per SM
@@ -114,7 +115,8 @@ def main():
     parser.add_argument("--set", choices=("defaults", "rows", "bwd-passes", "order"), default="defaults")
     parser.add_argument("--no-tiles", action="store_true", help="--set order: the head-group sweep only")
     parser.add_argument("--masks", help="--set rows: only rows of these masks (comma-separated)")
-    parser.add_argument("--rows", help="--set rows: only rows whose (B, H, N, D, mask, causal) text contains this")
+    parser.add_argument("--rows", help="--set rows: only rows whose (B, H, N, D, mask, causal) text contains this "
+                        "(or one of several, separated by '|')")
     parser.add_argument("--kind", choices=("fwd", "bwd"), help="--set rows: only this pass")
     parser.add_argument("--cands", help="--set rows: these candidates instead of ROW_FWD / ROW_BWD, as tuples "
                         "separated by ';' (with --kind), e.g. '32,64,64,64,4,2;64,64,64,64,8,2'")
@@ -182,11 +184,11 @@ def _print_best(results, label, groups, kinds, name_of) -> None:
 
 def tune_rows(args):
     """Every candidate on every benchmark row; prints the best three per row against the current default."""
-    from sparse_flash.kernels import bwd, fwd
+    from sparse_flash.kernels import bwd, configs, fwd
 
     current = {"fwd": fwd.fwd_config, "bwd": bwd.bwd_config}
     rows = [r for r in ROWS if (args.masks is None or r[4] in args.masks.split(","))
-            and (args.rows is None or args.rows in str(r))]
+            and (args.rows is None or any(part in str(r) for part in args.rows.split("|")))]
     kinds = (args.kind,) if args.kind else ("fwd", "bwd")
     jobs = []
     for B, H, N, D, name, causal in rows:
@@ -197,7 +199,8 @@ def tune_rows(args):
                     "bwd": tuple(current["bwd"](D, torch.bfloat16, block, block, causal, mask.has_long_lists(causal)))}
         # candidates with TMA descriptor loads; the backward also with pointer loads (their default at D = 64)
         chosen = [tuple(int(x) for x in c.split(",")) for c in args.cands.split(";")] if args.cands else None
-        cands = {"fwd": [(*c, True) for c in chosen or ROW_FWD],
+        # a fifth number of a forward candidate caps its registers per thread (FwdConfig.maxnreg)
+        cands = {"fwd": [tuple(configs.FwdConfig(*c[:4], True, *c[4:])) for c in chosen or ROW_FWD],
                  "bwd": [(*c, 0, 0, tma) for c in chosen or ROW_BWD for tma in (True, False)]}
         for kind in kinds:
             for cfg in dict.fromkeys([defaults[kind], *cands[kind]]):

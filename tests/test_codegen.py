@@ -6,6 +6,7 @@ kernel ahead of time for an H100/H200 target catches those before a GPU run does
 a subprocess without TRITON_INTERPRET, so the kernels are real JIT functions there.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -14,12 +15,21 @@ import pytest
 
 pytest.importorskip("triton")
 
+# (Hq, Hkv, Nq, Nk, D, mask kind, causal) of calls whose launches compile with the lengths as Triton's JIT
+# specialises them: a length of 1 becomes a constant (Triton 3.6's ptxas crashed on the backward of the
+# first two; NOTES step 32), on the dense causal path and the sparse one.
+EDGE_CALLS = [(1, 1, 1, 130, 128, "dense", True), (1, 1, 130, 1, 72, "dense", True), (2, 1, 1, 130, 128, "random", False)]
+
 STREAMED = {"fwd": ("K", "V"), "dq": ("K", "V"), "dkdv": ("Q", "DO")}  # TMA descriptors when TMA=True
 
 
 def cases():
-    """(name, kernel, constexprs, descriptors) for every kernel and path."""
+    """(name, kernel, constexprs, descriptors, options) for every kernel and path, and the forward at the
+    library's own dense D=64 settings (a register cap)."""
+    import torch
+
     from sparse_flash.kernels import bwd, fwd
+    from sparse_flash.kernels.configs import fwd_config
 
     tiles = {"fwd": (fwd._attn_fwd_kernel, dict(BLOCK_M=64, BLOCK_N=64)),
              "dq": (bwd._attn_bwd_dq_kernel, dict(BLOCK_M=64, BLOCK_N=32)),
@@ -31,16 +41,21 @@ def cases():
                     yield (f"{name} dense={dense} causal={causal} tma={tma}", fn,
                            dict(HEAD_DIM=72, BLOCK_D=128, MASK_BLOCK_Q=128, MASK_BLOCK_K=128, CAUSAL=causal,
                                 DENSE=dense, DOT_PRECISION="tf32", TMA=tma, **t),
-                           STREAMED[name] if tma else ())
+                           STREAMED[name] if tma else (), dict(num_warps=4, num_stages=3))
+    cfg = fwd_config(64, torch.bfloat16, None, None)
+    yield (f"fwd dense D=64 {tuple(cfg)}", fwd._attn_fwd_kernel,
+           dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BLOCK_Q=cfg.block_m,
+                MASK_BLOCK_K=cfg.block_n, CAUSAL=False, DENSE=True, DOT_PRECISION="tf32", TMA=True),
+           STREAMED["fwd"], dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg))
 
 
 def main() -> int:
     from sparse_flash.kernels.aot import AheadOfTimeUnsupported, compile_sm90
 
     failed = 0
-    for name, fn, constexprs, descriptors in cases():
+    for name, fn, constexprs, descriptors, options in cases():
         try:
-            compile_sm90(fn, constexprs, descriptors, num_warps=4, num_stages=3)
+            compile_sm90(fn, constexprs, descriptors, **options)
             print(f"ok {name}")
         except AheadOfTimeUnsupported as e:
             print(f"SKIP this triton's ASTSource API differs: {e}")
@@ -49,6 +64,64 @@ def main() -> int:
             failed += 1
             print(f"FAIL {name}: {type(e).__name__}: {e}")
     return 1 if failed else 0
+
+
+def recorded_launches() -> list[dict]:
+    """The launches of the forward and backward of EDGE_CALLS (fp16), written down instead of run."""
+    import torch
+    from conftest import DEVICE  # not at the top: conftest turns the interpreter on, and main() compiles
+
+    import sparse_flash
+    from sparse_flash import masks
+    from sparse_flash.kernels import launch as launch_module
+    from sparse_flash.kernels.aot import launch_record
+    from sparse_flash.testing import make_qkv
+
+    records = []
+
+    def record(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg=0):
+        records.append(launch_record(kernel, args, constexprs, num_warps, num_stages, maxnreg))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launch_module, "launch", record)
+        for Hq, Hkv, Nq, Nk, D, kind, causal in EDGE_CALLS:
+            mask = (masks.dense(Nq, 64, seq_len_k=Nk) if kind == "dense" else
+                    masks.random(Nq, 64, density=0.5, seed=1, seq_len_k=Nk)).to(DEVICE)
+            q, k, v = make_qkv(1, Hq, Hkv, Nq, Nk, D, dtype=torch.float16, device=DEVICE)
+            sparse_flash.block_sparse_attention(q, k, v, mask, causal=causal, backend="triton").sum().backward()
+    return list({json.dumps(r, sort_keys=True): r for r in records}.values())
+
+
+def compile_records() -> int:
+    """Compile the launch records read from stdin; one line per record."""
+    from sparse_flash.kernels.aot import compile_recorded
+
+    failed = 0
+    for r in json.load(sys.stdin):
+        name = f"{r['kernel']} {r['num_warps']} warps {r['num_stages']} stages"
+        try:
+            compile_recorded(r)
+            print(f"ok {name}")
+        except Exception as e:
+            failed += 1
+            print(f"FAIL {name}: {type(e).__name__}: {str(e)[:300]}")
+    return 1 if failed else 0
+
+
+def test_edge_launches_compile_as_the_gpu_specialises_them():
+    from conftest import triton_usable
+
+    if not triton_usable():
+        pytest.skip("triton is not usable here")
+    records = recorded_launches()
+    assert {r["kernel"] for r in records} == {"_attn_fwd_kernel", "_attn_bwd_dq_kernel", "_attn_bwd_dkdv_kernel"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, __file__, "--records"], input=json.dumps(records), env=env,
+                         capture_output=True, text=True, timeout=900)
+    if "SKIP" in run.stdout:
+        pytest.skip(run.stdout.strip())
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert run.stdout.count("ok ") == len(records)
 
 
 def test_kernels_compile_for_sm90():
@@ -61,4 +134,4 @@ def test_kernels_compile_for_sm90():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(compile_records() if sys.argv[1:] == ["--records"] else main())

@@ -44,10 +44,11 @@ class AheadOfTimeUnsupported(RuntimeError):
 
 
 def compile_sm90(kernel, constexprs: dict, descriptors=(), num_warps: int = 4, num_stages: int = 3,
-                 aligned: bool = False):
+                 aligned: bool = False, maxnreg: int = 0):
     """`kernel` compiled for sm_90a. `aligned`: pointers, strides and lengths declared multiples of 16, as
-    Triton specialises them at run time for the usual shapes. Raises AheadOfTimeUnsupported where this
-    Triton's ahead-of-time API differs; a kernel that does not compile raises Triton's own error."""
+    Triton specialises them at run time for the usual shapes; `maxnreg`: registers per thread at most (0:
+    no cap). Raises AheadOfTimeUnsupported where this Triton's ahead-of-time API differs; a kernel that does
+    not compile raises Triton's own error."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -61,5 +62,69 @@ def compile_sm90(kernel, constexprs: dict, descriptors=(), num_warps: int = 4, n
                         attrs=attrs)
     except TypeError as e:
         raise AheadOfTimeUnsupported(str(e)) from e
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def launch_record(kernel, args: tuple, constexprs: dict, num_warps: int, num_stages: int, maxnreg: int = 0) -> dict:
+    """A launch written down as plain data (JSON), enough to compile it again elsewhere as Triton's JIT
+    would on the GPU: each runtime argument's kind, and its value where Triton specialises on it."""
+    spec = []
+    for name, a in zip(kernel.arg_names, args):
+        if hasattr(a, "data_ptr"):
+            spec.append([name, "ptr", str(a.dtype).replace("torch.", ""), a.data_ptr() % 16 == 0])
+        elif hasattr(a, "block_shape"):  # a host tensor descriptor
+            spec.append([name, "desc", str(a.base.dtype).replace("torch.", ""), list(a.block_shape)])
+        elif isinstance(a, float):
+            spec.append([name, "float"])
+        else:
+            spec.append([name, "int", int(a)])
+    fn = getattr(kernel, "fn", kernel)
+    return dict(module=fn.__module__, kernel=fn.__name__, args=spec, constexprs=dict(constexprs), num_warps=num_warps,
+                num_stages=num_stages, maxnreg=maxnreg)
+
+
+_TRITON_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int32": "i32", "int64": "i64"}
+
+
+def compile_recorded(record: dict):
+    """Compile a `launch_record` for sm_90a with the specialisation Triton's JIT gives it on the GPU: an int
+    equal to 1 becomes a constant and one divisible by 16 is declared so (unless the kernel names it in
+    `do_not_specialize`), and so is a 16-byte aligned pointer."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = getattr(importlib.import_module(record["module"]), record["kernel"])
+    names = list(kernel.arg_names)
+    fixed = {names[i] if isinstance(i, int) else i for i in (kernel.do_not_specialize or ())}
+    sig, constants, attrs = {}, dict(record["constexprs"]), {}
+    for name, kind, *value in record["args"]:
+        i = names.index(name)
+        if kind == "ptr":
+            sig[name] = "*" + _TRITON_TYPES[value[0]]
+            if value[1]:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif kind == "desc":
+            sig[name] = f"tensordesc<{_TRITON_TYPES[value[0]]}[{','.join(map(str, value[1]))}]>"
+        elif kind == "float":
+            sig[name] = "fp32"
+        elif value[0] == 1 and name not in fixed:
+            sig[name], constants[name] = "constexpr", 1
+        else:
+            sig[name] = "i32" if -2**31 <= value[0] < 2**31 else "i64"
+            if value[0] % 16 == 0 and name not in fixed:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    for name in record["constexprs"]:
+        sig[name] = "constexpr"
+    sig = {name: sig[name] for name in names}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in constants.items()},
+                    attrs=attrs)
+    options = {"num_warps": record["num_warps"], "num_stages": record["num_stages"]}
+    if record["maxnreg"]:
+        options["maxnreg"] = record["maxnreg"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

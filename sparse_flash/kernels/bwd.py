@@ -25,6 +25,12 @@ from .split import SplitPlan, chunk_rows, last_chunk, store_chunk_sum
 from .tma import descriptor_layout, make_descriptor, tma_enabled
 
 
+# The sequence lengths stay runtime values in the backward kernels. Triton makes an int argument equal to 1 a
+# constant, and with one query or one key, Triton 3.6's ptxas (CUDA 12.8) crashes (SIGSEGV) on the dense
+# causal two-stage loops whose trip count that bounds by 1 (fp16 and bf16, D from 72 to 128; NOTES step 32).
+NEVER_CONSTANT = ["Nq", "Nk"]
+
+
 @triton.jit
 def _load_lse_log2(Lse, offs_m, Nq):
     """The saved lse in log2 units; empty rows (lse = -inf) become +inf so that their P is 0, not inf."""
@@ -87,7 +93,7 @@ def _dkdv_list(
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NEVER_CONSTANT)
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, DKPart, DVPart, Counters,
     ColFullOff, ColFullIdx, ColPartOff, ColPartIdx, ColItems, ColLead,
@@ -246,10 +252,7 @@ def _dq_list(
     return dq
 
 
-# Nq and Nk stay runtime values: when either is 1, Triton would make it a constant, and Triton 3.6's ptxas
-# (CUDA 12.8) crashes on the dense causal two-stage loop whose trip count that bounds by 1 (fp16 and bf16,
-# D from 72 to 128; NOTES step 32). Two scalars fewer specialised cost nothing measurable.
-@triton.jit(do_not_specialize=["Nq", "Nk"])
+@triton.jit(do_not_specialize=NEVER_CONSTANT)
 def _attn_bwd_dq_kernel(
     Q, K, V, Out, DO, Lse, Delta, DQ, DQPart, Counters,
     RowFullIdx, RowPartIdx, RowItems, RowLead,

@@ -18,6 +18,7 @@ class FwdConfig(NamedTuple):
     num_warps: int
     num_stages: int
     tma: bool = True  # stream K and V through tensor descriptors where the GPU and tensors allow (tma.py)
+    maxnreg: int = 0  # registers per thread at most (0: the compiler's choice)
 
 
 class BwdConfig(NamedTuple):
@@ -53,7 +54,7 @@ def block_d(head_dim: int) -> int:
     return max(MIN_TILE, 1 << (head_dim - 1).bit_length())
 
 
-LONG_CAUSAL = 16384  # dense causal problems at least this long use the wide forward tiles at D <= 64
+LONG_CAUSAL = 16384  # from this length on, D <= 64: wide dense causal forward tiles, two-stage sparse ones
 
 
 def fwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: int | None,
@@ -62,18 +63,21 @@ def fwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
 
     Measured on an H200 (bf16; benchmarks/NOTES.md): the dense non-causal path wants the largest tiles;
     sparse rows (short, uneven lists) 64 x 64 at D = 128, and at D = 64 64 x 128 with 4 warps and a
-    two-stage pipeline (3-8% over 128 x 64 with 8 warps: small programs, three of them per SM). Dense
-    causal: 128 x 128 at D = 128 (3% over 64 x 64 at 16,384 tokens), and at D = 64 128 x 64 from 16,384
-    tokens on (7% at 65,536), 64 x 64 below. K and V stream through TMA descriptors: 5-12% faster than
-    pointer loads at D = 128, within -0.4% to +4% at D = 64.
+    shallow pipeline (3-8% over 128 x 64 with 8 warps: small programs, three or four of them per SM; one
+    stage below 16,384 tokens, 3-7% over two at 4,096). Dense causal: 128 x 128 at D = 128 (3% over
+    64 x 64 at 16,384 tokens), and at D = 64 from 16,384 tokens on, 64 x 64 below. At D = 64 the dense
+    128 x 128 programs of 8 warps are held to 128 registers, so that two fit on an SM: 5-7% faster than
+    128 x 64 tiles without the cap, and 6-10% when causal at 65,536 tokens (NOTES step 33). K and V stream
+    through TMA descriptors: 5-12% faster than pointer loads at D = 128, within -0.4% to +4% at D = 64.
     """
     d = block_d(head_dim)
     dense = block_q is None
+    maxnreg = 0
     if d <= 64:
         if dense and (not causal or seq_len_q >= LONG_CAUSAL):
-            m, n, warps, stages = (128, 64, 8, 3) if not causal else (128, 64, 4, 3)
+            m, n, warps, stages, maxnreg = 128, 128, 8, (2 if causal else 3), 128
         elif not dense:  # sparse: one key tile per 128-wide mask block, shallow pipeline
-            m, n, warps, stages = 64, 128, 4, 2
+            m, n, warps, stages = 64, 128, 4, (1 if seq_len_q < LONG_CAUSAL else 2)
         else:
             m, n, warps, stages = 64, 64, 4, 3
     elif d <= 128:
@@ -81,10 +85,10 @@ def fwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
     else:
         m, n, warps, stages = 64, 32, 4, 2
     if dtype == torch.float32:  # twice the bytes per element: smaller tiles and a shallower pipeline
-        m, n, stages = min(m, 64), min(n, 32), 2
+        m, n, stages, maxnreg = min(m, 64), min(n, 32), 2, 0
         if d > 128:
             m = 32
-    return FwdConfig(fit_tile(m, block_q), fit_tile(n, block_k), warps, stages)
+    return FwdConfig(fit_tile(m, block_q), fit_tile(n, block_k), warps, stages, maxnreg=maxnreg)
 
 
 def bwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: int | None,

@@ -221,7 +221,7 @@ class _FwdPlan:
                 MASK_BLOCK_Q=block_q, MASK_BLOCK_K=block_k,
                 CAUSAL=causal, DENSE=dense, DOT_PRECISION=dot_precision(q.dtype), TMA=self.tma,
             ),
-            cfg.num_warps, cfg.num_stages,
+            cfg.num_warps, cfg.num_stages, cfg.maxnreg,
         )
 
     def __call__(self, q, k, v):

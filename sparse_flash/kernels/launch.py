@@ -48,11 +48,12 @@ def _hooks_installed() -> bool:
     return bool(getattr(enter, "calls", enter)) or bool(getattr(leave, "calls", leave))
 
 
-def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int):
+def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int, maxnreg: int = 0):
     """Launch `kernel` on a 1-D `grid` with positional runtime `args` followed by `constexprs`.
 
     `constexprs` must name the kernel's constexpr parameters, which follow its runtime parameters, in
-    signature order (their values are passed positionally to the compiled kernel).
+    signature order (their values are passed positionally to the compiled kernel). `maxnreg` caps the
+    registers per thread (0: the compiler's choice).
 
     Returns the compiled kernel that ran, or None where the cached direct launch is off (interpreter,
     launch hooks, `set_fast_launch(False)`).
@@ -62,14 +63,14 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
         # value (it checks == 1, divisibility by 16 and the 32/64-bit range); floats it does not (`_arg_key`).
         # Most arguments are ints, which are their own key: no call for them.
         device = _current_device()
-        key = (id(kernel), num_warps, num_stages, device, *constexprs.values(),
+        key = (id(kernel), num_warps, num_stages, maxnreg, device, *constexprs.values(),
                *[a if a.__class__ is int else _arg_key(a) for a in args])
         compiled = _CACHE.get(key)
         if compiled is not None and not _hooks_installed():
             compiled.run(grid[0], 1, 1, _raw_stream(device), compiled.function, compiled.packed_metadata, None, None,
                          None, *args, *constexprs.values())
             return compiled
-        compiled = kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        compiled = kernel[grid](*args, **constexprs, **_options(num_warps, num_stages, maxnreg))
         if hasattr(compiled, "result"):  # a compile still in flight
             compiled = compiled.result()
         if hasattr(compiled, "packed_metadata"):
@@ -79,8 +80,16 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
             _CACHE[key] = compiled
             return None if _hooks_installed() else compiled
         return None
-    kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+    kernel[grid](*args, **constexprs, **_options(num_warps, num_stages, maxnreg))
     return None
+
+
+def _options(num_warps: int, num_stages: int, maxnreg: int) -> dict:
+    """Triton's launch options; the register cap only where one is set."""
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    return options
 
 
 class BoundLaunch:
@@ -97,11 +106,12 @@ class BoundLaunch:
     the addresses stay valid.
     """
 
-    __slots__ = ("kernel", "grid", "tail", "constexprs", "num_warps", "num_stages", "_compiled", "_rest")
+    __slots__ = ("kernel", "grid", "tail", "constexprs", "num_warps", "num_stages", "maxnreg", "_compiled", "_rest")
 
-    def __init__(self, kernel, grid: int, tail: tuple, constexprs: dict, num_warps: int, num_stages: int):
+    def __init__(self, kernel, grid: int, tail: tuple, constexprs: dict, num_warps: int, num_stages: int,
+                 maxnreg: int = 0):
         self.kernel, self.grid, self.tail, self.constexprs = kernel, grid, tail, constexprs
-        self.num_warps, self.num_stages = num_warps, num_stages
+        self.num_warps, self.num_stages, self.maxnreg = num_warps, num_stages, maxnreg
         addresses = (a.data_ptr() if isinstance(a, torch.Tensor) else a for a in tail)
         self._compiled, self._rest = None, (*addresses, *constexprs.values())
 
@@ -112,7 +122,7 @@ class BoundLaunch:
                          None, None, None, *head, *self._rest)
             return
         self._compiled = launch(self.kernel, (self.grid,), (*head, *self.tail), self.constexprs, self.num_warps,
-                                self.num_stages)
+                                self.num_stages, self.maxnreg)
 
 
 def _arg_key(a):
