@@ -25,12 +25,6 @@ from .split import SplitPlan, chunk_rows, last_chunk, store_chunk_sum
 from .tma import descriptor_layout, make_descriptor, tma_enabled
 
 
-# The sequence lengths stay runtime values in the backward kernels. Triton makes an int argument equal to 1 a
-# constant, and with one query or one key, Triton 3.6's ptxas (CUDA 12.8) crashes (SIGSEGV) on the dense
-# causal two-stage loops whose trip count that bounds by 1 (fp16 and bf16, D from 72 to 128; NOTES step 32).
-NEVER_CONSTANT = ["Nq", "Nk"]
-
-
 @triton.jit
 def _load_lse_log2(Lse, offs_m, Nq):
     """The saved lse in log2 units; empty rows (lse = -inf) become +inf so that their P is 0, not inf."""
@@ -93,7 +87,7 @@ def _dkdv_list(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=NEVER_CONSTANT)
+@triton.jit
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, DKPart, DVPart, Counters,
     ColFullOff, ColFullIdx, ColPartOff, ColPartIdx, ColItems, ColLead,
@@ -252,7 +246,7 @@ def _dq_list(
     return dq
 
 
-@triton.jit(do_not_specialize=NEVER_CONSTANT)
+@triton.jit
 def _attn_bwd_dq_kernel(
     Q, K, V, Out, DO, Lse, Delta, DQ, DQPart, Counters,
     RowFullIdx, RowPartIdx, RowItems, RowLead,
@@ -341,6 +335,10 @@ class _BwdPlan:
         dense = len(index) == 0
         Bm, Hm, Mq, Mk, block_q, block_k, long_lists = mask_geometry
         cfg = bwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k, causal, bool(long_lists))
+        if min(Nq, Nk) == 1:
+            # Triton makes a length of 1 a constant, which bounds the loops by one tile: nothing to pipeline, and
+            # Triton 3.6's ptxas (CUDA 12.8) crashes on such two-stage loops (dense causal, D 72-128; NOTES step 32)
+            cfg = cfg._replace(num_stages=1, dq_stages=1)
         if dense:
             self.rows = self.cols = SplitPlan(q.device)
             rows = cols = [self.rows.dummy] * 10
