@@ -70,12 +70,12 @@ def backward_rows(D: int):
                   MASK_BLOCK_K=block or cfg.q_block_n)
         descs = ("K", "V") if cfg.tma else ()
         yield (f"dQ D={D} {label} {(cfg.q_block_m, cfg.q_block_n)}", bwd._attn_bwd_dq_kernel, dq,
-               cfg.dq_warps or cfg.num_warps, cfg.dq_stages or cfg.num_stages, descs, 0)
+               cfg.dq_warps or cfg.num_warps, cfg.dq_stages or cfg.num_stages, descs, cfg.dq_maxnreg)
         dkdv = dict(common, BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n, MASK_BLOCK_Q=block or cfg.kv_block_m,
                     MASK_BLOCK_K=block or cfg.kv_block_n)
         descs = ("Q", "DO") if cfg.tma else ()
         yield (f"dK/dV D={D} {label} {(cfg.kv_block_m, cfg.kv_block_n)}", bwd._attn_bwd_dkdv_kernel, dkdv,
-               cfg.num_warps, cfg.num_stages, descs, 0)
+               cfg.num_warps, cfg.num_stages, descs, cfg.maxnreg)
 
 
 # dK/dV candidates (kv_block_m, kv_block_n, warps, stages): the default tiles register-spill at D=128

@@ -47,7 +47,10 @@ ROW_BWD = [(32, 64, 64, 32, 4, 3), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4,
            # 64-row programs with wide inner steps and two stages, as the D=64 forward won with (NOTES step 26)
            (32, 64, 64, 32, 4, 2), (64, 64, 64, 128, 4, 2), (128, 64, 64, 64, 4, 2), (128, 64, 64, 128, 4, 2),
            # dK/dV tiles that do not spill registers at D=128 (kernel_resources.py --dkdv; NOTES step 28)
-           (32, 64, 64, 64, 4, 2), (32, 64, 64, 64, 4, 3), (64, 64, 64, 64, 8, 2)]
+           (32, 64, 64, 64, 4, 2), (32, 64, 64, 64, 4, 3), (64, 64, 64, 64, 8, 2),
+           # three programs per SM at D=64 (NOTES step 34): dK/dV held to 168 registers, one stage, or the
+           # long lists' dQ held to 168 (a seventh and eighth number cap the dK/dV and dQ passes)
+           (32, 64, 64, 32, 4, 3, 168, 0), (32, 64, 64, 32, 4, 1), (32, 128, 128, 32, 4, 3, 0, 168)]
 
 
 def _mask(name, N):
@@ -201,7 +204,9 @@ def tune_rows(args):
         chosen = [tuple(int(x) for x in c.split(",")) for c in args.cands.split(";")] if args.cands else None
         # a fifth number of a forward candidate caps its registers per thread (FwdConfig.maxnreg)
         cands = {"fwd": [tuple(configs.FwdConfig(*c[:4], True, *c[4:])) for c in chosen or ROW_FWD],
-                 "bwd": [(*c, 0, 0, tma) for c in chosen or ROW_BWD for tma in (True, False)]}
+                 # a seventh and eighth number of a backward candidate cap the dK/dV and dQ passes' registers
+                 "bwd": [tuple(configs.BwdConfig(*c[:6], 0, 0, tma, *c[6:])) for c in chosen or ROW_BWD
+                         for tma in (True, False)]}
         for kind in kinds:
             for cfg in dict.fromkeys([defaults[kind], *cands[kind]]):
                 jobs.append(((kind, cfg, name, causal, D, shape), cfg == defaults[kind], mask.density))

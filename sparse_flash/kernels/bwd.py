@@ -374,7 +374,7 @@ class _BwdPlan:
                 MASK_BLOCK_Q=q_bq, MASK_BLOCK_K=q_bk,
                 CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision, TMA=self.dq_tma,
             ),
-            cfg.dq_warps or cfg.num_warps, cfg.dq_stages or cfg.num_stages,
+            cfg.dq_warps or cfg.num_warps, cfg.dq_stages or cfg.num_stages, cfg.dq_maxnreg,
         )
 
         kv_bq, kv_bk = (cfg.kv_block_m, cfg.kv_block_n) if dense else (block_q, block_k)
@@ -397,7 +397,7 @@ class _BwdPlan:
                 MASK_BLOCK_Q=kv_bq, MASK_BLOCK_K=kv_bk,
                 CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision, TMA=self.kv_tma,
             ),
-            cfg.num_warps, cfg.num_stages,
+            cfg.num_warps, cfg.num_stages, cfg.maxnreg,
         )
 
     def __call__(self, do, q, k, v, out, lse):

@@ -31,6 +31,8 @@ class BwdConfig(NamedTuple):
     dq_warps: int = 0  # the dQ pass's own warps and stages; 0: the same as the dK/dV pass
     dq_stages: int = 0
     tma: bool = True  # stream K, V (dQ pass) and Q, dO (dK/dV pass) through tensor descriptors (tma.py)
+    maxnreg: int = 0  # the dK/dV pass's registers per thread at most (0: the compiler's choice)
+    dq_maxnreg: int = 0  # the dQ pass's
 
 
 MIN_TILE = 16  # tl.dot needs every dimension to be at least 16
