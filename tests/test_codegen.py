@@ -18,7 +18,8 @@ pytest.importorskip("triton")
 # (Hq, Hkv, Nq, Nk, D, mask kind, causal) of calls whose launches compile with the lengths as Triton's JIT
 # specialises them: a length of 1 becomes a constant (Triton 3.6's ptxas crashed on the backward of the
 # first two; NOTES step 32), on the dense causal path and the sparse one.
-EDGE_CALLS = [(1, 1, 1, 130, 128, "dense", True), (1, 1, 130, 1, 72, "dense", True), (2, 1, 1, 130, 128, "random", False)]
+EDGE_CALLS = [(1, 1, 1, 130, 128, "dense", True), (1, 1, 130, 1, 72, "dense", True),
+              (2, 1, 1, 130, 128, "random", False)]
 
 STREAMED = {"fwd": ("K", "V"), "dq": ("K", "V"), "dkdv": ("Q", "DO")}  # TMA descriptors when TMA=True
 
