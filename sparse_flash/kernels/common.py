@@ -40,8 +40,9 @@ def store_rows(Ptr, offs_r, stride_r, offs_d, x, mask):
 @triton.jit
 def prefetch_l2(ptrs, mask):
     """Ask L2 for the 128-byte line at each of `ptrs` (where `mask`), without waiting for it."""
-    asm = "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }"
-    tl.inline_asm_elementwise(asm, "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; "
+                              "@p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
