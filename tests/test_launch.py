@@ -60,6 +60,17 @@ def test_repeat_call_goes_direct_with_constexprs_in_order(fast):
     assert direct[7:] == (None, None, x, 32, 0.25, 16, True)  # no launch hooks, then args, then constexprs
 
 
+def test_register_cap_reaches_triton_and_keys_the_cache(fast):
+    kernel, x = FakeKernel(), torch.zeros(64)
+    cx = {"BLOCK": 16, "FLAG": True}
+    launch_mod.launch(kernel, (1,), (x, 32, 1.0), cx, 8, 2, 128)
+    assert kernel.log[0][3] == {**cx, "num_warps": 8, "num_stages": 2, "maxnreg": 128}
+    launch_mod.launch(kernel, (1,), (x, 32, 1.0), cx, 8, 2, 128)
+    launch_mod.launch(kernel, (1,), (x, 32, 1.0), cx, 8, 2)  # no cap: another compiled kernel
+    assert kinds(kernel) == ["normal", "direct", "normal"]
+    assert "maxnreg" not in kernel.log[2][3]
+
+
 @pytest.mark.parametrize("change", ["int value", "alignment", "dtype", "constexpr", "warps", "disabled", "hook"])
 def test_anything_triton_specialises_on_takes_the_normal_path(fast, monkeypatch, change):
     kernel, x = FakeKernel(), torch.zeros(64)
