@@ -124,6 +124,8 @@ def main():
     parser.add_argument("--cands", help="--set rows: these candidates instead of ROW_FWD / ROW_BWD, as tuples "
                         "separated by ';' (with --kind), e.g. '32,64,64,64,4,2;64,64,64,64,8,2'")
     args = parser.parse_args()
+    if args.cands and not args.kind:
+        parser.error("--cands needs --kind (the numbers of forward and backward candidates differ)")
     if args.set == "order":
         return tune_order(args)
     if args.set == "rows":
@@ -203,10 +205,12 @@ def tune_rows(args):
         # candidates with TMA descriptor loads; the backward also with pointer loads (their default at D = 64)
         chosen = [tuple(int(x) for x in c.split(",")) for c in args.cands.split(";")] if args.cands else None
         # a fifth number of a forward candidate caps its registers per thread (FwdConfig.maxnreg)
-        cands = {"fwd": [tuple(configs.FwdConfig(*c[:4], True, *c[4:])) for c in chosen or ROW_FWD],
+        # (--cands names candidates of one --kind only: each kind is built only when it is timed)
+        build = {"fwd": lambda: [tuple(configs.FwdConfig(*c[:4], True, *c[4:])) for c in chosen or ROW_FWD],
                  # a seventh and eighth number of a backward candidate cap the dK/dV and dQ passes' registers
-                 "bwd": [tuple(configs.BwdConfig(*c[:6], 0, 0, tma, *c[6:])) for c in chosen or ROW_BWD
-                         for tma in (True, False)]}
+                 "bwd": lambda: [tuple(configs.BwdConfig(*c[:6], 0, 0, tma, *c[6:])) for c in chosen or ROW_BWD
+                                 for tma in (True, False)]}
+        cands = {kind: build[kind]() for kind in kinds}
         for kind in kinds:
             for cfg in dict.fromkeys([defaults[kind], *cands[kind]]):
                 jobs.append(((kind, cfg, name, causal, D, shape), cfg == defaults[kind], mask.density))
