@@ -9,8 +9,6 @@ ratios base/new are the change's gain. Three ways to name the versions:
     python benchmarks/ab_kernels.py --base benchmarks/_fwd_base.py --out ab.json
     # pointer loads (base) against TMA descriptor loads (new), forward and backward
     python benchmarks/ab_kernels.py --switch tma --out ab.json
-    # the forward without (base) and with (new) its L2 prefetch of later programs' Q (NOTES step 35)
-    python benchmarks/ab_kernels.py --switch prefetch --rows "16384, 128" --out ab.json
     # a saved copy of the whole package (kernels and the mask's index lists) against the current one,
     # forward and backward
     mkdir -p /tmp/base && git archive HEAD sparse_flash | tar -x -C /tmp/base
@@ -92,9 +90,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", help="a saved copy of sparse_flash/kernels/fwd.py")
     parser.add_argument("--base-package", help="a saved copy of the sparse_flash package folder")
-    parser.add_argument("--switch", choices=["tma", "prefetch"],
-                        help="time the library with a setting off (base) and on (new)")
-    parser.add_argument("--ahead", type=int, help="--switch prefetch: programs ahead (default: 2 per SM)")
+    parser.add_argument("--switch", choices=["tma"], help="time the library with a setting off (base) and on (new)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--rows", help="only rows whose (B, Hq, Hkv, N, D, mask, causal) text contains one of these "
                         "('|'-separated)")
@@ -106,7 +102,7 @@ def main():
         parser.error("give exactly one of --base, --base-package and --switch")
     from triton.testing import do_bench
 
-    from sparse_flash.kernels import bwd, configs, fwd, tma
+    from sparse_flash.kernels import bwd, fwd, tma
 
     same_mask = lambda mask: mask  # noqa: E731
     masks = {"base": same_mask, "new": same_mask}  # the mask each version walks
@@ -120,11 +116,7 @@ def main():
         masks["base"] = lambda mask: base_layout.BlockMask.from_layout(
             mask.layout, mask.block_size, seq_len_q=mask.seq_len_q, seq_len_k=mask.seq_len_k)
     else:
-        if args.switch == "tma":
-            setter, off, on = tma.set_tma, False, True
-        else:
-            ahead = args.ahead or 2 * torch.cuda.get_device_properties(0).multi_processor_count
-            setter, off, on = configs.set_prefetch_q, 0, ahead
+        setter, off, on = tma.set_tma, False, True
 
         def switched(f, value):
             def call(*a):

@@ -53,7 +53,7 @@ def forward_rows(D: int):
         cfg = fwd_config(D, torch.bfloat16, block, block, causal, 65536)
         cx = dict(HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   MASK_BLOCK_Q=block or cfg.block_m, MASK_BLOCK_K=block or cfg.block_n, CAUSAL=causal, DENSE=dense,
-                  DOT_PRECISION="tf32", TMA=cfg.tma, PREFETCH_LINES=0)
+                  DOT_PRECISION="tf32", TMA=cfg.tma)
         descs = ("K", "V") if cfg.tma else ()
         cap = f" <={cfg.maxnreg} regs" if cfg.maxnreg else ""
         yield (f"fwd D={D} {label} {tuple(cfg)[:4]}{cap}", fwd._attn_fwd_kernel, cx, cfg.num_warps, cfg.num_stages,

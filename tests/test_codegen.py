@@ -25,14 +25,14 @@ STREAMED = {"fwd": ("K", "V"), "dq": ("K", "V"), "dkdv": ("Q", "DO")}  # TMA des
 
 
 def cases():
-    """(name, kernel, constexprs, descriptors, options) for every kernel and path, the forward at the
-    library's own dense D=64 settings (a register cap) and with its L2 prefetch experiment on."""
+    """(name, kernel, constexprs, descriptors, options) for every kernel and path, and the forward at the
+    library's own dense D=64 settings (a register cap)."""
     import torch
 
     from sparse_flash.kernels import bwd, fwd
     from sparse_flash.kernels.configs import fwd_config
 
-    tiles = {"fwd": (fwd._attn_fwd_kernel, dict(BLOCK_M=64, BLOCK_N=64, PREFETCH_LINES=0)),
+    tiles = {"fwd": (fwd._attn_fwd_kernel, dict(BLOCK_M=64, BLOCK_N=64)),
              "dq": (bwd._attn_bwd_dq_kernel, dict(BLOCK_M=64, BLOCK_N=32)),
              "dkdv": (bwd._attn_bwd_dkdv_kernel, dict(BLOCK_M=32, BLOCK_N=64))}
     for name, (fn, t) in tiles.items():
@@ -46,13 +46,8 @@ def cases():
     cfg = fwd_config(64, torch.bfloat16, None, None)
     yield (f"fwd dense D=64 {tuple(cfg)}", fwd._attn_fwd_kernel,
            dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BLOCK_Q=cfg.block_m,
-                MASK_BLOCK_K=cfg.block_n, CAUSAL=False, DENSE=True, DOT_PRECISION="tf32", TMA=True, PREFETCH_LINES=0),
+                MASK_BLOCK_K=cfg.block_n, CAUSAL=False, DENSE=True, DOT_PRECISION="tf32", TMA=True),
            STREAMED["fwd"], dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg))
-    # the sparse forward with the L2 prefetch experiment on (configs.set_prefetch_q; the interpreter skips it)
-    yield ("fwd sparse D=128 prefetching Q", fwd._attn_fwd_kernel,
-           dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, MASK_BLOCK_Q=128, MASK_BLOCK_K=128, CAUSAL=False,
-                DENSE=False, DOT_PRECISION="tf32", TMA=True, PREFETCH_LINES=2),
-           STREAMED["fwd"], dict(num_warps=4, num_stages=3))
 
 
 def main() -> int:

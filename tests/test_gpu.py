@@ -123,22 +123,3 @@ def test_inputs_on_a_gpu_other_than_the_current_one():
     with torch.cuda.device(0):
         result = compare_to_reference(q, k, v, mask, backend="triton")
     assert not result.failures(), result.failures()
-
-
-@pytest.mark.parametrize("mask_name", ["butterfly", "bigbird"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_forward_prefetching_later_queries_matches_reference(mask_name, head_dim):
-    """The forward's L2 prefetch experiment (`configs.set_prefetch_q`, off by default) leaves every result
-    as it was: prefetches only warm L2, including past the last program and into split lists' chunks."""
-    from sparse_flash.kernels.configs import set_prefetch_q
-    from sparse_flash.testing import compare_to_reference, make_qkv
-
-    n = 2000
-    mask, causal = BENCH_MASKS[mask_name](n)
-    q, k, v = make_qkv(1, 4, 4, n, n, head_dim, dtype=torch.bfloat16, device="cuda", seed=3)
-    previous = set_prefetch_q(7)  # a few programs ahead, so that the last programs' targets lie past the end
-    try:
-        result = compare_to_reference(q, k, v, mask, causal=causal, backend="triton")
-    finally:
-        set_prefetch_q(previous)
-    assert not result.failures(), result.failures()

@@ -38,14 +38,6 @@ def store_rows(Ptr, offs_r, stride_r, offs_d, x, mask):
 
 
 @triton.jit
-def prefetch_l2(ptrs, mask):
-    """Ask L2 for the 128-byte line at each of `ptrs` (where `mask`), without waiting for it."""
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; "
-                              "@p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def schedule(pid, programs, H, BH, Items, Lead, item_stride_b, item_stride_h, head_scale, num_tiles, head_group,
              MASK_BLOCK: tl.constexpr, BLOCK: tl.constexpr, DENSE: tl.constexpr, REVERSE: tl.constexpr):
     """Map program `pid` of a launch's `programs` to (batch, head, tile, work item record, valid).

@@ -127,24 +127,6 @@ def bwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
     )
 
 
-_PREFETCH_Q = [int(os.environ.get("SPARSE_FLASH_PREFETCH_Q", "0"))]
-
-
-def set_prefetch_q(programs_ahead: int) -> int:
-    """An experiment, off by default (NOTES step 35): each sparse forward program asks L2 for the query tile
-    of the program `programs_ahead` launch slots after it (about one wave: SMs x programs per SM), so that
-    program finds its Q in L2 instead of DRAM. 0 turns it off; ignored under the interpreter. Returns the
-    previous setting."""
-    previous = _PREFETCH_Q[0]
-    _PREFETCH_Q[0] = max(0, int(programs_ahead))
-    return previous
-
-
-def prefetch_q() -> int:
-    """The current `set_prefetch_q` setting (launch plans key on it)."""
-    return _PREFETCH_Q[0]
-
-
 SCHEDULE_L2_BYTES = 8 << 20  # operand bytes of the heads that sparse programs work on together
 
 

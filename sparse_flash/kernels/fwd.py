@@ -14,9 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, dot_precision, item_ranges, list_tile_start, load_unmasked_rows, prefetch_l2, schedule,
-                     store_rows)
-from .configs import block_d, fwd_config, interpreting, prefetch_q, schedule_heads
+from .common import LOG2E, dot_precision, item_ranges, list_tile_start, load_unmasked_rows, schedule, store_rows
+from .configs import block_d, fwd_config, schedule_heads
 from .launch import BoundLaunch, cached_plan, plan_key
 from .memory import new_output
 from .split import SplitPlan, chunk_rows, last_chunk, store_chunk_merge
@@ -106,15 +105,12 @@ def _attn_fwd_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
     Hq, BH, groups, Nq, Nk, item_stride_b, item_stride_h,
-    copy_stride_b, copy_stride_h, copies, qk_scale, head_group, prefetch_ahead,
+    copy_stride_b, copy_stride_h, copies, qk_scale, head_group,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr,
 ):
-    """One program per query tile of one (batch, head), or per chunk of a split row. PREFETCH_LINES > 0
-    (sparse only, an experiment): also ask L2 for the query tile of program pid + prefetch_ahead, whose rows
-    are PREFETCH_LINES lines of 128 bytes."""
+    """One program per query tile of one (batch, head), or per chunk of a split row."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     b, h, tile, item, valid = schedule(tl.program_id(0), tl.num_programs(0), Hq, BH, RowItems, RowLead, item_stride_b,
                                        item_stride_h, 1, tl.cdiv(Nq, BLOCK_M), head_group, MASK_BLOCK_Q, BLOCK_M, DENSE,
@@ -132,18 +128,6 @@ def _attn_fwd_kernel(
         K += b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
         V += b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
     q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    if PREFETCH_LINES > 0:
-        later = tl.program_id(0) + prefetch_ahead
-        lb, lh, ltile, _, lvalid = schedule(tl.minimum(later, tl.num_programs(0) - 1), tl.num_programs(0), Hq, BH,
-                                            RowItems, RowLead, item_stride_b, item_stride_h, 1, tl.cdiv(Nq, BLOCK_M),
-                                            head_group, MASK_BLOCK_Q, BLOCK_M, DENSE, CAUSAL)
-        lrows = ltile * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-        line_cols = tl.arange(0, PREFETCH_LINES) * (1024 // Q.dtype.element_ty.primitive_bitwidth)  # (LINES,)
-        q_later = (Q - b.to(tl.int64) * stride_qb - h.to(tl.int64) * stride_qh + lb.to(tl.int64) * stride_qb
-                   + lh.to(tl.int64) * stride_qh)
-        lok = lvalid & (later < tl.num_programs(0)) & (lrows < Nq)  # (BLOCK_M,)
-        prefetch_l2(q_later + lrows[:, None] * stride_qm + line_cols[None, :],
-                    lok[:, None] & (line_cols[None, :] < HEAD_DIM))  # (BLOCK_M, LINES)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -222,7 +206,6 @@ class _FwdPlan:
         self.out_shape, self.lse_shape, self.dtype, self.device = q.shape, (B, Hq, Nq), q.dtype, q.device
         # Outputs are allocated contiguous, so their strides follow from the shape.
         out_strides = (Hq * Nq * D, Nq * D, D)
-        ahead = 0 if dense or interpreting() else prefetch_q()
         self.kernel = BoundLaunch(
             _attn_fwd_kernel, grid,
             (
@@ -231,13 +214,12 @@ class _FwdPlan:
                 Hq, B * Hq, Hq // Hkv, Nq, Nk,
                 *self.split.item_strides,
                 *self.split.copy_strides, self.split.copies,
-                scale * LOG2E, schedule_heads(2 * Nk * D * k.element_size() // (Hq // Hkv), B * Hq), ahead,
+                scale * LOG2E, schedule_heads(2 * Nk * D * k.element_size() // (Hq // Hkv), B * Hq),
             ),
             dict(
                 HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 MASK_BLOCK_Q=block_q, MASK_BLOCK_K=block_k,
                 CAUSAL=causal, DENSE=dense, DOT_PRECISION=dot_precision(q.dtype), TMA=self.tma,
-                PREFETCH_LINES=max(1, block_d(D) * q.element_size() // 128) if ahead else 0,
             ),
             cfg.num_warps, cfg.num_stages, cfg.maxnreg,
         )
@@ -265,6 +247,6 @@ def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float, plans: d
     Returns:
         `(out, lse)`: out like q, lse float32 `(B, Hq, Nq)` natural log.
     """
-    key = plan_key((q, k, v), "fwd", causal, scale, tma_enabled(), prefetch_q())
+    key = plan_key((q, k, v), "fwd", causal, scale, tma_enabled())
     plan = cached_plan(plans, key, lambda: _FwdPlan(q, k, v, index, mask_geometry, causal, scale))
     return plan(q, k, v)
