@@ -48,9 +48,10 @@ def compile_report(kernel, constexprs: dict, warps: int, stages: int, descriptor
 
 def forward_rows(D: int):
     """(label, kernel, constexprs, warps, stages, descriptors) of the forward for sparse, dense and causal rows."""
-    for label, dense, causal in (("sparse", False, False), ("dense", True, False), ("dense causal", True, True)):
+    for label, dense, causal, long_lists in (("sparse", False, False, False), ("sparse long", False, False, True),
+                                             ("dense", True, False, False), ("dense causal", True, True, False)):
         block = None if dense else 128
-        cfg = fwd_config(D, torch.bfloat16, block, block, causal, 65536)
+        cfg = fwd_config(D, torch.bfloat16, block, block, causal, 65536, long_lists)
         cx = dict(HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   MASK_BLOCK_Q=block or cfg.block_m, MASK_BLOCK_K=block or cfg.block_n, CAUSAL=causal, DENSE=dense,
                   DOT_PRECISION="tf32", TMA=cfg.tma)

@@ -200,8 +200,9 @@ def tune_rows(args):
         shape = {"B": B, "H": H, "N": N}
         mask = _mask(name, N)
         block = None if name == "dense" else 128
-        defaults = {"fwd": tuple(current["fwd"](D, torch.bfloat16, block, block, causal, N)),
-                    "bwd": tuple(current["bwd"](D, torch.bfloat16, block, block, causal, mask.has_long_lists(causal)))}
+        long_lists = mask.has_long_lists(causal)
+        defaults = {"fwd": tuple(current["fwd"](D, torch.bfloat16, block, block, causal, N, long_lists)),
+                    "bwd": tuple(current["bwd"](D, torch.bfloat16, block, block, causal, long_lists))}
         # candidates with TMA descriptor loads; the backward also with pointer loads (their default at D = 64)
         chosen = [tuple(int(x) for x in c.split(",")) for c in args.cands.split(";")] if args.cands else None
         # a fifth number of a forward candidate caps its registers per thread (FwdConfig.maxnreg)
@@ -278,7 +279,7 @@ ORDER_TILE_ROWS = [r for r in ORDER_ROWS if r[5] in ("local", "butterfly", "rand
 def _default_cfgs(D, N, mask):
     from sparse_flash.kernels import configs
 
-    return {"fwd": tuple(configs.fwd_config(D, torch.bfloat16, 128, 128, False, N)),
+    return {"fwd": tuple(configs.fwd_config(D, torch.bfloat16, 128, 128, False, N, mask.has_long_lists(False))),
             "bwd": tuple(configs.bwd_config(D, torch.bfloat16, 128, 128, False, mask.has_long_lists(False)))[:6]}
 
 

@@ -98,6 +98,23 @@ def test_triton_mask_block_sizes(block):
     check(p, torch.float16, "triton")
 
 
+@needs_triton
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_long_lists_take_the_dense_tiles(split):
+    """Rows averaging 16 blocks or more (`BlockMask.has_long_lists`) run the forward on the dense kernel's
+    128 x 128 tiles at D = 128 in 16-bit dtypes (`configs.fwd_config`), partial tail blocks included, and
+    with every list cut into chunks that the last one merges."""
+    from sparse_flash.kernels import configs, fwd
+
+    p = Problem(1, 2, 1, 2200, 2100, 96, 128, 128, "random", 0.97, False, 9)
+    chosen = []
+    with pytest.MonkeyPatch.context() as mp, fresh_plans(), split_every_list() if split else contextlib.nullcontext():
+        assert p.mask(DEVICE).has_long_lists(False)
+        mp.setattr(fwd, "fwd_config", lambda *a: chosen.append(configs.fwd_config(*a)) or chosen[-1])
+        check(p, torch.float16, "triton")
+    assert [(c.block_m, c.block_n, c.num_warps) for c in chosen] == [(128, 128, 8)]
+
+
 @pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_empty_rows_give_zero_output_minus_inf_lse_and_zero_gradients(backend, causal):

@@ -26,7 +26,7 @@ STREAMED = {"fwd": ("K", "V"), "dq": ("K", "V"), "dkdv": ("Q", "DO")}  # TMA des
 
 def cases():
     """(name, kernel, constexprs, descriptors, options) for every kernel and path, and the forward at the
-    library's own dense D=64 settings (a register cap)."""
+    library's own dense D=64 settings (a register cap) and long-list D=128 settings (the dense tiles)."""
     import torch
 
     from sparse_flash.kernels import bwd, fwd
@@ -47,6 +47,11 @@ def cases():
     yield (f"fwd dense D=64 {tuple(cfg)}", fwd._attn_fwd_kernel,
            dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BLOCK_Q=cfg.block_m,
                 MASK_BLOCK_K=cfg.block_n, CAUSAL=False, DENSE=True, DOT_PRECISION="tf32", TMA=True),
+           STREAMED["fwd"], dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg))
+    cfg = fwd_config(128, torch.bfloat16, 128, 128, False, 16384, long_lists=True)
+    yield (f"fwd sparse long lists D=128 {tuple(cfg)}", fwd._attn_fwd_kernel,
+           dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BLOCK_Q=128,
+                MASK_BLOCK_K=128, CAUSAL=False, DENSE=False, DOT_PRECISION="tf32", TMA=True),
            STREAMED["fwd"], dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg))
 
 

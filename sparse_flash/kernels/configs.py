@@ -60,7 +60,7 @@ LONG_CAUSAL = 16384  # from this length on, D <= 64: wide dense causal forward t
 
 
 def fwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: int | None,
-               causal: bool = False, seq_len_q: int = 0) -> FwdConfig:
+               causal: bool = False, seq_len_q: int = 0, long_lists: bool = False) -> FwdConfig:
     """Forward tiles for one problem; `block_q`/`block_k` are the mask's (None for the dense path).
 
     Measured on an H200 (bf16; benchmarks/NOTES.md): the dense non-causal path wants the largest tiles;
@@ -71,6 +71,10 @@ def fwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
     128 x 128 programs of 8 warps are held to 128 registers, so that two fit on an SM: 5-7% faster than
     128 x 64 tiles without the cap, and 6-10% when causal at 65,536 tokens (NOTES step 33). K and V stream
     through TMA descriptors: 5-12% faster than pointer loads at D = 128, within -0.4% to +4% at D = 64.
+    Sparse rows with long lists (16 blocks or more on average, `BlockMask.has_long_lists`) in 16-bit
+    dtypes, with mask blocks of 128 or more, take the dense 128 x 128 tiles at D = 128: they walk each
+    block at the dense kernel's rate (14.5-14.9 ns per 128 x 128 block against 16.3-16.9 for 64 x 64 at
+    16,384 tokens) for about 20 us more per call, 6-10% faster from 16 blocks per row on (NOTES step 38).
     """
     d = block_d(head_dim)
     dense = block_q is None
@@ -83,7 +87,8 @@ def fwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
         else:
             m, n, warps, stages = 64, 64, 4, 3
     elif d <= 128:
-        m, n, warps, stages = (128, 128, 8, 3) if dense else (64, 64, 4, 3)
+        wide = dense or (long_lists and dtype != torch.float32 and block_q % 128 == 0 and block_k % 128 == 0)
+        m, n, warps, stages = (128, 128, 8, 3) if wide else (64, 64, 4, 3)
     else:
         m, n, warps, stages = 64, 32, 4, 2
     if dtype == torch.float32:  # twice the bytes per element: smaller tiles and a shallower pipeline

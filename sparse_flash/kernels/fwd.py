@@ -190,7 +190,8 @@ class _FwdPlan:
         Hkv, Nk = k.shape[1], k.shape[2]
         dense = len(index) == 0
         Bm, Hm, Mq, Mk, block_q, block_k, long_lists = mask_geometry
-        cfg = fwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k, causal, Nq)
+        cfg = fwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k, causal, Nq,
+                         bool(long_lists))
         if dense:
             block_q, block_k = cfg.block_m, cfg.block_n
             self.split = SplitPlan(q.device)
