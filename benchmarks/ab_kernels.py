@@ -35,7 +35,17 @@ ROWS = [(4, 16, 16, 4096, 128, m, False) for m in ("dense", "local", "butterfly"
     (4, 16, 16, 4096, 128, "dense", True), (4, 32, 8, 4096, 128, "butterfly", False)] + [
     (1, 16, 16, 16384, 128, m, False) for m in ("dense", "local", "butterfly", "random", "bigbird", "longformer")] + [
     (1, 8, 8, 65536, 64, m, False) for m in ("dense", "local", "butterfly", "random", "bigbird", "longformer")] + [
-    (4, 16, 16, 4096, 64, m, False) for m in ("butterfly", "random")]
+    (4, 16, 16, 4096, 64, m, False) for m in ("butterfly", "random")] + [
+    (1, 16, 16, 16384, 128, "local16", False)]  # long lists at D=128: 31 blocks per row (NOTES step 39)
+
+
+def row_mask(name: str, N: int):
+    """The benchmark's mask of that name, or for `local<w>` a local mask of window w (block 128)."""
+    if name.startswith("local") and name[5:].isdigit():
+        from sparse_flash import masks
+
+        return masks.local(N, 128, window=int(name[5:]), device="cuda")
+    return build_mask(name, N, "cuda")[0]
 
 
 def load_base(path: str):
@@ -132,7 +142,7 @@ def main():
     results = []
     chosen = [r for r in ROWS if args.rows is None or any(part in str(r) for part in args.rows.split("|"))]
     for B, Hq, Hkv, N, D, name, causal in chosen:
-        mask = build_mask(name, N, "cuda")[0]
+        mask = row_mask(name, N)
         margs = {tag: kernel_args(masks[tag](mask), causal) for tag in versions}  # (rows, index, geometry)
         gen = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype, generator=gen)
