@@ -71,6 +71,50 @@ def test_register_cap_reaches_triton_and_keys_the_cache(fast):
     assert "maxnreg" not in kernel.log[2][3]
 
 
+class OutOfResources(Exception):
+    """Shaped like Triton's: what ran out is in `name`."""
+
+    def __init__(self, required, limit, name):
+        super().__init__(f"out of resource: {name}, Required: {required}, Hardware limit: {limit}")
+        self.name = name
+
+
+class SmallGPUKernel(FakeKernel):
+    """A kernel that needs 60 KB of shared memory per pipeline stage on a GPU with `limit` KB."""
+
+    def __init__(self, limit, resource="shared memory"):
+        super().__init__()
+        self.limit, self.resource = limit, resource
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            self.log.append(("normal", grid, args, kw))
+            if 60 * kw["num_stages"] > self.limit:
+                raise OutOfResources(60 * kw["num_stages"], self.limit, self.resource)
+            return FakeCompiled(self.log)
+        return run
+
+
+@pytest.mark.parametrize("interpreting", [False, True], ids=["fast", "normal path"])
+def test_a_pipeline_too_deep_for_the_gpu_runs_with_fewer_stages(fast, monkeypatch, interpreting):
+    monkeypatch.setattr(launch_mod, "_interpreting", lambda: interpreting)
+    kernel, x = SmallGPUKernel(limit=130), torch.zeros(64)
+    cx = {"BLOCK": 16, "FLAG": True}
+    launch_mod.launch(kernel, (1,), (x, 32, 1.0), cx, 4, 3)
+    assert [entry[3]["num_stages"] for entry in kernel.log] == [3, 2]  # 180 KB, then 120 KB
+    launch_mod.launch(kernel, (1,), (x, 32, 1.0), cx, 4, 3)  # the kernel that fits, kept under the call's key
+    assert kinds(kernel)[2:] == (["normal", "normal"] if interpreting else ["direct"])
+
+
+@pytest.mark.parametrize("limit, resource", [(50, "shared memory"), (500, "threads")])
+def test_launches_that_cannot_fit_raise_tritons_error(fast, limit, resource):
+    """One stage that does not fit, or another resource short: Triton's error reaches the caller."""
+    kernel, x = SmallGPUKernel(limit, resource), torch.zeros(64)
+    with pytest.raises(OutOfResources, match=resource):
+        launch_mod.launch(kernel, (1,), (x, 32, 1.0), {"BLOCK": 16, "FLAG": True}, 4, 3 if limit == 50 else 9)
+    assert kernel.log[-1][3]["num_stages"] == (1 if limit == 50 else 9)
+
+
 @pytest.mark.parametrize("change", ["int value", "alignment", "dtype", "constexpr", "warps", "disabled", "hook"])
 def test_anything_triton_specialises_on_takes_the_normal_path(fast, monkeypatch, change):
     kernel, x = FakeKernel(), torch.zeros(64)

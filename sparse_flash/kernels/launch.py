@@ -70,7 +70,7 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
             compiled.run(grid[0], 1, 1, _raw_stream(device), compiled.function, compiled.packed_metadata, None, None,
                          None, *args, *constexprs.values())
             return compiled
-        compiled = kernel[grid](*args, **constexprs, **_options(num_warps, num_stages, maxnreg))
+        compiled = _compile_and_launch(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg)
         if hasattr(compiled, "result"):  # a compile still in flight
             compiled = compiled.result()
         if hasattr(compiled, "packed_metadata"):
@@ -80,8 +80,23 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
             _CACHE[key] = compiled
             return None if _hooks_installed() else compiled
         return None
-    kernel[grid](*args, **constexprs, **_options(num_warps, num_stages, maxnreg))
+    _compile_and_launch(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg)
     return None
+
+
+def _compile_and_launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int,
+                        maxnreg: int):
+    """Triton's normal launch path. The tile settings are tuned on an H200 (228 KB of shared memory per
+    SM); on a GPU with less, a kernel whose pipeline does not fit runs with fewer stages (each stage holds
+    one set of streamed tiles), down to one, the only setting that changes: results are the same. If one
+    stage does not fit either, Triton's error says how much shared memory the kernel needs."""
+    while True:
+        try:
+            return kernel[grid](*args, **constexprs, **_options(num_warps, num_stages, maxnreg))
+        except Exception as error:
+            if num_stages <= 1 or getattr(error, "name", None) != "shared memory":  # Triton's OutOfResources
+                raise
+            num_stages -= 1
 
 
 def _options(num_warps: int, num_stages: int, maxnreg: int) -> dict:
