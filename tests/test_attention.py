@@ -115,6 +115,18 @@ def test_long_lists_take_the_dense_tiles(split):
     assert [(c.block_m, c.block_n, c.num_warps) for c in chosen] == [(128, 128, 8)]
 
 
+@pytest.mark.parametrize("seq_len, long_lists, dtype, block, wide", [
+    (16384, False, torch.bfloat16, 128, True), (4096, True, torch.float16, 256, True),
+    (4096, False, torch.bfloat16, 128, False), (16384, False, torch.float32, 128, False),
+    (16384, True, torch.bfloat16, 64, False)])
+def test_sparse_forward_at_d128_takes_the_dense_tiles_on_long_lists_or_long_sequences(seq_len, long_lists, dtype,
+                                                                                      block, wide):
+    from sparse_flash.kernels import configs
+
+    cfg = configs.fwd_config(128, dtype, block, block, False, seq_len, long_lists)
+    assert ((cfg.block_m, cfg.block_n, cfg.num_warps) == (128, 128, 8)) == wide
+
+
 @pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_empty_rows_give_zero_output_minus_inf_lse_and_zero_gradients(backend, causal):

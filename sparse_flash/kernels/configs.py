@@ -57,6 +57,7 @@ def block_d(head_dim: int) -> int:
 
 
 LONG_CAUSAL = 16384  # from this length on, D <= 64: wide dense causal forward tiles, two-stage sparse ones
+LONG_SPARSE = 16384  # from this length on, D = 128: sparse forward rows on the dense kernel's tiles
 
 
 def fwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: int | None,
@@ -71,10 +72,12 @@ def fwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
     128 x 128 programs of 8 warps are held to 128 registers, so that two fit on an SM: 5-7% faster than
     128 x 64 tiles without the cap, and 6-10% when causal at 65,536 tokens (NOTES step 33). K and V stream
     through TMA descriptors: 5-12% faster than pointer loads at D = 128, within -0.4% to +4% at D = 64.
-    Sparse rows with long lists (16 blocks or more on average, `BlockMask.has_long_lists`) in 16-bit
-    dtypes, with mask blocks of 128 or more, take the dense 128 x 128 tiles at D = 128: they walk each
-    block at the dense kernel's rate (14.5-14.9 ns per 128 x 128 block against 16.3-16.9 for 64 x 64 at
-    16,384 tokens) for about 20 us more per call, 6-10% faster from 16 blocks per row on (NOTES step 38).
+    Sparse rows at D = 128 in 16-bit dtypes, with mask blocks of 128 or more, take the dense 128 x 128
+    tiles when their lists are long (16 blocks or more on average, `BlockMask.has_long_lists`) or the
+    queries number 16,384 or more: those tiles walk each block at the dense kernel's rate (14.5-14.9 ns per
+    128 x 128 block against 16.3-16.9 for 64 x 64 at 16,384 tokens) for about 20 us more per call; 9-12%
+    faster at 31 blocks per row, 2-10% on the benchmark's masks at 16,384 tokens (NOTES steps 38 and 40).
+    Shorter sequences with short lists keep 64 x 64 tiles (the 4,096-token rows: -6% to +7% by mask).
     """
     d = block_d(head_dim)
     dense = block_q is None
@@ -87,7 +90,8 @@ def fwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
         else:
             m, n, warps, stages = 64, 64, 4, 3
     elif d <= 128:
-        wide = dense or (long_lists and dtype != torch.float32 and block_q % 128 == 0 and block_k % 128 == 0)
+        wide = dense or ((long_lists or seq_len_q >= LONG_SPARSE) and dtype != torch.float32
+                         and block_q % 128 == 0 and block_k % 128 == 0)
         m, n, warps, stages = (128, 128, 8, 3) if wide else (64, 64, 4, 3)
     else:
         m, n, warps, stages = 64, 32, 4, 2
