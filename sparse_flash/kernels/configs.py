@@ -35,6 +35,23 @@ class BwdConfig(NamedTuple):
     dq_maxnreg: int = 0  # the dQ pass's
 
 
+_HOPPER_FWD = [os.environ.get("SPARSE_FLASH_HOPPER_FWD", "1") != "0"]
+
+
+def set_hopper_forward(enabled: bool) -> bool:
+    """Allow or forbid the warp-specialised Hopper forward (`fwd_hopper.py`) where it serves a call; off,
+    the Triton forward (`fwd.py`) runs every call (also `SPARSE_FLASH_HOPPER_FWD=0`). Returns the previous
+    setting."""
+    previous = _HOPPER_FWD[0]
+    _HOPPER_FWD[0] = bool(enabled)
+    return previous
+
+
+def hopper_forward_enabled() -> bool:
+    """The current `set_hopper_forward` setting."""
+    return _HOPPER_FWD[0]
+
+
 MIN_TILE = 16  # tl.dot needs every dimension to be at least 16
 
 

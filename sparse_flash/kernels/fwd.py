@@ -10,12 +10,14 @@ never leave the chip.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from .common import LOG2E, dot_precision, item_ranges, list_tile_start, load_unmasked_rows, schedule, store_rows
-from .configs import block_d, fwd_config, schedule_heads
+from .configs import block_d, fwd_config, hopper_forward_enabled, interpreting, schedule_heads
 from .launch import BoundLaunch, cached_plan, plan_key
 from .memory import new_output
 from .split import SplitPlan, chunk_rows, last_chunk, store_chunk_merge
@@ -235,8 +237,27 @@ class _FwdPlan:
         return out, lse
 
 
+@functools.cache
+def _hopper_module():
+    """`fwd_hopper` (the warp-specialised forward), or None where this Triton has no Gluon."""
+    try:
+        from . import fwd_hopper
+    except (ImportError, AttributeError):  # no Gluon, or one older than the kernel's names
+        return None
+    return fwd_hopper
+
+
+def _hopper_forward():
+    """`fwd_hopper` where it may serve calls: allowed (`set_hopper_forward`), not under the interpreter
+    (Gluon kernels do not run there), and importable."""
+    if not hopper_forward_enabled() or interpreting():
+        return None
+    return _hopper_module()
+
+
 def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float, plans: dict | None = None):
-    """Launch the forward kernel (split rows included: their last chunks combine them).
+    """Launch the forward kernel (split rows included: their last chunks combine them). On an H100 or
+    H200, the calls that `fwd_hopper.supported` accepts run the warp-specialised kernel of `fwd_hopper.py`.
 
     Args:
         q: `(B, Hq, Nq, D)`; k, v: `(B, Hkv, Nk, D)`; last dimension contiguous.
@@ -248,6 +269,9 @@ def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float, plans: d
     Returns:
         `(out, lse)`: out like q, lse float32 `(B, Hq, Nq)` natural log.
     """
+    hopper = _hopper_forward()
+    if hopper is not None and hopper.supported(q, k, v, index, mask_geometry, causal):
+        return hopper.attn_fwd_hopper(q, k, v, index, mask_geometry, scale, plans)
     key = plan_key((q, k, v), "fwd", causal, scale, tma_enabled())
     plan = cached_plan(plans, key, lambda: _FwdPlan(q, k, v, index, mask_geometry, causal, scale))
     return plan(q, k, v)

@@ -1,0 +1,358 @@
+"""Forward kernel for Hopper GPUs with producer and consumer warps, written in Gluon.
+
+Gluon is Triton's lower-level dialect: shared-memory buffers, barriers, layouts and warp roles are
+spelled out. This kernel runs one resident program per SM, each looping over work items (a query tile of
+one (batch, head) and its list of key blocks). Inside a program:
+
+- one *load* warp issues TMA copies: the next item's Q tile into one of two Q buffers, and K and V tiles
+  into rings of K_BUFFERS and V_BUFFERS buffers, each signalled on an mbarrier when it lands;
+- two *compute* warpgroups (4 warps each), one per half of the item's 128 query rows, run S = Q K^T and
+  O += P V on the tensor cores (`warpgroup_mma`) with the online softmax between them, release each K
+  and V buffer and the Q buffer as soon as the products that read them are done, and store O and the
+  log-sum-exp. The two warpgroups share the K and V tiles but do not wait for each other, so one's
+  softmax runs while the other's products do.
+
+The load warp runs ahead of the products, across items: the next item's Q and first K/V tiles arrive
+while this item's last products and its store run, which the one-item-per-program kernel (`fwd.py`)
+cannot overlap (benchmarks/NOTES.md, step 37: about 70 us per call at 16,384 tokens, D = 128).
+
+It serves the calls it was written for (`supported`), and `fwd.py` serves everything else: 16-bit
+inputs, D = 128, no causal mask, both sequence lengths multiples of 128 and of the mask's blocks (so
+every block is full: no element masks), mask blocks multiples of 128, lists that the mask's work plan
+does not split, contiguous tensors, and a GPU of compute capability 9.0 (H100, H200). Importing this
+module needs a Triton with Gluon (3.5 or newer); `fwd.py` imports it only when it can.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
+                                                                 warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .common import LOG2E
+from .launch import cached_plan, plan_key
+from .memory import new_output
+
+BLOCK = 128  # query rows per item and key rows per K/V stage
+K_BUFFERS, V_BUFFERS = 2, 3  # K and V tiles in flight per program: with two Q buffers, 224 KB at D = 128
+ITEM_WIDTH = gl.constexpr(4)  # an item record: (first Q/O/LSE row, first K/V row of its head, list start, list end)
+FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)  # which query rows a compute warpgroup takes
+HEAVY_FACTOR = 4  # items with lists longer than this many times the mean start first
+LOAD_REGS = 24  # registers per thread of the load warp
+COMPUTE_REGS = 224  # registers per thread of the second compute warpgroup (the first gets what is left: 256)
+MAX_REGS = 168  # registers per thread of the whole program (12 warps: 8 compute, 4 for the load warp's group)
+
+
+# Names that changed after Triton 3.6: a barrier among the warps of one partition, and a TMA load.
+_partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                    v_empty, Items, Idx, n_items, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr):
+    """The load warp: for each of this program's items, Q into a free Q buffer, then every K and V tile of
+    the item's list into the next free buffers of the K and V rings. Waits only for buffers to be freed."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    K_STAGES: gl.constexpr = k_smem.type.shape[0]
+    V_STAGES: gl.constexpr = v_smem.type.shape[0]
+    t = 0  # K/V tiles issued so far (ring positions)
+    c = 0  # items issued so far (Q buffer position)
+    for it in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        rec = Items + it * ITEM_WIDTH
+        q_row = gl.load(rec)
+        kv_row = gl.load(rec + 1)
+        lo = gl.load(rec + 2)
+        hi = gl.load(rec + 3)
+        qb = c % 2
+        # Barriers start with phase 1 complete: the first wait on a free buffer passes at once.
+        mbarrier.wait(q_empty.index(qb), ((c // 2) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_row, 0], q_ready.index(qb), q_smem.index(qb))
+        for j in range(lo * SUB, hi * SUB):
+            if DENSE:
+                start = kv_row + j * BLOCK_N
+            else:
+                start = kv_row + gl.load(Idx + j // SUB) * MASK_BLOCK_K + (j % SUB) * BLOCK_N
+            sk = t % K_STAGES
+            mbarrier.wait(k_empty.index(sk), ((t // K_STAGES) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(sk), k_desc.block_type.nbytes)
+            _tma_load(k_desc, [start, 0], k_ready.index(sk), k_smem.index(sk))
+            sv = t % V_STAGES
+            mbarrier.wait(v_empty.index(sv), ((t // V_STAGES) & 1) ^ 1)
+            mbarrier.expect(v_ready.index(sv), v_desc.block_type.nbytes)
+            _tma_load(v_desc, [start, 0], v_ready.index(sv), v_smem.index(sv))
+            t += 1
+        c += 1
+
+
+@gluon.jit
+def _release(bar, pred=True):
+    """Free a buffer once every warp of this warpgroup is past its last read (the arrive is one thread's)."""
+    _partition_barrier()
+    mbarrier.arrive(bar, count=1, pred=pred)
+
+
+@gluon.jit
+def _issue_qk(q, k_smem, k_ready, t, zero_s):
+    """Start S = Q K^T for K tile number t of the ring (asynchronous: wait before reading it)."""
+    K_STAGES: gl.constexpr = k_smem.type.shape[0]
+    sk = t % K_STAGES
+    mbarrier.wait(k_ready.index(sk), (t // K_STAGES) & 1)
+    return warpgroup_mma(q, k_smem.index(sk).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _softmax(qk, m_i, l_i, qk_scale):
+    """Online softmax of one score tile, log2 units: (p, alpha, m_new, l_new). Every block is full, so
+    every score is finite."""
+    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)  # (BLOCK_M,)
+    p = gl.exp2(qk * qk_scale - m_new[:, None])  # (BLOCK_M, BLOCK_N); scale and shift in one multiply-add
+    alpha = gl.exp2(m_i - m_new)  # (BLOCK_M,) rescales what was accumulated under the old maximum
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows: gl.constexpr, p_layout: gl.constexpr):
+    """Rescale O and start O += P V for V tile number t of the ring (asynchronous)."""
+    V_STAGES: gl.constexpr = v_smem.type.shape[0]
+    sv = t % V_STAGES
+    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+    p16 = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+    mbarrier.wait(v_ready.index(sv), (t // V_STAGES) & 1)
+    return warpgroup_mma(p16, v_smem.index(sv), acc, is_async=True)
+
+
+@gluon.jit
+def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Lse, Items,
+                       n_items, qk_scale, SUB: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
+    """The compute warps: the online softmax over each item's K/V tiles, then O and the log-sum-exp.
+
+    The products are pipelined one tile deep: while the softmax of tile j runs on the CUDA cores, the
+    tensor cores compute S for tile j + 1 and then O += P V for tile j - 1 finishes, so neither unit
+    waits for the other (the order FlashAttention-3 uses within a warpgroup).
+    """
+    BLOCK_M: gl.constexpr = q_smem.type.shape[1] // 2  # this warpgroup's half of the item's query rows
+    HEAD_D: gl.constexpr = q_smem.type.shape[2]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    K_STAGES: gl.constexpr = k_smem.type.shape[0]
+    V_STAGES: gl.constexpr = v_smem.type.shape[0]
+    # wgmma accumulators: rows split over the warps (16 rows each), k = 16 for 16-bit operands
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)  # (BLOCK_M, BLOCK_N), unused (use_acc=False)
+    offs_m = gl.arange(0, BLOCK_M, layout=s_rows)  # (BLOCK_M,)
+    offs_mo = gl.arange(0, BLOCK_M, layout=o_rows)  # (BLOCK_M,)
+    offs_d = gl.arange(0, HEAD_D, layout=o_cols)  # (HEAD_D,)
+    t = 0  # K/V tiles consumed so far (ring positions, as in the load warp)
+    c = 0
+    for it in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        rec = Items + it * ITEM_WIDTH
+        q_row = gl.load(rec) + HALF * BLOCK_M
+        n_tiles = (gl.load(rec + 3) - gl.load(rec + 2)) * SUB
+        qb = c % 2
+        mbarrier.wait(q_ready.index(qb), (c // 2) & 1)
+        q = q_smem.index(qb).slice(HALF * BLOCK_M, BLOCK_M)  # (BLOCK_M, HEAD_D) in shared memory
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, s_rows)  # running max, log2 units
+        l_i = gl.zeros([BLOCK_M], gl.float32, s_rows)  # running sum of exp2
+        acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)  # (BLOCK_M, HEAD_D) unnormalised O
+        if n_tiles > 0:
+            qk = _issue_qk(q, k_smem, k_ready, t, zero_s)
+            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))  # (BLOCK_M, BLOCK_N) scores of tile 0
+            _release(k_empty.index(t % K_STAGES))
+            acc = warpgroup_mma_init(acc)  # carried through the loop as a product in flight
+            for j in range(n_tiles - 1):
+                qk_next = _issue_qk(q, k_smem, k_ready, t + 1, zero_s)
+                p, alpha, m_i, l_i = _softmax(qk, m_i, l_i, qk_scale)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # P V of tile j - 1 done
+                _release(v_empty.index((t + V_STAGES - 1) % V_STAGES), j > 0)
+                acc = _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                acc = warpgroup_mma_init(acc)
+                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk_next, ))  # S of tile j + 1 done
+                _release(k_empty.index((t + 1) % K_STAGES))
+                t += 1
+            _release(q_empty.index(qb))  # the item's last Q K^T is done: the next item's Q may load
+            p, alpha, m_i, l_i = _softmax(qk, m_i, l_i, qk_scale)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            _release(v_empty.index((t + V_STAGES - 1) % V_STAGES), n_tiles > 1)
+            acc = _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            _release(v_empty.index(t % V_STAGES))
+            t += 1
+        else:
+            _release(q_empty.index(qb))
+        c += 1
+        # Empty rows (no key block): output 0 and lse -inf, never 0/0.
+        empty = l_i == 0.0
+        l_safe = gl.where(empty, 1.0, l_i)
+        out = acc / gl.convert_layout(l_safe, o_rows)[:, None]  # (BLOCK_M, HEAD_D)
+        rows = q_row.to(gl.int64) + offs_mo
+        gl.store(Out + rows[:, None] * HEAD_D + offs_d[None, :], out.to(Out.dtype.element_ty))
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+        gl.store(Lse + q_row + offs_m, lse)
+
+
+@gluon.jit
+def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, Out, Lse, Items, Idx, n_items, qk_scale,
+                            SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr,
+                            K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, LOAD_WARP_REGS: gl.constexpr,
+                            COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """One resident program per SM; program p walks items p, p + programs, ... (`_FwdHopperPlan`)."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):  # a buffer is free once both compute warpgroups release it
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
+    for i in gl.static_range(K_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+    for i in gl.static_range(V_STAGES):
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=2)
+    gl.warp_specialize([
+        (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Lse,
+                              Items, n_items, qk_scale, SUB, FIRST_HALF, num_warps)),  # query rows [0, 64) of each item
+        (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Lse,
+                              Items, n_items, qk_scale, SUB, SECOND_HALF, num_warps)),  # query rows [64, 128)
+        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                           v_empty, Items, Idx, n_items, SUB, MASK_BLOCK_K, DENSE)),
+    ], [num_warps, 1], [COMPUTE_REGS, LOAD_WARP_REGS])
+
+
+def supported(q, k, v, index, mask_geometry, causal: bool) -> bool:
+    """Whether this kernel serves the call (see module); `fwd.py` serves the rest."""
+    if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
+        return False
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
+        return False
+    return shape_supported(q.shape, k.shape, q.dtype, index, mask_geometry, causal)
+
+
+def shape_supported(q_shape, k_shape, dtype, index, mask_geometry, causal: bool) -> bool:
+    """The part of `supported` that does not ask the GPU: dtype, shapes and the mask's blocks and lists.
+
+    D = 128 only: at D = 64 this kernel measured 0.91-1.01x the Triton kernel (benchmarks/NOTES.md, step
+    41). Masks whose work plan splits long lists (global rows) stay on `fwd.py`, which runs the chunks of
+    a long list on several SMs; here a list runs on one.
+    """
+    B, Hq, Nq, D = q_shape
+    Nk = k_shape[2]
+    if causal or dtype not in (torch.float16, torch.bfloat16) or D != 128:
+        return False
+    if Nq % BLOCK or Nk % BLOCK or B * Hq * Nq >= 2**31 or k_shape[0] * k_shape[1] * Nk >= 2**31:
+        return False
+    if len(index):
+        block_q, block_k = mask_geometry[4], mask_geometry[5]
+        if block_q % BLOCK or block_k % BLOCK or Nq % block_q or Nk % block_k:
+            return False
+        if index[8].shape[0]:  # `WorkPlan.split`: lists cut into chunks
+            return False
+    return True
+
+
+def _items(B, Hq, Hkv, Nq, Nk, dense, offsets, mask_geometry, device):
+    """int32 `(items, ITEM_WIDTH)` records, heavy lists first, then by (batch, head) and query tile: the
+    programs in flight work on neighbouring items, so they share one head's K and V in L2."""
+    tiles = Nq // BLOCK
+    b = torch.arange(B, device=device).view(B, 1, 1)
+    h = torch.arange(Hq, device=device).view(1, Hq, 1)
+    i = torch.arange(tiles, device=device).view(1, 1, tiles)
+    q_row = ((b * Hq + h) * Nq + i * BLOCK).expand(B, Hq, tiles)
+    kv_row = ((b * Hkv + h // (Hq // Hkv)) * Nk).expand(B, Hq, tiles)
+    if dense:
+        lo = torch.zeros_like(q_row)
+        hi = torch.full_like(q_row, Nk // BLOCK)
+    else:
+        Bm, Hm, Mq, _, block_q, _, _ = mask_geometry
+        row = ((b % Bm) * Hm + h % Hm) * Mq + (i * BLOCK) // block_q  # the mask row of each tile
+        row = row.expand(B, Hq, tiles)
+        lo, hi = offsets[row].long(), offsets[row + 1].long()
+    items = torch.stack([q_row, kv_row, lo, hi], -1).reshape(-1, ITEM_WIDTH.value)
+    length = items[:, 3] - items[:, 2]
+    heavy = length > HEAVY_FACTOR * length.float().mean()
+    order = torch.argsort((~heavy).to(torch.int8), stable=True)
+    return items[order].to(torch.int32).contiguous()
+
+
+def _num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class _FwdHopperPlan:
+    """What one call signature fixes: the item records, descriptor layouts, grid and constexprs."""
+
+    def __init__(self, q, k, v, index, mask_geometry, scale: float):
+        B, Hq, Nq, D = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        dense = len(index) == 0
+        offsets, self.idx = (None, None) if dense else (index[0], index[1])
+        self.items = _items(B, Hq, Hkv, Nq, Nk, dense, offsets, mask_geometry, q.device)
+        if dense:
+            self.idx = self.items
+        block_k = BLOCK if dense else mask_geometry[5]
+        gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+        self.layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], gl_dtype)
+        self.D = D
+        self.grid = (min(self.items.shape[0], _num_sms(q.device)), )
+        self.args = (self.items.shape[0], scale * LOG2E)
+        self.constexprs = dict(SUB=block_k // BLOCK, MASK_BLOCK_K=block_k, DENSE=dense, K_STAGES=K_BUFFERS,
+                               V_STAGES=V_BUFFERS, LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS)
+        self.out_shape, self.lse_shape, self.dtype, self.device = q.shape, (B, Hq, Nq), q.dtype, q.device
+
+    def __call__(self, q, k, v):
+        out = new_output(self.out_shape, self.dtype, self.device)
+        lse = new_output(self.lse_shape, torch.float32, self.device)
+        descs = [TensorDescriptor(t, [t.numel() // self.D, self.D], [self.D, 1], [BLOCK, self.D], self.layout)
+                 for t in (q, k, v)]
+        _attn_fwd_hopper_kernel[self.grid](*descs, out, lse, self.items, self.idx, *self.args, **self.constexprs,
+                                           num_warps=4, maxnreg=MAX_REGS)
+        return out, lse
+
+
+def attn_fwd_hopper(q, k, v, index, mask_geometry, scale: float, plans: dict | None = None):
+    """`fwd.attn_fwd` for the calls that `supported` accepts (never causal); same arguments and results."""
+    key = plan_key((q, k, v), "fwd_hopper", False, scale, True)
+    plan = cached_plan(plans, key, lambda: _FwdHopperPlan(q, k, v, index, mask_geometry, scale))
+    return plan(q, k, v)
+
+
+def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False):
+    """The kernel compiled for sm_90a on any machine (no GPU needed), as the launcher would launch it at
+    D = 128; for compile checks (tests/test_codegen.py)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    D = 128
+    name = "bf16" if dtype == torch.bfloat16 else "fp16"
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+    desc = f"tensordesc<{name}[{BLOCK},{D}],{layout!r}>"
+    sig = dict(q_desc=desc, k_desc=desc, v_desc=desc, Out=f"*{name}", Lse="*fp32", Items="*i32", Idx="*i32",
+               n_items="i32", qk_scale="fp32")
+    constexprs = dict(SUB=1, MASK_BLOCK_K=BLOCK, DENSE=dense, K_STAGES=K_BUFFERS, V_STAGES=V_BUFFERS,
+                      LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS, num_warps=4)
+    sig.update({n: "constexpr" for n in constexprs})
+    names = list(sig)
+    src = GluonASTSource(_attn_fwd_hopper_kernel, sig, {(names.index(n), ): v for n, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAX_REGS))

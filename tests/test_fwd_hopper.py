@@ -1,0 +1,75 @@
+"""The warp-specialised Hopper forward's host side, on the CPU: which calls it takes and the work items
+it walks. Its kernel runs on sm_90 GPUs only (tests/test_gpu.py); tests/test_codegen.py compiles it."""
+
+import pytest
+import torch
+
+from sparse_flash import masks
+
+fwd_hopper = pytest.importorskip("sparse_flash.kernels.fwd_hopper", exc_type=ImportError)
+
+
+def call(mask, B=1, Hq=4, Hkv=4, N=1024, D=128, causal=False):
+    """shape_supported's arguments for a call with this mask (None: dense)."""
+    index = [] if mask is None else mask.kernel_index(causal).rows()
+    geometry = [1, 1, 1, 1, 128, 128, 0] if mask is None else [*mask.shape, *mask.block_size, 0]
+    return (B, Hq, N, D), (B, Hkv, N, D), index, geometry
+
+
+@pytest.mark.parametrize("mask", [None, masks.butterfly(1024, 128), masks.local(1024, 256, window=1)],
+                         ids=["dense", "butterfly", "block256"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_takes_16_bit_d128_calls_with_whole_blocks(mask, dtype):
+    q_shape, k_shape, index, geometry = call(mask)
+    assert fwd_hopper.shape_supported(q_shape, k_shape, dtype, index, geometry, False)
+
+
+@pytest.mark.parametrize("case", ["causal", "fp32", "d64", "tail", "block64", "split_lists"])
+def test_leaves_other_calls_to_the_triton_forward(case):
+    mask = masks.butterfly(1024, 128)
+    q_shape, k_shape, index, geometry = call(mask)
+    dtype, causal = torch.bfloat16, False
+    if case == "causal":
+        causal = True
+    elif case == "fp32":
+        dtype = torch.float32
+    elif case == "d64":
+        q_shape, k_shape, index, geometry = call(mask, D=64)
+    elif case == "tail":
+        mask = masks.butterfly(1000, 128)
+        q_shape, k_shape, index, geometry = call(mask, N=1000)
+    elif case == "block64":
+        q_shape, k_shape, index, geometry = call(masks.butterfly(1024, 64))
+    else:  # a global row: the work plan cuts its list into chunks
+        mask = masks.bigbird(16384, 128, seed=0)
+        q_shape, k_shape, index, geometry = call(mask, N=16384)
+        assert index[8].shape[0] > 0
+    assert not fwd_hopper.shape_supported(q_shape, k_shape, dtype, index, geometry, causal)
+
+
+def test_work_items_cover_every_tile_once_heavy_lists_first():
+    """Records (first Q row, first K/V row, list start, list end) for GQA and a per-head mask of 256-token
+    blocks: every (batch, head, 128-row tile) once, with its head's K/V rows and its mask row's list."""
+    B, Hq, Hkv, N = 2, 4, 2, 4096
+    mask = masks.random(N, 256, density=0.05, seed=1, num_heads=Hq) | masks.global_(N, 256)
+    rows = mask.kernel_index(False).rows()
+    offsets = rows[0]
+    items = fwd_hopper._items(B, Hq, Hkv, N, N, False, offsets, [*mask.shape, *mask.block_size, 0], "cpu")
+    assert items.dtype == torch.int32 and items.shape == (B * Hq * N // 128, 4)
+    seen = set()
+    for q_row, kv_row, lo, hi in items.tolist():
+        bh, start = divmod(q_row, N)
+        b, h = divmod(bh, Hq)
+        assert start % 128 == 0 and kv_row == (b * Hkv + h // 2) * N
+        r = h * (N // 256) + start // 256  # mask row: one batch entry, per-head layouts
+        assert (lo, hi) == (int(offsets[r]), int(offsets[r + 1]))
+        seen.add((b, h, start))
+    assert len(seen) == items.shape[0]
+    length = (items[:, 3] - items[:, 2]).float()
+    heavy = length > fwd_hopper.HEAVY_FACTOR * length.mean()
+    assert heavy.any() and not (heavy[1:] & ~heavy[:-1]).any()  # heavy items come first
+
+
+def test_dense_items_walk_every_key_tile():
+    items = fwd_hopper._items(1, 2, 2, 512, 768, True, None, None, "cpu")
+    assert items[:, 2].eq(0).all() and items[:, 3].eq(768 // 128).all()
