@@ -56,12 +56,16 @@ def cases():
 
 
 def gluon_cases():
-    """(dtype, dense) of the warp-specialised Hopper forward (Gluon), or none where this Triton has no Gluon."""
+    """(dtype, dense, causal, mask block) of the warp-specialised Hopper forward (Gluon), or none where this
+    Triton has no Gluon."""
     import torch
 
     from sparse_flash.kernels import fwd
 
-    return [] if fwd._hopper_module() is None else [(torch.bfloat16, False), (torch.float16, True)]
+    if fwd._hopper_module() is None:
+        return []
+    return [(torch.bfloat16, False, False, 128), (torch.float16, True, False, 128), (torch.bfloat16, True, True, 128),
+            (torch.float16, False, True, 256)]
 
 
 def main() -> int:
@@ -79,10 +83,10 @@ def main() -> int:
         except Exception as e:
             failed += 1
             print(f"FAIL {name}: {type(e).__name__}: {e}")
-    for dtype, dense in gluon_cases():
-        name = f"hopper fwd {dtype} dense={dense}"
+    for dtype, dense, causal, block in gluon_cases():
+        name = f"hopper fwd {dtype} dense={dense} causal={causal} block={block}"
         try:
-            kernel = fwd._hopper_module().compile_sm90(dtype, dense)
+            kernel = fwd._hopper_module().compile_sm90(dtype, dense, causal, block)
             shared = kernel.metadata.shared
             assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
             print(f"ok {name} ({shared} bytes of shared memory)")

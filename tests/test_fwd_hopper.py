@@ -24,14 +24,19 @@ def test_takes_16_bit_d128_calls_with_whole_blocks(mask, dtype):
     assert fwd_hopper.shape_supported(q_shape, k_shape, dtype, index, geometry, False)
 
 
-@pytest.mark.parametrize("case", ["causal", "fp32", "d64", "tail", "block64", "split_lists"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_takes_causal_calls_dense_and_sparse(causal):
+    for mask in (None, masks.butterfly(1024, 128)):
+        q_shape, k_shape, index, geometry = call(mask, causal=causal)
+        assert fwd_hopper.shape_supported(q_shape, k_shape, torch.bfloat16, index, geometry, causal)
+
+
+@pytest.mark.parametrize("case", ["fp32", "d64", "tail", "block64", "split_lists"])
 def test_leaves_other_calls_to_the_triton_forward(case):
     mask = masks.butterfly(1024, 128)
     q_shape, k_shape, index, geometry = call(mask)
     dtype, causal = torch.bfloat16, False
-    if case == "causal":
-        causal = True
-    elif case == "fp32":
+    if case == "fp32":
         dtype = torch.float32
     elif case == "d64":
         q_shape, k_shape, index, geometry = call(mask, D=64)
@@ -54,15 +59,15 @@ def test_work_items_cover_every_tile_once_heavy_lists_first():
     mask = masks.random(N, 256, density=0.05, seed=1, num_heads=Hq) | masks.global_(N, 256)
     rows = mask.kernel_index(False).rows()
     offsets = rows[0]
-    items = fwd_hopper._items(B, Hq, Hkv, N, N, False, offsets, [*mask.shape, *mask.block_size, 0], "cpu")
-    assert items.dtype == torch.int32 and items.shape == (B * Hq * N // 128, 4)
+    items = fwd_hopper._items(B, Hq, Hkv, N, N, False, rows, [*mask.shape, *mask.block_size, 0], "cpu")
+    assert items.dtype == torch.int32 and items.shape == (B * Hq * N // 128, 6)
     seen = set()
-    for q_row, kv_row, lo, hi in items.tolist():
+    for q_row, kv_row, lo, hi, plo, phi in items.tolist():
         bh, start = divmod(q_row, N)
         b, h = divmod(bh, Hq)
         assert start % 128 == 0 and kv_row == (b * Hkv + h // 2) * N
         r = h * (N // 256) + start // 256  # mask row: one batch entry, per-head layouts
-        assert (lo, hi) == (int(offsets[r]), int(offsets[r + 1]))
+        assert (lo, hi) == (int(offsets[r]), int(offsets[r + 1])) and plo == phi  # no partial blocks
         seen.add((b, h, start))
     assert len(seen) == items.shape[0]
     length = (items[:, 3] - items[:, 2]).float()
@@ -71,5 +76,30 @@ def test_work_items_cover_every_tile_once_heavy_lists_first():
 
 
 def test_dense_items_walk_every_key_tile():
-    items = fwd_hopper._items(1, 2, 2, 512, 768, True, None, None, "cpu")
-    assert items[:, 2].eq(0).all() and items[:, 3].eq(768 // 128).all()
+    items = fwd_hopper._items(1, 2, 2, 512, 768, False, [], None, "cpu")
+    assert items[:, 2].eq(0).all() and items[:, 3].eq(768 // 128).all() and items[:, 4].eq(items[:, 5]).all()
+
+
+@pytest.mark.parametrize("Nk", [1024, 512])
+def test_dense_causal_items_end_on_the_diagonal_longest_first(Nk):
+    """Query tile i: key tiles [0, i) full and tile i on the diagonal (none past the keys' end)."""
+    Nq = 1024
+    items = fwd_hopper._items(1, 2, 2, Nq, Nk, True, [], None, "cpu")
+    key_tiles = Nk // 128
+    for q_row, kv_row, lo, hi, plo, phi in items.tolist():
+        i = (q_row % Nq) // 128
+        assert (lo, hi, plo, phi) == (0, min(i, key_tiles), min(i, key_tiles), min(i + 1, key_tiles))
+    length = items[:, 3] - items[:, 2] + items[:, 5] - items[:, 4]
+    assert (length[:-1] >= length[1:]).all()
+
+
+def test_sparse_causal_items_take_the_full_and_partial_lists():
+    N = 2048
+    mask = masks.butterfly(N, 256)
+    rows = mask.kernel_index(True).rows()
+    items = fwd_hopper._items(1, 2, 1, N, N, True, rows, [*mask.shape, *mask.block_size, 0], "cpu")
+    full_off, part_off = rows[0], rows[2]
+    assert int(part_off[-1]) > 0  # diagonal blocks
+    for q_row, kv_row, lo, hi, plo, phi in items.tolist():
+        r = (q_row % N) // 256
+        assert (lo, hi, plo, phi) == (int(full_off[r]), int(full_off[r + 1]), int(part_off[r]), int(part_off[r + 1]))

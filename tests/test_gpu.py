@@ -126,6 +126,7 @@ def test_inputs_on_a_gpu_other_than_the_current_one():
     assert not result.failures(), result.failures()
 
 
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 HOPPER_MASKS = {
     "dense": lambda n, h: masks.dense(n, 128, device="cuda"),
     "butterfly": lambda n, h: masks.butterfly(n, 128, device="cuda"),
@@ -134,14 +135,16 @@ HOPPER_MASKS = {
 }
 
 
-@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Hopper forward needs sm_90")
+@pytest.mark.skipif(not SM90, reason="the Hopper forward needs sm_90")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("mask_name", list(HOPPER_MASKS))
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
-def test_hopper_forward_serves_and_matches_reference(dtype, mask_name, heads, monkeypatch):
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_forward_serves_and_matches_reference(dtype, mask_name, heads, causal, monkeypatch):
     """The warp-specialised forward (`fwd_hopper.py`) takes these calls (D = 128, lengths multiples of 128,
-    rows with no block, blocks of 256, per-head layouts, GQA), and its outputs, log-sum-exp and the
-    gradients computed from them pass the 2x rule against the float64 reference, outputs NaN-poisoned."""
+    rows with no block, blocks of 256, per-head layouts, GQA; causal: the dense causal path and diagonal
+    blocks with element masks), and its outputs, log-sum-exp and the gradients computed from them pass
+    the 2x rule against the float64 reference, outputs NaN-poisoned."""
     from sparse_flash.kernels import fwd, fwd_hopper
     from sparse_flash.testing import compare_to_reference, make_qkv
 
@@ -151,13 +154,13 @@ def test_hopper_forward_serves_and_matches_reference(dtype, mask_name, heads, mo
     n = 1024
     mask = HOPPER_MASKS[mask_name](n, heads[0])
     q, k, v = make_qkv(2, *heads, n, n, 128, dtype=dtype, device="cuda", seed=7)
-    result = compare_to_reference(q, k, v, mask, backend="triton")
+    result = compare_to_reference(q, k, v, mask, causal=causal, backend="triton")
     assert not result.failures(), result.failures()
     assert served, "the Hopper forward did not serve the call"
     assert fwd._hopper_forward() is fwd_hopper
 
 
-@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the Hopper forward needs sm_90")
+@pytest.mark.skipif(not SM90, reason="the Hopper forward needs sm_90")
 def test_hopper_forward_switched_off_leaves_the_triton_forward(monkeypatch):
     from sparse_flash.kernels import configs, fwd_hopper
 

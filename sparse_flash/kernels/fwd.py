@@ -271,7 +271,7 @@ def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float, plans: d
     """
     hopper = _hopper_forward()
     if hopper is not None and hopper.supported(q, k, v, index, mask_geometry, causal):
-        return hopper.attn_fwd_hopper(q, k, v, index, mask_geometry, scale, plans)
+        return hopper.attn_fwd_hopper(q, k, v, index, mask_geometry, causal, scale, plans)
     key = plan_key((q, k, v), "fwd", causal, scale, tma_enabled())
     plan = cached_plan(plans, key, lambda: _FwdPlan(q, k, v, index, mask_geometry, causal, scale))
     return plan(q, k, v)

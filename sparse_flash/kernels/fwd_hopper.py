@@ -2,7 +2,8 @@
 
 Gluon is Triton's lower-level dialect: shared-memory buffers, barriers, layouts and warp roles are
 spelled out. This kernel runs one resident program per SM, each looping over work items (a query tile of
-one (batch, head) and its list of key blocks). Inside a program:
+one (batch, head) and its lists of key blocks: the full blocks, then the blocks on the causal diagonal,
+which take an element mask). Inside a program:
 
 - one *load* warp issues TMA copies: the next item's Q tile into one of two Q buffers, and K and V tiles
   into rings of K_BUFFERS and V_BUFFERS buffers, each signalled on an mbarrier when it lands;
@@ -17,9 +18,9 @@ while this item's last products and its store run, which the one-item-per-progra
 cannot overlap (benchmarks/NOTES.md, step 37: about 70 us per call at 16,384 tokens, D = 128).
 
 It serves the calls it was written for (`supported`), and `fwd.py` serves everything else: 16-bit
-inputs, D = 128, no causal mask, both sequence lengths multiples of 128 and of the mask's blocks (so
-every block is full: no element masks), mask blocks multiples of 128, lists that the mask's work plan
-does not split, contiguous tensors, and a GPU of compute capability 9.0 (H100, H200). Importing this
+inputs, D = 128, both sequence lengths multiples of 128 and of the mask's blocks (so no block ends in a
+sequence tail), mask blocks multiples of 128, lists that the mask's work plan does not split, contiguous
+tensors, and a GPU of compute capability 9.0 (H100, H200); causal or not. Importing this
 module needs a Triton with Gluon (3.5 or newer); `fwd.py` imports it only when it can.
 """
 
@@ -29,8 +30,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
-                                                                 warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E
@@ -39,7 +39,7 @@ from .memory import new_output
 
 BLOCK = 128  # query rows per item and key rows per K/V stage
 K_BUFFERS, V_BUFFERS = 2, 3  # K and V tiles in flight per program: with two Q buffers, 224 KB at D = 128
-ITEM_WIDTH = gl.constexpr(4)  # an item record: (first Q/O/LSE row, first K/V row of its head, list start, list end)
+ITEM_WIDTH = gl.constexpr(6)  # an item record (`_items`)
 FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)  # which query rows a compute warpgroup takes
 HEAVY_FACTOR = 4  # items with lists longer than this many times the mean start first
 LOAD_REGS = 24  # registers per thread of the load warp
@@ -53,39 +53,58 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                    v_empty, Items, Idx, n_items, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr):
-    """The load warp: for each of this program's items, Q into a free Q buffer, then every K and V tile of
-    the item's list into the next free buffers of the K and V rings. Waits only for buffers to be freed."""
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+def _list_tile_start(Idx, j, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr,
+                     DENSE: gl.constexpr):
+    """First key of tile j of a list: tile j % SUB of mask block Idx[j // SUB], or tile j itself when dense
+    (the dense items' lists count key tiles)."""
+    if DENSE:
+        start = j * BLOCK_N
+    else:
+        start = gl.load(Idx + j // SUB) * MASK_BLOCK_K + (j % SUB) * BLOCK_N
+    return start
+
+
+@gluon.jit
+def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, row, t):
+    """K and V rows [row, row + BLOCK_N) into the next buffers of the rings, once those are free."""
     K_STAGES: gl.constexpr = k_smem.type.shape[0]
     V_STAGES: gl.constexpr = v_smem.type.shape[0]
+    sk = t % K_STAGES
+    # Barriers start with phase 1 complete: the first wait on a free buffer passes at once.
+    mbarrier.wait(k_empty.index(sk), ((t // K_STAGES) & 1) ^ 1)
+    mbarrier.expect(k_ready.index(sk), k_desc.block_type.nbytes)
+    _tma_load(k_desc, [row, 0], k_ready.index(sk), k_smem.index(sk))
+    sv = t % V_STAGES
+    mbarrier.wait(v_empty.index(sv), ((t // V_STAGES) & 1) ^ 1)
+    mbarrier.expect(v_ready.index(sv), v_desc.block_type.nbytes)
+    _tma_load(v_desc, [row, 0], v_ready.index(sv), v_smem.index(sv))
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                    v_empty, Items, FullIdx, PartIdx, n_items, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr,
+                    DENSE: gl.constexpr):
+    """The load warp: for each of this program's items, Q into a free Q buffer, then every K and V tile of
+    the item's full list and then of its partial list into the next free buffers of the K and V rings.
+    Waits only for buffers to be freed."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     t = 0  # K/V tiles issued so far (ring positions)
     c = 0  # items issued so far (Q buffer position)
     for it in range(gl.program_id(0), n_items, gl.num_programs(0)):
         rec = Items + it * ITEM_WIDTH
         q_row = gl.load(rec)
         kv_row = gl.load(rec + 1)
-        lo = gl.load(rec + 2)
-        hi = gl.load(rec + 3)
         qb = c % 2
-        # Barriers start with phase 1 complete: the first wait on a free buffer passes at once.
         mbarrier.wait(q_empty.index(qb), ((c // 2) & 1) ^ 1)
         mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
         _tma_load(q_desc, [q_row, 0], q_ready.index(qb), q_smem.index(qb))
-        for j in range(lo * SUB, hi * SUB):
-            if DENSE:
-                start = kv_row + j * BLOCK_N
-            else:
-                start = kv_row + gl.load(Idx + j // SUB) * MASK_BLOCK_K + (j % SUB) * BLOCK_N
-            sk = t % K_STAGES
-            mbarrier.wait(k_empty.index(sk), ((t // K_STAGES) & 1) ^ 1)
-            mbarrier.expect(k_ready.index(sk), k_desc.block_type.nbytes)
-            _tma_load(k_desc, [start, 0], k_ready.index(sk), k_smem.index(sk))
-            sv = t % V_STAGES
-            mbarrier.wait(v_empty.index(sv), ((t // V_STAGES) & 1) ^ 1)
-            mbarrier.expect(v_ready.index(sv), v_desc.block_type.nbytes)
-            _tma_load(v_desc, [start, 0], v_ready.index(sv), v_smem.index(sv))
+        for j in range(gl.load(rec + 2) * SUB, gl.load(rec + 3) * SUB):
+            start = _list_tile_start(FullIdx, j, SUB, MASK_BLOCK_K, BLOCK_N, DENSE)
+            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, kv_row + start, t)
+            t += 1
+        for j in range(gl.load(rec + 4) * SUB, gl.load(rec + 5) * SUB):
+            start = _list_tile_start(PartIdx, j, SUB, MASK_BLOCK_K, BLOCK_N, DENSE)
+            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, kv_row + start, t)
             t += 1
         c += 1
 
@@ -108,12 +127,29 @@ def _issue_qk(q, k_smem, k_ready, t, zero_s):
 
 @gluon.jit
 def _softmax(qk, m_i, l_i, qk_scale):
-    """Online softmax of one score tile, log2 units: (p, alpha, m_new, l_new). Every block is full, so
-    every score is finite."""
+    """Online softmax of one score tile, log2 units: (p, alpha, m_new, l_new)."""
     m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)  # (BLOCK_M,)
-    p = gl.exp2(qk * qk_scale - m_new[:, None])  # (BLOCK_M, BLOCK_N); scale and shift in one multiply-add
-    alpha = gl.exp2(m_i - m_new)  # (BLOCK_M,) rescales what was accumulated under the old maximum
+    # A row with no allowed key so far keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(qk * qk_scale - m_use[:, None])  # (BLOCK_M, BLOCK_N); scale and shift in one multiply-add
+    alpha = gl.exp2(m_i - m_use)  # (BLOCK_M,) rescales what was accumulated under the old maximum
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _mask_partial(qk, j, n_full, plo, PartIdx, q_tok, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr,
+                  DENSE: gl.constexpr, CAUSAL: gl.constexpr):
+    """Scores of the item's tile j with the causal element mask (key <= query) where j is a tile of its
+    partial list (the blocks on the diagonal); the full list's tiles need none."""
+    if CAUSAL:
+        if j >= n_full:
+            BLOCK_M: gl.constexpr = qk.type.shape[0]
+            BLOCK_N: gl.constexpr = qk.type.shape[1]
+            start = _list_tile_start(PartIdx, plo * SUB + j - n_full, SUB, MASK_BLOCK_K, BLOCK_N, DENSE)
+            cols = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk.type.layout))  # (BLOCK_N,)
+            rows = q_tok + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, qk.type.layout))  # (BLOCK_M,)
+            qk = gl.where(cols[None, :] <= rows[:, None], qk, float("-inf"))
+    return qk
 
 
 @gluon.jit
@@ -129,12 +165,13 @@ def _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows: gl.constexpr, p_layout:
 
 @gluon.jit
 def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Lse, Items,
-                       n_items, qk_scale, SUB: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
-    """The compute warps: the online softmax over each item's K/V tiles, then O and the log-sum-exp.
+                       PartIdx, n_items, Nq, qk_scale, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr,
+                       DENSE: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
+    """One compute warpgroup: the online softmax over each item's K/V tiles for its half of the item's
+    query rows, then O and the log-sum-exp.
 
-    The products are pipelined one tile deep: while the softmax of tile j runs on the CUDA cores, the
-    tensor cores compute S for tile j + 1 and then O += P V for tile j - 1 finishes, so neither unit
-    waits for the other (the order FlashAttention-3 uses within a warpgroup).
+    S for tile j + 1 is computed on the tensor cores while the softmax of tile j runs on the CUDA cores;
+    O += P V then runs alone in this warpgroup, under the other warpgroup's softmax.
     """
     BLOCK_M: gl.constexpr = q_smem.type.shape[1] // 2  # this warpgroup's half of the item's query rows
     HEAD_D: gl.constexpr = q_smem.type.shape[2]
@@ -159,8 +196,11 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
     c = 0
     for it in range(gl.program_id(0), n_items, gl.num_programs(0)):
         rec = Items + it * ITEM_WIDTH
-        q_row = gl.load(rec) + HALF * BLOCK_M
-        n_tiles = (gl.load(rec + 3) - gl.load(rec + 2)) * SUB
+        q_row = gl.load(rec) + HALF * BLOCK_M  # this warpgroup's first row of Q, O and the log-sum-exp
+        q_tok = q_row % Nq  # its position in the sequence
+        n_full = (gl.load(rec + 3) - gl.load(rec + 2)) * SUB
+        plo = gl.load(rec + 4)
+        n_tiles = n_full + (gl.load(rec + 5) - plo) * SUB
         qb = c % 2
         mbarrier.wait(q_ready.index(qb), (c // 2) & 1)
         q = q_smem.index(qb).slice(HALF * BLOCK_M, BLOCK_M)  # (BLOCK_M, HEAD_D) in shared memory
@@ -171,22 +211,19 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
             qk = _issue_qk(q, k_smem, k_ready, t, zero_s)
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))  # (BLOCK_M, BLOCK_N) scores of tile 0
             _release(k_empty.index(t % K_STAGES))
-            acc = warpgroup_mma_init(acc)  # carried through the loop as a product in flight
             for j in range(n_tiles - 1):
-                qk_next = _issue_qk(q, k_smem, k_ready, t + 1, zero_s)
+                qk_next = _issue_qk(q, k_smem, k_ready, t + 1, zero_s)  # runs under this tile's softmax
+                qk = _mask_partial(qk, j, n_full, plo, PartIdx, q_tok, SUB, MASK_BLOCK_K, DENSE, CAUSAL)
                 p, alpha, m_i, l_i = _softmax(qk, m_i, l_i, qk_scale)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # P V of tile j - 1 done
-                _release(v_empty.index((t + V_STAGES - 1) % V_STAGES), j > 0)
                 acc = _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                acc = warpgroup_mma_init(acc)
-                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk_next, ))  # S of tile j + 1 done
-                _release(k_empty.index((t + 1) % K_STAGES))
+                acc, qk = warpgroup_mma_wait(num_outstanding=0, deps=(acc, qk_next))
+                _partition_barrier()  # every warp of the warpgroup is past both products
+                mbarrier.arrive(v_empty.index(t % V_STAGES), count=1)
+                mbarrier.arrive(k_empty.index((t + 1) % K_STAGES), count=1)
                 t += 1
             _release(q_empty.index(qb))  # the item's last Q K^T is done: the next item's Q may load
+            qk = _mask_partial(qk, n_tiles - 1, n_full, plo, PartIdx, q_tok, SUB, MASK_BLOCK_K, DENSE, CAUSAL)
             p, alpha, m_i, l_i = _softmax(qk, m_i, l_i, qk_scale)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            _release(v_empty.index((t + V_STAGES - 1) % V_STAGES), n_tiles > 1)
             acc = _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             _release(v_empty.index(t % V_STAGES))
@@ -194,7 +231,7 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
         else:
             _release(q_empty.index(qb))
         c += 1
-        # Empty rows (no key block): output 0 and lse -inf, never 0/0.
+        # Empty rows (no allowed key): output 0 and lse -inf, never 0/0.
         empty = l_i == 0.0
         l_safe = gl.where(empty, 1.0, l_i)
         out = acc / gl.convert_layout(l_safe, o_rows)[:, None]  # (BLOCK_M, HEAD_D)
@@ -205,8 +242,8 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
 
 
 @gluon.jit
-def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, Out, Lse, Items, Idx, n_items, qk_scale,
-                            SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr,
+def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, Out, Lse, Items, FullIdx, PartIdx, n_items, Nq, qk_scale,
+                            SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr,
                             K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, LOAD_WARP_REGS: gl.constexpr,
                             COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
     """One resident program per SM; program p walks items p, p + programs, ... (`_FwdHopperPlan`)."""
@@ -233,11 +270,13 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, Out, Lse, Items, Idx, n_item
         mbarrier.init(v_empty.index(i), count=2)
     gl.warp_specialize([
         (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Lse,
-                              Items, n_items, qk_scale, SUB, FIRST_HALF, num_warps)),  # query rows [0, 64) of each item
+                              Items, PartIdx, n_items, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE, CAUSAL, FIRST_HALF,
+                              num_warps)),  # query rows [0, 64) of each item
         (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Lse,
-                              Items, n_items, qk_scale, SUB, SECOND_HALF, num_warps)),  # query rows [64, 128)
+                              Items, PartIdx, n_items, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE, CAUSAL, SECOND_HALF,
+                              num_warps)),  # query rows [64, 128)
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                           v_empty, Items, Idx, n_items, SUB, MASK_BLOCK_K, DENSE)),
+                           v_empty, Items, FullIdx, PartIdx, n_items, SUB, MASK_BLOCK_K, DENSE)),
     ], [num_warps, 1], [COMPUTE_REGS, LOAD_WARP_REGS])
 
 
@@ -259,7 +298,7 @@ def shape_supported(q_shape, k_shape, dtype, index, mask_geometry, causal: bool)
     """
     B, Hq, Nq, D = q_shape
     Nk = k_shape[2]
-    if causal or dtype not in (torch.float16, torch.bfloat16) or D != 128:
+    if dtype not in (torch.float16, torch.bfloat16) or D != 128:
         return False
     if Nq % BLOCK or Nk % BLOCK or B * Hq * Nq >= 2**31 or k_shape[0] * k_shape[1] * Nk >= 2**31:
         return False
@@ -272,27 +311,38 @@ def shape_supported(q_shape, k_shape, dtype, index, mask_geometry, causal: bool)
     return True
 
 
-def _items(B, Hq, Hkv, Nq, Nk, dense, offsets, mask_geometry, device):
-    """int32 `(items, ITEM_WIDTH)` records, heavy lists first, then by (batch, head) and query tile: the
-    programs in flight work on neighbouring items, so they share one head's K and V in L2."""
+def _items(B, Hq, Hkv, Nq, Nk, causal: bool, index, mask_geometry, device):
+    """int32 `(items, ITEM_WIDTH)` records: (first Q/O/LSE row, first K/V row of its head, full list start,
+    full list end, partial list start, partial list end); for the dense path the lists count key tiles.
+
+    Order: causal calls longest list first (their lists grow with the query tile, and programs take items
+    in turn, so the long ones must not come last); other calls heavy lists first, then by (batch, head)
+    and query tile, so that the programs in flight share one head's K and V in L2.
+    """
     tiles = Nq // BLOCK
     b = torch.arange(B, device=device).view(B, 1, 1)
     h = torch.arange(Hq, device=device).view(1, Hq, 1)
     i = torch.arange(tiles, device=device).view(1, 1, tiles)
-    q_row = ((b * Hq + h) * Nq + i * BLOCK).expand(B, Hq, tiles)
-    kv_row = ((b * Hkv + h // (Hq // Hkv)) * Nk).expand(B, Hq, tiles)
-    if dense:
-        lo = torch.zeros_like(q_row)
-        hi = torch.full_like(q_row, Nk // BLOCK)
+    shape = (B, Hq, tiles)
+    q_row = ((b * Hq + h) * Nq + i * BLOCK).expand(shape)
+    kv_row = ((b * Hkv + h // (Hq // Hkv)) * Nk).expand(shape)
+    if len(index) == 0:  # dense: key tiles [0, Nk / BLOCK), or below and on the diagonal when causal
+        key_tiles = Nk // BLOCK
+        lo = torch.zeros(shape, dtype=torch.long, device=device)
+        hi = (i.clamp(max=key_tiles) if causal else torch.full_like(i, key_tiles)).expand(shape)
+        plo, phi = (hi, (i + 1).clamp(max=key_tiles).expand(shape)) if causal else (lo, lo)
     else:
         Bm, Hm, Mq, _, block_q, _, _ = mask_geometry
-        row = ((b % Bm) * Hm + h % Hm) * Mq + (i * BLOCK) // block_q  # the mask row of each tile
-        row = row.expand(B, Hq, tiles)
-        lo, hi = offsets[row].long(), offsets[row + 1].long()
-    items = torch.stack([q_row, kv_row, lo, hi], -1).reshape(-1, ITEM_WIDTH.value)
-    length = items[:, 3] - items[:, 2]
-    heavy = length > HEAVY_FACTOR * length.float().mean()
-    order = torch.argsort((~heavy).to(torch.int8), stable=True)
+        row = (((b % Bm) * Hm + h % Hm) * Mq + (i * BLOCK) // block_q).expand(shape)  # each tile's mask row
+        full_off, part_off = index[0].long(), index[2].long()
+        lo, hi, plo, phi = full_off[row], full_off[row + 1], part_off[row], part_off[row + 1]
+    items = torch.stack([q_row, kv_row, lo, hi, plo, phi], -1).reshape(-1, ITEM_WIDTH.value)
+    length = items[:, 3] - items[:, 2] + items[:, 5] - items[:, 4]
+    if causal:
+        order = torch.argsort(-length, stable=True)
+    else:
+        heavy = length > HEAVY_FACTOR * length.float().mean()
+        order = torch.argsort((~heavy).to(torch.int8), stable=True)
     return items[order].to(torch.int32).contiguous()
 
 
@@ -303,22 +353,18 @@ def _num_sms(device) -> int:
 class _FwdHopperPlan:
     """What one call signature fixes: the item records, descriptor layouts, grid and constexprs."""
 
-    def __init__(self, q, k, v, index, mask_geometry, scale: float):
+    def __init__(self, q, k, v, index, mask_geometry, causal: bool, scale: float):
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         dense = len(index) == 0
-        offsets, self.idx = (None, None) if dense else (index[0], index[1])
-        self.items = _items(B, Hq, Hkv, Nq, Nk, dense, offsets, mask_geometry, q.device)
-        if dense:
-            self.idx = self.items
+        self.items = _items(B, Hq, Hkv, Nq, Nk, causal, index, mask_geometry, q.device)
+        self.full_idx, self.part_idx = (self.items, self.items) if dense else (index[1], index[3])  # dense: unused
         block_k = BLOCK if dense else mask_geometry[5]
-        gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-        self.layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], gl_dtype)
+        self.layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], _GL_DTYPES[q.dtype])
         self.D = D
-        self.grid = (min(self.items.shape[0], _num_sms(q.device)), )
-        self.args = (self.items.shape[0], scale * LOG2E)
-        self.constexprs = dict(SUB=block_k // BLOCK, MASK_BLOCK_K=block_k, DENSE=dense, K_STAGES=K_BUFFERS,
-                               V_STAGES=V_BUFFERS, LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS)
+        self.grid = (min(self.items.shape[0], torch.cuda.get_device_properties(q.device).multi_processor_count), )
+        self.args = (self.items.shape[0], Nq, scale * LOG2E)
+        self.constexprs = _constexprs(block_k, dense, causal)
         self.out_shape, self.lse_shape, self.dtype, self.device = q.shape, (B, Hq, Nq), q.dtype, q.device
 
     def __call__(self, q, k, v):
@@ -326,19 +372,27 @@ class _FwdHopperPlan:
         lse = new_output(self.lse_shape, torch.float32, self.device)
         descs = [TensorDescriptor(t, [t.numel() // self.D, self.D], [self.D, 1], [BLOCK, self.D], self.layout)
                  for t in (q, k, v)]
-        _attn_fwd_hopper_kernel[self.grid](*descs, out, lse, self.items, self.idx, *self.args, **self.constexprs,
-                                           num_warps=4, maxnreg=MAX_REGS)
+        _attn_fwd_hopper_kernel[self.grid](*descs, out, lse, self.items, self.full_idx, self.part_idx, *self.args,
+                                           **self.constexprs, num_warps=4, maxnreg=MAX_REGS)
         return out, lse
 
 
-def attn_fwd_hopper(q, k, v, index, mask_geometry, scale: float, plans: dict | None = None):
-    """`fwd.attn_fwd` for the calls that `supported` accepts (never causal); same arguments and results."""
-    key = plan_key((q, k, v), "fwd_hopper", False, scale, True)
-    plan = cached_plan(plans, key, lambda: _FwdHopperPlan(q, k, v, index, mask_geometry, scale))
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def _constexprs(block_k: int, dense: bool, causal: bool) -> dict:
+    return dict(SUB=block_k // BLOCK, MASK_BLOCK_K=block_k, DENSE=dense, CAUSAL=causal, K_STAGES=K_BUFFERS,
+                V_STAGES=V_BUFFERS, LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS)
+
+
+def attn_fwd_hopper(q, k, v, index, mask_geometry, causal: bool, scale: float, plans: dict | None = None):
+    """`fwd.attn_fwd` for the calls that `supported` accepts; same arguments and results."""
+    key = plan_key((q, k, v), "fwd_hopper", causal, scale, True)
+    plan = cached_plan(plans, key, lambda: _FwdHopperPlan(q, k, v, index, mask_geometry, causal, scale))
     return plan(q, k, v)
 
 
-def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False):
+def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causal: bool = False, block_k: int = BLOCK):
     """The kernel compiled for sm_90a on any machine (no GPU needed), as the launcher would launch it at
     D = 128; for compile checks (tests/test_codegen.py)."""
     from triton.backends.compiler import GPUTarget
@@ -346,12 +400,11 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False):
 
     D = 128
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], _GL_DTYPES[dtype])
     desc = f"tensordesc<{name}[{BLOCK},{D}],{layout!r}>"
-    sig = dict(q_desc=desc, k_desc=desc, v_desc=desc, Out=f"*{name}", Lse="*fp32", Items="*i32", Idx="*i32",
-               n_items="i32", qk_scale="fp32")
-    constexprs = dict(SUB=1, MASK_BLOCK_K=BLOCK, DENSE=dense, K_STAGES=K_BUFFERS, V_STAGES=V_BUFFERS,
-                      LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS, num_warps=4)
+    sig = dict(q_desc=desc, k_desc=desc, v_desc=desc, Out=f"*{name}", Lse="*fp32", Items="*i32", FullIdx="*i32",
+               PartIdx="*i32", n_items="i32", Nq="i32", qk_scale="fp32")
+    constexprs = dict(_constexprs(block_k, dense, causal), num_warps=4)
     sig.update({n: "constexpr" for n in constexprs})
     names = list(sig)
     src = GluonASTSource(_attn_fwd_hopper_kernel, sig, {(names.index(n), ): v for n, v in constexprs.items()})
