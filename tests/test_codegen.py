@@ -56,16 +56,17 @@ def cases():
 
 
 def gluon_cases():
-    """(dtype, dense, causal, mask block) of the warp-specialised Hopper forward (Gluon), or none where this
-    Triton has no Gluon."""
+    """(dtype, dense, causal, mask block, split lists) of the warp-specialised Hopper forward (Gluon), or none
+    where this Triton has no Gluon."""
     import torch
 
     from sparse_flash.kernels import fwd
 
     if fwd._hopper_module() is None:
         return []
-    return [(torch.bfloat16, False, False, 128), (torch.float16, True, False, 128), (torch.bfloat16, True, True, 128),
-            (torch.float16, False, True, 256)]
+    return [(torch.bfloat16, False, False, 128, False), (torch.float16, True, False, 128, False),
+            (torch.bfloat16, True, True, 128, False), (torch.float16, False, True, 256, False),
+            (torch.bfloat16, False, False, 128, True), (torch.bfloat16, False, True, 256, True)]
 
 
 def main() -> int:
@@ -83,12 +84,15 @@ def main() -> int:
         except Exception as e:
             failed += 1
             print(f"FAIL {name}: {type(e).__name__}: {e}")
-    for dtype, dense, causal, block in gluon_cases():
-        name = f"hopper fwd {dtype} dense={dense} causal={causal} block={block}"
+    for dtype, dense, causal, block, split in gluon_cases():
+        name = f"hopper fwd {dtype} dense={dense} causal={causal} block={block} split={split}"
         try:
-            kernel = fwd._hopper_module().compile_sm90(dtype, dense, causal, block)
+            hopper = fwd._hopper_module()
+            kernel = hopper.compile_sm90(dtype, dense, causal, block, split)
             shared = kernel.metadata.shared
             assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
+            if split:  # and the launch that merges the chunks
+                compile_sm90(hopper._merge_split_rows, dict(HEAD_D=128, MASK_BLOCK_Q=block, BLOCK_M=hopper.BLOCK))
             print(f"ok {name} ({shared} bytes of shared memory)")
         except Exception as e:
             failed += 1

@@ -21,21 +21,21 @@ def call(mask, B=1, Hq=4, Hkv=4, N=1024, D=128, causal=False):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_takes_16_bit_d128_calls_with_whole_blocks(mask, dtype):
     q_shape, k_shape, index, geometry = call(mask)
-    assert fwd_hopper.shape_supported(q_shape, k_shape, dtype, index, geometry, False)
+    assert fwd_hopper.shape_supported(q_shape, k_shape, dtype, index, geometry)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_takes_causal_calls_dense_and_sparse(causal):
     for mask in (None, masks.butterfly(1024, 128)):
         q_shape, k_shape, index, geometry = call(mask, causal=causal)
-        assert fwd_hopper.shape_supported(q_shape, k_shape, torch.bfloat16, index, geometry, causal)
+        assert fwd_hopper.shape_supported(q_shape, k_shape, torch.bfloat16, index, geometry)
 
 
 @pytest.mark.parametrize("case", ["fp32", "d64", "tail", "block64", "split_lists"])
 def test_leaves_other_calls_to_the_triton_forward(case):
     mask = masks.butterfly(1024, 128)
     q_shape, k_shape, index, geometry = call(mask)
-    dtype, causal = torch.bfloat16, False
+    dtype = torch.bfloat16
     if case == "fp32":
         dtype = torch.float32
     elif case == "d64":
@@ -49,7 +49,7 @@ def test_leaves_other_calls_to_the_triton_forward(case):
         mask = masks.bigbird(16384, 128, seed=0)
         q_shape, k_shape, index, geometry = call(mask, N=16384)
         assert index[8].shape[0] > 0
-    assert not fwd_hopper.shape_supported(q_shape, k_shape, dtype, index, geometry, causal)
+    assert not fwd_hopper.shape_supported(q_shape, k_shape, dtype, index, geometry)
 
 
 def test_work_items_cover_every_tile_once_heavy_lists_first():
@@ -103,3 +103,55 @@ def test_sparse_causal_items_take_the_full_and_partial_lists():
     for q_row, kv_row, lo, hi, plo, phi in items.tolist():
         r = (q_row % N) // 256
         assert (lo, hi, plo, phi) == (int(full_off[r]), int(full_off[r + 1]), int(part_off[r]), int(part_off[r + 1]))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_split_items_cover_each_list_once_in_chunks_with_their_own_scratch(causal, monkeypatch):
+    """A mask whose work plan cuts lists into chunks (`SPARSE_FLASH_HOPPER_SPLIT=1`): each chunk is an item
+    of its own whose ranges, together, walk its tile's full and partial lists once; chunks of one tile write
+    distinct scratch rows inside the split plan's scratch; unsplit tiles write their output rows; one merge
+    record per split tile and (batch, head) names its first slot and number of chunks."""
+    from sparse_flash import layout
+    from sparse_flash.kernels.split import SplitPlan
+
+    monkeypatch.setattr(layout, "SPLIT_MIN_CHUNK", 2)  # cut every list longer than 2 blocks
+    monkeypatch.setattr(layout, "SPLIT_FACTOR", 0)
+    monkeypatch.setattr(layout, "SPLIT_MAX_CHUNKS", 3)
+    B, Hq, Hkv, N, block = 2, 4, 2, 2048, 256
+    mask = masks.bigbird(N, block, seed=0)
+    rows = mask.kernel_index(causal).rows()
+    assert rows[8].shape[0] > 0
+    geometry = [*mask.shape, *mask.block_size, 0]
+    split = SplitPlan(torch.device("cpu"), (rows[4], rows[8], rows[9]), B, Hq, 1, 1, block, 128, with_lse=True)
+    items, merges = fwd_hopper._split_items(B, Hq, Hkv, N, N, rows, geometry, split, "cpu")
+    assert items.shape[1] == fwd_hopper.SPLIT_ITEM_WIDTH.value
+    full_off, part_off = rows[0], rows[2]
+    walked = {}  # (q_row) -> full and partial positions walked
+    scratch_rows, tile_scratch = [], {}
+    for q_row, kv_row, lo, hi, plo, phi, scratch, _ in items.tolist():
+        bh, start = divmod(q_row, N)
+        b, h = divmod(bh, Hq)
+        assert kv_row == (b * Hkv + h // 2) * N
+        seen = walked.setdefault(q_row, [set(), set(), 0])
+        assert not seen[0] & set(range(lo, hi)) and not seen[1] & set(range(plo, phi))
+        seen[0] |= set(range(lo, hi))
+        seen[1] |= set(range(plo, phi))
+        seen[2] += 1
+        if scratch >= 0:
+            scratch_rows.append(scratch)
+            tile_scratch.setdefault(q_row, set()).add(scratch)
+            assert 0 <= scratch and scratch + 128 <= split.rows
+    assert len(walked) == B * Hq * N // 128  # every (batch, head, 128-row tile)
+    for q_row, (full, part, chunks) in walked.items():
+        r = (q_row % N) // block
+        assert full == set(range(int(full_off[r]), int(full_off[r + 1])))
+        assert part == set(range(int(part_off[r]), int(part_off[r + 1])))
+    assert len(set(scratch_rows)) == len(scratch_rows)  # no two chunks share scratch
+    split_tiles = {q for q, (_, _, n) in walked.items() if n > 1}
+    assert split_tiles and sorted(merges[:, 0].tolist()) == sorted(split_tiles)
+    for q_row, first, num_chunks, copy, tile in merges.tolist():
+        assert num_chunks == walked[q_row][2] and first >= 0 and tile == (q_row % N) % block // 128
+        # the rows `split.store_chunk_merge` reads are the ones the tile's chunks write
+        reads = {((first + c) * split.copies + copy) * block + tile * 128 for c in range(num_chunks)}
+        assert reads == tile_scratch[q_row]
+    assert (items[:, 6] >= 0).int().diff().le(0).all()  # chunks first

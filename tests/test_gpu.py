@@ -172,3 +172,29 @@ def test_hopper_forward_switched_off_leaves_the_triton_forward(monkeypatch):
     finally:
         configs.set_hopper_forward(previous)
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v), atol=2e-2, rtol=0)
+
+
+@pytest.mark.skipif(not SM90, reason="the Hopper forward needs sm_90")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_forward_split_lists_match_reference(causal, monkeypatch):
+    """The Hopper forward's path for masks whose work plan splits lists (`SPARSE_FLASH_HOPPER_SPLIT=1`, off
+    by default): every list longer than 2 blocks cut into chunks, each chunk an item, merged after the
+    kernel; against the float64 reference, outputs NaN-poisoned."""
+    from sparse_flash import layout
+    from sparse_flash.kernels import fwd_hopper
+    from sparse_flash.testing import compare_to_reference, make_qkv
+
+    monkeypatch.setattr(fwd_hopper, "SPLIT_LISTS", True)
+    monkeypatch.setattr(layout, "SPLIT_MIN_CHUNK", 2)
+    monkeypatch.setattr(layout, "SPLIT_FACTOR", 0)
+    monkeypatch.setattr(layout, "SPLIT_MAX_CHUNKS", 3)
+    served = []
+    real = fwd_hopper.attn_fwd_hopper
+    monkeypatch.setattr(fwd_hopper, "attn_fwd_hopper", lambda *a, **kw: served.append(1) or real(*a, **kw))
+    n = 1024
+    mask = masks.bigbird(n, 128, seed=0, device="cuda")
+    assert mask.kernel_index(causal).rows()[8].shape[0] > 0  # lists are split
+    q, k, v = make_qkv(2, 4, 2, n, n, 128, dtype=torch.bfloat16, device="cuda", seed=11)
+    result = compare_to_reference(q, k, v, mask, causal=causal, backend="triton")
+    assert not result.failures(), result.failures()
+    assert served, "the Hopper forward did not serve the call"

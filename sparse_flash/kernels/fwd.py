@@ -270,7 +270,7 @@ def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float, plans: d
         `(out, lse)`: out like q, lse float32 `(B, Hq, Nq)` natural log.
     """
     hopper = _hopper_forward()
-    if hopper is not None and hopper.supported(q, k, v, index, mask_geometry, causal):
+    if hopper is not None and hopper.supported(q, k, v, index, mask_geometry):
         return hopper.attn_fwd_hopper(q, k, v, index, mask_geometry, causal, scale, plans)
     key = plan_key((q, k, v), "fwd", causal, scale, tma_enabled())
     plan = cached_plan(plans, key, lambda: _FwdPlan(q, k, v, index, mask_geometry, causal, scale))

@@ -20,14 +20,19 @@ cannot overlap (benchmarks/NOTES.md, step 37: about 70 us per call at 16,384 tok
 It serves the calls it was written for (`supported`), and `fwd.py` serves everything else: 16-bit
 inputs, D = 128, both sequence lengths multiples of 128 and of the mask's blocks (so no block ends in a
 sequence tail), mask blocks multiples of 128, lists that the mask's work plan does not split, contiguous
-tensors, and a GPU of compute capability 9.0 (H100, H200); causal or not. Importing this
+tensors, and a GPU of compute capability 9.0 (H100, H200); causal or not. Masks with split lists have a
+path here too (each chunk an item writing to scratch, merged by a second launch), off until it has run on
+a GPU (`SPLIT_LISTS`). Importing this
 module needs a Triton with Gluon (3.5 or newer); `fwd.py` imports it only when it can.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -36,12 +41,18 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .common import LOG2E
 from .launch import cached_plan, plan_key
 from .memory import new_output
+from .split import SplitPlan, store_chunk_merge
 
 BLOCK = 128  # query rows per item and key rows per K/V stage
 K_BUFFERS, V_BUFFERS = 2, 3  # K and V tiles in flight per program: with two Q buffers, 224 KB at D = 128
 ITEM_WIDTH = gl.constexpr(6)  # an item record (`_items`)
+SPLIT_ITEM_WIDTH = gl.constexpr(8)  # with the scratch row of a chunk of a split list (`_split_items`), and padding
 FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)  # which query rows a compute warpgroup takes
 HEAVY_FACTOR = 4  # items with lists longer than this many times the mean start first
+# Masks whose work plan splits long lists: each chunk as an item of its own, merged after the kernel. Built
+# and compile-checked, not yet run on a GPU, so off unless SPARSE_FLASH_HOPPER_SPLIT=1 (benchmarks/NOTES.md,
+# step 43); with it off, such masks run `fwd.py`.
+SPLIT_LISTS = os.environ.get("SPARSE_FLASH_HOPPER_SPLIT") == "1"
 LOAD_REGS = 24  # registers per thread of the load warp
 COMPUTE_REGS = 224  # registers per thread of the second compute warpgroup (the first gets what is left: 256)
 MAX_REGS = 168  # registers per thread of the whole program (12 warps: 8 compute, 4 for the load warp's group)
@@ -83,7 +94,7 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                     v_empty, Items, FullIdx, PartIdx, n_items, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr,
-                    DENSE: gl.constexpr):
+                    DENSE: gl.constexpr, WIDTH: gl.constexpr):
     """The load warp: for each of this program's items, Q into a free Q buffer, then every K and V tile of
     the item's full list and then of its partial list into the next free buffers of the K and V rings.
     Waits only for buffers to be freed."""
@@ -91,7 +102,7 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_e
     t = 0  # K/V tiles issued so far (ring positions)
     c = 0  # items issued so far (Q buffer position)
     for it in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        rec = Items + it * ITEM_WIDTH
+        rec = Items + it * WIDTH
         q_row = gl.load(rec)
         kv_row = gl.load(rec + 1)
         qb = c % 2
@@ -164,11 +175,23 @@ def _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows: gl.constexpr, p_layout:
 
 
 @gluon.jit
-def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Lse, Items,
-                       PartIdx, n_items, Nq, qk_scale, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr,
-                       DENSE: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
+def _store_tile(O, L, row, out, m_i, l_safe, empty, offs_mo, offs_m, offs_d):
+    """Rows [row, row + BLOCK_M) of O (in O's dtype) and of the log-sum-exp L (natural log; -inf for an
+    empty row)."""
+    HEAD_D: gl.constexpr = offs_d.shape[0]
+    rows = row.to(gl.int64) + offs_mo  # (BLOCK_M,)
+    gl.store(O + rows[:, None] * HEAD_D + offs_d[None, :], out.to(O.dtype.element_ty))
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    gl.store(L + row + offs_m, lse)
+
+
+@gluon.jit
+def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Lse,
+                       OutPart, LsePart, Items, PartIdx, n_items, Nq, qk_scale, SUB: gl.constexpr,
+                       MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr,
+                       WIDTH: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
     """One compute warpgroup: the online softmax over each item's K/V tiles for its half of the item's
-    query rows, then O and the log-sum-exp.
+    query rows, then O and the log-sum-exp (SPLIT: for a chunk of a split list, into its scratch rows).
 
     S for tile j + 1 is computed on the tensor cores while the softmax of tile j runs on the CUDA cores;
     O += P V then runs alone in this warpgroup, under the other warpgroup's softmax.
@@ -195,7 +218,7 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
     t = 0  # K/V tiles consumed so far (ring positions, as in the load warp)
     c = 0
     for it in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        rec = Items + it * ITEM_WIDTH
+        rec = Items + it * WIDTH
         q_row = gl.load(rec) + HALF * BLOCK_M  # this warpgroup's first row of Q, O and the log-sum-exp
         q_tok = q_row % Nq  # its position in the sequence
         n_full = (gl.load(rec + 3) - gl.load(rec + 2)) * SUB
@@ -235,21 +258,29 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
         empty = l_i == 0.0
         l_safe = gl.where(empty, 1.0, l_i)
         out = acc / gl.convert_layout(l_safe, o_rows)[:, None]  # (BLOCK_M, HEAD_D)
-        rows = q_row.to(gl.int64) + offs_mo
-        gl.store(Out + rows[:, None] * HEAD_D + offs_d[None, :], out.to(Out.dtype.element_ty))
-        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-        gl.store(Lse + q_row + offs_m, lse)
+        row = q_row
+        if SPLIT:  # a chunk of a split list: into its scratch rows (-1: the list is not split)
+            scratch = gl.load(rec + 6)
+            if scratch >= 0:
+                row = scratch + HALF * BLOCK_M
+                _store_tile(OutPart, LsePart, row, out, m_i, l_safe, empty, offs_mo, offs_m, offs_d)
+            else:
+                _store_tile(Out, Lse, row, out, m_i, l_safe, empty, offs_mo, offs_m, offs_d)
+        else:
+            _store_tile(Out, Lse, row, out, m_i, l_safe, empty, offs_mo, offs_m, offs_d)
 
 
 @gluon.jit
-def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, Out, Lse, Items, FullIdx, PartIdx, n_items, Nq, qk_scale,
-                            SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr,
-                            K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, LOAD_WARP_REGS: gl.constexpr,
+def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, Out, Lse, OutPart, LsePart, Items, FullIdx, PartIdx, n_items, Nq,
+                            qk_scale, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr,
+                            CAUSAL: gl.constexpr, SPLIT: gl.constexpr, K_STAGES: gl.constexpr,
+                            V_STAGES: gl.constexpr, LOAD_WARP_REGS: gl.constexpr,
                             COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
     """One resident program per SM; program p walks items p, p + programs, ... (`_FwdHopperPlan`)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    WIDTH: gl.constexpr = SPLIT_ITEM_WIDTH if SPLIT else ITEM_WIDTH
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, BLOCK_N, HEAD_D], v_desc.layout)
@@ -270,26 +301,32 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, Out, Lse, Items, FullIdx, Pa
         mbarrier.init(v_empty.index(i), count=2)
     gl.warp_specialize([
         (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Lse,
-                              Items, PartIdx, n_items, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE, CAUSAL, FIRST_HALF,
-                              num_warps)),  # query rows [0, 64) of each item
+                              OutPart, LsePart, Items, PartIdx, n_items, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
+                              CAUSAL, SPLIT, WIDTH, FIRST_HALF, num_warps)),  # query rows [0, 64) of each item
         (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Lse,
-                              Items, PartIdx, n_items, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE, CAUSAL, SECOND_HALF,
-                              num_warps)),  # query rows [64, 128)
+                              OutPart, LsePart, Items, PartIdx, n_items, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
+                              CAUSAL, SPLIT, WIDTH, SECOND_HALF, num_warps)),  # query rows [64, 128)
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                           v_empty, Items, FullIdx, PartIdx, n_items, SUB, MASK_BLOCK_K, DENSE)),
+                           v_empty, Items, FullIdx, PartIdx, n_items, SUB, MASK_BLOCK_K, DENSE, WIDTH)),
     ], [num_warps, 1], [COMPUTE_REGS, LOAD_WARP_REGS])
 
 
-def supported(q, k, v, index, mask_geometry, causal: bool) -> bool:
-    """Whether this kernel serves the call (see module); `fwd.py` serves the rest."""
-    if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
-        return False
-    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
-        return False
-    return shape_supported(q.shape, k.shape, q.dtype, index, mask_geometry, causal)
+_SM90: dict = {}  # device -> whether it is an sm_90 GPU, asked once per device
 
 
-def shape_supported(q_shape, k_shape, dtype, index, mask_geometry, causal: bool) -> bool:
+def supported(q, k, v, index, mask_geometry) -> bool:
+    """Whether this kernel serves the call (see module), causal or not; `fwd.py` serves the rest."""
+    if not q.is_cuda:
+        return False
+    sm90 = _SM90.get(q.device)
+    if sm90 is None:
+        sm90 = _SM90[q.device] = torch.cuda.get_device_capability(q.device) == (9, 0)
+    if not sm90 or not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
+        return False
+    return shape_supported(q.shape, k.shape, q.dtype, index, mask_geometry)
+
+
+def shape_supported(q_shape, k_shape, dtype, index, mask_geometry) -> bool:
     """The part of `supported` that does not ask the GPU: dtype, shapes and the mask's blocks and lists.
 
     D = 128 only: at D = 64 this kernel measured 0.91-1.01x the Triton kernel (benchmarks/NOTES.md, step
@@ -306,7 +343,7 @@ def shape_supported(q_shape, k_shape, dtype, index, mask_geometry, causal: bool)
         block_q, block_k = mask_geometry[4], mask_geometry[5]
         if block_q % BLOCK or block_k % BLOCK or Nq % block_q or Nk % block_k:
             return False
-        if index[8].shape[0]:  # `WorkPlan.split`: lists cut into chunks
+        if index[8].shape[0] and not SPLIT_LISTS:  # `WorkPlan.split`: lists cut into chunks
             return False
     return True
 
@@ -350,39 +387,104 @@ def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _split_items(B, Hq, Hkv, Nq, Nk, index, mask_geometry, split_plan, device):
+    """Item records of a mask whose work plan splits lists, with `SPLIT_ITEM_WIDTH` fields: `_items`' six,
+    then the first scratch row of the item's tile in its chunk's slot (-1: not split) and padding. Each
+    chunk of a split list is an item of its own, taken from the work plan's records (`WorkPlan.items`);
+    chunks first, then the rest by (batch, head). Also returns the merge records, one per (tile of a split
+    list, batch x head): (first Out/LSE row, first slot, number of chunks, copy, tile in its mask block)."""
+    from .common import (ITEM_BLOCK, ITEM_CHUNK, ITEM_CHUNKS, ITEM_FULL_HI, ITEM_FULL_LO, ITEM_PART_HI,
+                         ITEM_PART_LO, ITEM_SLOT)
+
+    plan_items = index[4]  # (Bm|1, Hm|1, W, fields)
+    block_q = mask_geometry[4]
+    sub = block_q // BLOCK
+    b = torch.arange(B, device=device).view(B, 1, 1, 1)
+    h = torch.arange(Hq, device=device).view(1, Hq, 1, 1)
+    s = torch.arange(sub, device=device).view(1, 1, 1, sub)
+    mask_b = torch.arange(B, device=device).view(B, 1) % plan_items.shape[0]
+    mask_h = torch.arange(Hq, device=device).view(1, Hq) % plan_items.shape[1]
+    rec = plan_items[mask_b, mask_h].long()  # (B, Hq, W, fields): each (batch, head)'s records
+    W = rec.shape[2]
+    shape = (B, Hq, W, sub)
+
+    def field(i):
+        return rec[..., i.value].unsqueeze(-1).expand(shape)
+
+    block, chunk, slot = field(ITEM_BLOCK), field(ITEM_CHUNK), field(ITEM_SLOT)
+    q_row = (b * Hq + h) * Nq + block.clamp(min=0) * block_q + s * BLOCK
+    kv_row = ((b * Hkv + h // (Hq // Hkv)) * Nk).expand(shape)
+    copy = (b * split_plan.copy_strides[0] + h * split_plan.copy_strides[1]).expand(shape)
+    scratch = torch.where(slot >= 0, (slot * split_plan.copies + copy) * block_q + s * BLOCK, -1)
+    items = torch.stack([q_row, kv_row, field(ITEM_FULL_LO), field(ITEM_FULL_HI), field(ITEM_PART_LO),
+                         field(ITEM_PART_HI), scratch, torch.zeros_like(scratch)], -1)
+    valid = block >= 0  # padding records walk nothing
+    items = items[valid]
+    order = torch.argsort((items[:, 6] < 0).to(torch.int8), stable=True)
+    first = (chunk == 0) & (slot >= 0) & valid
+    merges = torch.stack([q_row, slot, field(ITEM_CHUNKS), copy, s.expand(shape)], -1)[first]
+    return items[order].to(torch.int32).contiguous(), merges.to(torch.int32).contiguous()
+
+
+@triton.jit
+def _merge_split_rows(Out, Lse, Part, LsePart, RowMerges, copies, HEAD_D: tl.constexpr, MASK_BLOCK_Q: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+    """One program per merge record: the chunks of one tile of a split list, combined by their log-sum-exp
+    into Out and Lse (`split.store_chunk_merge`)."""
+    rec = RowMerges + tl.program_id(0) * 5
+    out_row = tl.load(rec)
+    first, num_chunks, copy, tile = tl.load(rec + 1), tl.load(rec + 2), tl.load(rec + 3), tl.load(rec + 4)
+    store_chunk_merge(Out + out_row.to(tl.int64) * HEAD_D, HEAD_D, Lse + out_row, 0, BLOCK_M, Part, LsePart, first,
+                      num_chunks, copies, copy, tile, MASK_BLOCK_Q, BLOCK_M, HEAD_D, HEAD_D)
+
+
 class _FwdHopperPlan:
-    """What one call signature fixes: the item records, descriptor layouts, grid and constexprs."""
+    """What one call signature fixes: the item records, descriptor layouts, grid and constexprs, and for
+    split lists their scratch (`split.SplitPlan`) and merge records."""
 
     def __init__(self, q, k, v, index, mask_geometry, causal: bool, scale: float):
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         dense = len(index) == 0
-        self.items = _items(B, Hq, Hkv, Nq, Nk, causal, index, mask_geometry, q.device)
+        split = not dense and index[8].shape[0] > 0
+        self.split = SplitPlan(q.device)
+        self.merges = None
+        if split:
+            Bm, Hm, _, _, block_q, _, _ = mask_geometry
+            self.split = SplitPlan(q.device, (index[4], index[8], index[9]), B, Hq, Bm, Hm, block_q, D, with_lse=True)
+            self.items, self.merges = _split_items(B, Hq, Hkv, Nq, Nk, index, mask_geometry, self.split, q.device)
+            self.block_q = block_q
+        else:
+            self.items = _items(B, Hq, Hkv, Nq, Nk, causal, index, mask_geometry, q.device)
         self.full_idx, self.part_idx = (self.items, self.items) if dense else (index[1], index[3])  # dense: unused
         block_k = BLOCK if dense else mask_geometry[5]
         self.layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], _GL_DTYPES[q.dtype])
         self.D = D
         self.grid = (min(self.items.shape[0], torch.cuda.get_device_properties(q.device).multi_processor_count), )
         self.args = (self.items.shape[0], Nq, scale * LOG2E)
-        self.constexprs = _constexprs(block_k, dense, causal)
+        self.constexprs = _constexprs(block_k, dense, causal, split)
         self.out_shape, self.lse_shape, self.dtype, self.device = q.shape, (B, Hq, Nq), q.dtype, q.device
 
     def __call__(self, q, k, v):
         out = new_output(self.out_shape, self.dtype, self.device)
         lse = new_output(self.lse_shape, torch.float32, self.device)
+        part, _, lse_part = self.split.scratch()
         descs = [TensorDescriptor(t, [t.numel() // self.D, self.D], [self.D, 1], [BLOCK, self.D], self.layout)
                  for t in (q, k, v)]
-        _attn_fwd_hopper_kernel[self.grid](*descs, out, lse, self.items, self.full_idx, self.part_idx, *self.args,
-                                           **self.constexprs, num_warps=4, maxnreg=MAX_REGS)
+        _attn_fwd_hopper_kernel[self.grid](*descs, out, lse, part, lse_part, self.items, self.full_idx, self.part_idx,
+                                           *self.args, **self.constexprs, num_warps=4, maxnreg=MAX_REGS)
+        if self.merges is not None and self.merges.shape[0]:
+            _merge_split_rows[(self.merges.shape[0], )](out, lse, part, lse_part, self.merges, self.split.copies,
+                                                        HEAD_D=self.D, MASK_BLOCK_Q=self.block_q, BLOCK_M=BLOCK)
         return out, lse
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-def _constexprs(block_k: int, dense: bool, causal: bool) -> dict:
-    return dict(SUB=block_k // BLOCK, MASK_BLOCK_K=block_k, DENSE=dense, CAUSAL=causal, K_STAGES=K_BUFFERS,
-                V_STAGES=V_BUFFERS, LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS)
+def _constexprs(block_k: int, dense: bool, causal: bool, split: bool) -> dict:
+    return dict(SUB=block_k // BLOCK, MASK_BLOCK_K=block_k, DENSE=dense, CAUSAL=causal, SPLIT=split,
+                K_STAGES=K_BUFFERS, V_STAGES=V_BUFFERS, LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS)
 
 
 def attn_fwd_hopper(q, k, v, index, mask_geometry, causal: bool, scale: float, plans: dict | None = None):
@@ -392,7 +494,8 @@ def attn_fwd_hopper(q, k, v, index, mask_geometry, causal: bool, scale: float, p
     return plan(q, k, v)
 
 
-def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causal: bool = False, block_k: int = BLOCK):
+def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causal: bool = False, block_k: int = BLOCK,
+                 split: bool = False):
     """The kernel compiled for sm_90a on any machine (no GPU needed), as the launcher would launch it at
     D = 128; for compile checks (tests/test_codegen.py)."""
     from triton.backends.compiler import GPUTarget
@@ -402,9 +505,9 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], _GL_DTYPES[dtype])
     desc = f"tensordesc<{name}[{BLOCK},{D}],{layout!r}>"
-    sig = dict(q_desc=desc, k_desc=desc, v_desc=desc, Out=f"*{name}", Lse="*fp32", Items="*i32", FullIdx="*i32",
-               PartIdx="*i32", n_items="i32", Nq="i32", qk_scale="fp32")
-    constexprs = dict(_constexprs(block_k, dense, causal), num_warps=4)
+    sig = dict(q_desc=desc, k_desc=desc, v_desc=desc, Out=f"*{name}", Lse="*fp32", OutPart="*fp32", LsePart="*fp32",
+               Items="*i32", FullIdx="*i32", PartIdx="*i32", n_items="i32", Nq="i32", qk_scale="fp32")
+    constexprs = dict(_constexprs(block_k, dense, causal, split), num_warps=4)
     sig.update({n: "constexpr" for n in constexprs})
     names = list(sig)
     src = GluonASTSource(_attn_fwd_hopper_kernel, sig, {(names.index(n), ): v for n, v in constexprs.items()})
