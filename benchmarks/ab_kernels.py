@@ -9,6 +9,13 @@ ratios base/new are the change's gain. Three ways to name the versions:
     python benchmarks/ab_kernels.py --base benchmarks/_fwd_base.py --out ab.json
     # pointer loads (base) against TMA descriptor loads (new), forward and backward
     python benchmarks/ab_kernels.py --switch tma --out ab.json
+    # the Triton forward (base) against the Hopper forward (new) where it serves; or, for masks with split
+    # lists, fwd.py (base) against the Hopper forward's split-list path (new)
+    python benchmarks/ab_kernels.py --switch hopper --out ab.json
+    python benchmarks/ab_kernels.py --switch hopper-split --rows "bigbird|longformer" --out ab.json
+
+Each version keeps its launch plans per row, as the library keeps them per mask, so the timings are those
+of repeated calls (no plan built inside the timed call).
     # a saved copy of the whole package (kernels and the mask's index lists) against the current one,
     # forward and backward
     mkdir -p /tmp/base && git archive HEAD sparse_flash | tar -x -C /tmp/base
@@ -67,6 +74,14 @@ def load_base_package(path: str):
     return tuple(importlib.import_module(f"sparse_flash_base.{name}") for name in names)
 
 
+def set_hopper_split(enabled: bool) -> bool:
+    """Allow the Hopper forward's split-list path (`fwd_hopper.SPLIT_LISTS`); returns the previous setting."""
+    from sparse_flash.kernels import fwd_hopper
+
+    previous, fwd_hopper.SPLIT_LISTS = fwd_hopper.SPLIT_LISTS, bool(enabled)
+    return previous
+
+
 def kernel_args(mask, causal):
     """(forward index, backward index, geometry) that the launchers take for `mask`."""
     idx = mask.kernel_index(causal)
@@ -100,7 +115,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", help="a saved copy of sparse_flash/kernels/fwd.py")
     parser.add_argument("--base-package", help="a saved copy of the sparse_flash package folder")
-    parser.add_argument("--switch", choices=["tma"], help="time the library with a setting off (base) and on (new)")
+    parser.add_argument("--switch", choices=["tma", "hopper", "hopper-split"],
+                        help="time the library with a setting off (base) and on (new)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--rows", help="only rows whose (B, Hq, Hkv, N, D, mask, causal) text contains one of these "
                         "('|'-separated)")
@@ -112,7 +128,7 @@ def main():
         parser.error("give exactly one of --base, --base-package and --switch")
     from triton.testing import do_bench
 
-    from sparse_flash.kernels import bwd, fwd, tma
+    from sparse_flash.kernels import bwd, configs, fwd, tma
 
     same_mask = lambda mask: mask  # noqa: E731
     masks = {"base": same_mask, "new": same_mask}  # the mask each version walks
@@ -126,19 +142,21 @@ def main():
         masks["base"] = lambda mask: base_layout.BlockMask.from_layout(
             mask.layout, mask.block_size, seq_len_q=mask.seq_len_q, seq_len_k=mask.seq_len_k)
     else:
-        setter, off, on = tma.set_tma, False, True
+        setter = {"tma": tma.set_tma, "hopper": configs.set_hopper_forward, "hopper-split": set_hopper_split}[args.switch]
 
         def switched(f, value):
-            def call(*a):
+            def call(*a, **kw):
                 previous = setter(value)
                 try:
-                    return f(*a)
+                    return f(*a, **kw)
                 finally:
                     setter(previous)
             return call
 
-        versions = {"base": switched(fwd.attn_fwd, off), "new": switched(fwd.attn_fwd, on)}
-        backward = {"base": switched(bwd.attn_bwd, off), "new": switched(bwd.attn_bwd, on)}
+        versions = {"base": switched(fwd.attn_fwd, False), "new": switched(fwd.attn_fwd, True)}
+        backward = None
+        if args.switch == "tma":
+            backward = {"base": switched(bwd.attn_bwd, False), "new": switched(bwd.attn_bwd, True)}
     results = []
     chosen = [r for r in ROWS if args.rows is None or any(part in str(r) for part in args.rows.split("|"))]
     for B, Hq, Hkv, N, D, name, causal in chosen:
@@ -148,7 +166,8 @@ def main():
         q = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype, generator=gen)
         k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
         row = [B, Hq, Hkv, N, D, name, causal]
-        calls = {tag: (lambda f=f, a=margs[tag]: f(q, k, v, a[0], a[2], causal, D**-0.5))
+        plans = {tag: {} for tag in versions}  # each version's launch plans for this row
+        calls = {tag: (lambda f=f, a=margs[tag], p=plans[tag]: f(q, k, v, a[0], a[2], causal, D**-0.5, p))
                  for tag, f in versions.items()}
         outs = {tag: call()[0] for tag, call in calls.items()}
         diff = float((outs["base"].float() - outs["new"].float()).abs().max())
@@ -158,7 +177,8 @@ def main():
         rows, _, geom = margs["new"]
         out, lse = fwd.attn_fwd(q, k, v, rows, geom, causal, D**-0.5)
         do = torch.randn_like(q)
-        calls = {tag: (lambda f=f, a=margs[tag]: f(do, q, k, v, out, lse, a[1], a[2], causal, D**-0.5))
+        calls = {tag: (lambda f=f, a=margs[tag], p=plans[tag]: f(do, q, k, v, out, lse, a[1], a[2], causal,
+                                                                   D**-0.5, p))
                  for tag, f in backward.items()}
         grads = {tag: call() for tag, call in calls.items()}
         diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads["base"], grads["new"]))

@@ -44,8 +44,9 @@ def gpu_ms(fn, timing: str = "eager") -> float:
 
 
 def fit(seq_len: int, batch: int, heads: int, head_dim: int, windows, fwd_config=None, timing="eager") -> dict:
-    """Time the dense kernel (at the library's tiles), then the local masks (at `fwd_config`, a `FwdConfig`
-    tuple, or the library's rule), and fit the masks' times."""
+    """Time the dense kernel (as the library runs it), then the local masks (at `fwd_config`, a `FwdConfig`
+    tuple of the Triton forward, which then serves them instead of the Hopper forward; or as the library
+    runs them), and fit the masks' times."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(batch, heads, seq_len, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
                for _ in range(3))
@@ -54,8 +55,10 @@ def fit(seq_len: int, batch: int, heads: int, head_dim: int, windows, fwd_config
     grid_blocks = (seq_len // 128) ** 2 * batch * heads
     rows = []
     rule = fwd.fwd_config
+    hopper = configs.hopper_forward_enabled()
     if fwd_config is not None:  # new masks, so launch plans are built with it
         fwd.fwd_config = lambda *a: configs.FwdConfig(*fwd_config)
+        configs.set_hopper_forward(False)
     try:
         for w in windows:
             mask = masks.local(seq_len, 128, window=w).to("cuda")
@@ -64,6 +67,7 @@ def fit(seq_len: int, batch: int, heads: int, head_dim: int, windows, fwd_config
                          "limit_ms": (1.15 * mask.density + 0.01) * dense_ms})
     finally:
         fwd.fwd_config = rule
+        configs.set_hopper_forward(hopper)
     blocks = np.array([r["density"] * grid_blocks for r in rows])
     a, c = np.polyfit(blocks, np.array([r["ms"] for r in rows]), 1)
     for r, nb in zip(rows, blocks):
