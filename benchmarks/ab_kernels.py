@@ -13,6 +13,8 @@ ratios base/new are the change's gain. Three ways to name the versions:
     # lists, fwd.py (base) against the Hopper forward's split-list path (new)
     python benchmarks/ab_kernels.py --switch hopper --out ab.json
     python benchmarks/ab_kernels.py --switch hopper-split --rows "bigbird|longformer" --out ab.json
+    # the Hopper forward's items taken in turn by its programs (base) against balanced by load (new)
+    python benchmarks/ab_kernels.py --switch hopper-balance --out ab.json
 
 Each version keeps its launch plans per row, as the library keeps them per mask, so the timings are those
 of repeated calls (no plan built inside the timed call).
@@ -82,6 +84,15 @@ def set_hopper_split(enabled: bool) -> bool:
     return previous
 
 
+def set_hopper_balance(enabled: bool) -> bool:
+    """Balance the Hopper forward's items over its programs by load (`fwd_hopper.BALANCE`); returns the
+    previous setting."""
+    from sparse_flash.kernels import fwd_hopper
+
+    previous, fwd_hopper.BALANCE = fwd_hopper.BALANCE, bool(enabled)
+    return previous
+
+
 def kernel_args(mask, causal):
     """(forward index, backward index, geometry) that the launchers take for `mask`."""
     idx = mask.kernel_index(causal)
@@ -115,7 +126,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", help="a saved copy of sparse_flash/kernels/fwd.py")
     parser.add_argument("--base-package", help="a saved copy of the sparse_flash package folder")
-    parser.add_argument("--switch", choices=["tma", "hopper", "hopper-split"],
+    parser.add_argument("--switch", choices=["tma", "hopper", "hopper-split", "hopper-balance"],
                         help="time the library with a setting off (base) and on (new)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--rows", help="only rows whose (B, Hq, Hkv, N, D, mask, causal) text contains one of these "
@@ -142,7 +153,8 @@ def main():
         masks["base"] = lambda mask: base_layout.BlockMask.from_layout(
             mask.layout, mask.block_size, seq_len_q=mask.seq_len_q, seq_len_k=mask.seq_len_k)
     else:
-        setter = {"tma": tma.set_tma, "hopper": configs.set_hopper_forward, "hopper-split": set_hopper_split}[args.switch]
+        setter = {"tma": tma.set_tma, "hopper": configs.set_hopper_forward, "hopper-split": set_hopper_split,
+                  "hopper-balance": set_hopper_balance}[args.switch]
 
         def switched(f, value):
             def call(*a, **kw):

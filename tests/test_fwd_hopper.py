@@ -1,6 +1,8 @@
 """The warp-specialised Hopper forward's host side, on the CPU: which calls it takes and the work items
 it walks. Its kernel runs on sm_90 GPUs only (tests/test_gpu.py); tests/test_codegen.py compiles it."""
 
+import os
+
 import pytest
 import torch
 
@@ -31,8 +33,8 @@ def test_takes_causal_calls_dense_and_sparse(causal):
         assert fwd_hopper.shape_supported(q_shape, k_shape, torch.bfloat16, index, geometry)
 
 
-@pytest.mark.parametrize("case", ["fp32", "d64", "tail", "block64", "split_lists"])
-def test_leaves_other_calls_to_the_triton_forward(case):
+@pytest.mark.parametrize("case", ["fp32", "d64", "tail", "block64", "split_lists_switched_off"])
+def test_leaves_other_calls_to_the_triton_forward(case, monkeypatch):
     mask = masks.butterfly(1024, 128)
     q_shape, k_shape, index, geometry = call(mask)
     dtype = torch.bfloat16
@@ -45,10 +47,12 @@ def test_leaves_other_calls_to_the_triton_forward(case):
         q_shape, k_shape, index, geometry = call(mask, N=1000)
     elif case == "block64":
         q_shape, k_shape, index, geometry = call(masks.butterfly(1024, 64))
-    else:  # a global row: the work plan cuts its list into chunks
+    else:  # a global row: the work plan cuts its list into chunks, which SPLIT_LISTS=False leaves to fwd.py
         mask = masks.bigbird(16384, 128, seed=0)
         q_shape, k_shape, index, geometry = call(mask, N=16384)
         assert index[8].shape[0] > 0
+        assert fwd_hopper.shape_supported(q_shape, k_shape, dtype, index, geometry)
+        monkeypatch.setattr(fwd_hopper, "SPLIT_LISTS", False)
     assert not fwd_hopper.shape_supported(q_shape, k_shape, dtype, index, geometry)
 
 
@@ -155,3 +159,82 @@ def test_split_items_cover_each_list_once_in_chunks_with_their_own_scratch(causa
         reads = {((first + c) * split.copies + copy) * block + tile * 128 for c in range(num_chunks)}
         assert reads == tile_scratch[q_row]
     assert (items[:, 6] >= 0).int().diff().le(0).all()  # chunks first
+
+
+def _tiles(items, sub=1):
+    return (items[:, 3] - items[:, 2] + items[:, 5] - items[:, 4]).long() * sub
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("programs", [7, 132])
+def test_programs_take_each_item_once_with_balanced_loads(causal, programs):
+    """`_assign_programs`: every item exactly once, each program's items in their order in the item list
+    (heavy lists first), and the most loaded program within one run's cost of the mean load (a run: the
+    consecutive items placed together), where item i on program i % programs can be far above it."""
+    B, Hq, N = 2, 4, 4096
+    mask = masks.random(N, 128, density=0.08, seed=3, num_heads=Hq) | masks.global_(N, 128)
+    rows = mask.kernel_index(causal).rows()
+    items = fwd_hopper._items(B, Hq, Hq, N, N, causal, rows, [*mask.shape, *mask.block_size, 0], "cpu")
+    placed, starts = fwd_hopper._assign_programs(items, programs, 1)
+    assert starts.dtype == torch.int32 and starts.shape == (programs + 1, ) and starts[0] == 0
+    assert starts[-1] == items.shape[0] and (starts[1:] >= starts[:-1]).all()
+    position = {tuple(r): i for i, r in enumerate(items.tolist())}
+    assert sorted(position[tuple(r)] for r in placed.tolist()) == list(range(items.shape[0]))
+    cost = _tiles(placed) + fwd_hopper.ITEM_COST
+    loads = torch.stack([cost[starts[p]:starts[p + 1]].sum() for p in range(programs)]).double()
+    for p in range(programs):  # each program's items keep the list's order
+        mine = [position[tuple(r)] for r in placed[starts[p]:starts[p + 1]].tolist()]
+        assert mine == sorted(mine)
+    run = -(-items.shape[0] // (fwd_hopper.BUNDLES_PER_PROGRAM * programs))  # items per run placed
+    assert loads.max() <= loads.mean() + run * cost.max()
+    if run == 1:  # single items placed: never worse than taking them in turn
+        static = torch.stack([(_tiles(items) + fwd_hopper.ITEM_COST)[p::programs].sum() for p in range(programs)])
+        assert loads.max() <= static.max()
+
+
+def test_programs_split_lists_weighted_by_their_key_tiles(monkeypatch):
+    """Lists count mask blocks of SUB key tiles each; with balancing off, item i goes to program i % P."""
+    items = torch.tensor([[0, 0, 0, n, 0, 0] for n in (8, 1, 1, 1, 1, 1)], dtype=torch.int32)
+    placed, starts = fwd_hopper._assign_programs(items, 2, 2)
+    assert starts.tolist() == [0, 1, 6]  # 8 blocks x 2 tiles + 1 against 5 x (2 + 1)
+    monkeypatch.setattr(fwd_hopper, "BALANCE", False)
+    placed, starts = fwd_hopper._assign_programs(items, 2, 2)
+    assert starts.tolist() == [0, 3, 6] and placed[:3, 3].tolist() == [8, 1, 1]
+
+
+def test_merge_combines_the_chunks_of_each_split_tile_by_their_log_sum_exp():
+    """`_merge_split_rows` (a Triton kernel; under the interpreter on the CPU): for each merge record, the
+    chunks' normalised outputs in the scratch rows, weighted by exp(lse_chunk - lse), into Out and Lse;
+    a row empty in some chunks takes the others, a row empty in all gets 0 and -inf. Outputs NaN-poisoned."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or the Triton interpreter")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    D, block_q, copies, slots = 128, 256, 3, 5
+    gen = torch.Generator().manual_seed(0)
+    part = torch.randn(slots * copies * block_q, D, generator=gen)
+    lse_part = torch.randn(slots * copies * block_q, generator=gen) * 3
+    lse_part[7::11] = float("-inf")  # rows empty in some chunks
+    records = [(0, 0, 3, 1, 0), (128, 0, 3, 1, 1), (512, 3, 2, 2, 1)]  # (out row, first slot, chunks, copy, tile)
+    for slot in range(slots):  # row 5 of record 0's tile: empty in every chunk
+        lse_part[(slot * copies + 1) * block_q + 5] = float("-inf")
+    out = torch.full((1024, D), float("nan"), dtype=torch.float16)
+    lse = torch.full((1024, ), float("nan"))
+    merges = torch.tensor(records, dtype=torch.int32)
+    args = [t.to(device) for t in (out, lse, part, lse_part, merges)]
+    grid = (len(records), fwd_hopper.BLOCK // fwd_hopper.MERGE_ROWS.value)
+    fwd_hopper._merge_split_rows[grid](*args, copies, HEAD_D=D, MASK_BLOCK_Q=block_q, BLOCK_M=fwd_hopper.BLOCK)
+    out, lse = args[0].cpu().float(), args[1].cpu()
+    for out_row, first, chunks, copy, tile in records:
+        rows = [((first + c) * copies + copy) * block_q + tile * 128 + torch.arange(128) for c in range(chunks)]
+        lses = torch.stack([lse_part[r] for r in rows])  # (chunks, 128)
+        want_lse = torch.logsumexp(lses, 0)
+        weights = torch.exp(lses - want_lse.clamp(min=-1e30)).nan_to_num(0.0)  # (chunks, 128)
+        want = (weights[:, :, None] * torch.stack([part[r] for r in rows])).sum(0)
+        got_rows = slice(out_row, out_row + 128)
+        torch.testing.assert_close(lse[got_rows], want_lse)
+        torch.testing.assert_close(out[got_rows], want, atol=2e-3, rtol=2e-3)
+    assert lse[5] == float("-inf") and out[5].eq(0).all()
+    written = torch.zeros(1024, dtype=torch.bool)
+    for out_row, *_ in records:
+        written[out_row:out_row + 128] = True
+    assert out[~written].isnan().all() and not out[written].isnan().any()

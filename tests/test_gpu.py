@@ -177,9 +177,9 @@ def test_hopper_forward_switched_off_leaves_the_triton_forward(monkeypatch):
 @pytest.mark.skipif(not SM90, reason="the Hopper forward needs sm_90")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_hopper_forward_split_lists_match_reference(causal, monkeypatch):
-    """The Hopper forward's path for masks whose work plan splits lists (`SPARSE_FLASH_HOPPER_SPLIT=1`, off
-    by default): every list longer than 2 blocks cut into chunks, each chunk an item, merged after the
-    kernel; against the float64 reference, outputs NaN-poisoned."""
+    """The Hopper forward's path for masks whose work plan splits lists (`fwd_hopper.SPLIT_LISTS`): every
+    list longer than 2 blocks cut into chunks, each chunk an item, merged after the kernel; against the
+    float64 reference, outputs NaN-poisoned."""
     from sparse_flash import layout
     from sparse_flash.kernels import fwd_hopper
     from sparse_flash.testing import compare_to_reference, make_qkv

@@ -1,9 +1,10 @@
 """Forward kernel for Hopper GPUs with producer and consumer warps, written in Gluon.
 
 Gluon is Triton's lower-level dialect: shared-memory buffers, barriers, layouts and warp roles are
-spelled out. This kernel runs one resident program per SM, each looping over work items (a query tile of
-one (batch, head) and its lists of key blocks: the full blocks, then the blocks on the causal diagonal,
-which take an element mask). Inside a program:
+spelled out. This kernel runs one resident program per SM, each looping over its share of the work
+items (a query tile of one (batch, head) and its lists of key blocks: the full blocks, then the blocks on
+the causal diagonal, which take an element mask), shares balanced by their key tiles on the host
+(`_assign_programs`). Inside a program:
 
 - one *load* warp issues TMA copies: the next item's Q tile into one of two Q buffers, and K and V tiles
   into rings of K_BUFFERS and V_BUFFERS buffers, each signalled on an mbarrier when it lands;
@@ -19,15 +20,15 @@ cannot overlap (benchmarks/NOTES.md, step 37: about 70 us per call at 16,384 tok
 
 It serves the calls it was written for (`supported`), and `fwd.py` serves everything else: 16-bit
 inputs, D = 128, both sequence lengths multiples of 128 and of the mask's blocks (so no block ends in a
-sequence tail), mask blocks multiples of 128, lists that the mask's work plan does not split, contiguous
-tensors, and a GPU of compute capability 9.0 (H100, H200); causal or not. Masks with split lists have a
-path here too (each chunk an item writing to scratch, merged by a second launch), off until it has run on
-a GPU (`SPLIT_LISTS`). Importing this
-module needs a Triton with Gluon (3.5 or newer); `fwd.py` imports it only when it can.
+sequence tail), mask blocks multiples of 128, contiguous tensors, and a GPU of compute capability 9.0
+(H100, H200); causal or not. Where the mask's work plan splits long lists (global rows), each chunk is an
+item of its own writing to scratch rows, and a second launch merges the chunks (`SPLIT_LISTS`). Importing
+this module needs a Triton with Gluon (3.5 or newer); `fwd.py` imports it only when it can.
 """
 
 from __future__ import annotations
 
+import heapq
 import os
 
 import torch
@@ -41,7 +42,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .common import LOG2E
 from .launch import cached_plan, plan_key
 from .memory import new_output
-from .split import SplitPlan, store_chunk_merge
+from .split import MERGE_ROWS, SplitPlan, store_chunk_merge
 
 BLOCK = 128  # query rows per item and key rows per K/V stage
 K_BUFFERS, V_BUFFERS = 2, 3  # K and V tiles in flight per program: with two Q buffers, 224 KB at D = 128
@@ -49,10 +50,14 @@ ITEM_WIDTH = gl.constexpr(6)  # an item record (`_items`)
 SPLIT_ITEM_WIDTH = gl.constexpr(8)  # with the scratch row of a chunk of a split list (`_split_items`), and padding
 FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)  # which query rows a compute warpgroup takes
 HEAVY_FACTOR = 4  # items with lists longer than this many times the mean start first
-# Masks whose work plan splits long lists: each chunk as an item of its own, merged after the kernel. Built
-# and compile-checked, not yet run on a GPU, so off unless SPARSE_FLASH_HOPPER_SPLIT=1 (benchmarks/NOTES.md,
-# step 43); with it off, such masks run `fwd.py`.
-SPLIT_LISTS = os.environ.get("SPARSE_FLASH_HOPPER_SPLIT") == "1"
+BALANCE = os.environ.get("SPARSE_FLASH_HOPPER_BALANCE") != "0"  # items to programs by load (`_assign_programs`)
+# Time per item besides its key tiles (Q load, first S, last O += P V, O store), in key tiles, for balancing:
+# 3.2 us against 1.74 us per tile, fitted on local masks of 3 and 9 blocks per row (NOTES, step 44).
+ITEM_COST = 2
+BUNDLES_PER_PROGRAM = 16  # runs of items per program that the balancing places (bounds its host time)
+# Masks whose work plan splits long lists: each chunk an item of its own, merged after the kernel (NOTES,
+# steps 43-44). SPARSE_FLASH_HOPPER_SPLIT=0 sends such masks to `fwd.py` instead.
+SPLIT_LISTS = os.environ.get("SPARSE_FLASH_HOPPER_SPLIT") != "0"
 LOAD_REGS = 24  # registers per thread of the load warp
 COMPUTE_REGS = 224  # registers per thread of the second compute warpgroup (the first gets what is left: 256)
 MAX_REGS = 168  # registers per thread of the whole program (12 warps: 8 compute, 4 for the load warp's group)
@@ -93,7 +98,7 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
 
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                    v_empty, Items, FullIdx, PartIdx, n_items, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr,
+                    v_empty, Items, Starts, FullIdx, PartIdx, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr,
                     DENSE: gl.constexpr, WIDTH: gl.constexpr):
     """The load warp: for each of this program's items, Q into a free Q buffer, then every K and V tile of
     the item's full list and then of its partial list into the next free buffers of the K and V rings.
@@ -101,7 +106,7 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_e
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     t = 0  # K/V tiles issued so far (ring positions)
     c = 0  # items issued so far (Q buffer position)
-    for it in range(gl.program_id(0), n_items, gl.num_programs(0)):
+    for it in range(gl.load(Starts + gl.program_id(0)), gl.load(Starts + gl.program_id(0) + 1)):
         rec = Items + it * WIDTH
         q_row = gl.load(rec)
         kv_row = gl.load(rec + 1)
@@ -187,7 +192,7 @@ def _store_tile(O, L, row, out, m_i, l_safe, empty, offs_mo, offs_m, offs_d):
 
 @gluon.jit
 def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Lse,
-                       OutPart, LsePart, Items, PartIdx, n_items, Nq, qk_scale, SUB: gl.constexpr,
+                       OutPart, LsePart, Items, Starts, PartIdx, Nq, qk_scale, SUB: gl.constexpr,
                        MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr,
                        WIDTH: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
     """One compute warpgroup: the online softmax over each item's K/V tiles for its half of the item's
@@ -217,7 +222,7 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
     offs_d = gl.arange(0, HEAD_D, layout=o_cols)  # (HEAD_D,)
     t = 0  # K/V tiles consumed so far (ring positions, as in the load warp)
     c = 0
-    for it in range(gl.program_id(0), n_items, gl.num_programs(0)):
+    for it in range(gl.load(Starts + gl.program_id(0)), gl.load(Starts + gl.program_id(0) + 1)):
         rec = Items + it * WIDTH
         q_row = gl.load(rec) + HALF * BLOCK_M  # this warpgroup's first row of Q, O and the log-sum-exp
         q_tok = q_row % Nq  # its position in the sequence
@@ -271,12 +276,12 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
 
 
 @gluon.jit
-def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, Out, Lse, OutPart, LsePart, Items, FullIdx, PartIdx, n_items, Nq,
+def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, Out, Lse, OutPart, LsePart, Items, Starts, FullIdx, PartIdx, Nq,
                             qk_scale, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr,
                             CAUSAL: gl.constexpr, SPLIT: gl.constexpr, K_STAGES: gl.constexpr,
                             V_STAGES: gl.constexpr, LOAD_WARP_REGS: gl.constexpr,
                             COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """One resident program per SM; program p walks items p, p + programs, ... (`_FwdHopperPlan`)."""
+    """One resident program per SM; program p walks items [Starts[p], Starts[p + 1]) (`_assign_programs`)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -301,13 +306,13 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, Out, Lse, OutPart, LsePart, 
         mbarrier.init(v_empty.index(i), count=2)
     gl.warp_specialize([
         (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Lse,
-                              OutPart, LsePart, Items, PartIdx, n_items, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
+                              OutPart, LsePart, Items, Starts, PartIdx, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
                               CAUSAL, SPLIT, WIDTH, FIRST_HALF, num_warps)),  # query rows [0, 64) of each item
         (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Lse,
-                              OutPart, LsePart, Items, PartIdx, n_items, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
+                              OutPart, LsePart, Items, Starts, PartIdx, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
                               CAUSAL, SPLIT, WIDTH, SECOND_HALF, num_warps)),  # query rows [64, 128)
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                           v_empty, Items, FullIdx, PartIdx, n_items, SUB, MASK_BLOCK_K, DENSE, WIDTH)),
+                           v_empty, Items, Starts, FullIdx, PartIdx, SUB, MASK_BLOCK_K, DENSE, WIDTH)),
     ], [num_warps, 1], [COMPUTE_REGS, LOAD_WARP_REGS])
 
 
@@ -330,8 +335,7 @@ def shape_supported(q_shape, k_shape, dtype, index, mask_geometry) -> bool:
     """The part of `supported` that does not ask the GPU: dtype, shapes and the mask's blocks and lists.
 
     D = 128 only: at D = 64 this kernel measured 0.91-1.01x the Triton kernel (benchmarks/NOTES.md, step
-    41). Masks whose work plan splits long lists (global rows) stay on `fwd.py`, which runs the chunks of
-    a long list on several SMs; here a list runs on one.
+    41). Masks whose work plan splits long lists (global rows) come here unless SPLIT_LISTS is off.
     """
     B, Hq, Nq, D = q_shape
     Nk = k_shape[2]
@@ -387,6 +391,37 @@ def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _assign_programs(items, num_programs: int, sub: int):
+    """Items regrouped by the resident program that runs them, and `starts` (int32, `num_programs + 1`):
+    program p runs items [starts[p], starts[p + 1]).
+
+    The programs never wait for each other, so the call lasts as long as the most loaded one. A program's
+    load counts its items' key tiles plus ITEM_COST each (its Q load and O store). BALANCE: runs of
+    consecutive items (at most BUNDLES_PER_PROGRAM runs per program, so that the host loop stays short)
+    go heaviest first to the least loaded program; each program then takes its runs in their order in
+    `items` (heavy lists first, then by head, as `_items` and `_split_items` order them). Without BALANCE,
+    item i goes to program i % num_programs, whatever its length.
+    """
+    n = items.shape[0]
+    program = torch.arange(n) % num_programs
+    if BALANCE and n > num_programs:
+        cost = ((items[:, 3] - items[:, 2] + items[:, 5] - items[:, 4]).long().cpu() * sub + ITEM_COST).double()
+        run = -(-n // (BUNDLES_PER_PROGRAM * num_programs))  # items per run
+        run_cost = torch.zeros(-(-n // run), dtype=torch.float64).index_add_(0, torch.arange(n) // run, cost)
+        owner = [0] * run_cost.shape[0]
+        loads = [(0.0, p) for p in range(num_programs)]  # a heap of (load, program)
+        for r in torch.argsort(run_cost, descending=True, stable=True).tolist():
+            load, p = heapq.heappop(loads)
+            owner[r] = p
+            heapq.heappush(loads, (load + float(run_cost[r]), p))
+        program = torch.tensor(owner)[torch.arange(n) // run]
+    order = torch.argsort(program, stable=True)  # by program, each program's items in their order in `items`
+    counts = torch.bincount(program, minlength=num_programs)
+    starts = torch.zeros(num_programs + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(counts, 0)
+    return items[order.to(items.device)].contiguous(), starts.to(items.device)
+
+
 def _split_items(B, Hq, Hkv, Nq, Nk, index, mask_geometry, split_plan, device):
     """Item records of a mask whose work plan splits lists, with `SPLIT_ITEM_WIDTH` fields: `_items`' six,
     then the first scratch row of the item's tile in its chunk's slot (-1: not split) and padding. Each
@@ -429,13 +464,16 @@ def _split_items(B, Hq, Hkv, Nq, Nk, index, mask_geometry, split_plan, device):
 @triton.jit
 def _merge_split_rows(Out, Lse, Part, LsePart, RowMerges, copies, HEAD_D: tl.constexpr, MASK_BLOCK_Q: tl.constexpr,
                       BLOCK_M: tl.constexpr):
-    """One program per merge record: the chunks of one tile of a split list, combined by their log-sum-exp
-    into Out and Lse (`split.store_chunk_merge`)."""
+    """Program (i, j): rows [j * MERGE_ROWS, (j + 1) * MERGE_ROWS) of merge record i's tile of a split list,
+    its chunks combined by their log-sum-exp into Out and Lse (`split.store_chunk_merge`). One program per
+    record took 32 us at 16,384 tokens (16 programs walking 128 rows each); this grid spreads the rows."""
     rec = RowMerges + tl.program_id(0) * 5
-    out_row = tl.load(rec)
+    part = tl.program_id(1)  # which MERGE_ROWS rows of the record's BLOCK_M
+    out_row = tl.load(rec) + part * MERGE_ROWS
     first, num_chunks, copy, tile = tl.load(rec + 1), tl.load(rec + 2), tl.load(rec + 3), tl.load(rec + 4)
-    store_chunk_merge(Out + out_row.to(tl.int64) * HEAD_D, HEAD_D, Lse + out_row, 0, BLOCK_M, Part, LsePart, first,
-                      num_chunks, copies, copy, tile, MASK_BLOCK_Q, BLOCK_M, HEAD_D, HEAD_D)
+    rows_tile = tile * (BLOCK_M // MERGE_ROWS) + part  # the same rows, counted in MERGE_ROWS-row tiles
+    store_chunk_merge(Out + out_row.to(tl.int64) * HEAD_D, HEAD_D, Lse + out_row, 0, MERGE_ROWS, Part, LsePart, first,
+                      num_chunks, copies, copy, rows_tile, MASK_BLOCK_Q, MERGE_ROWS, HEAD_D, HEAD_D)
 
 
 class _FwdHopperPlan:
@@ -460,8 +498,9 @@ class _FwdHopperPlan:
         block_k = BLOCK if dense else mask_geometry[5]
         self.layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], _GL_DTYPES[q.dtype])
         self.D = D
-        self.grid = (min(self.items.shape[0], torch.cuda.get_device_properties(q.device).multi_processor_count), )
-        self.args = (self.items.shape[0], Nq, scale * LOG2E)
+        self.grid = (min(self.items.shape[0], _num_sms(q.device)), )
+        self.items, self.starts = _assign_programs(self.items, self.grid[0], block_k // BLOCK)
+        self.args = (Nq, scale * LOG2E)
         self.constexprs = _constexprs(block_k, dense, causal, split)
         self.out_shape, self.lse_shape, self.dtype, self.device = q.shape, (B, Hq, Nq), q.dtype, q.device
 
@@ -471,11 +510,12 @@ class _FwdHopperPlan:
         part, _, lse_part = self.split.scratch()
         descs = [TensorDescriptor(t, [t.numel() // self.D, self.D], [self.D, 1], [BLOCK, self.D], self.layout)
                  for t in (q, k, v)]
-        _attn_fwd_hopper_kernel[self.grid](*descs, out, lse, part, lse_part, self.items, self.full_idx, self.part_idx,
-                                           *self.args, **self.constexprs, num_warps=4, maxnreg=MAX_REGS)
+        _attn_fwd_hopper_kernel[self.grid](*descs, out, lse, part, lse_part, self.items, self.starts,
+                                           self.full_idx, self.part_idx, *self.args, **self.constexprs, num_warps=4, maxnreg=MAX_REGS)
         if self.merges is not None and self.merges.shape[0]:
-            _merge_split_rows[(self.merges.shape[0], )](out, lse, part, lse_part, self.merges, self.split.copies,
-                                                        HEAD_D=self.D, MASK_BLOCK_Q=self.block_q, BLOCK_M=BLOCK)
+            grid = (self.merges.shape[0], BLOCK // MERGE_ROWS.value)
+            _merge_split_rows[grid](out, lse, part, lse_part, self.merges, self.split.copies, HEAD_D=self.D,
+                                    MASK_BLOCK_Q=self.block_q, BLOCK_M=BLOCK)
         return out, lse
 
 
@@ -506,7 +546,7 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], _GL_DTYPES[dtype])
     desc = f"tensordesc<{name}[{BLOCK},{D}],{layout!r}>"
     sig = dict(q_desc=desc, k_desc=desc, v_desc=desc, Out=f"*{name}", Lse="*fp32", OutPart="*fp32", LsePart="*fp32",
-               Items="*i32", FullIdx="*i32", PartIdx="*i32", n_items="i32", Nq="i32", qk_scale="fp32")
+               Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32", Nq="i32", qk_scale="fp32")
     constexprs = dict(_constexprs(block_k, dense, causal, split), num_warps=4)
     sig.update({n: "constexpr" for n in constexprs})
     names = list(sig)
