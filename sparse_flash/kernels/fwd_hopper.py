@@ -36,7 +36,8 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E
@@ -63,9 +64,10 @@ COMPUTE_REGS = 224  # registers per thread of the second compute warpgroup (the 
 MAX_REGS = 168  # registers per thread of the whole program (12 warps: 8 compute, 4 for the load warp's group)
 
 
-# Names that changed after Triton 3.6: a barrier among the warps of one partition, and a TMA load.
+# Names that changed after Triton 3.6: a barrier among the warps of one partition, a TMA load and store.
 _partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
 @gluon.jit
@@ -180,18 +182,40 @@ def _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows: gl.constexpr, p_layout:
 
 
 @gluon.jit
-def _store_tile(O, L, row, out, m_i, l_safe, empty, offs_mo, offs_m, offs_d):
-    """Rows [row, row + BLOCK_M) of O (in O's dtype) and of the log-sum-exp L (natural log; -inf for an
-    empty row)."""
-    HEAD_D: gl.constexpr = offs_d.shape[0]
-    rows = row.to(gl.int64) + offs_mo  # (BLOCK_M,)
-    gl.store(O + rows[:, None] * HEAD_D + offs_d[None, :], out.to(O.dtype.element_ty))
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-    gl.store(L + row + offs_m, lse)
+def _store_lse(L, row, m_i, l_safe, empty, offs_m):
+    """Rows [row, row + BLOCK_M) of the log-sum-exp L: natural log, -inf for an empty row."""
+    gl.store(L + row + offs_m, gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453))
 
 
 @gluon.jit
-def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Lse,
+def _store_tile(O, L, row, out, m_i, l_safe, empty, offs_mo, offs_m, offs_d):
+    """Rows [row, row + BLOCK_M) of O (in O's dtype) and of the log-sum-exp L, from registers."""
+    HEAD_D: gl.constexpr = offs_d.shape[0]
+    rows = row.to(gl.int64) + offs_mo  # (BLOCK_M,)
+    gl.store(O + rows[:, None] * HEAD_D + offs_d[None, :], out.to(O.dtype.element_ty))
+    _store_lse(L, row, m_i, l_safe, empty, offs_m)
+
+
+@gluon.jit
+def _store_tile_tma(o_desc, o_smem, L, row, out, m_i, l_safe, empty, offs_m):
+    """Rows [row, row + BLOCK_M) of O through `o_smem` by an asynchronous TMA store (storing from the
+    accumulator's registers took 16-33% of the time on short lists, NOTES step 44), and of the log-sum-exp."""
+    o_smem.store(out.to(o_smem.dtype))
+    fence_async_shared()  # the shared-memory writes before the TMA engine reads them
+    _partition_barrier()  # every warp's rows are written
+    _tma_store(o_desc, [row, 0], o_smem)
+    _store_lse(L, row, m_i, l_safe, empty, offs_m)
+
+
+@gluon.jit
+def _release_after_store(bar):
+    """Free a Q buffer that held O once this warpgroup's TMA stores have read it."""
+    tma.store_wait(0)
+    _release(bar)
+
+
+@gluon.jit
+def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Lse,
                        OutPart, LsePart, Items, Starts, PartIdx, Nq, qk_scale, SUB: gl.constexpr,
                        MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr,
                        WIDTH: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
@@ -239,6 +263,8 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
             qk = _issue_qk(q, k_smem, k_ready, t, zero_s)
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))  # (BLOCK_M, BLOCK_N) scores of tile 0
             _release(k_empty.index(t % K_STAGES))
+            if c > 0:  # the item before's O has left its Q buffer: the item after next may load its Q there
+                _release_after_store(q_empty.index((c + 1) % 2))
             for j in range(n_tiles - 1):
                 qk_next = _issue_qk(q, k_smem, k_ready, t + 1, zero_s)  # runs under this tile's softmax
                 qk = _mask_partial(qk, j, n_full, plo, PartIdx, q_tok, SUB, MASK_BLOCK_K, DENSE, CAUSAL)
@@ -249,34 +275,36 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
                 mbarrier.arrive(v_empty.index(t % V_STAGES), count=1)
                 mbarrier.arrive(k_empty.index((t + 1) % K_STAGES), count=1)
                 t += 1
-            _release(q_empty.index(qb))  # the item's last Q K^T is done: the next item's Q may load
             qk = _mask_partial(qk, n_tiles - 1, n_full, plo, PartIdx, q_tok, SUB, MASK_BLOCK_K, DENSE, CAUSAL)
             p, alpha, m_i, l_i = _softmax(qk, m_i, l_i, qk_scale)
             acc = _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             _release(v_empty.index(t % V_STAGES))
             t += 1
-        else:
-            _release(q_empty.index(qb))
-        c += 1
+        elif c > 0:
+            _release_after_store(q_empty.index((c + 1) % 2))
         # Empty rows (no allowed key): output 0 and lse -inf, never 0/0.
         empty = l_i == 0.0
         l_safe = gl.where(empty, 1.0, l_i)
         out = acc / gl.convert_layout(l_safe, o_rows)[:, None]  # (BLOCK_M, HEAD_D)
-        row = q_row
+        # O goes out through this warpgroup's half of the item's Q buffer (its last S is done) by a TMA
+        # store; the buffer is released once the store has read it, during the next item.
+        o_smem = q_smem.index(qb).slice(HALF * BLOCK_M, BLOCK_M)
         if SPLIT:  # a chunk of a split list: into its scratch rows (-1: the list is not split)
             scratch = gl.load(rec + 6)
             if scratch >= 0:
-                row = scratch + HALF * BLOCK_M
-                _store_tile(OutPart, LsePart, row, out, m_i, l_safe, empty, offs_mo, offs_m, offs_d)
+                _store_tile(OutPart, LsePart, scratch + HALF * BLOCK_M, out, m_i, l_safe, empty, offs_mo, offs_m,
+                            offs_d)
             else:
-                _store_tile(Out, Lse, row, out, m_i, l_safe, empty, offs_mo, offs_m, offs_d)
+                _store_tile_tma(o_desc, o_smem, Lse, q_row, out, m_i, l_safe, empty, offs_m)
         else:
-            _store_tile(Out, Lse, row, out, m_i, l_safe, empty, offs_mo, offs_m, offs_d)
+            _store_tile_tma(o_desc, o_smem, Lse, q_row, out, m_i, l_safe, empty, offs_m)
+        c += 1
+    tma.store_wait(0)  # the last O stores read shared memory until they complete
 
 
 @gluon.jit
-def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, Out, Lse, OutPart, LsePart, Items, Starts, FullIdx, PartIdx, Nq,
+def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, OutPart, LsePart, Items, Starts, FullIdx, PartIdx, Nq,
                             qk_scale, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr,
                             CAUSAL: gl.constexpr, SPLIT: gl.constexpr, K_STAGES: gl.constexpr,
                             V_STAGES: gl.constexpr, LOAD_WARP_REGS: gl.constexpr,
@@ -305,10 +333,10 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, Out, Lse, OutPart, LsePart, 
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=2)
     gl.warp_specialize([
-        (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Lse,
+        (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Lse,
                               OutPart, LsePart, Items, Starts, PartIdx, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
                               CAUSAL, SPLIT, WIDTH, FIRST_HALF, num_warps)),  # query rows [0, 64) of each item
-        (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, Out, Lse,
+        (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Lse,
                               OutPart, LsePart, Items, Starts, PartIdx, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
                               CAUSAL, SPLIT, WIDTH, SECOND_HALF, num_warps)),  # query rows [64, 128)
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
@@ -508,10 +536,11 @@ class _FwdHopperPlan:
         out = new_output(self.out_shape, self.dtype, self.device)
         lse = new_output(self.lse_shape, torch.float32, self.device)
         part, _, lse_part = self.split.scratch()
-        descs = [TensorDescriptor(t, [t.numel() // self.D, self.D], [self.D, 1], [BLOCK, self.D], self.layout)
-                 for t in (q, k, v)]
-        _attn_fwd_hopper_kernel[self.grid](*descs, out, lse, part, lse_part, self.items, self.starts,
-                                           self.full_idx, self.part_idx, *self.args, **self.constexprs, num_warps=4, maxnreg=MAX_REGS)
+        descs = [TensorDescriptor(t, [t.numel() // self.D, self.D], [self.D, 1], [rows, self.D], self.layout)
+                 for t, rows in ((q, BLOCK), (k, BLOCK), (v, BLOCK), (out, BLOCK // 2))]  # out: per warpgroup
+        _attn_fwd_hopper_kernel[self.grid](*descs, lse, part, lse_part, self.items, self.starts, self.full_idx,
+                                           self.part_idx, *self.args, **self.constexprs, num_warps=4,
+                                           maxnreg=MAX_REGS)
         if self.merges is not None and self.merges.shape[0]:
             grid = (self.merges.shape[0], BLOCK // MERGE_ROWS.value)
             _merge_split_rows[grid](out, lse, part, lse_part, self.merges, self.split.copies, HEAD_D=self.D,
@@ -545,7 +574,8 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], _GL_DTYPES[dtype])
     desc = f"tensordesc<{name}[{BLOCK},{D}],{layout!r}>"
-    sig = dict(q_desc=desc, k_desc=desc, v_desc=desc, Out=f"*{name}", Lse="*fp32", OutPart="*fp32", LsePart="*fp32",
+    out_desc = f"tensordesc<{name}[{BLOCK // 2},{D}],{layout!r}>"
+    sig = dict(q_desc=desc, k_desc=desc, v_desc=desc, o_desc=out_desc, Lse="*fp32", OutPart="*fp32", LsePart="*fp32",
                Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32", Nq="i32", qk_scale="fp32")
     constexprs = dict(_constexprs(block_k, dense, causal, split), num_warps=4)
     sig.update({n: "constexpr" for n in constexprs})
