@@ -15,6 +15,9 @@ ratios base/new are the change's gain. Three ways to name the versions:
     python benchmarks/ab_kernels.py --switch hopper-split --rows "bigbird|longformer" --out ab.json
     # the Hopper forward's items taken in turn by its programs (base) against balanced by load (new)
     python benchmarks/ab_kernels.py --switch hopper-balance --out ab.json
+    # the Triton dK/dV kernel (base) against the Hopper one (new), in the backward (the forward rows are
+    # the same kernel twice)
+    python benchmarks/ab_kernels.py --switch hopper-bwd --rows "128" --out ab.json
 
 Each version keeps its launch plans per row, as the library keeps them per mask, so the timings are those
 of repeated calls (no plan built inside the timed call).
@@ -126,7 +129,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", help="a saved copy of sparse_flash/kernels/fwd.py")
     parser.add_argument("--base-package", help="a saved copy of the sparse_flash package folder")
-    parser.add_argument("--switch", choices=["tma", "hopper", "hopper-split", "hopper-balance"],
+    parser.add_argument("--switch", choices=["tma", "hopper", "hopper-split", "hopper-balance", "hopper-bwd"],
                         help="time the library with a setting off (base) and on (new)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--rows", help="only rows whose (B, Hq, Hkv, N, D, mask, causal) text contains one of these "
@@ -154,7 +157,7 @@ def main():
             mask.layout, mask.block_size, seq_len_q=mask.seq_len_q, seq_len_k=mask.seq_len_k)
     else:
         setter = {"tma": tma.set_tma, "hopper": configs.set_hopper_forward, "hopper-split": set_hopper_split,
-                  "hopper-balance": set_hopper_balance}[args.switch]
+                  "hopper-balance": set_hopper_balance, "hopper-bwd": configs.set_hopper_backward}[args.switch]
 
         def switched(f, value):
             def call(*a, **kw):
@@ -167,7 +170,7 @@ def main():
 
         versions = {"base": switched(fwd.attn_fwd, False), "new": switched(fwd.attn_fwd, True)}
         backward = None
-        if args.switch == "tma":
+        if args.switch in ("tma", "hopper-bwd"):
             backward = {"base": switched(bwd.attn_bwd, False), "new": switched(bwd.attn_bwd, True)}
     results = []
     chosen = [r for r in ROWS if args.rows is None or any(part in str(r) for part in args.rows.split("|"))]

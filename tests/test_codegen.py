@@ -69,6 +69,20 @@ def gluon_cases():
             (torch.bfloat16, False, False, 128, True), (torch.bfloat16, False, True, 256, True)]
 
 
+def gluon_bwd_cases():
+    """(dtype, dense, causal, mask block_q, query heads per KV head) of the warp-specialised Hopper dK/dV
+    kernel (Gluon), or none where this Triton has no Gluon."""
+    import torch
+
+    from sparse_flash.kernels import fwd
+
+    if fwd._hopper_module() is None:
+        return []
+    return [(torch.bfloat16, False, False, 128, 1), (torch.float16, True, False, 128, 1),
+            (torch.bfloat16, True, True, 128, 1), (torch.float16, False, True, 256, 1),
+            (torch.bfloat16, False, False, 128, 4)]
+
+
 def main() -> int:
     from sparse_flash.kernels import fwd
     from sparse_flash.kernels.aot import AheadOfTimeUnsupported, compile_sm90
@@ -93,6 +107,17 @@ def main() -> int:
             assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
             if split:  # and the launch that merges the chunks
                 compile_sm90(hopper._merge_split_rows, dict(HEAD_D=128, MASK_BLOCK_Q=block, BLOCK_M=hopper.BLOCK))
+            print(f"ok {name} ({shared} bytes of shared memory)")
+        except Exception as e:
+            failed += 1
+            print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
+    for dtype, dense, causal, block_q, groups in gluon_bwd_cases():
+        name = f"hopper dkdv {dtype} dense={dense} causal={causal} block_q={block_q} groups={groups}"
+        try:
+            from sparse_flash.kernels import bwd_hopper
+
+            shared = bwd_hopper.compile_sm90(dtype, dense, causal, block_q, groups).metadata.shared
+            assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
             print(f"ok {name} ({shared} bytes of shared memory)")
         except Exception as e:
             failed += 1
@@ -164,7 +189,8 @@ def test_kernels_compile_for_sm90():
     if "SKIP" in run.stdout:
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    assert run.stdout.count("ok ") == len(list(cases())) + len(gluon_cases())  # every kernel and path compiled
+    # every kernel and path compiled
+    assert run.stdout.count("ok ") == len(list(cases())) + len(gluon_cases()) + len(gluon_bwd_cases())
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .common import (ITEM_BLOCK, LOG2E, dot_precision, item_ranges, list_ranges, list_tile_start, load_unmasked_rows,
                      schedule, store_rows)
-from .configs import block_d, bwd_config, schedule_heads
+from .configs import block_d, bwd_config, hopper_backward_enabled, interpreting, schedule_heads
 from .launch import BoundLaunch, cached_plan, plan_key
 from .memory import new_output
 from .split import SplitPlan, chunk_rows, last_chunk, store_chunk_sum
@@ -325,6 +325,18 @@ def _attn_bwd_dq_kernel(
         store_rows(DQ, offs_m, stride_dqm, offs_d, dq, ok)
 
 
+def _hopper_backward():
+    """`bwd_hopper` where it may serve calls: allowed (`configs.set_hopper_backward`), not under the
+    interpreter (Gluon kernels do not run there), and importable (a Triton with Gluon)."""
+    if not hopper_backward_enabled() or interpreting():
+        return None
+    try:
+        from . import bwd_hopper
+    except (ImportError, AttributeError):
+        return None
+    return bwd_hopper
+
+
 class _BwdPlan:
     """What one call signature of `attn_bwd` fixes: tiles, grids, the launches and their non-tensor
     arguments. A call then only allocates the gradients (and scratch), builds descriptors and launches."""
@@ -377,6 +389,10 @@ class _BwdPlan:
             cfg.dq_warps or cfg.num_warps, cfg.dq_stages or cfg.num_stages, cfg.dq_maxnreg,
         )
 
+        hopper = _hopper_backward()
+        self.dkdv_hopper = None  # the Gluon dK/dV kernel's plan, where it serves this call
+        if hopper is not None and hopper.supported(do, q, k, v, index, mask_geometry):
+            self.dkdv_hopper = hopper.DkdvHopperPlan(q, k, index, mask_geometry, causal, scale)
         kv_bq, kv_bk = (cfg.kv_block_m, cfg.kv_block_n) if dense else (block_q, block_k)
         kv_items = triton.cdiv(Nk, cfg.kv_block_n) if dense else cols[4].shape[2] * (block_k // cfg.kv_block_n)
         self.q_layout, self.do_layout = (descriptor_layout(t, cfg.kv_block_m, BLOCK_D) if cfg.tma else None
@@ -407,6 +423,9 @@ class _BwdPlan:
         k_in, v_in = (make_descriptor(k, self.k_layout), make_descriptor(v, self.v_layout)) if self.dq_tma else (k, v)
         self.dq(q, k_in, v_in, out, do, lse, delta, dq, part, self.rows.counters())
 
+        if self.dkdv_hopper is not None:
+            dk, dv = self.dkdv_hopper(q, k, v, do, lse, delta)
+            return dq, dk, dv
         dk = new_output(self.k_shape, self.dtype, self.device)
         dv = new_output(self.k_shape, self.dtype, self.device)
         part_k, part_v, _ = self.cols.scratch()

@@ -51,6 +51,7 @@ ITEM_WIDTH = gl.constexpr(6)  # an item record (`_items`)
 SPLIT_ITEM_WIDTH = gl.constexpr(8)  # with the scratch row of a chunk of a split list (`_split_items`), and padding
 FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)  # which query rows a compute warpgroup takes
 HEAVY_FACTOR = 4  # items with lists longer than this many times the mean start first
+HEAD_DIMS = (128, )  # head dims served (the kernel compiles for 64 too; measured slower there, NOTES step 41)
 BALANCE = os.environ.get("SPARSE_FLASH_HOPPER_BALANCE") != "0"  # items to programs by load (`_assign_programs`)
 # Time per item besides its key tiles (Q load, first S, last O += P V, O store), in key tiles, for balancing:
 # 3.2 us against 1.74 us per tile, fitted on local masks of 3 and 9 blocks per row (NOTES, step 44).
@@ -362,12 +363,12 @@ def supported(q, k, v, index, mask_geometry) -> bool:
 def shape_supported(q_shape, k_shape, dtype, index, mask_geometry) -> bool:
     """The part of `supported` that does not ask the GPU: dtype, shapes and the mask's blocks and lists.
 
-    D = 128 only: at D = 64 this kernel measured 0.91-1.01x the Triton kernel (benchmarks/NOTES.md, step
+    D in HEAD_DIMS (128) only: at D = 64 this kernel measured 0.91-1.01x the Triton kernel (NOTES, step
     41). Masks whose work plan splits long lists (global rows) come here unless SPLIT_LISTS is off.
     """
     B, Hq, Nq, D = q_shape
     Nk = k_shape[2]
-    if dtype not in (torch.float16, torch.bfloat16) or D != 128:
+    if dtype not in (torch.float16, torch.bfloat16) or D not in HEAD_DIMS:
         return False
     if Nq % BLOCK or Nk % BLOCK or B * Hq * Nq >= 2**31 or k_shape[0] * k_shape[1] * Nk >= 2**31:
         return False

@@ -1,0 +1,384 @@
+"""dK/dV kernel for Hopper GPUs with producer and consumer warps, written in Gluon (the backward's second
+launch; the Triton dQ launch before it stores delta = rowsum(dO * O)).
+
+Built like the forward (`fwd_hopper.py`): one resident program per SM walks its share of the work items,
+here a 128-key tile of one (batch, KV head) and the lists of 64-row query tiles that see it, for every
+query head sharing that KV head (GQA). Inside a program:
+
+- one *load* warp issues TMA copies: the item's K and V tiles into one of two K/V buffers, then for each
+  query tile its Q and dO rows and its log-sum-exp and delta into a ring of STEP_BUFFERS slots, each
+  signalled on an mbarrier;
+- two *compute* warpgroups (4 warps each), one per 64-key half of the tile, run per query tile
+  S^T = K Q^T and dP^T = V dO^T, then P^T = exp2(S^T - lse), dV += P^T dO, dS^T = P^T (dP^T - delta)
+  and dK += dS^T Q on the tensor cores, and release the slot; at the item's end each writes its dK and dV
+  rows into its half of the K/V buffer and stores them by TMA (storing from the accumulators' registers
+  cost the forward 8-20%, benchmarks/NOTES.md step 44).
+
+Registers: each warpgroup holds dK and dV (64 x 128 fp32 each) and two 64 x 64 score tiles, hence 64-row
+query tiles (FlashAttention-3 makes the same split at D = 128).
+
+It serves (`supported`) 16-bit inputs with D = 128, lengths multiples of 128 and of the mask's blocks
+(multiples of 128), masks whose work plan does not split column lists, and GQA only with a mask shared by
+the heads; causal or not. `bwd.py` runs it in place of the Triton dK/dV kernel where it serves, once
+allowed: `configs.set_hopper_backward(True)` or SPARSE_FLASH_HOPPER_BWD=1. Off by default: built and
+compile-checked for sm_90a, not yet run on a GPU (benchmarks/NOTES.md, step 45).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .common import LOG2E
+from .fwd_hopper import (_assign_programs, _list_tile_start, _num_sms, _partition_barrier, _release, _tma_load,
+                         _tma_store)
+from .launch import cached_plan, plan_key
+from .memory import new_output
+
+BLOCK_N = 128  # keys per item (64 per compute warpgroup)
+BLOCK_M = 64  # query rows per step
+STEP_BUFFERS = 2  # Q / dO / lse / delta slots in flight; with two K/V buffers, 192 KB of shared memory
+ITEM_WIDTH = gl.constexpr(6)  # (first K/V row, first Q row of the group's first head, full lo, hi, partial lo, hi)
+FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)
+HEAVY_FACTOR = 4  # items with lists longer than this many times the mean start first
+LOAD_REGS = 24
+COMPUTE_REGS = 240  # each compute warpgroup's (the first gets what the launch cap leaves: also 240)
+MAX_REGS = 168
+
+
+@gluon.jit
+def _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, row, t):
+    """Q and dO rows [row, row + BLOCK_M) and their lse and delta into slot t % STAGES, once it is free."""
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    s = t % STAGES
+    mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # barriers start with phase 1 complete
+    nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
+                            + delta_desc.block_type.nbytes)
+    mbarrier.expect(ready.index(s), nbytes)
+    _tma_load(q_desc, [row, 0], ready.index(s), q_smem.index(s))
+    _tma_load(do_desc, [row, 0], ready.index(s), do_smem.index(s))
+    _tma_load(lse_desc, [row], ready.index(s), lse_smem.index(s))
+    _tma_load(delta_desc, [row], ready.index(s), delta_smem.index(s))
+
+
+@gluon.jit
+def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+                        lse_smem, delta_smem, kv_ready, kv_empty, step_ready, step_empty, Items, Starts, FullIdx,
+                        PartIdx, Nq, GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
+                        DENSE: gl.constexpr):
+    """The load warp: for each of this program's items, K and V into a free K/V buffer, then for each query
+    head of the group the query tiles of the full list and then of the partial list into the next slots."""
+    BM: gl.constexpr = q_desc.block_type.shape[0]
+    t = 0  # steps issued so far (slot positions)
+    c = 0  # items issued so far (K/V buffer position)
+    for it in range(gl.load(Starts + gl.program_id(0)), gl.load(Starts + gl.program_id(0) + 1)):
+        rec = Items + it * ITEM_WIDTH
+        kv_row = gl.load(rec)
+        q_row0 = gl.load(rec + 1)
+        kb = c % 2
+        mbarrier.wait(kv_empty.index(kb), ((c // 2) & 1) ^ 1)
+        mbarrier.expect(kv_ready.index(kb), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        _tma_load(k_desc, [kv_row, 0], kv_ready.index(kb), k_smem.index(kb))
+        _tma_load(v_desc, [kv_row, 0], kv_ready.index(kb), v_smem.index(kb))
+        for g in range(GROUPS):
+            q_row = q_row0 + g * Nq
+            for j in range(gl.load(rec + 2) * SUB, gl.load(rec + 3) * SUB):
+                start = _list_tile_start(FullIdx, j, SUB, MASK_BLOCK_Q, BM, DENSE)
+                _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, step_ready,
+                           step_empty, q_row + start, t)
+                t += 1
+            for j in range(gl.load(rec + 4) * SUB, gl.load(rec + 5) * SUB):
+                start = _list_tile_start(PartIdx, j, SUB, MASK_BLOCK_Q, BM, DENSE)
+                _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, step_ready,
+                           step_empty, q_row + start, t)
+                t += 1
+        c += 1
+
+
+@gluon.jit
+def _bwd_step(k, v, q_smem, do_smem, lse_smem, delta_smem, step_ready, step_empty, dk, dv, t, qk_scale, key0,
+              q_tok0, MASKED: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr):
+    """One query tile (slot t % STAGES) into this warpgroup's dK and dV (64 keys):
+    S^T = K Q^T and dP^T = V dO^T, P^T = exp2(S^T - lse), dV += P^T dO, dS^T = P^T (dP^T - delta),
+    dK += dS^T Q. MASKED: a tile on the causal diagonal (query < key gets P = 0)."""
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    BM: gl.constexpr = q_smem.type.shape[1]
+    s = t % STAGES
+    mbarrier.wait(step_ready.index(s), (t // STAGES) & 1)
+    q = q_smem.index(s)  # (BM, D)
+    do = do_smem.index(s)  # (BM, D)
+    BN: gl.constexpr = k.shape[0]
+    zero_s = gl.zeros([BN, BM], gl.float32, s_layout)  # unused (use_acc=False)
+    st = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (64, BM) scores^T
+    dpt = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (64, BM) dP^T
+    cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
+    lse = lse_smem.index(s).load(cols)  # (BM,) natural log; -inf for a query row with no allowed key
+    lse = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # log2; empty rows get P = 0
+    pt = gl.exp2(st * qk_scale - lse[None, :])  # (64, BM) P^T
+    if MASKED:
+        keys = key0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))  # (64,)
+        queries = q_tok0 + gl.arange(0, BM, layout=cols)  # (BM,)
+        pt = gl.where(queries[None, :] >= keys[:, None], pt, 0.0)
+    dv = warpgroup_mma(gl.convert_layout(pt.to(q.dtype), p_layout), do, dv, is_async=True)
+    delta = delta_smem.index(s).load(cols)  # (BM,) rowsum(dO * O)
+    dst = pt * (dpt - delta[None, :])  # (64, BM) dS^T
+    dk = warpgroup_mma(gl.convert_layout(dst.to(q.dtype), p_layout), q, dk, is_async=True)
+    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+    _release(step_empty.index(s))
+    return dk, dv
+
+
+@gluon.jit
+def _bwd_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_empty, step_ready,
+                           step_empty, dk_desc, dv_desc, Items, Starts, PartIdx, Nk, qk_scale, sm_scale,
+                           GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, DENSE: gl.constexpr,
+                           CAUSAL: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
+    """One compute warpgroup: keys [HALF * 64, HALF * 64 + 64) of each item; dK and dV accumulate over the
+    item's query tiles (every head of the group) and leave through this half of the K/V buffer by TMA."""
+    BN: gl.constexpr = k_smem.type.shape[1] // 2  # this warpgroup's keys
+    HEAD_D: gl.constexpr = k_smem.type.shape[2]
+    BM: gl.constexpr = q_smem.type.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, BM, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                         instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    t = 0  # steps consumed so far (slot positions, as in the load warp)
+    c = 0  # items taken so far (K/V buffer position)
+    for it in range(gl.load(Starts + gl.program_id(0)), gl.load(Starts + gl.program_id(0) + 1)):
+        rec = Items + it * ITEM_WIDTH
+        kv_row = gl.load(rec) + HALF * BN  # this warpgroup's first K/V row
+        key0 = kv_row % Nk  # its position in the sequence
+        n_full = (gl.load(rec + 3) - gl.load(rec + 2)) * SUB
+        part_lo = gl.load(rec + 4) * SUB
+        part_hi = gl.load(rec + 5) * SUB
+        kb = c % 2
+        mbarrier.wait(kv_ready.index(kb), (c // 2) & 1)
+        k = k_smem.index(kb).slice(HALF * BN, BN)  # (64, D) in shared memory
+        v = v_smem.index(kb).slice(HALF * BN, BN)
+        if c > 0:  # the item before's dK and dV have left its K/V buffer: the item after next may load there
+            tma.store_wait(0)
+            _release(kv_empty.index((c + 1) % 2))
+        dk = gl.zeros([BN, HEAD_D], gl.float32, acc_layout)  # (64, D)
+        dv = gl.zeros([BN, HEAD_D], gl.float32, acc_layout)  # (64, D)
+        for g in range(GROUPS):
+            for j in range(n_full):
+                dk, dv = _bwd_step(k, v, q_smem, do_smem, lse_smem, delta_smem, step_ready, step_empty, dk, dv, t,
+                                   qk_scale, key0, 0, False, s_layout, p_layout)
+                t += 1
+            for j in range(part_lo, part_hi):  # tiles on the causal diagonal: masked where query < key
+                q_tok0 = _list_tile_start(PartIdx, j, SUB, MASK_BLOCK_Q, BM, DENSE)  # the tile's first query
+                dk, dv = _bwd_step(k, v, q_smem, do_smem, lse_smem, delta_smem, step_ready, step_empty, dk, dv, t,
+                                   qk_scale, key0, q_tok0, CAUSAL, s_layout, p_layout)
+                t += 1
+        # dK and dV out through this half of the K/V buffer (the item's last products are done)
+        k.store((dk * sm_scale).to(k.dtype))
+        v.store(dv.to(v.dtype))
+        fence_async_shared()
+        _partition_barrier()
+        _tma_store(dk_desc, [kv_row, 0], k)
+        _tma_store(dv_desc, [kv_row, 0], v)
+        c += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, Items,
+                                 Starts, FullIdx, PartIdx, Nq, Nk, qk_scale, sm_scale, GROUPS: gl.constexpr,
+                                 SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, DENSE: gl.constexpr,
+                                 CAUSAL: gl.constexpr, STAGES: gl.constexpr, LOAD_WARP_REGS: gl.constexpr,
+                                 COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """One resident program per SM; program p walks items [Starts[p], Starts[p + 1]) (`_dkdv_items`)."""
+    BM: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    BN: gl.constexpr = k_desc.block_type.shape[0]
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BM, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BM, HEAD_D], do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], delta_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BN, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BN, HEAD_D], v_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    step_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    step_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):  # a buffer is free once both compute warpgroups release it
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(step_ready.index(i), count=1)
+        mbarrier.init(step_empty.index(i), count=2)
+    gl.warp_specialize([
+        (_bwd_compute_partition, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_empty,
+                                  step_ready, step_empty, dk_desc, dv_desc, Items, Starts, PartIdx, Nk, qk_scale,
+                                  sm_scale, GROUPS, SUB, MASK_BLOCK_Q, DENSE, CAUSAL, FIRST_HALF,
+                                  num_warps)),  # keys [0, 64) of each item
+        (_bwd_compute_partition, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_empty,
+                                  step_ready, step_empty, dk_desc, dv_desc, Items, Starts, PartIdx, Nk, qk_scale,
+                                  sm_scale, GROUPS, SUB, MASK_BLOCK_Q, DENSE, CAUSAL, SECOND_HALF,
+                                  num_warps)),  # keys [64, 128)
+        (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
+                               v_smem, lse_smem, delta_smem, kv_ready, kv_empty, step_ready, step_empty, Items,
+                               Starts, FullIdx, PartIdx, Nq, GROUPS, SUB, MASK_BLOCK_Q, DENSE)),
+    ], [num_warps, 1], [COMPUTE_REGS, LOAD_WARP_REGS])
+
+
+_SM90: dict = {}  # device -> whether it is an sm_90 GPU, asked once per device
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def supported(do, q, k, v, index, mask_geometry) -> bool:
+    """Whether this kernel serves the dK/dV launch of the call (see module); the Triton kernel serves the
+    rest."""
+    if not q.is_cuda:
+        return False
+    sm90 = _SM90.get(q.device)
+    if sm90 is None:
+        sm90 = _SM90[q.device] = torch.cuda.get_device_capability(q.device) == (9, 0)
+    if not sm90 or not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (do, q, k, v)):
+        return False
+    return shape_supported(q.shape, k.shape, q.dtype, index, mask_geometry)
+
+
+def shape_supported(q_shape, k_shape, dtype, index, mask_geometry) -> bool:
+    """The part of `supported` that does not ask the GPU: dtype, shapes and the mask's blocks and lists.
+    `index`: `KernelIndex.rows() + KernelIndex.cols()`, or [] for the dense path."""
+    B, Hq, Nq, D = q_shape
+    Hkv, Nk = k_shape[1], k_shape[2]
+    if dtype not in _GL_DTYPES or D != 128 or Nq % BLOCK_N or Nk % BLOCK_N:
+        return False
+    if B * Hq * Nq >= 2**31 or k_shape[0] * Hkv * Nk >= 2**31:
+        return False
+    if len(index):
+        _, Hm, _, _, block_q, block_k, _ = mask_geometry
+        if block_q % BLOCK_N or block_k % BLOCK_N or Nq % block_q or Nk % block_k:
+            return False
+        if index[10 + 8].shape[0]:  # the column work plan splits lists (`WorkPlan.split`)
+            return False
+        if Hq != Hkv and Hm > 1:  # GQA walks every group head's list in one item: they must be one list
+            return False
+    return True
+
+
+def _dkdv_items(B, Hq, Hkv, Nq, Nk, causal: bool, cols, mask_geometry, device):
+    """int32 `(items, ITEM_WIDTH)` records, one per 128-key tile of each (batch, KV head): (first K/V row,
+    first Q row of the group's first query head, full list start, end, partial list start, end). Lists
+    count mask blocks of the column (`cols`: `KernelIndex.cols()`), or 64-row query tiles for the dense
+    path (causal: the tiles on the diagonal are the partial list). Order: causal calls longest first,
+    others heavy lists first, then by (batch, head)."""
+    G = Hq // Hkv
+    tiles = Nk // BLOCK_N
+    b = torch.arange(B, device=device).view(B, 1, 1)
+    hk = torch.arange(Hkv, device=device).view(1, Hkv, 1)
+    n = torch.arange(tiles, device=device).view(1, 1, tiles)
+    shape = (B, Hkv, tiles)
+    kv_row = ((b * Hkv + hk) * Nk + n * BLOCK_N).expand(shape)
+    q_row0 = ((b * Hq + hk * G) * Nq).expand(shape)
+    if len(cols) == 0:
+        q_tiles = Nq // BLOCK_M
+        if causal:  # query tiles that see these keys start at the tile holding the first key
+            plo = (n * BLOCK_N // BLOCK_M).clamp(max=q_tiles).expand(shape)
+            phi = ((n + 1) * BLOCK_N // BLOCK_M).clamp(max=q_tiles).expand(shape)
+            lo, hi = phi, torch.full_like(phi, q_tiles)
+        else:
+            lo = plo = phi = torch.zeros(shape, dtype=torch.long, device=device)
+            hi = torch.full(shape, q_tiles, dtype=torch.long, device=device)
+    else:
+        Bm, Hm, _, Mk, _, block_k, _ = mask_geometry
+        col = (((b % Bm) * Hm + hk % Hm) * Mk + (n * BLOCK_N) // block_k).expand(shape)  # each tile's mask column
+        full_off, part_off = cols[0].long(), cols[2].long()
+        lo, hi, plo, phi = full_off[col], full_off[col + 1], part_off[col], part_off[col + 1]
+    items = torch.stack([kv_row, q_row0, lo, hi, plo, phi], -1).reshape(-1, ITEM_WIDTH.value)
+    length = items[:, 3] - items[:, 2] + items[:, 5] - items[:, 4]
+    if causal:
+        order = torch.argsort(-length, stable=True)
+    else:
+        heavy = length > HEAVY_FACTOR * length.float().mean()
+        order = torch.argsort((~heavy).to(torch.int8), stable=True)
+    return items[order].to(torch.int32).contiguous()
+
+
+class DkdvHopperPlan:
+    """What one call signature fixes: the item records and their placement on programs, descriptor
+    layouts, grid and constexprs."""
+
+    def __init__(self, q, k, index, mask_geometry, causal: bool, scale: float):
+        B, Hq, Nq, D = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        dense = len(index) == 0
+        cols = [] if dense else index[10:]
+        items = _dkdv_items(B, Hq, Hkv, Nq, Nk, causal, cols, mask_geometry, q.device)
+        block_q = BLOCK_M if dense else mask_geometry[4]
+        sub = block_q // BLOCK_M
+        self.grid = (min(items.shape[0], _num_sms(q.device)), )
+        self.items, self.starts = _assign_programs(items, self.grid[0], sub * (Hq // Hkv))
+        self.full_idx, self.part_idx = (self.items, self.items) if dense else (cols[1], cols[3])  # dense: unused
+        dtype = _GL_DTYPES[q.dtype]
+        self.q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], dtype)
+        self.kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+        self.row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+        self.D = D
+        self.args = (Nq, Nk, scale * LOG2E, scale)
+        self.constexprs = dict(GROUPS=Hq // Hkv, SUB=sub, MASK_BLOCK_Q=block_q, DENSE=dense, CAUSAL=causal,
+                               STAGES=STEP_BUFFERS, LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS)
+        self.k_shape, self.dtype, self.device = k.shape, q.dtype, q.device
+
+    def _rows(self, t, rows: int, layout):
+        """t as a (rows of D) matrix, read or written `rows` rows at a time."""
+        return TensorDescriptor(t, [t.numel() // self.D, self.D], [self.D, 1], [rows, self.D], layout)
+
+    def __call__(self, q, k, v, do, lse, delta):
+        dk = new_output(self.k_shape, self.dtype, self.device)
+        dv = new_output(self.k_shape, self.dtype, self.device)
+        half = BLOCK_N // 2  # each compute warpgroup stores its 64 rows
+        descs = (self._rows(q, BLOCK_M, self.q_layout), self._rows(do, BLOCK_M, self.q_layout),
+                 self._rows(k, BLOCK_N, self.kv_layout), self._rows(v, BLOCK_N, self.kv_layout),
+                 TensorDescriptor(lse, [lse.numel()], [1], [BLOCK_M], self.row_layout),
+                 TensorDescriptor(delta, [delta.numel()], [1], [BLOCK_M], self.row_layout),
+                 self._rows(dk, half, self.kv_layout), self._rows(dv, half, self.kv_layout))
+        _attn_bwd_dkdv_hopper_kernel[self.grid](*descs, self.items, self.starts, self.full_idx, self.part_idx,
+                                                *self.args, **self.constexprs, num_warps=4, maxnreg=MAX_REGS)
+        return dk, dv
+
+
+def attn_bwd_dkdv_hopper(q, k, v, do, lse, delta, index, mask_geometry, causal: bool, scale: float,
+                         plans: dict | None = None):
+    """dK and dV of the call (the Triton dQ launch has stored `delta`); arguments as `bwd.attn_bwd`'s, and
+    `delta` float32 `(B, Hq, Nq)`. Returns `(dk, dv)` shaped and typed like k and v."""
+    key = plan_key((q, k, v, do, lse), "dkdv_hopper", causal, scale, True)
+    plan = cached_plan(plans, key, lambda: DkdvHopperPlan(q, k, index, mask_geometry, causal, scale))
+    return plan(q, k, v, do, lse, delta)
+
+
+def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causal: bool = False,
+                 block_q: int = BLOCK_N, groups: int = 1):
+    """The kernel compiled for sm_90a on any machine (no GPU needed), as the launcher would launch it at
+    D = 128; for compile checks (tests/test_codegen.py)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    D = 128
+    name = "bf16" if dtype == torch.bfloat16 else "fp16"
+    q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], _GL_DTYPES[dtype])
+    kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], _GL_DTYPES[dtype])
+    row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    q_desc = f"tensordesc<{name}[{BLOCK_M},{D}],{q_layout!r}>"
+    kv_desc = f"tensordesc<{name}[{BLOCK_N},{D}],{kv_layout!r}>"
+    out_desc = f"tensordesc<{name}[{BLOCK_N // 2},{D}],{kv_layout!r}>"
+    row_desc = f"tensordesc<fp32[{BLOCK_M}],{row_layout!r}>"
+    sig = dict(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, lse_desc=row_desc, delta_desc=row_desc,
+               dk_desc=out_desc, dv_desc=out_desc, Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32",
+               Nq="i32", Nk="i32", qk_scale="fp32", sm_scale="fp32")
+    constexprs = dict(GROUPS=groups, SUB=1 if dense else block_q // BLOCK_M, MASK_BLOCK_Q=BLOCK_M if dense else block_q,
+                      DENSE=dense, CAUSAL=causal, STAGES=STEP_BUFFERS, LOAD_WARP_REGS=LOAD_REGS,
+                      COMPUTE_REGS=COMPUTE_REGS, num_warps=4)
+    sig.update({n: "constexpr" for n in constexprs})
+    names = list(sig)
+    src = GluonASTSource(_attn_bwd_dkdv_hopper_kernel, sig, {(names.index(n), ): v for n, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAX_REGS))
