@@ -448,6 +448,6 @@ def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: f
     Returns:
         `(dq, dk, dv)` shaped and typed like q, k and v.
     """
-    key = plan_key((do, q, k, v, out, lse), "bwd", causal, scale, tma_enabled())
+    key = plan_key((do, q, k, v, out, lse), "bwd", causal, scale, tma_enabled(), hopper_backward_enabled())
     plan = cached_plan(plans, key, lambda: _BwdPlan(do, q, k, v, out, index, mask_geometry, causal, scale))
     return plan(do, q, k, v, out, lse)
