@@ -88,11 +88,11 @@ def set_hopper_split(enabled: bool) -> bool:
 
 
 def set_hopper_balance(enabled: bool) -> bool:
-    """Balance the Hopper forward's items over its programs by load (`fwd_hopper.BALANCE`); returns the
+    """Balance the Hopper kernels' items over their programs by load (`hopper.BALANCE`); returns the
     previous setting."""
-    from sparse_flash.kernels import fwd_hopper
+    from sparse_flash.kernels import hopper
 
-    previous, fwd_hopper.BALANCE = fwd_hopper.BALANCE, bool(enabled)
+    previous, hopper.BALANCE = hopper.BALANCE, bool(enabled)
     return previous
 
 

@@ -9,6 +9,7 @@ import torch
 from sparse_flash import masks
 
 fwd_hopper = pytest.importorskip("sparse_flash.kernels.fwd_hopper", exc_type=ImportError)
+hopper = pytest.importorskip("sparse_flash.kernels.hopper", exc_type=ImportError)
 
 
 def call(mask, B=1, Hq=4, Hkv=4, N=1024, D=128, causal=False):
@@ -75,7 +76,7 @@ def test_work_items_cover_every_tile_once_heavy_lists_first():
         seen.add((b, h, start))
     assert len(seen) == items.shape[0]
     length = (items[:, 3] - items[:, 2]).float()
-    heavy = length > fwd_hopper.HEAVY_FACTOR * length.mean()
+    heavy = length > hopper.HEAVY_FACTOR * length.mean()
     assert heavy.any() and not (heavy[1:] & ~heavy[:-1]).any()  # heavy items come first
 
 
@@ -168,37 +169,37 @@ def _tiles(items, sub=1):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("programs", [7, 132])
 def test_programs_take_each_item_once_with_balanced_loads(causal, programs):
-    """`_assign_programs`: every item exactly once, each program's items in their order in the item list
+    """`hopper.assign_programs`: every item exactly once, each program's items in their order in the item list
     (heavy lists first), and the most loaded program within one run's cost of the mean load (a run: the
     consecutive items placed together), where item i on program i % programs can be far above it."""
     B, Hq, N = 2, 4, 4096
     mask = masks.random(N, 128, density=0.08, seed=3, num_heads=Hq) | masks.global_(N, 128)
     rows = mask.kernel_index(causal).rows()
     items = fwd_hopper._items(B, Hq, Hq, N, N, causal, rows, [*mask.shape, *mask.block_size, 0], "cpu")
-    placed, starts = fwd_hopper._assign_programs(items, programs, 1)
+    placed, starts = hopper.assign_programs(items, programs, 1)
     assert starts.dtype == torch.int32 and starts.shape == (programs + 1, ) and starts[0] == 0
     assert starts[-1] == items.shape[0] and (starts[1:] >= starts[:-1]).all()
     position = {tuple(r): i for i, r in enumerate(items.tolist())}
     assert sorted(position[tuple(r)] for r in placed.tolist()) == list(range(items.shape[0]))
-    cost = _tiles(placed) + fwd_hopper.ITEM_COST
+    cost = _tiles(placed) + hopper.ITEM_COST
     loads = torch.stack([cost[starts[p]:starts[p + 1]].sum() for p in range(programs)]).double()
     for p in range(programs):  # each program's items keep the list's order
         mine = [position[tuple(r)] for r in placed[starts[p]:starts[p + 1]].tolist()]
         assert mine == sorted(mine)
-    run = -(-items.shape[0] // (fwd_hopper.BUNDLES_PER_PROGRAM * programs))  # items per run placed
+    run = -(-items.shape[0] // (hopper.BUNDLES_PER_PROGRAM * programs))  # items per run placed
     assert loads.max() <= loads.mean() + run * cost.max()
     if run == 1:  # single items placed: never worse than taking them in turn
-        static = torch.stack([(_tiles(items) + fwd_hopper.ITEM_COST)[p::programs].sum() for p in range(programs)])
+        static = torch.stack([(_tiles(items) + hopper.ITEM_COST)[p::programs].sum() for p in range(programs)])
         assert loads.max() <= static.max()
 
 
 def test_programs_split_lists_weighted_by_their_key_tiles(monkeypatch):
     """Lists count mask blocks of SUB key tiles each; with balancing off, item i goes to program i % P."""
     items = torch.tensor([[0, 0, 0, n, 0, 0] for n in (8, 1, 1, 1, 1, 1)], dtype=torch.int32)
-    placed, starts = fwd_hopper._assign_programs(items, 2, 2)
+    placed, starts = hopper.assign_programs(items, 2, 2)
     assert starts.tolist() == [0, 1, 6]  # 8 blocks x 2 tiles + 1 against 5 x (2 + 1)
-    monkeypatch.setattr(fwd_hopper, "BALANCE", False)
-    placed, starts = fwd_hopper._assign_programs(items, 2, 2)
+    monkeypatch.setattr(hopper, "BALANCE", False)
+    placed, starts = hopper.assign_programs(items, 2, 2)
     assert starts.tolist() == [0, 3, 6] and placed[:3, 3].tolist() == [8, 1, 1]
 
 

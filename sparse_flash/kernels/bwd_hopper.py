@@ -34,8 +34,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E
-from .fwd_hopper import (_assign_programs, _list_tile_start, _num_sms, _partition_barrier, _release, _tma_load,
-                         _tma_store)
+from .hopper import (GL_DTYPES, assign_programs, list_ranges, list_tile_start, num_sms, order_items,
+                     partition_barrier, release, release_after_store, runs_on, tma_load, tma_store)
 from .launch import cached_plan, plan_key
 from .memory import new_output
 
@@ -44,7 +44,6 @@ BLOCK_M = 64  # query rows per step
 STEP_BUFFERS = 3  # Q / dO / lse / delta slots in flight; with two K/V buffers, 225.5 KB of shared memory
 ITEM_WIDTH = gl.constexpr(6)  # (first K/V row, first Q row of the group's first head, full lo, hi, partial lo, hi)
 FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)
-HEAVY_FACTOR = 4  # items with lists longer than this many times the mean start first
 LOAD_REGS = 24
 COMPUTE_REGS = 240  # each compute warpgroup's (the first gets what the launch cap leaves: also 240)
 MAX_REGS = 168
@@ -59,10 +58,10 @@ def _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
     nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
                             + delta_desc.block_type.nbytes)
     mbarrier.expect(ready.index(s), nbytes)
-    _tma_load(q_desc, [row, 0], ready.index(s), q_smem.index(s))
-    _tma_load(do_desc, [row, 0], ready.index(s), do_smem.index(s))
-    _tma_load(lse_desc, [row], ready.index(s), lse_smem.index(s))
-    _tma_load(delta_desc, [row], ready.index(s), delta_smem.index(s))
+    tma_load(q_desc, [row, 0], ready.index(s), q_smem.index(s))
+    tma_load(do_desc, [row, 0], ready.index(s), do_smem.index(s))
+    tma_load(lse_desc, [row], ready.index(s), lse_smem.index(s))
+    tma_load(delta_desc, [row], ready.index(s), delta_smem.index(s))
 
 
 @gluon.jit
@@ -82,17 +81,17 @@ def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q
         kb = c % 2
         mbarrier.wait(kv_empty.index(kb), ((c // 2) & 1) ^ 1)
         mbarrier.expect(kv_ready.index(kb), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        _tma_load(k_desc, [kv_row, 0], kv_ready.index(kb), k_smem.index(kb))
-        _tma_load(v_desc, [kv_row, 0], kv_ready.index(kb), v_smem.index(kb))
+        tma_load(k_desc, [kv_row, 0], kv_ready.index(kb), k_smem.index(kb))
+        tma_load(v_desc, [kv_row, 0], kv_ready.index(kb), v_smem.index(kb))
         for g in range(GROUPS):
             q_row = q_row0 + g * Nq
             for j in range(gl.load(rec + 2) * SUB, gl.load(rec + 3) * SUB):
-                start = _list_tile_start(FullIdx, j, SUB, MASK_BLOCK_Q, BM, DENSE)
+                start = list_tile_start(FullIdx, j, SUB, MASK_BLOCK_Q, BM, DENSE)
                 _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, step_ready,
                            step_empty, q_row + start, t)
                 t += 1
             for j in range(gl.load(rec + 4) * SUB, gl.load(rec + 5) * SUB):
-                start = _list_tile_start(PartIdx, j, SUB, MASK_BLOCK_Q, BM, DENSE)
+                start = list_tile_start(PartIdx, j, SUB, MASK_BLOCK_Q, BM, DENSE)
                 _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, step_ready,
                            step_empty, q_row + start, t)
                 t += 1
@@ -129,7 +128,7 @@ def _bwd_step(k, v, q_smem, do_smem, lse_smem, delta_smem, step_ready, step_empt
     dst = pt * (dpt - delta[None, :])  # (64, BM) dS^T
     dk = warpgroup_mma(gl.convert_layout(dst.to(q.dtype), p_layout), q, dk, is_async=True)
     dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-    _release(step_empty.index(s))
+    release(step_empty.index(s))
     return dk, dv
 
 
@@ -162,8 +161,7 @@ def _bwd_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem
         k = k_smem.index(kb).slice(HALF * BN, BN)  # (64, D) in shared memory
         v = v_smem.index(kb).slice(HALF * BN, BN)
         if c > 0:  # the item before's dK and dV have left its K/V buffer: the item after next may load there
-            tma.store_wait(0)
-            _release(kv_empty.index((c + 1) % 2))
+            release_after_store(kv_empty.index((c + 1) % 2))
         dk = gl.zeros([BN, HEAD_D], gl.float32, acc_layout)  # (64, D)
         dv = gl.zeros([BN, HEAD_D], gl.float32, acc_layout)  # (64, D)
         for g in range(GROUPS):
@@ -172,7 +170,7 @@ def _bwd_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem
                                    qk_scale, key0, 0, False, s_layout, p_layout)
                 t += 1
             for j in range(part_lo, part_hi):  # tiles on the causal diagonal: masked where query < key
-                q_tok0 = _list_tile_start(PartIdx, j, SUB, MASK_BLOCK_Q, BM, DENSE)  # the tile's first query
+                q_tok0 = list_tile_start(PartIdx, j, SUB, MASK_BLOCK_Q, BM, DENSE)  # the tile's first query
                 dk, dv = _bwd_step(k, v, q_smem, do_smem, lse_smem, delta_smem, step_ready, step_empty, dk, dv, t,
                                    qk_scale, key0, q_tok0, CAUSAL, s_layout, p_layout)
                 t += 1
@@ -180,9 +178,9 @@ def _bwd_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem
         k.store((dk * sm_scale).to(k.dtype))
         v.store(dv.to(v.dtype))
         fence_async_shared()
-        _partition_barrier()
-        _tma_store(dk_desc, [kv_row, 0], k)
-        _tma_store(dv_desc, [kv_row, 0], v)
+        partition_barrier()
+        tma_store(dk_desc, [kv_row, 0], k)
+        tma_store(dv_desc, [kv_row, 0], v)
         c += 1
     tma.store_wait(0)
 
@@ -228,21 +226,11 @@ def _attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delt
     ], [num_warps, 1], [COMPUTE_REGS, LOAD_WARP_REGS])
 
 
-_SM90: dict = {}  # device -> whether it is an sm_90 GPU, asked once per device
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-
 
 def supported(do, q, k, v, index, mask_geometry) -> bool:
     """Whether this kernel serves the dK/dV launch of the call (see module); the Triton kernel serves the
     rest."""
-    if not q.is_cuda:
-        return False
-    sm90 = _SM90.get(q.device)
-    if sm90 is None:
-        sm90 = _SM90[q.device] = torch.cuda.get_device_capability(q.device) == (9, 0)
-    if not sm90 or not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (do, q, k, v)):
-        return False
-    return shape_supported(q.shape, k.shape, q.dtype, index, mask_geometry)
+    return runs_on(q, k, v, do) and shape_supported(q.shape, k.shape, q.dtype, index, mask_geometry)
 
 
 def shape_supported(q_shape, k_shape, dtype, index, mask_geometry) -> bool:
@@ -250,7 +238,7 @@ def shape_supported(q_shape, k_shape, dtype, index, mask_geometry) -> bool:
     `index`: `KernelIndex.rows() + KernelIndex.cols()`, or [] for the dense path."""
     B, Hq, Nq, D = q_shape
     Hkv, Nk = k_shape[1], k_shape[2]
-    if dtype not in _GL_DTYPES or D != 128 or Nq % BLOCK_N or Nk % BLOCK_N:
+    if dtype not in GL_DTYPES or D != 128 or Nq % BLOCK_N or Nk % BLOCK_N:
         return False
     if B * Hq * Nq >= 2**31 or k_shape[0] * Hkv * Nk >= 2**31:
         return False
@@ -269,8 +257,7 @@ def _dkdv_items(B, Hq, Hkv, Nq, Nk, causal: bool, cols, mask_geometry, device):
     """int32 `(items, ITEM_WIDTH)` records, one per 128-key tile of each (batch, KV head): (first K/V row,
     first Q row of the group's first query head, full list start, end, partial list start, end). Lists
     count mask blocks of the column (`cols`: `KernelIndex.cols()`), or 64-row query tiles for the dense
-    path (causal: the tiles on the diagonal are the partial list). Order: causal calls longest first,
-    others heavy lists first, then by (batch, head)."""
+    path (causal: the tiles on the diagonal are the partial list). Order: `hopper.order_items`."""
     G = Hq // Hkv
     tiles = Nk // BLOCK_N
     b = torch.arange(B, device=device).view(B, 1, 1)
@@ -291,16 +278,8 @@ def _dkdv_items(B, Hq, Hkv, Nq, Nk, causal: bool, cols, mask_geometry, device):
     else:
         Bm, Hm, _, Mk, _, block_k, _ = mask_geometry
         col = (((b % Bm) * Hm + hk % Hm) * Mk + (n * BLOCK_N) // block_k).expand(shape)  # each tile's mask column
-        full_off, part_off = cols[0].long(), cols[2].long()
-        lo, hi, plo, phi = full_off[col], full_off[col + 1], part_off[col], part_off[col + 1]
-    items = torch.stack([kv_row, q_row0, lo, hi, plo, phi], -1).reshape(-1, ITEM_WIDTH.value)
-    length = items[:, 3] - items[:, 2] + items[:, 5] - items[:, 4]
-    if causal:
-        order = torch.argsort(-length, stable=True)
-    else:
-        heavy = length > HEAVY_FACTOR * length.float().mean()
-        order = torch.argsort((~heavy).to(torch.int8), stable=True)
-    return items[order].to(torch.int32).contiguous()
+        lo, hi, plo, phi = list_ranges((cols[0], cols[2]), col)
+    return order_items(torch.stack([kv_row, q_row0, lo, hi, plo, phi], -1).reshape(-1, ITEM_WIDTH.value), causal)
 
 
 class DkdvHopperPlan:
@@ -315,10 +294,10 @@ class DkdvHopperPlan:
         items = _dkdv_items(B, Hq, Hkv, Nq, Nk, causal, cols, mask_geometry, q.device)
         block_q = BLOCK_M if dense else mask_geometry[4]
         sub = block_q // BLOCK_M
-        self.grid = (min(items.shape[0], _num_sms(q.device)), )
-        self.items, self.starts = _assign_programs(items, self.grid[0], sub * (Hq // Hkv))
+        self.grid = (min(items.shape[0], num_sms(q.device)), )
+        self.items, self.starts = assign_programs(items, self.grid[0], sub * (Hq // Hkv))
         self.full_idx, self.part_idx = (self.items, self.items) if dense else (cols[1], cols[3])  # dense: unused
-        dtype = _GL_DTYPES[q.dtype]
+        dtype = GL_DTYPES[q.dtype]
         self.q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], dtype)
         self.kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
         self.row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
@@ -365,8 +344,8 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
 
     D = 128
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
-    q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], _GL_DTYPES[dtype])
-    kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], _GL_DTYPES[dtype])
+    q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], GL_DTYPES[dtype])
+    kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], GL_DTYPES[dtype])
     row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     q_desc = f"tensordesc<{name}[{BLOCK_M},{D}],{q_layout!r}>"
     kv_desc = f"tensordesc<{name}[{BLOCK_N},{D}],{kv_layout!r}>"

@@ -4,7 +4,7 @@ Gluon is Triton's lower-level dialect: shared-memory buffers, barriers, layouts 
 spelled out. This kernel runs one resident program per SM, each looping over its share of the work
 items (a query tile of one (batch, head) and its lists of key blocks: the full blocks, then the blocks on
 the causal diagonal, which take an element mask), shares balanced by their key tiles on the host
-(`_assign_programs`). Inside a program:
+(`hopper.assign_programs`). Inside a program:
 
 - one *load* warp issues TMA copies: the next item's Q tile into one of two Q buffers, and K and V tiles
   into rings of K_BUFFERS and V_BUFFERS buffers, each signalled on an mbarrier when it lands;
@@ -28,7 +28,6 @@ this module needs a Triton with Gluon (3.5 or newer); `fwd.py` imports it only w
 
 from __future__ import annotations
 
-import heapq
 import os
 
 import torch
@@ -41,6 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E
+from .hopper import (GL_DTYPES, assign_programs, list_ranges, list_tile_start, num_sms, order_items,
+                     partition_barrier, release, release_after_store, runs_on, tma_load, tma_store)
 from .launch import cached_plan, plan_key
 from .memory import new_output
 from .split import MERGE_ROWS, SplitPlan, store_chunk_merge
@@ -50,37 +51,13 @@ K_BUFFERS, V_BUFFERS = 2, 3  # K and V tiles in flight per program: with two Q b
 ITEM_WIDTH = gl.constexpr(6)  # an item record (`_items`)
 SPLIT_ITEM_WIDTH = gl.constexpr(8)  # with the scratch row of a chunk of a split list (`_split_items`), and padding
 FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)  # which query rows a compute warpgroup takes
-HEAVY_FACTOR = 4  # items with lists longer than this many times the mean start first
 HEAD_DIMS = (128, )  # head dims served (the kernel compiles for 64 too; measured slower there, NOTES step 41)
-BALANCE = os.environ.get("SPARSE_FLASH_HOPPER_BALANCE") != "0"  # items to programs by load (`_assign_programs`)
-# Time per item besides its key tiles (Q load, first S, last O += P V, O store), in key tiles, for balancing:
-# 3.2 us against 1.74 us per tile, fitted on local masks of 3 and 9 blocks per row (NOTES, step 44).
-ITEM_COST = 2
-BUNDLES_PER_PROGRAM = 16  # runs of items per program that the balancing places (bounds its host time)
 # Masks whose work plan splits long lists: each chunk an item of its own, merged after the kernel (NOTES,
 # steps 43-44). SPARSE_FLASH_HOPPER_SPLIT=0 sends such masks to `fwd.py` instead.
 SPLIT_LISTS = os.environ.get("SPARSE_FLASH_HOPPER_SPLIT") != "0"
 LOAD_REGS = 24  # registers per thread of the load warp
 COMPUTE_REGS = 224  # registers per thread of the second compute warpgroup (the first gets what is left: 256)
 MAX_REGS = 168  # registers per thread of the whole program (12 warps: 8 compute, 4 for the load warp's group)
-
-
-# Names that changed after Triton 3.6: a barrier among the warps of one partition, a TMA load and store.
-_partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-
-
-@gluon.jit
-def _list_tile_start(Idx, j, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr,
-                     DENSE: gl.constexpr):
-    """First key of tile j of a list: tile j % SUB of mask block Idx[j // SUB], or tile j itself when dense
-    (the dense items' lists count key tiles)."""
-    if DENSE:
-        start = j * BLOCK_N
-    else:
-        start = gl.load(Idx + j // SUB) * MASK_BLOCK_K + (j % SUB) * BLOCK_N
-    return start
 
 
 @gluon.jit
@@ -92,11 +69,11 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
     # Barriers start with phase 1 complete: the first wait on a free buffer passes at once.
     mbarrier.wait(k_empty.index(sk), ((t // K_STAGES) & 1) ^ 1)
     mbarrier.expect(k_ready.index(sk), k_desc.block_type.nbytes)
-    _tma_load(k_desc, [row, 0], k_ready.index(sk), k_smem.index(sk))
+    tma_load(k_desc, [row, 0], k_ready.index(sk), k_smem.index(sk))
     sv = t % V_STAGES
     mbarrier.wait(v_empty.index(sv), ((t // V_STAGES) & 1) ^ 1)
     mbarrier.expect(v_ready.index(sv), v_desc.block_type.nbytes)
-    _tma_load(v_desc, [row, 0], v_ready.index(sv), v_smem.index(sv))
+    tma_load(v_desc, [row, 0], v_ready.index(sv), v_smem.index(sv))
 
 
 @gluon.jit
@@ -116,23 +93,16 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_e
         qb = c % 2
         mbarrier.wait(q_empty.index(qb), ((c // 2) & 1) ^ 1)
         mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
-        _tma_load(q_desc, [q_row, 0], q_ready.index(qb), q_smem.index(qb))
+        tma_load(q_desc, [q_row, 0], q_ready.index(qb), q_smem.index(qb))
         for j in range(gl.load(rec + 2) * SUB, gl.load(rec + 3) * SUB):
-            start = _list_tile_start(FullIdx, j, SUB, MASK_BLOCK_K, BLOCK_N, DENSE)
+            start = list_tile_start(FullIdx, j, SUB, MASK_BLOCK_K, BLOCK_N, DENSE)
             _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, kv_row + start, t)
             t += 1
         for j in range(gl.load(rec + 4) * SUB, gl.load(rec + 5) * SUB):
-            start = _list_tile_start(PartIdx, j, SUB, MASK_BLOCK_K, BLOCK_N, DENSE)
+            start = list_tile_start(PartIdx, j, SUB, MASK_BLOCK_K, BLOCK_N, DENSE)
             _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, kv_row + start, t)
             t += 1
         c += 1
-
-
-@gluon.jit
-def _release(bar, pred=True):
-    """Free a buffer once every warp of this warpgroup is past its last read (the arrive is one thread's)."""
-    _partition_barrier()
-    mbarrier.arrive(bar, count=1, pred=pred)
 
 
 @gluon.jit
@@ -164,7 +134,7 @@ def _mask_partial(qk, j, n_full, plo, PartIdx, q_tok, SUB: gl.constexpr, MASK_BL
         if j >= n_full:
             BLOCK_M: gl.constexpr = qk.type.shape[0]
             BLOCK_N: gl.constexpr = qk.type.shape[1]
-            start = _list_tile_start(PartIdx, plo * SUB + j - n_full, SUB, MASK_BLOCK_K, BLOCK_N, DENSE)
+            start = list_tile_start(PartIdx, plo * SUB + j - n_full, SUB, MASK_BLOCK_K, BLOCK_N, DENSE)
             cols = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk.type.layout))  # (BLOCK_N,)
             rows = q_tok + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, qk.type.layout))  # (BLOCK_M,)
             qk = gl.where(cols[None, :] <= rows[:, None], qk, float("-inf"))
@@ -203,16 +173,9 @@ def _store_tile_tma(o_desc, o_smem, L, row, out, m_i, l_safe, empty, offs_m):
     accumulator's registers took 16-33% of the time on short lists, NOTES step 44), and of the log-sum-exp."""
     o_smem.store(out.to(o_smem.dtype))
     fence_async_shared()  # the shared-memory writes before the TMA engine reads them
-    _partition_barrier()  # every warp's rows are written
-    _tma_store(o_desc, [row, 0], o_smem)
+    partition_barrier()  # every warp's rows are written
+    tma_store(o_desc, [row, 0], o_smem)
     _store_lse(L, row, m_i, l_safe, empty, offs_m)
-
-
-@gluon.jit
-def _release_after_store(bar):
-    """Free a Q buffer that held O once this warpgroup's TMA stores have read it."""
-    tma.store_wait(0)
-    _release(bar)
 
 
 @gluon.jit
@@ -263,16 +226,16 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
         if n_tiles > 0:
             qk = _issue_qk(q, k_smem, k_ready, t, zero_s)
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))  # (BLOCK_M, BLOCK_N) scores of tile 0
-            _release(k_empty.index(t % K_STAGES))
+            release(k_empty.index(t % K_STAGES))
             if c > 0:  # the item before's O has left its Q buffer: the item after next may load its Q there
-                _release_after_store(q_empty.index((c + 1) % 2))
+                release_after_store(q_empty.index((c + 1) % 2))
             for j in range(n_tiles - 1):
                 qk_next = _issue_qk(q, k_smem, k_ready, t + 1, zero_s)  # runs under this tile's softmax
                 qk = _mask_partial(qk, j, n_full, plo, PartIdx, q_tok, SUB, MASK_BLOCK_K, DENSE, CAUSAL)
                 p, alpha, m_i, l_i = _softmax(qk, m_i, l_i, qk_scale)
                 acc = _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout)
                 acc, qk = warpgroup_mma_wait(num_outstanding=0, deps=(acc, qk_next))
-                _partition_barrier()  # every warp of the warpgroup is past both products
+                partition_barrier()  # every warp of the warpgroup is past both products
                 mbarrier.arrive(v_empty.index(t % V_STAGES), count=1)
                 mbarrier.arrive(k_empty.index((t + 1) % K_STAGES), count=1)
                 t += 1
@@ -280,10 +243,10 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
             p, alpha, m_i, l_i = _softmax(qk, m_i, l_i, qk_scale)
             acc = _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            _release(v_empty.index(t % V_STAGES))
+            release(v_empty.index(t % V_STAGES))
             t += 1
         elif c > 0:
-            _release_after_store(q_empty.index((c + 1) % 2))
+            release_after_store(q_empty.index((c + 1) % 2))
         # Empty rows (no allowed key): output 0 and lse -inf, never 0/0.
         empty = l_i == 0.0
         l_safe = gl.where(empty, 1.0, l_i)
@@ -310,7 +273,7 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, OutPart, LsePar
                             CAUSAL: gl.constexpr, SPLIT: gl.constexpr, K_STAGES: gl.constexpr,
                             V_STAGES: gl.constexpr, LOAD_WARP_REGS: gl.constexpr,
                             COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """One resident program per SM; program p walks items [Starts[p], Starts[p + 1]) (`_assign_programs`)."""
+    """One resident program per SM; program p walks items [Starts[p], Starts[p + 1]) (`hopper.assign_programs`)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -345,19 +308,9 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, OutPart, LsePar
     ], [num_warps, 1], [COMPUTE_REGS, LOAD_WARP_REGS])
 
 
-_SM90: dict = {}  # device -> whether it is an sm_90 GPU, asked once per device
-
-
 def supported(q, k, v, index, mask_geometry) -> bool:
     """Whether this kernel serves the call (see module), causal or not; `fwd.py` serves the rest."""
-    if not q.is_cuda:
-        return False
-    sm90 = _SM90.get(q.device)
-    if sm90 is None:
-        sm90 = _SM90[q.device] = torch.cuda.get_device_capability(q.device) == (9, 0)
-    if not sm90 or not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
-        return False
-    return shape_supported(q.shape, k.shape, q.dtype, index, mask_geometry)
+    return runs_on(q, k, v) and shape_supported(q.shape, k.shape, q.dtype, index, mask_geometry)
 
 
 def shape_supported(q_shape, k_shape, dtype, index, mask_geometry) -> bool:
@@ -385,9 +338,8 @@ def _items(B, Hq, Hkv, Nq, Nk, causal: bool, index, mask_geometry, device):
     """int32 `(items, ITEM_WIDTH)` records: (first Q/O/LSE row, first K/V row of its head, full list start,
     full list end, partial list start, partial list end); for the dense path the lists count key tiles.
 
-    Order: causal calls longest list first (their lists grow with the query tile, and programs take items
-    in turn, so the long ones must not come last); other calls heavy lists first, then by (batch, head)
-    and query tile, so that the programs in flight share one head's K and V in L2.
+    Order (`hopper.order_items`): causal calls longest list first, other calls heavy lists first, then by
+    (batch, head) and query tile, so that the programs in flight share one head's K and V in L2.
     """
     tiles = Nq // BLOCK
     b = torch.arange(B, device=device).view(B, 1, 1)
@@ -404,51 +356,8 @@ def _items(B, Hq, Hkv, Nq, Nk, causal: bool, index, mask_geometry, device):
     else:
         Bm, Hm, Mq, _, block_q, _, _ = mask_geometry
         row = (((b % Bm) * Hm + h % Hm) * Mq + (i * BLOCK) // block_q).expand(shape)  # each tile's mask row
-        full_off, part_off = index[0].long(), index[2].long()
-        lo, hi, plo, phi = full_off[row], full_off[row + 1], part_off[row], part_off[row + 1]
-    items = torch.stack([q_row, kv_row, lo, hi, plo, phi], -1).reshape(-1, ITEM_WIDTH.value)
-    length = items[:, 3] - items[:, 2] + items[:, 5] - items[:, 4]
-    if causal:
-        order = torch.argsort(-length, stable=True)
-    else:
-        heavy = length > HEAVY_FACTOR * length.float().mean()
-        order = torch.argsort((~heavy).to(torch.int8), stable=True)
-    return items[order].to(torch.int32).contiguous()
-
-
-def _num_sms(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _assign_programs(items, num_programs: int, sub: int):
-    """Items regrouped by the resident program that runs them, and `starts` (int32, `num_programs + 1`):
-    program p runs items [starts[p], starts[p + 1]).
-
-    The programs never wait for each other, so the call lasts as long as the most loaded one. A program's
-    load counts its items' key tiles plus ITEM_COST each (its Q load and O store). BALANCE: runs of
-    consecutive items (at most BUNDLES_PER_PROGRAM runs per program, so that the host loop stays short)
-    go heaviest first to the least loaded program; each program then takes its runs in their order in
-    `items` (heavy lists first, then by head, as `_items` and `_split_items` order them). Without BALANCE,
-    item i goes to program i % num_programs, whatever its length.
-    """
-    n = items.shape[0]
-    program = torch.arange(n) % num_programs
-    if BALANCE and n > num_programs:
-        cost = ((items[:, 3] - items[:, 2] + items[:, 5] - items[:, 4]).long().cpu() * sub + ITEM_COST).double()
-        run = -(-n // (BUNDLES_PER_PROGRAM * num_programs))  # items per run
-        run_cost = torch.zeros(-(-n // run), dtype=torch.float64).index_add_(0, torch.arange(n) // run, cost)
-        owner = [0] * run_cost.shape[0]
-        loads = [(0.0, p) for p in range(num_programs)]  # a heap of (load, program)
-        for r in torch.argsort(run_cost, descending=True, stable=True).tolist():
-            load, p = heapq.heappop(loads)
-            owner[r] = p
-            heapq.heappush(loads, (load + float(run_cost[r]), p))
-        program = torch.tensor(owner)[torch.arange(n) // run]
-    order = torch.argsort(program, stable=True)  # by program, each program's items in their order in `items`
-    counts = torch.bincount(program, minlength=num_programs)
-    starts = torch.zeros(num_programs + 1, dtype=torch.int32)
-    starts[1:] = torch.cumsum(counts, 0)
-    return items[order.to(items.device)].contiguous(), starts.to(items.device)
+        lo, hi, plo, phi = list_ranges((index[0], index[2]), row)
+    return order_items(torch.stack([q_row, kv_row, lo, hi, plo, phi], -1).reshape(-1, ITEM_WIDTH.value), causal)
 
 
 def _split_items(B, Hq, Hkv, Nq, Nk, index, mask_geometry, split_plan, device):
@@ -525,10 +434,10 @@ class _FwdHopperPlan:
             self.items = _items(B, Hq, Hkv, Nq, Nk, causal, index, mask_geometry, q.device)
         self.full_idx, self.part_idx = (self.items, self.items) if dense else (index[1], index[3])  # dense: unused
         block_k = BLOCK if dense else mask_geometry[5]
-        self.layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], _GL_DTYPES[q.dtype])
+        self.layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], GL_DTYPES[q.dtype])
         self.D = D
-        self.grid = (min(self.items.shape[0], _num_sms(q.device)), )
-        self.items, self.starts = _assign_programs(self.items, self.grid[0], block_k // BLOCK)
+        self.grid = (min(self.items.shape[0], num_sms(q.device)), )
+        self.items, self.starts = assign_programs(self.items, self.grid[0], block_k // BLOCK)
         self.args = (Nq, scale * LOG2E)
         self.constexprs = _constexprs(block_k, dense, causal, split)
         self.out_shape, self.lse_shape, self.dtype, self.device = q.shape, (B, Hq, Nq), q.dtype, q.device
@@ -547,9 +456,6 @@ class _FwdHopperPlan:
             _merge_split_rows[grid](out, lse, part, lse_part, self.merges, self.split.copies, HEAD_D=self.D,
                                     MASK_BLOCK_Q=self.block_q, BLOCK_M=BLOCK)
         return out, lse
-
-
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 def _constexprs(block_k: int, dense: bool, causal: bool, split: bool) -> dict:
@@ -573,7 +479,7 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
 
     D = 128
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], _GL_DTYPES[dtype])
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], GL_DTYPES[dtype])
     desc = f"tensordesc<{name}[{BLOCK},{D}],{layout!r}>"
     out_desc = f"tensordesc<{name}[{BLOCK // 2},{D}],{layout!r}>"
     sig = dict(q_desc=desc, k_desc=desc, v_desc=desc, o_desc=out_desc, Lse="*fp32", OutPart="*fp32", LsePart="*fp32",

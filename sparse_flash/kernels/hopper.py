@@ -1,0 +1,121 @@
+"""What the Hopper kernels (`fwd_hopper.py`, `bwd_hopper.py`) share: Gluon names that changed between
+Triton versions, device-side helpers, which GPUs and tensors they run on, and the host-side work items:
+their order and their placement on the resident programs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+HEAVY_FACTOR = 4  # items with lists longer than this many times the mean start first
+BALANCE = os.environ.get("SPARSE_FLASH_HOPPER_BALANCE") != "0"  # items to programs by load (`assign_programs`)
+# Time per item besides its key tiles (Q load, first S, last O += P V, O store), in key tiles, for balancing:
+# 3.2 us against 1.74 us per tile, fitted on local masks of 3 and 9 blocks per row (NOTES, step 44).
+ITEM_COST = 2
+BUNDLES_PER_PROGRAM = 16  # runs of items per program that the balancing places (bounds its host time)
+
+# Names that changed after Triton 3.6: a barrier among the warps of one partition, a TMA load and store.
+partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+
+@gluon.jit
+def list_tile_start(Idx, j, SUB: gl.constexpr, MASK_BLOCK: gl.constexpr, BLOCK: gl.constexpr, DENSE: gl.constexpr):
+    """First row of tile j of a list: tile j % SUB of mask block Idx[j // SUB], or tile j itself when dense
+    (the dense items' lists count tiles)."""
+    if DENSE:
+        start = j * BLOCK
+    else:
+        start = gl.load(Idx + j // SUB) * MASK_BLOCK + (j % SUB) * BLOCK
+    return start
+
+
+@gluon.jit
+def release(bar, pred=True):
+    """Free a buffer once every warp of this warpgroup is past its last read (the arrive is one thread's)."""
+    partition_barrier()
+    mbarrier.arrive(bar, count=1, pred=pred)
+
+
+@gluon.jit
+def release_after_store(bar):
+    """Free a buffer that this warpgroup's TMA stores read from, once they have read it."""
+    tma.store_wait(0)
+    release(bar)
+
+
+_SM90: dict = {}  # device -> whether it is an sm_90 GPU, asked once per device
+
+
+def runs_on(*tensors) -> bool:
+    """Whether the tensors are on an sm_90 GPU (H100, H200), contiguous and 16-byte aligned (TMA)."""
+    device = tensors[0].device
+    if not tensors[0].is_cuda:
+        return False
+    sm90 = _SM90.get(device)
+    if sm90 is None:
+        sm90 = _SM90[device] = torch.cuda.get_device_capability(device) == (9, 0)
+    return sm90 and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def list_ranges(offsets, lists):
+    """(full start, full end, partial start, partial end) of the given lists (any shape of list numbers),
+    from `(full offsets, partial offsets)` of a `KernelIndex` part."""
+    full_off, part_off = offsets[0].long(), offsets[1].long()
+    return full_off[lists], full_off[lists + 1], part_off[lists], part_off[lists + 1]
+
+
+def order_items(items, causal: bool):
+    """Items (fields 2-5: full and partial list ranges) in the order they start: causal calls longest list
+    first (their lists grow along the diagonal, and the long ones must not come last); other calls heavy
+    lists first, then as given (by (batch, head) and tile, so that the programs in flight share one head's
+    tensors in L2). Returns int32 records."""
+    length = items[:, 3] - items[:, 2] + items[:, 5] - items[:, 4]
+    if causal:
+        order = torch.argsort(-length, stable=True)
+    else:
+        heavy = length > HEAVY_FACTOR * length.float().mean()
+        order = torch.argsort((~heavy).to(torch.int8), stable=True)
+    return items[order].to(torch.int32).contiguous()
+
+
+def assign_programs(items, num_programs: int, sub: int):
+    """Items regrouped by the resident program that runs them, and `starts` (int32, `num_programs + 1`):
+    program p runs items [starts[p], starts[p + 1]).
+
+    The programs never wait for each other, so the call lasts as long as the most loaded one. A program's
+    load counts its items' tiles (list length x `sub`) plus ITEM_COST each. BALANCE: runs of consecutive
+    items (at most BUNDLES_PER_PROGRAM runs per program, so that the host loop stays short) go heaviest
+    first to the least loaded program; each program then takes its runs in their order in `items` (as
+    `order_items` left them). Without BALANCE, item i goes to program i % num_programs, whatever its length.
+    """
+    n = items.shape[0]
+    program = torch.arange(n) % num_programs
+    if BALANCE and n > num_programs:
+        cost = ((items[:, 3] - items[:, 2] + items[:, 5] - items[:, 4]).long().cpu() * sub + ITEM_COST).double()
+        run = -(-n // (BUNDLES_PER_PROGRAM * num_programs))  # items per run
+        run_cost = torch.zeros(-(-n // run), dtype=torch.float64).index_add_(0, torch.arange(n) // run, cost)
+        owner = [0] * run_cost.shape[0]
+        loads = [(0.0, p) for p in range(num_programs)]  # a heap of (load, program)
+        for r in torch.argsort(run_cost, descending=True, stable=True).tolist():
+            load, p = heapq.heappop(loads)
+            owner[r] = p
+            heapq.heappush(loads, (load + float(run_cost[r]), p))
+        program = torch.tensor(owner)[torch.arange(n) // run]
+    order = torch.argsort(program, stable=True)  # by program, each program's items in their order in `items`
+    counts = torch.bincount(program, minlength=num_programs)
+    starts = torch.zeros(num_programs + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(counts, 0)
+    return items[order.to(items.device)].contiguous(), starts.to(items.device)
