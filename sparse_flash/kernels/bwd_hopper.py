@@ -41,7 +41,7 @@ from .memory import new_output
 
 BLOCK_N = 128  # keys per item (64 per compute warpgroup)
 BLOCK_M = 64  # query rows per step
-STEP_BUFFERS = 3  # Q / dO / lse / delta slots in flight; with two K/V buffers, 225.5 KB of shared memory
+STEP_BUFFERS = 3  # Q / dO / lse / delta slots in flight; with two K/V buffers, 226 KB of shared memory
 ITEM_WIDTH = gl.constexpr(6)  # (first K/V row, first Q row of the group's first head, full lo, hi, partial lo, hi)
 FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)
 LOAD_REGS = 24
