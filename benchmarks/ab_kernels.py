@@ -15,8 +15,8 @@ ratios base/new are the change's gain. Three ways to name the versions:
     python benchmarks/ab_kernels.py --switch hopper-split --rows "bigbird|longformer" --out ab.json
     # the Hopper forward's items taken in turn by its programs (base) against balanced by load (new)
     python benchmarks/ab_kernels.py --switch hopper-balance --out ab.json
-    # the Triton dK/dV kernel (base) against the Hopper one (new), in the backward (the forward rows are
-    # the same kernel twice)
+    # the Triton backward kernels (base) against the Hopper dQ and dK/dV kernels (new), in the backward
+    # (the forward rows are the same kernel twice)
     python benchmarks/ab_kernels.py --switch hopper-bwd --rows "128" --out ab.json
 
 Each version keeps its launch plans per row, as the library keeps them per mask, so the timings are those

@@ -1,5 +1,7 @@
-"""The warp-specialised Hopper dK/dV kernel's host side, on the CPU: which calls it takes and the work
-items it walks. Its kernel runs on sm_90 GPUs only (tests/test_gpu.py); tests/test_codegen.py compiles it."""
+"""The warp-specialised Hopper backward kernels' host side, on the CPU: which calls the dK/dV and dQ kernels
+take, and the work items the dK/dV kernel walks (the dQ kernel walks the forward's, tested in
+tests/test_fwd_hopper.py). The kernels run on sm_90 GPUs only (tests/test_gpu.py); tests/test_codegen.py
+compiles them."""
 
 import pytest
 import torch
@@ -111,3 +113,37 @@ def test_sparse_items_take_each_key_blocks_column_lists(causal):
         assert sorted(walked) == want
         if causal:  # partial blocks are those on the diagonal
             assert all(qb * 256 < kb * 128 + 127 for qb in part_idx[plo:phi])
+
+
+dq_hopper = pytest.importorskip("sparse_flash.kernels.dq_hopper", exc_type=ImportError)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("mask", [None, masks.butterfly(1024, 128), masks.local(1024, 256, window=1),
+                                  masks.random(1024, 128, density=0.2, seed=0, num_heads=8)],
+                         ids=["dense", "butterfly", "block256", "gqa_per_head_mask"])
+def test_dq_kernel_takes_16_bit_d128_calls_with_whole_blocks(mask, causal):
+    """The dQ kernel walks row lists, one query head at a time: per-head masks under GQA are fine."""
+    q_shape, k_shape, index, geometry = call(mask, Hq=8, Hkv=2, causal=causal)
+    assert dq_hopper.shape_supported(q_shape, k_shape, torch.bfloat16, index, geometry)
+
+
+@pytest.mark.parametrize("case", ["fp32", "d64", "tail", "block64", "split_rows"])
+def test_dq_kernel_leaves_other_calls_to_the_triton_kernel(case):
+    mask = masks.butterfly(1024, 128)
+    kwargs = {}
+    dtype = torch.bfloat16
+    if case == "fp32":
+        dtype = torch.float32
+    elif case == "d64":
+        kwargs = dict(D=64)
+    elif case == "tail":
+        mask, kwargs = masks.butterfly(1000, 128), dict(N=1000)
+    elif case == "block64":
+        mask = masks.butterfly(1024, 64)
+    else:  # a global row: the row work plan cuts its list into chunks
+        mask, kwargs = masks.bigbird(16384, 128, seed=0), dict(N=16384)
+    q_shape, k_shape, index, geometry = call(mask, **kwargs)
+    if case == "split_rows":
+        assert index[8].shape[0] > 0
+    assert not dq_hopper.shape_supported(q_shape, k_shape, dtype, index, geometry)

@@ -83,6 +83,19 @@ def gluon_bwd_cases():
             (torch.bfloat16, False, False, 128, 4)]
 
 
+def gluon_dq_cases():
+    """(dtype, dense, causal, mask block_k) of the warp-specialised Hopper dQ kernel (Gluon), or none where
+    this Triton has no Gluon."""
+    import torch
+
+    from sparse_flash.kernels import fwd
+
+    if fwd._hopper_module() is None:
+        return []
+    return [(torch.bfloat16, False, False, 128), (torch.float16, True, False, 128), (torch.bfloat16, True, True, 128),
+            (torch.float16, False, True, 256)]
+
+
 def main() -> int:
     from sparse_flash.kernels import fwd
     from sparse_flash.kernels.aot import AheadOfTimeUnsupported, compile_sm90
@@ -117,6 +130,17 @@ def main() -> int:
             from sparse_flash.kernels import bwd_hopper
 
             shared = bwd_hopper.compile_sm90(dtype, dense, causal, block_q, groups).metadata.shared
+            assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
+            print(f"ok {name} ({shared} bytes of shared memory)")
+        except Exception as e:
+            failed += 1
+            print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
+    for dtype, dense, causal, block_k in gluon_dq_cases():
+        name = f"hopper dq {dtype} dense={dense} causal={causal} block_k={block_k}"
+        try:
+            from sparse_flash.kernels import dq_hopper
+
+            shared = dq_hopper.compile_sm90(dtype, dense, causal, block_k).metadata.shared
             assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
             print(f"ok {name} ({shared} bytes of shared memory)")
         except Exception as e:
@@ -190,7 +214,8 @@ def test_kernels_compile_for_sm90():
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     # every kernel and path compiled
-    assert run.stdout.count("ok ") == len(list(cases())) + len(gluon_cases()) + len(gluon_bwd_cases())
+    compiled = len(list(cases())) + len(gluon_cases()) + len(gluon_bwd_cases()) + len(gluon_dq_cases())
+    assert run.stdout.count("ok ") == compiled
 
 
 if __name__ == "__main__":

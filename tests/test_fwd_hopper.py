@@ -64,7 +64,7 @@ def test_work_items_cover_every_tile_once_heavy_lists_first():
     mask = masks.random(N, 256, density=0.05, seed=1, num_heads=Hq) | masks.global_(N, 256)
     rows = mask.kernel_index(False).rows()
     offsets = rows[0]
-    items = fwd_hopper._items(B, Hq, Hkv, N, N, False, rows, [*mask.shape, *mask.block_size, 0], "cpu")
+    items = hopper.row_items(B, Hq, Hkv, N, N, False, rows, [*mask.shape, *mask.block_size, 0], "cpu")
     assert items.dtype == torch.int32 and items.shape == (B * Hq * N // 128, 6)
     seen = set()
     for q_row, kv_row, lo, hi, plo, phi in items.tolist():
@@ -81,7 +81,7 @@ def test_work_items_cover_every_tile_once_heavy_lists_first():
 
 
 def test_dense_items_walk_every_key_tile():
-    items = fwd_hopper._items(1, 2, 2, 512, 768, False, [], None, "cpu")
+    items = hopper.row_items(1, 2, 2, 512, 768, False, [], None, "cpu")
     assert items[:, 2].eq(0).all() and items[:, 3].eq(768 // 128).all() and items[:, 4].eq(items[:, 5]).all()
 
 
@@ -89,7 +89,7 @@ def test_dense_items_walk_every_key_tile():
 def test_dense_causal_items_end_on_the_diagonal_longest_first(Nk):
     """Query tile i: key tiles [0, i) full and tile i on the diagonal (none past the keys' end)."""
     Nq = 1024
-    items = fwd_hopper._items(1, 2, 2, Nq, Nk, True, [], None, "cpu")
+    items = hopper.row_items(1, 2, 2, Nq, Nk, True, [], None, "cpu")
     key_tiles = Nk // 128
     for q_row, kv_row, lo, hi, plo, phi in items.tolist():
         i = (q_row % Nq) // 128
@@ -102,7 +102,7 @@ def test_sparse_causal_items_take_the_full_and_partial_lists():
     N = 2048
     mask = masks.butterfly(N, 256)
     rows = mask.kernel_index(True).rows()
-    items = fwd_hopper._items(1, 2, 1, N, N, True, rows, [*mask.shape, *mask.block_size, 0], "cpu")
+    items = hopper.row_items(1, 2, 1, N, N, True, rows, [*mask.shape, *mask.block_size, 0], "cpu")
     full_off, part_off = rows[0], rows[2]
     assert int(part_off[-1]) > 0  # diagonal blocks
     for q_row, kv_row, lo, hi, plo, phi in items.tolist():
@@ -175,7 +175,7 @@ def test_programs_take_each_item_once_with_balanced_loads(causal, programs):
     B, Hq, N = 2, 4, 4096
     mask = masks.random(N, 128, density=0.08, seed=3, num_heads=Hq) | masks.global_(N, 128)
     rows = mask.kernel_index(causal).rows()
-    items = fwd_hopper._items(B, Hq, Hq, N, N, causal, rows, [*mask.shape, *mask.block_size, 0], "cpu")
+    items = hopper.row_items(B, Hq, Hq, N, N, causal, rows, [*mask.shape, *mask.block_size, 0], "cpu")
     placed, starts = hopper.assign_programs(items, programs, 1)
     assert starts.dtype == torch.int32 and starts.shape == (programs + 1, ) and starts[0] == 0
     assert starts[-1] == items.shape[0] and (starts[1:] >= starts[:-1]).all()

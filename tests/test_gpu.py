@@ -160,21 +160,24 @@ def test_hopper_forward_serves_and_matches_reference(dtype, mask_name, heads, ca
     assert fwd._hopper_forward() is fwd_hopper
 
 
-@pytest.mark.skipif(not SM90, reason="the Hopper dK/dV kernel needs sm_90")
+@pytest.mark.skipif(not SM90, reason="the Hopper backward kernels need sm_90")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("mask_name", list(HOPPER_MASKS))
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_hopper_dkdv_serves_and_matches_reference(dtype, mask_name, heads, causal, monkeypatch):
-    """The warp-specialised dK/dV kernel (`bwd_hopper.py`, switched on for the test) takes these calls (a
-    mask with per-head layouts under GQA excepted: it walks every group head's list in one item), and the
-    gradients pass the 2x rule against the float64 reference, outputs NaN-poisoned."""
-    from sparse_flash.kernels import bwd_hopper, configs
+def test_hopper_backward_serves_and_matches_reference(dtype, mask_name, heads, causal, monkeypatch):
+    """The warp-specialised dQ and dK/dV kernels (`dq_hopper.py`, `bwd_hopper.py`, switched on for the test)
+    take these calls (the dK/dV kernel leaves per-head layouts under GQA to the Triton kernel: it walks
+    every group head's list in one item), and the gradients pass the 2x rule against the float64
+    reference, outputs NaN-poisoned."""
+    from sparse_flash.kernels import bwd_hopper, configs, dq_hopper
     from sparse_flash.testing import compare_to_reference, make_qkv
 
-    served = []
-    real = bwd_hopper.DkdvHopperPlan.__call__
-    monkeypatch.setattr(bwd_hopper.DkdvHopperPlan, "__call__", lambda *a: served.append(1) or real(*a))
+    served = {"dq": 0, "dkdv": 0}
+    for name, plan in (("dq", dq_hopper.DqHopperPlan), ("dkdv", bwd_hopper.DkdvHopperPlan)):
+        real = plan.__call__
+        monkeypatch.setattr(plan, "__call__", lambda *a, _real=real, _name=name: served.update(
+            {_name: served[_name] + 1}) or _real(*a))
     n = 1024
     mask = HOPPER_MASKS[mask_name](n, heads[0])
     q, k, v = make_qkv(2, *heads, n, n, 128, dtype=dtype, device="cuda", seed=9)
@@ -185,7 +188,8 @@ def test_hopper_dkdv_serves_and_matches_reference(dtype, mask_name, heads, causa
         configs.set_hopper_backward(previous)
     assert not result.failures(), result.failures()
     per_head_gqa = heads[0] != heads[1] and mask.shape[1] > 1
-    assert bool(served) != per_head_gqa, "the Hopper dK/dV kernel served" if per_head_gqa else "it did not serve"
+    assert served["dq"] > 0, "the Hopper dQ kernel did not serve the call"
+    assert (served["dkdv"] > 0) != per_head_gqa, served
 
 
 @pytest.mark.skipif(not SM90, reason="the Hopper forward needs sm_90")

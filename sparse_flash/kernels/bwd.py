@@ -326,15 +326,16 @@ def _attn_bwd_dq_kernel(
 
 
 def _hopper_backward():
-    """`bwd_hopper` where it may serve calls: allowed (`configs.set_hopper_backward`), not under the
-    interpreter (Gluon kernels do not run there), and importable (a Triton with Gluon)."""
+    """`(dq_hopper, bwd_hopper)`, the Gluon dQ and dK/dV kernels' modules, where they may serve calls:
+    allowed (`configs.set_hopper_backward`), not under the interpreter (Gluon kernels do not run there),
+    and importable (a Triton with Gluon); otherwise None."""
     if not hopper_backward_enabled() or interpreting():
         return None
     try:
-        from . import bwd_hopper
+        from . import bwd_hopper, dq_hopper
     except (ImportError, AttributeError):
         return None
-    return bwd_hopper
+    return dq_hopper, bwd_hopper
 
 
 class _BwdPlan:
@@ -390,9 +391,13 @@ class _BwdPlan:
         )
 
         hopper = _hopper_backward()
-        self.dkdv_hopper = None  # the Gluon dK/dV kernel's plan, where it serves this call
-        if hopper is not None and hopper.supported(do, q, k, v, index, mask_geometry):
-            self.dkdv_hopper = hopper.DkdvHopperPlan(q, k, index, mask_geometry, causal, scale)
+        self.dq_hopper = self.dkdv_hopper = None  # the Gluon kernels' plans, where they serve this call
+        if hopper is not None:
+            dq_kernel, dkdv_kernel = hopper
+            if dq_kernel.supported(do, q, k, v, out, index, mask_geometry):
+                self.dq_hopper = dq_kernel.DqHopperPlan(q, k, index, mask_geometry, causal, scale)
+            if dkdv_kernel.supported(do, q, k, v, index, mask_geometry):
+                self.dkdv_hopper = dkdv_kernel.DkdvHopperPlan(q, k, index, mask_geometry, causal, scale)
         kv_bq, kv_bk = (cfg.kv_block_m, cfg.kv_block_n) if dense else (block_q, block_k)
         kv_items = triton.cdiv(Nk, cfg.kv_block_n) if dense else cols[4].shape[2] * (block_k // cfg.kv_block_n)
         self.q_layout, self.do_layout = (descriptor_layout(t, cfg.kv_block_m, BLOCK_D) if cfg.tma else None
@@ -418,10 +423,14 @@ class _BwdPlan:
 
     def __call__(self, do, q, k, v, out, lse):
         delta = new_output(self.lse_shape, torch.float32, self.device)  # written by the dQ launch, read by dK/dV
-        dq = new_output(self.q_shape, self.dtype, self.device)
-        part, _, _ = self.rows.scratch()
-        k_in, v_in = (make_descriptor(k, self.k_layout), make_descriptor(v, self.v_layout)) if self.dq_tma else (k, v)
-        self.dq(q, k_in, v_in, out, do, lse, delta, dq, part, self.rows.counters())
+        if self.dq_hopper is not None:
+            dq = self.dq_hopper(q, k, v, out, do, lse, delta)
+        else:
+            dq = new_output(self.q_shape, self.dtype, self.device)
+            part, _, _ = self.rows.scratch()
+            k_in, v_in = ((make_descriptor(k, self.k_layout), make_descriptor(v, self.v_layout)) if self.dq_tma
+                          else (k, v))
+            self.dq(q, k_in, v_in, out, do, lse, delta, dq, part, self.rows.counters())
 
         if self.dkdv_hopper is not None:
             dk, dv = self.dkdv_hopper(q, k, v, do, lse, delta)

@@ -1,5 +1,5 @@
 """dK/dV kernel for Hopper GPUs with producer and consumer warps, written in Gluon (the backward's second
-launch; the Triton dQ launch before it stores delta = rowsum(dO * O)).
+launch; the dQ launch before it, `dq_hopper.py` or the Triton kernel, stores delta = rowsum(dO * O)).
 
 Built like the forward (`fwd_hopper.py`): one resident program per SM walks its share of the work items,
 here a 128-key tile of one (batch, KV head) and the lists of 64-row query tiles that see it, for every

@@ -52,14 +52,14 @@ def hopper_forward_enabled() -> bool:
     return _HOPPER_FWD[0]
 
 
-# Off until it has run on a GPU (benchmarks/NOTES.md, step 45).
+# Off until they have run on a GPU (benchmarks/NOTES.md, steps 45-46).
 _HOPPER_BWD = [os.environ.get("SPARSE_FLASH_HOPPER_BWD", "0") == "1"]
 
 
 def set_hopper_backward(enabled: bool) -> bool:
-    """Allow or forbid the warp-specialised Hopper dK/dV kernel (`bwd_hopper.py`) where it serves a call;
-    off (the default, or SPARSE_FLASH_HOPPER_BWD=0), the Triton dK/dV kernel runs every call. Returns the
-    previous setting."""
+    """Allow or forbid the warp-specialised Hopper backward kernels (`dq_hopper.py`, `bwd_hopper.py` for
+    dK/dV) where they serve a call; off (the default, or SPARSE_FLASH_HOPPER_BWD=0), the Triton backward
+    kernels run every call. Returns the previous setting."""
     previous = _HOPPER_BWD[0]
     _HOPPER_BWD[0] = bool(enabled)
     return previous

@@ -40,15 +40,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E
-from .hopper import (GL_DTYPES, assign_programs, list_ranges, list_tile_start, num_sms, order_items,
-                     partition_barrier, release, release_after_store, runs_on, tma_load, tma_store)
+from .hopper import (GL_DTYPES, assign_programs, list_tile_start, load_kv, num_sms, partition_barrier, release,
+                     release_after_store, row_items, runs_on, tma_load, tma_store)
 from .launch import cached_plan, plan_key
 from .memory import new_output
 from .split import MERGE_ROWS, SplitPlan, store_chunk_merge
 
 BLOCK = 128  # query rows per item and key rows per K/V stage
 K_BUFFERS, V_BUFFERS = 2, 3  # K and V tiles in flight per program: with two Q buffers, 224 KB at D = 128
-ITEM_WIDTH = gl.constexpr(6)  # an item record (`_items`)
+ITEM_WIDTH = gl.constexpr(6)  # an item record (`hopper.row_items`)
 SPLIT_ITEM_WIDTH = gl.constexpr(8)  # with the scratch row of a chunk of a split list (`_split_items`), and padding
 FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)  # which query rows a compute warpgroup takes
 HEAD_DIMS = (128, )  # head dims served (the kernel compiles for 64 too; measured slower there, NOTES step 41)
@@ -58,22 +58,6 @@ SPLIT_LISTS = os.environ.get("SPARSE_FLASH_HOPPER_SPLIT") != "0"
 LOAD_REGS = 24  # registers per thread of the load warp
 COMPUTE_REGS = 224  # registers per thread of the second compute warpgroup (the first gets what is left: 256)
 MAX_REGS = 168  # registers per thread of the whole program (12 warps: 8 compute, 4 for the load warp's group)
-
-
-@gluon.jit
-def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, row, t):
-    """K and V rows [row, row + BLOCK_N) into the next buffers of the rings, once those are free."""
-    K_STAGES: gl.constexpr = k_smem.type.shape[0]
-    V_STAGES: gl.constexpr = v_smem.type.shape[0]
-    sk = t % K_STAGES
-    # Barriers start with phase 1 complete: the first wait on a free buffer passes at once.
-    mbarrier.wait(k_empty.index(sk), ((t // K_STAGES) & 1) ^ 1)
-    mbarrier.expect(k_ready.index(sk), k_desc.block_type.nbytes)
-    tma_load(k_desc, [row, 0], k_ready.index(sk), k_smem.index(sk))
-    sv = t % V_STAGES
-    mbarrier.wait(v_empty.index(sv), ((t // V_STAGES) & 1) ^ 1)
-    mbarrier.expect(v_ready.index(sv), v_desc.block_type.nbytes)
-    tma_load(v_desc, [row, 0], v_ready.index(sv), v_smem.index(sv))
 
 
 @gluon.jit
@@ -96,11 +80,11 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_e
         tma_load(q_desc, [q_row, 0], q_ready.index(qb), q_smem.index(qb))
         for j in range(gl.load(rec + 2) * SUB, gl.load(rec + 3) * SUB):
             start = list_tile_start(FullIdx, j, SUB, MASK_BLOCK_K, BLOCK_N, DENSE)
-            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, kv_row + start, t)
+            load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, kv_row + start, t)
             t += 1
         for j in range(gl.load(rec + 4) * SUB, gl.load(rec + 5) * SUB):
             start = list_tile_start(PartIdx, j, SUB, MASK_BLOCK_K, BLOCK_N, DENSE)
-            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, kv_row + start, t)
+            load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, kv_row + start, t)
             t += 1
         c += 1
 
@@ -334,34 +318,8 @@ def shape_supported(q_shape, k_shape, dtype, index, mask_geometry) -> bool:
     return True
 
 
-def _items(B, Hq, Hkv, Nq, Nk, causal: bool, index, mask_geometry, device):
-    """int32 `(items, ITEM_WIDTH)` records: (first Q/O/LSE row, first K/V row of its head, full list start,
-    full list end, partial list start, partial list end); for the dense path the lists count key tiles.
-
-    Order (`hopper.order_items`): causal calls longest list first, other calls heavy lists first, then by
-    (batch, head) and query tile, so that the programs in flight share one head's K and V in L2.
-    """
-    tiles = Nq // BLOCK
-    b = torch.arange(B, device=device).view(B, 1, 1)
-    h = torch.arange(Hq, device=device).view(1, Hq, 1)
-    i = torch.arange(tiles, device=device).view(1, 1, tiles)
-    shape = (B, Hq, tiles)
-    q_row = ((b * Hq + h) * Nq + i * BLOCK).expand(shape)
-    kv_row = ((b * Hkv + h // (Hq // Hkv)) * Nk).expand(shape)
-    if len(index) == 0:  # dense: key tiles [0, Nk / BLOCK), or below and on the diagonal when causal
-        key_tiles = Nk // BLOCK
-        lo = torch.zeros(shape, dtype=torch.long, device=device)
-        hi = (i.clamp(max=key_tiles) if causal else torch.full_like(i, key_tiles)).expand(shape)
-        plo, phi = (hi, (i + 1).clamp(max=key_tiles).expand(shape)) if causal else (lo, lo)
-    else:
-        Bm, Hm, Mq, _, block_q, _, _ = mask_geometry
-        row = (((b % Bm) * Hm + h % Hm) * Mq + (i * BLOCK) // block_q).expand(shape)  # each tile's mask row
-        lo, hi, plo, phi = list_ranges((index[0], index[2]), row)
-    return order_items(torch.stack([q_row, kv_row, lo, hi, plo, phi], -1).reshape(-1, ITEM_WIDTH.value), causal)
-
-
 def _split_items(B, Hq, Hkv, Nq, Nk, index, mask_geometry, split_plan, device):
-    """Item records of a mask whose work plan splits lists, with `SPLIT_ITEM_WIDTH` fields: `_items`' six,
+    """Item records of a mask whose work plan splits lists, with `SPLIT_ITEM_WIDTH` fields: `row_items`' six,
     then the first scratch row of the item's tile in its chunk's slot (-1: not split) and padding. Each
     chunk of a split list is an item of its own, taken from the work plan's records (`WorkPlan.items`);
     chunks first, then the rest by (batch, head). Also returns the merge records, one per (tile of a split
@@ -431,7 +389,7 @@ class _FwdHopperPlan:
             self.items, self.merges = _split_items(B, Hq, Hkv, Nq, Nk, index, mask_geometry, self.split, q.device)
             self.block_q = block_q
         else:
-            self.items = _items(B, Hq, Hkv, Nq, Nk, causal, index, mask_geometry, q.device)
+            self.items = row_items(B, Hq, Hkv, Nq, Nk, causal, index, mask_geometry, q.device)
         self.full_idx, self.part_idx = (self.items, self.items) if dense else (index[1], index[3])  # dense: unused
         block_k = BLOCK if dense else mask_geometry[5]
         self.layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], GL_DTYPES[q.dtype])

@@ -20,6 +20,7 @@ BALANCE = os.environ.get("SPARSE_FLASH_HOPPER_BALANCE") != "0"  # items to progr
 # 3.2 us against 1.74 us per tile, fitted on local masks of 3 and 9 blocks per row (NOTES, step 44).
 ITEM_COST = 2
 BUNDLES_PER_PROGRAM = 16  # runs of items per program that the balancing places (bounds its host time)
+ROW_BLOCK = 128  # query rows per item of the kernels that walk row lists (`row_items`), and key rows per list tile
 
 # Names that changed after Triton 3.6: a barrier among the warps of one partition, a TMA load and store.
 partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -36,6 +37,22 @@ def list_tile_start(Idx, j, SUB: gl.constexpr, MASK_BLOCK: gl.constexpr, BLOCK: 
     else:
         start = gl.load(Idx + j // SUB) * MASK_BLOCK + (j % SUB) * BLOCK
     return start
+
+
+@gluon.jit
+def load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, row, t):
+    """K and V rows [row, row + BLOCK_N) into the next buffers of the rings, once those are free."""
+    K_STAGES: gl.constexpr = k_smem.type.shape[0]
+    V_STAGES: gl.constexpr = v_smem.type.shape[0]
+    sk = t % K_STAGES
+    # Barriers start with phase 1 complete: the first wait on a free buffer passes at once.
+    mbarrier.wait(k_empty.index(sk), ((t // K_STAGES) & 1) ^ 1)
+    mbarrier.expect(k_ready.index(sk), k_desc.block_type.nbytes)
+    tma_load(k_desc, [row, 0], k_ready.index(sk), k_smem.index(sk))
+    sv = t % V_STAGES
+    mbarrier.wait(v_empty.index(sv), ((t // V_STAGES) & 1) ^ 1)
+    mbarrier.expect(v_ready.index(sv), v_desc.block_type.nbytes)
+    tma_load(v_desc, [row, 0], v_ready.index(sv), v_smem.index(sv))
 
 
 @gluon.jit
@@ -75,6 +92,34 @@ def list_ranges(offsets, lists):
     from `(full offsets, partial offsets)` of a `KernelIndex` part."""
     full_off, part_off = offsets[0].long(), offsets[1].long()
     return full_off[lists], full_off[lists + 1], part_off[lists], part_off[lists + 1]
+
+
+def row_items(B, Hq, Hkv, Nq, Nk, causal: bool, index, mask_geometry, device):
+    """int32 `(items, 6)` records, one per ROW_BLOCK-row query tile of each (batch, head): (first Q/O/LSE
+    row, first K/V row of its head, full list start, full list end, partial list start, partial list end);
+    lists count mask blocks of the tile's mask row (`index`: `KernelIndex.rows()`), or for the dense path
+    ROW_BLOCK-key tiles (causal: the tile on the diagonal is the partial list).
+
+    Order (`order_items`): causal calls longest list first, other calls heavy lists first, then by
+    (batch, head) and query tile, so that the programs in flight share one head's K and V in L2.
+    """
+    tiles = Nq // ROW_BLOCK
+    b = torch.arange(B, device=device).view(B, 1, 1)
+    h = torch.arange(Hq, device=device).view(1, Hq, 1)
+    i = torch.arange(tiles, device=device).view(1, 1, tiles)
+    shape = (B, Hq, tiles)
+    q_row = ((b * Hq + h) * Nq + i * ROW_BLOCK).expand(shape)
+    kv_row = ((b * Hkv + h // (Hq // Hkv)) * Nk).expand(shape)
+    if len(index) == 0:  # dense: key tiles [0, Nk / ROW_BLOCK), or below and on the diagonal when causal
+        key_tiles = Nk // ROW_BLOCK
+        lo = torch.zeros(shape, dtype=torch.long, device=device)
+        hi = (i.clamp(max=key_tiles) if causal else torch.full_like(i, key_tiles)).expand(shape)
+        plo, phi = (hi, (i + 1).clamp(max=key_tiles).expand(shape)) if causal else (lo, lo)
+    else:
+        Bm, Hm, Mq, _, block_q, _, _ = mask_geometry
+        row = (((b % Bm) * Hm + h % Hm) * Mq + (i * ROW_BLOCK) // block_q).expand(shape)  # each tile's mask row
+        lo, hi, plo, phi = list_ranges((index[0], index[2]), row)
+    return order_items(torch.stack([q_row, kv_row, lo, hi, plo, phi], -1).reshape(-1, 6), causal)
 
 
 def order_items(items, causal: bool):

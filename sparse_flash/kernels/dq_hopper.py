@@ -1,0 +1,290 @@
+"""dQ kernel for Hopper GPUs with producer and consumer warps, written in Gluon (the backward's first
+launch: it also stores delta = rowsum(dO * O), which the dK/dV launch reads).
+
+Built like the forward (`fwd_hopper.py`), with the same work items (`hopper.row_items`: a 128-row query
+tile of one (batch, head) and its lists of key blocks). Inside a program:
+
+- one *load* warp issues TMA copies: the item's Q and dO tiles into one of two buffers each, then the K and
+  V tiles of its lists, 64 keys at a time, into rings of KV_BUFFERS buffers;
+- two *compute* warpgroups (4 warps each), one per 64-row half of the item, first compute delta for their
+  rows (dO from shared memory, O from global memory) and store it, then per key tile run S = Q K^T and
+  dP = dO V^T, P = exp2(S - lse), dS = P (dP - delta) and dQ += dS K on the tensor cores; at the item's
+  end dQ leaves through the warpgroup's half of the Q buffer by TMA (benchmarks/NOTES.md, step 44).
+
+It serves (`supported`) 16-bit inputs with D = 128, lengths multiples of 128 and of the mask's blocks
+(multiples of 128), masks whose work plan does not split row lists; causal or not. `bwd.py` runs it in place
+of the Triton dQ kernel once allowed (`configs.set_hopper_backward(True)` or SPARSE_FLASH_HOPPER_BWD=1):
+built and compile-checked for sm_90a, not yet run on a GPU (NOTES step 46).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .common import LOG2E
+from .hopper import (GL_DTYPES, ROW_BLOCK, assign_programs, list_tile_start, load_kv, num_sms, partition_barrier,
+                     release, release_after_store, row_items, runs_on, tma_load, tma_store)
+from .memory import new_output
+
+BLOCK_N = 64  # keys per step
+KV_BUFFERS = 3  # K and V tiles in flight each; with two Q and two dO buffers, 224 KB of shared memory
+ITEM_WIDTH = gl.constexpr(6)  # `hopper.row_items`
+FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)
+LOAD_REGS = 24
+COMPUTE_REGS = 240  # each compute warpgroup's (the first gets what the launch cap leaves: also 240)
+MAX_REGS = 168
+
+
+@gluon.jit
+def _dq_load_partition(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                       k_empty, v_ready, v_empty, Items, Starts, FullIdx, PartIdx, SUB: gl.constexpr,
+                       MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr):
+    """The load warp: for each of this program's items, Q and dO into a free pair of buffers, then every K
+    and V tile of the item's full list and then of its partial list into the next free ring buffers."""
+    BN: gl.constexpr = k_desc.block_type.shape[0]
+    t = 0  # K/V tiles issued so far (ring positions)
+    c = 0  # items issued so far (Q/dO buffer position)
+    for it in range(gl.load(Starts + gl.program_id(0)), gl.load(Starts + gl.program_id(0) + 1)):
+        rec = Items + it * ITEM_WIDTH
+        q_row = gl.load(rec)
+        kv_row = gl.load(rec + 1)
+        qb = c % 2
+        mbarrier.wait(q_empty.index(qb), ((c // 2) & 1) ^ 1)  # barriers start with phase 1 complete
+        mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma_load(q_desc, [q_row, 0], q_ready.index(qb), q_smem.index(qb))
+        tma_load(do_desc, [q_row, 0], q_ready.index(qb), do_smem.index(qb))
+        for j in range(gl.load(rec + 2) * SUB, gl.load(rec + 3) * SUB):
+            start = list_tile_start(FullIdx, j, SUB, MASK_BLOCK_K, BN, DENSE)
+            load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, kv_row + start, t)
+            t += 1
+        for j in range(gl.load(rec + 4) * SUB, gl.load(rec + 5) * SUB):
+            start = list_tile_start(PartIdx, j, SUB, MASK_BLOCK_K, BN, DENSE)
+            load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, kv_row + start, t)
+            t += 1
+        c += 1
+
+
+@gluon.jit
+def _dq_step(q, do, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, lse, delta, t, qk_scale, q_tok, key0,
+             MASKED: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr):
+    """One key tile (ring position t) into this warpgroup's dQ (64 rows): S = Q K^T and dP = dO V^T,
+    P = exp2(S - lse), dS = P (dP - delta), dQ += dS K. MASKED: a tile on the causal diagonal (key > query
+    gets P = 0)."""
+    K_STAGES: gl.constexpr = k_smem.type.shape[0]
+    V_STAGES: gl.constexpr = v_smem.type.shape[0]
+    BM: gl.constexpr = q.shape[0]
+    BN: gl.constexpr = k_smem.type.shape[1]
+    sk = t % K_STAGES
+    sv = t % V_STAGES
+    zero_s = gl.zeros([BM, BN], gl.float32, s_layout)  # unused (use_acc=False)
+    mbarrier.wait(k_ready.index(sk), (t // K_STAGES) & 1)
+    s = warpgroup_mma(q, k_smem.index(sk).permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (BM, BN)
+    mbarrier.wait(v_ready.index(sv), (t // V_STAGES) & 1)
+    dp = warpgroup_mma(do, v_smem.index(sv).permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (BM, BN)
+    s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+    release(v_empty.index(sv))  # V is read only by dP
+    p = gl.exp2(s * qk_scale - lse[:, None])  # (BM, BN)
+    if MASKED:
+        rows = q_tok + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))  # (BM,)
+        cols = key0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))  # (BN,)
+        p = gl.where(cols[None, :] <= rows[:, None], p, 0.0)
+    ds = p * (dp - delta[:, None])  # (BM, BN) dS
+    dq = warpgroup_mma(gl.convert_layout(ds.to(q.dtype), p_layout), k_smem.index(sk), dq, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+    release(k_empty.index(sk))
+    return dq
+
+
+@gluon.jit
+def _dq_compute_partition(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                          dq_desc, Out, Lse, Delta, Items, Starts, PartIdx, Nq, qk_scale, sm_scale,
+                          SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr,
+                          HALF: gl.constexpr, WARPS: gl.constexpr):
+    """One compute warpgroup: rows [HALF * 64, HALF * 64 + 64) of each item; delta first, then dQ over the
+    item's key tiles, out through this half of the Q buffer by TMA."""
+    BM: gl.constexpr = q_smem.type.shape[1] // 2  # this warpgroup's rows
+    HEAD_D: gl.constexpr = q_smem.type.shape[2]
+    BN: gl.constexpr = k_smem.type.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, BN, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                         instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    # O and dO rows for delta: 8 contiguous elements (16 bytes) per thread
+    o_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    offs_r = gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))  # (BM,)
+    offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))  # (HEAD_D,)
+    offs_m = gl.arange(0, BM, layout=rows_layout)  # (BM,)
+    t = 0  # K/V tiles consumed so far (ring positions, as in the load warp)
+    c = 0  # items taken so far (Q/dO buffer position)
+    for it in range(gl.load(Starts + gl.program_id(0)), gl.load(Starts + gl.program_id(0) + 1)):
+        rec = Items + it * ITEM_WIDTH
+        q_row = gl.load(rec) + HALF * BM  # this warpgroup's first row of Q, dO, O, dQ, lse and delta
+        q_tok = q_row % Nq  # its position in the sequence
+        n_full = (gl.load(rec + 3) - gl.load(rec + 2)) * SUB
+        part_lo = gl.load(rec + 4) * SUB
+        part_hi = gl.load(rec + 5) * SUB
+        qb = c % 2
+        mbarrier.wait(q_ready.index(qb), (c // 2) & 1)
+        q = q_smem.index(qb).slice(HALF * BM, BM)  # (BM, D) in shared memory
+        do = do_smem.index(qb).slice(HALF * BM, BM)
+        if c > 0:  # the item before's dQ has left its Q buffer: the item after next may load there
+            release_after_store(q_empty.index((c + 1) % 2))
+        # delta = rowsum(dO * O), stored for the dK/dV launch
+        o = gl.load(Out + (q_row.to(gl.int64) + offs_r)[:, None] * HEAD_D + offs_d[None, :])  # (BM, D)
+        delta = gl.sum(o.to(gl.float32) * do.load(o_layout).to(gl.float32), 1)  # (BM,)
+        gl.store(Delta + q_row + offs_r, delta)
+        delta = gl.convert_layout(delta, rows_layout)
+        lse = gl.load(Lse + q_row + offs_m)  # (BM,) natural log; -inf for a row with no allowed key
+        lse = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # log2; empty rows: P = 0
+        dq = gl.zeros([BM, HEAD_D], gl.float32, acc_layout)  # (BM, D)
+        for j in range(n_full):
+            dq = _dq_step(q, do, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, lse, delta, t, qk_scale,
+                          q_tok, 0, False, s_layout, p_layout)
+            t += 1
+        for j in range(part_lo, part_hi):  # tiles on the causal diagonal: masked where key > query
+            key0 = list_tile_start(PartIdx, j, SUB, MASK_BLOCK_K, BN, DENSE)  # the tile's first key
+            dq = _dq_step(q, do, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, lse, delta, t, qk_scale,
+                          q_tok, key0, CAUSAL, s_layout, p_layout)
+            t += 1
+        q.store((dq * sm_scale).to(q.dtype))  # the item's last products are done: Q is free
+        fence_async_shared()
+        partition_barrier()
+        tma_store(dq_desc, [q_row, 0], q)
+        c += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _attn_bwd_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, Out, Lse, Delta, Items, Starts, FullIdx,
+                               PartIdx, Nq, qk_scale, sm_scale, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr,
+                               DENSE: gl.constexpr, CAUSAL: gl.constexpr, KV_STAGES: gl.constexpr,
+                               LOAD_WARP_REGS: gl.constexpr, COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """One resident program per SM; program p walks items [Starts[p], Starts[p + 1])."""
+    BM: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    BN: gl.constexpr = k_desc.block_type.shape[0]
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BM, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, BM, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [KV_STAGES, BN, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [KV_STAGES, BN, HEAD_D], v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):  # a buffer is free once both compute warpgroups release it
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
+    for i in gl.static_range(KV_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=2)
+    gl.warp_specialize([
+        (_dq_compute_partition, (q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                                 v_empty, dq_desc, Out, Lse, Delta, Items, Starts, PartIdx, Nq, qk_scale, sm_scale,
+                                 SUB, MASK_BLOCK_K, DENSE, CAUSAL, FIRST_HALF, num_warps)),  # rows [0, 64)
+        (_dq_compute_partition, (q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                                 v_empty, dq_desc, Out, Lse, Delta, Items, Starts, PartIdx, Nq, qk_scale, sm_scale,
+                                 SUB, MASK_BLOCK_K, DENSE, CAUSAL, SECOND_HALF, num_warps)),  # rows [64, 128)
+        (_dq_load_partition, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
+                              k_ready, k_empty, v_ready, v_empty, Items, Starts, FullIdx, PartIdx, SUB, MASK_BLOCK_K,
+                              DENSE)),
+    ], [num_warps, 1], [COMPUTE_REGS, LOAD_WARP_REGS])
+
+
+def supported(do, q, k, v, out, index, mask_geometry) -> bool:
+    """Whether this kernel serves the dQ launch of the call (see module); the Triton kernel serves the rest."""
+    return runs_on(q, k, v, do, out) and shape_supported(q.shape, k.shape, q.dtype, index, mask_geometry)
+
+
+def shape_supported(q_shape, k_shape, dtype, index, mask_geometry) -> bool:
+    """The part of `supported` that does not ask the GPU: dtype, shapes and the mask's blocks and lists.
+    `index`: `KernelIndex.rows() + KernelIndex.cols()`, or [] for the dense path."""
+    B, Hq, Nq, D = q_shape
+    Hkv, Nk = k_shape[1], k_shape[2]
+    if dtype not in GL_DTYPES or D != 128 or Nq % ROW_BLOCK or Nk % ROW_BLOCK:
+        return False
+    if B * Hq * Nq >= 2**31 or k_shape[0] * Hkv * Nk >= 2**31:
+        return False
+    if len(index):
+        block_q, block_k = mask_geometry[4], mask_geometry[5]
+        if block_q % ROW_BLOCK or block_k % ROW_BLOCK or Nq % block_q or Nk % block_k:
+            return False
+        if index[8].shape[0]:  # the row work plan splits lists (`WorkPlan.split`)
+            return False
+    return True
+
+
+class DqHopperPlan:
+    """What one call signature fixes: the item records and their placement on programs, descriptor
+    layouts, grid and constexprs."""
+
+    def __init__(self, q, k, index, mask_geometry, causal: bool, scale: float):
+        B, Hq, Nq, D = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        dense = len(index) == 0
+        items = row_items(B, Hq, Hkv, Nq, Nk, causal, index[:10], mask_geometry, q.device)
+        block_k = ROW_BLOCK if dense else mask_geometry[5]  # dense lists count ROW_BLOCK-key tiles
+        sub = block_k // BLOCK_N
+        self.grid = (min(items.shape[0], num_sms(q.device)), )
+        self.items, self.starts = assign_programs(items, self.grid[0], sub)
+        self.full_idx, self.part_idx = (self.items, self.items) if dense else (index[1], index[3])  # dense: unused
+        dtype = GL_DTYPES[q.dtype]
+        self.q_layout = gl.NVMMASharedLayout.get_default_for([ROW_BLOCK, D], dtype)
+        self.kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+        self.D = D
+        self.args = (Nq, scale * LOG2E, scale)
+        self.constexprs = dict(SUB=sub, MASK_BLOCK_K=block_k, DENSE=dense, CAUSAL=causal, KV_STAGES=KV_BUFFERS,
+                               LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS)
+        self.q_shape, self.dtype, self.device = q.shape, q.dtype, q.device
+
+    def _rows(self, t, rows: int, layout):
+        """t as a (rows of D) matrix, read or written `rows` rows at a time."""
+        return TensorDescriptor(t, [t.numel() // self.D, self.D], [self.D, 1], [rows, self.D], layout)
+
+    def __call__(self, q, k, v, out, do, lse, delta):
+        """dQ; also writes `delta` (float32 `(B, Hq, Nq)`), which the dK/dV launch reads."""
+        dq = new_output(self.q_shape, self.dtype, self.device)
+        descs = (self._rows(q, ROW_BLOCK, self.q_layout), self._rows(do, ROW_BLOCK, self.q_layout),
+                 self._rows(k, BLOCK_N, self.kv_layout), self._rows(v, BLOCK_N, self.kv_layout),
+                 self._rows(dq, ROW_BLOCK // 2, self.q_layout))  # dQ: each warpgroup stores its 64 rows
+        _attn_bwd_dq_hopper_kernel[self.grid](*descs, out, lse, delta, self.items, self.starts, self.full_idx,
+                                              self.part_idx, *self.args, **self.constexprs, num_warps=4,
+                                              maxnreg=MAX_REGS)
+        return dq
+
+
+def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causal: bool = False,
+                 block_k: int = ROW_BLOCK):
+    """The kernel compiled for sm_90a on any machine (no GPU needed), as the launcher would launch it at
+    D = 128; for compile checks (tests/test_codegen.py)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    D = 128
+    name = "bf16" if dtype == torch.bfloat16 else "fp16"
+    q_layout = gl.NVMMASharedLayout.get_default_for([ROW_BLOCK, D], GL_DTYPES[dtype])
+    kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], GL_DTYPES[dtype])
+    q_desc = f"tensordesc<{name}[{ROW_BLOCK},{D}],{q_layout!r}>"
+    kv_desc = f"tensordesc<{name}[{BLOCK_N},{D}],{kv_layout!r}>"
+    out_desc = f"tensordesc<{name}[{ROW_BLOCK // 2},{D}],{q_layout!r}>"
+    sig = dict(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, dq_desc=out_desc, Out=f"*{name}",
+               Lse="*fp32", Delta="*fp32", Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32", Nq="i32",
+               qk_scale="fp32", sm_scale="fp32")
+    block = ROW_BLOCK if dense else block_k
+    constexprs = dict(SUB=block // BLOCK_N, MASK_BLOCK_K=block, DENSE=dense, CAUSAL=causal, KV_STAGES=KV_BUFFERS,
+                      LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS, num_warps=4)
+    sig.update({n: "constexpr" for n in constexprs})
+    names = list(sig)
+    src = GluonASTSource(_attn_bwd_dq_hopper_kernel, sig, {(names.index(n), ): v for n, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAX_REGS))
