@@ -9,6 +9,7 @@ import torch
 from sparse_flash import masks
 
 bwd_hopper = pytest.importorskip("sparse_flash.kernels.bwd_hopper", exc_type=ImportError)
+dq_hopper = pytest.importorskip("sparse_flash.kernels.dq_hopper", exc_type=ImportError)
 
 
 def call(mask, B=1, Hq=4, Hkv=4, N=1024, D=128, causal=False):
@@ -30,29 +31,6 @@ def test_takes_16_bit_d128_calls_with_whole_blocks(mask, dtype, causal):
 def test_takes_gqa_with_a_mask_shared_by_the_heads():
     assert bwd_hopper.shape_supported(*call(masks.butterfly(1024, 128), Hq=8, Hkv=2)[:2], torch.bfloat16,
                                       *call(masks.butterfly(1024, 128), Hq=8, Hkv=2)[2:])
-
-
-@pytest.mark.parametrize("case", ["fp32", "d64", "tail", "block64", "split_columns", "gqa_per_head_mask"])
-def test_leaves_other_calls_to_the_triton_kernel(case):
-    mask = masks.butterfly(1024, 128)
-    kwargs = {}
-    dtype = torch.bfloat16
-    if case == "fp32":
-        dtype = torch.float32
-    elif case == "d64":
-        kwargs = dict(D=64)
-    elif case == "tail":
-        mask, kwargs = masks.butterfly(1000, 128), dict(N=1000)
-    elif case == "block64":
-        mask = masks.butterfly(1024, 64)
-    elif case == "split_columns":  # a global column: the column work plan cuts its list into chunks
-        mask, kwargs = masks.bigbird(16384, 128, seed=0), dict(N=16384)
-    else:
-        mask, kwargs = masks.random(1024, 128, density=0.2, seed=0, num_heads=8), dict(Hq=8, Hkv=2)
-    q_shape, k_shape, index, geometry = call(mask, **kwargs)
-    if case == "split_columns":
-        assert index[10 + 8].shape[0] > 0
-    assert not bwd_hopper.shape_supported(q_shape, k_shape, dtype, index, geometry)
 
 
 def _query_tile_kinds(allowed, key_tile):
@@ -115,8 +93,6 @@ def test_sparse_items_take_each_key_blocks_column_lists(causal):
             assert all(qb * 256 < kb * 128 + 127 for qb in part_idx[plo:phi])
 
 
-dq_hopper = pytest.importorskip("sparse_flash.kernels.dq_hopper", exc_type=ImportError)
-
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("mask", [None, masks.butterfly(1024, 128), masks.local(1024, 256, window=1),
@@ -128,11 +104,9 @@ def test_dq_kernel_takes_16_bit_d128_calls_with_whole_blocks(mask, causal):
     assert dq_hopper.shape_supported(q_shape, k_shape, torch.bfloat16, index, geometry)
 
 
-@pytest.mark.parametrize("case", ["fp32", "d64", "tail", "block64", "split_rows"])
-def test_dq_kernel_leaves_other_calls_to_the_triton_kernel(case):
-    mask = masks.butterfly(1024, 128)
-    kwargs = {}
-    dtype = torch.bfloat16
+def _other_call(case):
+    """(q_shape, k_shape, dtype, index, geometry) of a call that a Hopper backward kernel leaves to Triton."""
+    mask, kwargs, dtype = masks.butterfly(1024, 128), {}, torch.bfloat16
     if case == "fp32":
         dtype = torch.float32
     elif case == "d64":
@@ -141,9 +115,21 @@ def test_dq_kernel_leaves_other_calls_to_the_triton_kernel(case):
         mask, kwargs = masks.butterfly(1000, 128), dict(N=1000)
     elif case == "block64":
         mask = masks.butterfly(1024, 64)
-    else:  # a global row: the row work plan cuts its list into chunks
+    elif case == "split_lists":  # a global row and column: the work plans cut their lists into chunks
         mask, kwargs = masks.bigbird(16384, 128, seed=0), dict(N=16384)
+    else:  # per-head layouts under GQA
+        mask, kwargs = masks.random(1024, 128, density=0.2, seed=0, num_heads=8), dict(Hq=8, Hkv=2)
     q_shape, k_shape, index, geometry = call(mask, **kwargs)
-    if case == "split_rows":
-        assert index[8].shape[0] > 0
-    assert not dq_hopper.shape_supported(q_shape, k_shape, dtype, index, geometry)
+    if case == "split_lists":
+        assert index[8].shape[0] > 0 and index[10 + 8].shape[0] > 0
+    return q_shape, k_shape, dtype, index, geometry
+
+
+@pytest.mark.parametrize("kernel, case", [(k, c) for k in ("dq", "dkdv")
+                                          for c in ("fp32", "d64", "tail", "block64", "split_lists")]
+                         + [("dkdv", "gqa_per_head_mask")])
+def test_leaves_other_calls_to_the_triton_kernels(kernel, case):
+    """Neither kernel takes fp32, D=64, sequence tails, 64-token blocks or lists the work plan splits; the
+    dK/dV kernel also leaves per-head masks under GQA (it walks every group head's list in one item)."""
+    module = dq_hopper if kernel == "dq" else bwd_hopper
+    assert not module.shape_supported(*_other_call(case))

@@ -35,7 +35,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E
 from .hopper import (GL_DTYPES, assign_programs, list_ranges, list_tile_start, num_sms, order_items,
-                     partition_barrier, release, release_after_store, runs_on, tma_load, tma_store)
+                     partition_barrier, release, release_after_store, row_descriptor, runs_on, shapes_fit, tma_load,
+                     tma_store)
 from .launch import cached_plan, plan_key
 from .memory import new_output
 
@@ -226,7 +227,6 @@ def _attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delt
     ], [num_warps, 1], [COMPUTE_REGS, LOAD_WARP_REGS])
 
 
-
 def supported(do, q, k, v, index, mask_geometry) -> bool:
     """Whether this kernel serves the dK/dV launch of the call (see module); the Triton kernel serves the
     rest."""
@@ -236,16 +236,10 @@ def supported(do, q, k, v, index, mask_geometry) -> bool:
 def shape_supported(q_shape, k_shape, dtype, index, mask_geometry) -> bool:
     """The part of `supported` that does not ask the GPU: dtype, shapes and the mask's blocks and lists.
     `index`: `KernelIndex.rows() + KernelIndex.cols()`, or [] for the dense path."""
-    B, Hq, Nq, D = q_shape
-    Hkv, Nk = k_shape[1], k_shape[2]
-    if dtype not in GL_DTYPES or D != 128 or Nq % BLOCK_N or Nk % BLOCK_N:
-        return False
-    if B * Hq * Nq >= 2**31 or k_shape[0] * Hkv * Nk >= 2**31:
+    if not shapes_fit(q_shape, k_shape, dtype, mask_geometry, len(index) == 0):
         return False
     if len(index):
-        _, Hm, _, _, block_q, block_k, _ = mask_geometry
-        if block_q % BLOCK_N or block_k % BLOCK_N or Nq % block_q or Nk % block_k:
-            return False
+        Hq, Hkv, Hm = q_shape[1], k_shape[1], mask_geometry[1]
         if index[10 + 8].shape[0]:  # the column work plan splits lists (`WorkPlan.split`)
             return False
         if Hq != Hkv and Hm > 1:  # GQA walks every group head's list in one item: they must be one list
@@ -301,25 +295,20 @@ class DkdvHopperPlan:
         self.q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], dtype)
         self.kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
         self.row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-        self.D = D
         self.args = (Nq, Nk, scale * LOG2E, scale)
         self.constexprs = dict(GROUPS=Hq // Hkv, SUB=sub, MASK_BLOCK_Q=block_q, DENSE=dense, CAUSAL=causal,
                                STAGES=STEP_BUFFERS, LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS)
         self.k_shape, self.dtype, self.device = k.shape, q.dtype, q.device
 
-    def _rows(self, t, rows: int, layout):
-        """t as a (rows of D) matrix, read or written `rows` rows at a time."""
-        return TensorDescriptor(t, [t.numel() // self.D, self.D], [self.D, 1], [rows, self.D], layout)
-
     def __call__(self, q, k, v, do, lse, delta):
         dk = new_output(self.k_shape, self.dtype, self.device)
         dv = new_output(self.k_shape, self.dtype, self.device)
         half = BLOCK_N // 2  # each compute warpgroup stores its 64 rows
-        descs = (self._rows(q, BLOCK_M, self.q_layout), self._rows(do, BLOCK_M, self.q_layout),
-                 self._rows(k, BLOCK_N, self.kv_layout), self._rows(v, BLOCK_N, self.kv_layout),
+        descs = (row_descriptor(q, BLOCK_M, self.q_layout), row_descriptor(do, BLOCK_M, self.q_layout),
+                 row_descriptor(k, BLOCK_N, self.kv_layout), row_descriptor(v, BLOCK_N, self.kv_layout),
                  TensorDescriptor(lse, [lse.numel()], [1], [BLOCK_M], self.row_layout),
                  TensorDescriptor(delta, [delta.numel()], [1], [BLOCK_M], self.row_layout),
-                 self._rows(dk, half, self.kv_layout), self._rows(dv, half, self.kv_layout))
+                 row_descriptor(dk, half, self.kv_layout), row_descriptor(dv, half, self.kv_layout))
         _attn_bwd_dkdv_hopper_kernel[self.grid](*descs, self.items, self.starts, self.full_idx, self.part_idx,
                                                 *self.args, **self.constexprs, num_warps=4, maxnreg=MAX_REGS)
         return dk, dv

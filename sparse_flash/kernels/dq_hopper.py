@@ -24,11 +24,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E
 from .hopper import (GL_DTYPES, ROW_BLOCK, assign_programs, list_tile_start, load_kv, num_sms, partition_barrier,
-                     release, release_after_store, row_items, runs_on, tma_load, tma_store)
+                     release, release_after_store, row_descriptor, row_items, runs_on, shapes_fit, tma_load,
+                     tma_store)
 from .memory import new_output
 
 BLOCK_N = 64  # keys per step
@@ -209,19 +209,9 @@ def supported(do, q, k, v, out, index, mask_geometry) -> bool:
 def shape_supported(q_shape, k_shape, dtype, index, mask_geometry) -> bool:
     """The part of `supported` that does not ask the GPU: dtype, shapes and the mask's blocks and lists.
     `index`: `KernelIndex.rows() + KernelIndex.cols()`, or [] for the dense path."""
-    B, Hq, Nq, D = q_shape
-    Hkv, Nk = k_shape[1], k_shape[2]
-    if dtype not in GL_DTYPES or D != 128 or Nq % ROW_BLOCK or Nk % ROW_BLOCK:
+    if not shapes_fit(q_shape, k_shape, dtype, mask_geometry, len(index) == 0):
         return False
-    if B * Hq * Nq >= 2**31 or k_shape[0] * Hkv * Nk >= 2**31:
-        return False
-    if len(index):
-        block_q, block_k = mask_geometry[4], mask_geometry[5]
-        if block_q % ROW_BLOCK or block_k % ROW_BLOCK or Nq % block_q or Nk % block_k:
-            return False
-        if index[8].shape[0]:  # the row work plan splits lists (`WorkPlan.split`)
-            return False
-    return True
+    return not (len(index) and index[8].shape[0])  # the row work plan splits lists (`WorkPlan.split`)
 
 
 class DqHopperPlan:
@@ -241,22 +231,17 @@ class DqHopperPlan:
         dtype = GL_DTYPES[q.dtype]
         self.q_layout = gl.NVMMASharedLayout.get_default_for([ROW_BLOCK, D], dtype)
         self.kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
-        self.D = D
         self.args = (Nq, scale * LOG2E, scale)
         self.constexprs = dict(SUB=sub, MASK_BLOCK_K=block_k, DENSE=dense, CAUSAL=causal, KV_STAGES=KV_BUFFERS,
                                LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS)
         self.q_shape, self.dtype, self.device = q.shape, q.dtype, q.device
 
-    def _rows(self, t, rows: int, layout):
-        """t as a (rows of D) matrix, read or written `rows` rows at a time."""
-        return TensorDescriptor(t, [t.numel() // self.D, self.D], [self.D, 1], [rows, self.D], layout)
-
     def __call__(self, q, k, v, out, do, lse, delta):
         """dQ; also writes `delta` (float32 `(B, Hq, Nq)`), which the dK/dV launch reads."""
         dq = new_output(self.q_shape, self.dtype, self.device)
-        descs = (self._rows(q, ROW_BLOCK, self.q_layout), self._rows(do, ROW_BLOCK, self.q_layout),
-                 self._rows(k, BLOCK_N, self.kv_layout), self._rows(v, BLOCK_N, self.kv_layout),
-                 self._rows(dq, ROW_BLOCK // 2, self.q_layout))  # dQ: each warpgroup stores its 64 rows
+        descs = (row_descriptor(q, ROW_BLOCK, self.q_layout), row_descriptor(do, ROW_BLOCK, self.q_layout),
+                 row_descriptor(k, BLOCK_N, self.kv_layout), row_descriptor(v, BLOCK_N, self.kv_layout),
+                 row_descriptor(dq, ROW_BLOCK // 2, self.q_layout))  # dQ: each warpgroup stores its 64 rows
         _attn_bwd_dq_hopper_kernel[self.grid](*descs, out, lse, delta, self.items, self.starts, self.full_idx,
                                               self.part_idx, *self.args, **self.constexprs, num_warps=4,
                                               maxnreg=MAX_REGS)

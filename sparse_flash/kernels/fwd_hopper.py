@@ -37,11 +37,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E
 from .hopper import (GL_DTYPES, assign_programs, list_tile_start, load_kv, num_sms, partition_barrier, release,
-                     release_after_store, row_items, runs_on, tma_load, tma_store)
+                     release_after_store, row_descriptor, row_items, runs_on, shapes_fit, tma_load, tma_store)
 from .launch import cached_plan, plan_key
 from .memory import new_output
 from .split import MERGE_ROWS, SplitPlan, store_chunk_merge
@@ -303,19 +302,9 @@ def shape_supported(q_shape, k_shape, dtype, index, mask_geometry) -> bool:
     D in HEAD_DIMS (128) only: at D = 64 this kernel measured 0.91-1.01x the Triton kernel (NOTES, step
     41). Masks whose work plan splits long lists (global rows) come here unless SPLIT_LISTS is off.
     """
-    B, Hq, Nq, D = q_shape
-    Nk = k_shape[2]
-    if dtype not in (torch.float16, torch.bfloat16) or D not in HEAD_DIMS:
+    if not shapes_fit(q_shape, k_shape, dtype, mask_geometry, len(index) == 0, HEAD_DIMS):
         return False
-    if Nq % BLOCK or Nk % BLOCK or B * Hq * Nq >= 2**31 or k_shape[0] * k_shape[1] * Nk >= 2**31:
-        return False
-    if len(index):
-        block_q, block_k = mask_geometry[4], mask_geometry[5]
-        if block_q % BLOCK or block_k % BLOCK or Nq % block_q or Nk % block_k:
-            return False
-        if index[8].shape[0] and not SPLIT_LISTS:  # `WorkPlan.split`: lists cut into chunks
-            return False
-    return True
+    return not (len(index) and index[8].shape[0] and not SPLIT_LISTS)  # `WorkPlan.split`: lists cut into chunks
 
 
 def _split_items(B, Hq, Hkv, Nq, Nk, index, mask_geometry, split_plan, device):
@@ -404,7 +393,7 @@ class _FwdHopperPlan:
         out = new_output(self.out_shape, self.dtype, self.device)
         lse = new_output(self.lse_shape, torch.float32, self.device)
         part, _, lse_part = self.split.scratch()
-        descs = [TensorDescriptor(t, [t.numel() // self.D, self.D], [self.D, 1], [rows, self.D], self.layout)
+        descs = [row_descriptor(t, rows, self.layout)
                  for t, rows in ((q, BLOCK), (k, BLOCK), (v, BLOCK), (out, BLOCK // 2))]  # out: per warpgroup
         _attn_fwd_hopper_kernel[self.grid](*descs, lse, part, lse_part, self.items, self.starts, self.full_idx,
                                            self.part_idx, *self.args, **self.constexprs, num_warps=4,

@@ -12,6 +12,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 HEAVY_FACTOR = 4  # items with lists longer than this many times the mean start first
@@ -81,6 +82,29 @@ def runs_on(*tensors) -> bool:
     if sm90 is None:
         sm90 = _SM90[device] = torch.cuda.get_device_capability(device) == (9, 0)
     return sm90 and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def shapes_fit(q_shape, k_shape, dtype, mask_geometry, dense: bool, head_dims=(128, )) -> bool:
+    """What every Hopper kernel needs of a call, the GPU aside: 16-bit inputs, a head dim in `head_dims`,
+    both lengths multiples of ROW_BLOCK, int32 row numbers, and for a mask blocks that are multiples of
+    ROW_BLOCK and divide the lengths (no block ends in a sequence tail)."""
+    B, Hq, Nq, D = q_shape
+    Nk = k_shape[2]
+    if dtype not in GL_DTYPES or D not in head_dims or Nq % ROW_BLOCK or Nk % ROW_BLOCK:
+        return False
+    if B * Hq * Nq >= 2**31 or k_shape[0] * k_shape[1] * Nk >= 2**31:
+        return False
+    if not dense:
+        block_q, block_k = mask_geometry[4], mask_geometry[5]
+        if block_q % ROW_BLOCK or block_k % ROW_BLOCK or Nq % block_q or Nk % block_k:
+            return False
+    return True
+
+
+def row_descriptor(t, rows: int, layout):
+    """A TMA descriptor of contiguous t as a (rows of D) matrix, read or written `rows` rows at a time."""
+    D = t.shape[-1]
+    return TensorDescriptor(t, [t.numel() // D, D], [D, 1], [rows, D], layout)
 
 
 def num_sms(device) -> int:
