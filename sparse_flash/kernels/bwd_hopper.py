@@ -20,8 +20,8 @@ query tiles (FlashAttention-3 makes the same split at D = 128).
 It serves (`supported`) 16-bit inputs with D = 128, lengths multiples of 128 and of the mask's blocks
 (multiples of 128), masks whose work plan does not split column lists, and GQA only with a mask shared by
 the heads; causal or not. `bwd.py` runs it in place of the Triton dK/dV kernel where it serves, once
-allowed: `configs.set_hopper_backward(True)` or SPARSE_FLASH_HOPPER_BWD=1. Off by default: built and
-compile-checked for sm_90a, not yet run on a GPU (benchmarks/NOTES.md, step 45).
+unless switched off: `configs.set_hopper_backward(False)` or SPARSE_FLASH_HOPPER_BWD=0 (benchmarks/NOTES.md,
+steps 45 and 47).
 """
 
 from __future__ import annotations
@@ -166,12 +166,13 @@ def _bwd_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem
         dk = gl.zeros([BN, HEAD_D], gl.float32, acc_layout)  # (64, D)
         dv = gl.zeros([BN, HEAD_D], gl.float32, acc_layout)  # (64, D)
         for g in range(GROUPS):
-            for j in range(n_full):
-                dk, dv = _bwd_step(k, v, q_smem, do_smem, lse_smem, delta_smem, step_ready, step_empty, dk, dv, t,
-                                   qk_scale, key0, 0, False, s_layout, p_layout)
-                t += 1
-            for j in range(part_lo, part_hi):  # tiles on the causal diagonal: masked where query < key
-                q_tok0 = list_tile_start(PartIdx, j, SUB, MASK_BLOCK_Q, BM, DENSE)  # the tile's first query
+            # the full list's tiles, then the partial list's (on the causal diagonal: masked where query < key),
+            # in one loop (as in dq_hopper.py: two loops faulted on items with an empty full list)
+            for j in range(n_full + part_hi - part_lo):
+                q_tok0 = key0 + BN  # full list: a first query above every key leaves the tile unmasked
+                if CAUSAL:
+                    if j >= n_full:
+                        q_tok0 = list_tile_start(PartIdx, j - n_full + part_lo, SUB, MASK_BLOCK_Q, BM, DENSE)
                 dk, dv = _bwd_step(k, v, q_smem, do_smem, lse_smem, delta_smem, step_ready, step_empty, dk, dv, t,
                                    qk_scale, key0, q_tok0, CAUSAL, s_layout, p_layout)
                 t += 1

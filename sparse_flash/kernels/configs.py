@@ -53,12 +53,12 @@ def hopper_forward_enabled() -> bool:
 
 
 # Off until they have run on a GPU (benchmarks/NOTES.md, steps 45-46).
-_HOPPER_BWD = [os.environ.get("SPARSE_FLASH_HOPPER_BWD", "0") == "1"]
+_HOPPER_BWD = [os.environ.get("SPARSE_FLASH_HOPPER_BWD", "1") == "1"]
 
 
 def set_hopper_backward(enabled: bool) -> bool:
     """Allow or forbid the warp-specialised Hopper backward kernels (`dq_hopper.py`, `bwd_hopper.py` for
-    dK/dV) where they serve a call; off (the default, or SPARSE_FLASH_HOPPER_BWD=0), the Triton backward
+    dK/dV) where they serve a call (the default); off (or SPARSE_FLASH_HOPPER_BWD=0), the Triton backward
     kernels run every call. Returns the previous setting."""
     previous = _HOPPER_BWD[0]
     _HOPPER_BWD[0] = bool(enabled)

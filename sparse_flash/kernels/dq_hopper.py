@@ -13,8 +13,8 @@ tile of one (batch, head) and its lists of key blocks). Inside a program:
 
 It serves (`supported`) 16-bit inputs with D = 128, lengths multiples of 128 and of the mask's blocks
 (multiples of 128), masks whose work plan does not split row lists; causal or not. `bwd.py` runs it in place
-of the Triton dQ kernel once allowed (`configs.set_hopper_backward(True)` or SPARSE_FLASH_HOPPER_BWD=1):
-built and compile-checked for sm_90a, not yet run on a GPU (NOTES step 46).
+of the Triton dQ kernel unless switched off (`configs.set_hopper_backward(False)` or
+SPARSE_FLASH_HOPPER_BWD=0). Measured with the dK/dV kernel in benchmarks/NOTES.md, step 47.
 """
 
 from __future__ import annotations
@@ -144,12 +144,14 @@ def _dq_compute_partition(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_r
         lse = gl.load(Lse + q_row + offs_m)  # (BM,) natural log; -inf for a row with no allowed key
         lse = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # log2; empty rows: P = 0
         dq = gl.zeros([BM, HEAD_D], gl.float32, acc_layout)  # (BM, D)
-        for j in range(n_full):
-            dq = _dq_step(q, do, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, lse, delta, t, qk_scale,
-                          q_tok, 0, False, s_layout, p_layout)
-            t += 1
-        for j in range(part_lo, part_hi):  # tiles on the causal diagonal: masked where key > query
-            key0 = list_tile_start(PartIdx, j, SUB, MASK_BLOCK_K, BN, DENSE)  # the tile's first key
+        # The full list's tiles, then the partial list's (on the causal diagonal: masked where key > query), in
+        # one loop: as two loops, an item with an empty full list read shared memory out of bounds in the
+        # second (sm_90, Triton 3.6; NOTES step 47).
+        for j in range(n_full + part_hi - part_lo):
+            key0 = q_tok - BN  # full list: a first key below every row leaves the tile unmasked
+            if CAUSAL:
+                if j >= n_full:
+                    key0 = list_tile_start(PartIdx, j - n_full + part_lo, SUB, MASK_BLOCK_K, BN, DENSE)
             dq = _dq_step(q, do, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, lse, delta, t, qk_scale,
                           q_tok, key0, CAUSAL, s_layout, p_layout)
             t += 1
