@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E
-from .hopper import (GL_DTYPES, assign_programs, list_ranges, list_tile_start, num_sms, order_items,
+from .hopper import (GL_DTYPES, assign_programs, bound_launch, list_ranges, list_tile_start, num_sms, order_items,
                      partition_barrier, release, release_after_store, row_descriptor, runs_on, shapes_fit, tma_load,
                      tma_store)
 from .launch import cached_plan, plan_key
@@ -296,9 +296,10 @@ class DkdvHopperPlan:
         self.q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], dtype)
         self.kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
         self.row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-        self.args = (Nq, Nk, scale * LOG2E, scale)
-        self.constexprs = dict(GROUPS=Hq // Hkv, SUB=sub, MASK_BLOCK_Q=block_q, DENSE=dense, CAUSAL=causal,
-                               STAGES=STEP_BUFFERS, LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS)
+        self.launch = bound_launch(_attn_bwd_dkdv_hopper_kernel, self.grid[0], (
+            self.items, self.starts, self.full_idx, self.part_idx, Nq, Nk, scale * LOG2E, scale),
+            dict(GROUPS=Hq // Hkv, SUB=sub, MASK_BLOCK_Q=block_q, DENSE=dense, CAUSAL=causal, STAGES=STEP_BUFFERS,
+                 LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS), MAX_REGS)
         self.k_shape, self.dtype, self.device = k.shape, q.dtype, q.device
 
     def __call__(self, q, k, v, do, lse, delta):
@@ -310,8 +311,7 @@ class DkdvHopperPlan:
                  TensorDescriptor(lse, [lse.numel()], [1], [BLOCK_M], self.row_layout),
                  TensorDescriptor(delta, [delta.numel()], [1], [BLOCK_M], self.row_layout),
                  row_descriptor(dk, half, self.kv_layout), row_descriptor(dv, half, self.kv_layout))
-        _attn_bwd_dkdv_hopper_kernel[self.grid](*descs, self.items, self.starts, self.full_idx, self.part_idx,
-                                                *self.args, **self.constexprs, num_warps=4, maxnreg=MAX_REGS)
+        self.launch(*descs)
         return dk, dv
 
 

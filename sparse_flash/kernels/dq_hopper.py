@@ -26,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .common import LOG2E
-from .hopper import (GL_DTYPES, ROW_BLOCK, assign_programs, list_tile_start, load_kv, num_sms, partition_barrier,
+from .hopper import (GL_DTYPES, ROW_BLOCK, assign_programs, bound_launch, list_tile_start, load_kv, num_sms, partition_barrier,
                      release, release_after_store, row_descriptor, row_items, runs_on, shapes_fit, tma_load,
                      tma_store)
 from .memory import new_output
@@ -233,9 +233,10 @@ class DqHopperPlan:
         dtype = GL_DTYPES[q.dtype]
         self.q_layout = gl.NVMMASharedLayout.get_default_for([ROW_BLOCK, D], dtype)
         self.kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
-        self.args = (Nq, scale * LOG2E, scale)
-        self.constexprs = dict(SUB=sub, MASK_BLOCK_K=block_k, DENSE=dense, CAUSAL=causal, KV_STAGES=KV_BUFFERS,
-                               LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS)
+        self.launch = bound_launch(_attn_bwd_dq_hopper_kernel, self.grid[0], (
+            self.items, self.starts, self.full_idx, self.part_idx, Nq, scale * LOG2E, scale),
+            dict(SUB=sub, MASK_BLOCK_K=block_k, DENSE=dense, CAUSAL=causal, KV_STAGES=KV_BUFFERS,
+                 LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS), MAX_REGS)
         self.q_shape, self.dtype, self.device = q.shape, q.dtype, q.device
 
     def __call__(self, q, k, v, out, do, lse, delta):
@@ -244,9 +245,7 @@ class DqHopperPlan:
         descs = (row_descriptor(q, ROW_BLOCK, self.q_layout), row_descriptor(do, ROW_BLOCK, self.q_layout),
                  row_descriptor(k, BLOCK_N, self.kv_layout), row_descriptor(v, BLOCK_N, self.kv_layout),
                  row_descriptor(dq, ROW_BLOCK // 2, self.q_layout))  # dQ: each warpgroup stores its 64 rows
-        _attn_bwd_dq_hopper_kernel[self.grid](*descs, out, lse, delta, self.items, self.starts, self.full_idx,
-                                              self.part_idx, *self.args, **self.constexprs, num_warps=4,
-                                              maxnreg=MAX_REGS)
+        self.launch(*descs, out, lse, delta)
         return dq
 
 

@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .common import LOG2E
-from .hopper import (GL_DTYPES, assign_programs, list_tile_start, load_kv, num_sms, partition_barrier, release,
+from .hopper import (GL_DTYPES, assign_programs, bound_launch, list_tile_start, load_kv, num_sms, partition_barrier, release,
                      release_after_store, row_descriptor, row_items, runs_on, shapes_fit, tma_load, tma_store)
 from .launch import cached_plan, plan_key
 from .memory import new_output
@@ -385,8 +385,9 @@ class _FwdHopperPlan:
         self.D = D
         self.grid = (min(self.items.shape[0], num_sms(q.device)), )
         self.items, self.starts = assign_programs(self.items, self.grid[0], block_k // BLOCK)
-        self.args = (Nq, scale * LOG2E)
-        self.constexprs = _constexprs(block_k, dense, causal, split)
+        self.launch = bound_launch(_attn_fwd_hopper_kernel, self.grid[0], (
+            self.items, self.starts, self.full_idx, self.part_idx, Nq, scale * LOG2E),
+            _constexprs(block_k, dense, causal, split), MAX_REGS)
         self.out_shape, self.lse_shape, self.dtype, self.device = q.shape, (B, Hq, Nq), q.dtype, q.device
 
     def __call__(self, q, k, v):
@@ -395,9 +396,7 @@ class _FwdHopperPlan:
         part, _, lse_part = self.split.scratch()
         descs = [row_descriptor(t, rows, self.layout)
                  for t, rows in ((q, BLOCK), (k, BLOCK), (v, BLOCK), (out, BLOCK // 2))]  # out: per warpgroup
-        _attn_fwd_hopper_kernel[self.grid](*descs, lse, part, lse_part, self.items, self.starts, self.full_idx,
-                                           self.part_idx, *self.args, **self.constexprs, num_warps=4,
-                                           maxnreg=MAX_REGS)
+        self.launch(*descs, lse, part, lse_part)
         if self.merges is not None and self.merges.shape[0]:
             grid = (self.merges.shape[0], BLOCK // MERGE_ROWS.value)
             _merge_split_rows[grid](out, lse, part, lse_part, self.merges, self.split.copies, HEAD_D=self.D,

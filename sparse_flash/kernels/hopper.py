@@ -14,7 +14,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .launch import BoundLaunch
+
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+WARPS = 4  # per compute partition (a warpgroup); the launch's num_warps
 HEAVY_FACTOR = 4  # items with lists longer than this many times the mean start first
 BALANCE = os.environ.get("SPARSE_FLASH_HOPPER_BALANCE") != "0"  # items to programs by load (`assign_programs`)
 # Time per item besides its key tiles (Q load, first S, last O += P V, O store), in key tiles, for balancing:
@@ -105,6 +108,13 @@ def row_descriptor(t, rows: int, layout):
     """A TMA descriptor of contiguous t as a (rows of D) matrix, read or written `rows` rows at a time."""
     D = t.shape[-1]
     return TensorDescriptor(t, [t.numel() // D, D], [D, 1], [rows, D], layout)
+
+
+def bound_launch(kernel, grid: int, tail: tuple, constexprs: dict, maxnreg: int) -> BoundLaunch:
+    """The prepared launch of a Hopper kernel (`launch.BoundLaunch`): a few microseconds of host time per
+    call where `kernel[grid](...)` took tens per kernel, which eager calls of short lists waited on. The
+    kernels take num_warps as their last constexpr."""
+    return BoundLaunch(kernel, grid, tail, {**constexprs, "num_warps": WARPS}, WARPS, 3, maxnreg)
 
 
 def num_sms(device) -> int:

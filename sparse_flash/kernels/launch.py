@@ -92,7 +92,8 @@ def _compile_and_launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_
     stage does not fit either, Triton's error says how much shared memory the kernel needs."""
     while True:
         try:
-            return kernel[grid](*args, **constexprs, **_options(num_warps, num_stages, maxnreg))
+            # a constexpr may also be a launch option (Gluon kernels take num_warps as their last parameter)
+            return kernel[grid](*args, **{**_options(num_warps, num_stages, maxnreg), **constexprs})
         except Exception as error:
             if num_stages <= 1 or getattr(error, "name", None) != "shared memory":  # Triton's OutOfResources
                 raise
@@ -154,7 +155,7 @@ def _arg_key(a):
         return a.dtype, a.data_ptr() & 15
     if hasattr(a, "block_shape"):  # a TMA tensor descriptor (tma.py)
         return (a.base.dtype, a.base.data_ptr() & 15, tuple(a.shape), tuple(a.strides), tuple(a.block_shape),
-                a.padding)
+                a.padding, getattr(a, "layout", None))  # a Gluon descriptor's shared-memory layout too
     return a
 
 
