@@ -28,6 +28,17 @@ def test_takes_16_bit_d128_calls_with_whole_blocks(mask, dtype, causal):
     assert bwd_hopper.shape_supported(q_shape, k_shape, dtype, index, geometry)
 
 
+@pytest.mark.parametrize("kernel", ["dq", "dkdv"])
+def test_takes_masks_whose_work_plan_splits_lists(kernel):
+    """A global row and column (lists the Triton kernels' work plans split): the Hopper kernels cut them
+    their own way (`hopper.split_long_items`)."""
+    mask = masks.bigbird(16384, 128, seed=0)
+    q_shape, k_shape, index, geometry = call(mask, N=16384)
+    assert index[8].shape[0] > 0 and index[10 + 8].shape[0] > 0
+    module = dq_hopper if kernel == "dq" else bwd_hopper
+    assert module.shape_supported(q_shape, k_shape, torch.bfloat16, index, geometry)
+
+
 def test_takes_gqa_with_a_mask_shared_by_the_heads():
     assert bwd_hopper.shape_supported(*call(masks.butterfly(1024, 128), Hq=8, Hkv=2)[:2], torch.bfloat16,
                                       *call(masks.butterfly(1024, 128), Hq=8, Hkv=2)[2:])
@@ -115,21 +126,108 @@ def _other_call(case):
         mask, kwargs = masks.butterfly(1000, 128), dict(N=1000)
     elif case == "block64":
         mask = masks.butterfly(1024, 64)
-    elif case == "split_lists":  # a global row and column: the work plans cut their lists into chunks
-        mask, kwargs = masks.bigbird(16384, 128, seed=0), dict(N=16384)
     else:  # per-head layouts under GQA
         mask, kwargs = masks.random(1024, 128, density=0.2, seed=0, num_heads=8), dict(Hq=8, Hkv=2)
     q_shape, k_shape, index, geometry = call(mask, **kwargs)
-    if case == "split_lists":
-        assert index[8].shape[0] > 0 and index[10 + 8].shape[0] > 0
     return q_shape, k_shape, dtype, index, geometry
 
 
 @pytest.mark.parametrize("kernel, case", [(k, c) for k in ("dq", "dkdv")
-                                          for c in ("fp32", "d64", "tail", "block64", "split_lists")]
+                                          for c in ("fp32", "d64", "tail", "block64")]
                          + [("dkdv", "gqa_per_head_mask")])
 def test_leaves_other_calls_to_the_triton_kernels(kernel, case):
-    """Neither kernel takes fp32, D=64, sequence tails, 64-token blocks or lists the work plan splits; the
-    dK/dV kernel also leaves per-head masks under GQA (it walks every group head's list in one item)."""
+    """Neither kernel takes fp32, D=64, sequence tails or 64-token blocks; the dK/dV kernel also leaves per-head masks under GQA (it walks every group head's list in one item)."""
     module = dq_hopper if kernel == "dq" else bwd_hopper
     assert not module.shape_supported(*_other_call(case))
+
+
+def _items_with_long_lists(causal):
+    """dK/dV items of BigBird with two global blocks at 4,096 tokens (B=1, H=4), and its column lists."""
+    mask = masks.bigbird(4096, 128, num_global_blocks=2, seed=1)
+    cols = mask.kernel_index(causal).cols()
+    return bwd_hopper._dkdv_items(1, 4, 4, 4096, 4096, causal, cols, [*mask.shape, *mask.block_size, 0], "cpu")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("programs", [64, 128])
+def test_long_lists_are_cut_into_chunks_that_cover_them_once(causal, programs):
+    """`split_long_items`: the chunks of a cut item walk its full list exactly once in order and its partial
+    list with the last chunk; no chunk is longer than a program's mean load; slots are 0, 1, ... in item
+    order and each merge record names its item's first row, first slot and chunk count; items that are not
+    cut keep their ranges and slot -1."""
+    from sparse_flash.kernels import hopper
+
+    items = _items_with_long_lists(causal)
+    cut_items, merges = hopper.split_long_items(items, programs, 2)
+    assert cut_items.dtype == torch.int32 and cut_items.shape[1] == 7 and merges.shape[0] > 0
+    length = (items[:, 3] - items[:, 2] + items[:, 5] - items[:, 4]).long()
+    limit = -(-int(float((length * 2 + hopper.ITEM_COST).sum()) / programs) // 2)
+    by_row = {}
+    for rec in cut_items.tolist():
+        by_row.setdefault(rec[0], []).append(rec)
+    assert sorted(by_row) == sorted(items[:, 0].tolist())
+    slots = [rec[6] for rec in cut_items.tolist() if rec[6] >= 0]
+    assert slots == list(range(len(slots)))
+    merged = {row: (first, n) for row, first, n in merges.tolist()}
+    for rec in items.tolist():
+        chunks = by_row[rec[0]]
+        if len(chunks) == 1 and chunks[0][6] < 0:
+            assert chunks[0][:6] == rec and rec[0] not in merged
+            continue
+        assert merged[rec[0]] == (chunks[0][6], len(chunks))
+        assert [c[6] for c in chunks] == list(range(chunks[0][6], chunks[0][6] + len(chunks)))
+        assert all(c[1] == rec[1] for c in chunks)
+        walked = [j for c in chunks for j in range(c[2], c[3])]
+        assert walked == list(range(rec[2], rec[3])) and all(c[3] - c[2] <= limit for c in chunks)
+        assert [(c[4], c[5]) for c in chunks[:-1]] == [(rec[5], rec[5])] * (len(chunks) - 1)
+        assert (chunks[-1][4], chunks[-1][5]) == (rec[4], rec[5])
+
+
+def test_lists_of_even_length_are_not_cut():
+    """Dense and local masks have no list much longer than the others: no chunk, no merge."""
+    from sparse_flash.kernels import hopper
+
+    for items in (bwd_hopper._dkdv_items(2, 4, 4, 2048, 2048, False, [], None, "cpu"),
+                  _items_with_long_lists(False)[4:8]):
+        cut_items, merges = hopper.split_long_items(items, 132, 2)
+        assert merges.shape[0] == 0 and torch.equal(cut_items[:, :6], items) and (cut_items[:, 6] == -1).all()
+
+
+def test_each_chunk_is_placed_as_a_run_of_its_own():
+    """`assign_programs` places runs of consecutive items (here 8 per run); the chunks of a cut list are
+    consecutive, so each must be a run of its own, or they would all land on one program and cutting would
+    not spread the list."""
+    from sparse_flash.kernels import hopper
+
+    # 2,000 one-entry lists and two of 1,000 entries, on 16 programs: runs of 8 items
+    items = torch.tensor([[128 * i, 0, i, i + 1, 0, 0] for i in range(1000)] + [[-1, 0, 0, 1000, 0, 0]]
+                         + [[128 * i, 0, i, i + 1, 0, 0] for i in range(1000, 2000)] + [[-2, 0, 0, 1000, 0, 0]])
+    cut_items, merges = hopper.split_long_items(items, 16, 2)
+    placed, starts = hopper.assign_programs(cut_items, 16, 2)
+    program_of_slot = {}
+    for p in range(16):
+        for slot in placed[starts[p]:starts[p + 1], 6].tolist():
+            program_of_slot[slot] = p
+    assert merges.shape[0] == 2 and min(merges[:, 2].tolist()) > 1
+    for _, first, chunks in merges.tolist():
+        assert len({program_of_slot[s] for s in range(first, first + chunks)}) > 1
+
+
+def test_chunk_sum_adds_the_chunks_of_each_tile_in_order():
+    """`chunk_sum.ChunkSum` (under the interpreter on the CPU): each merge record's tile of the output is the
+    sum of its chunks' scratch slots, rounded once; other rows are left as they were."""
+    import os
+
+    from sparse_flash.kernels import chunk_sum
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
+    merges = torch.tensor([[256, 0, 3], [0, 3, 2]], dtype=torch.int32)
+    summed = chunk_sum.ChunkSum(merges, 128, 128)
+    part = torch.randn(summed.slots, 128, 128)
+    out = torch.full((4 * 128, 128), float("nan"), dtype=torch.float16)
+    summed(out, part)
+    want = torch.full_like(out, float("nan"))
+    want[256:384] = (part[0] + part[1] + part[2]).half()
+    want[0:128] = (part[3] + part[4]).half()
+    torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)

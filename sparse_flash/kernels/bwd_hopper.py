@@ -17,10 +17,13 @@ query head sharing that KV head (GQA). Inside a program:
 Registers: each warpgroup holds dK and dV (64 x 128 fp32 each) and two 64 x 64 score tiles, hence 64-row
 query tiles (FlashAttention-3 makes the same split at D = 128).
 
+The few column lists much longer than the others (the global columns of BigBird and Longformer) are cut
+into chunks of at most a program's mean load (`hopper.split_long_items`); each chunk writes its share of
+dK and dV in float32 to a scratch slot, and two more launches add them in order (`chunk_sum.py`).
+
 It serves (`supported`) 16-bit inputs with D = 128, lengths multiples of 128 and of the mask's blocks
-(multiples of 128), masks whose work plan does not split column lists, and GQA only with a mask shared by
-the heads; causal or not. `bwd.py` runs it in place of the Triton dK/dV kernel where it serves, once
-unless switched off: `configs.set_hopper_backward(False)` or SPARSE_FLASH_HOPPER_BWD=0 (benchmarks/NOTES.md,
+(multiples of 128), and GQA only with a mask shared by the heads; causal or not. `bwd.py` runs it in place
+of the Triton dK/dV kernel where it serves unless switched off: `configs.set_hopper_backward(False)` or SPARSE_FLASH_HOPPER_BWD=0 (benchmarks/NOTES.md,
 steps 45 and 47).
 """
 
@@ -35,15 +38,17 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E
 from .hopper import (GL_DTYPES, assign_programs, bound_launch, list_ranges, list_tile_start, num_sms, order_items,
-                     partition_barrier, release, release_after_store, row_descriptor, runs_on, shapes_fit, tma_load,
-                     tma_store)
+                     partition_barrier, release, release_after_store, row_descriptor, runs_on, shapes_fit,
+                     split_long_items, tma_load, tma_store)
 from .launch import cached_plan, plan_key
+from .chunk_sum import ChunkSum
 from .memory import new_output
 
 BLOCK_N = 128  # keys per item (64 per compute warpgroup)
 BLOCK_M = 64  # query rows per step
 STEP_BUFFERS = 3  # Q / dO / lse / delta slots in flight; with two K/V buffers, 226 KB of shared memory
-ITEM_WIDTH = gl.constexpr(6)  # (first K/V row, first Q row of the group's first head, full lo, hi, partial lo, hi)
+# (first K/V row, first Q row of the group's first head, full lo, hi, partial lo, hi, scratch slot)
+ITEM_WIDTH = gl.constexpr(7)
 FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)
 LOAD_REGS = 24
 COMPUTE_REGS = 240  # each compute warpgroup's (the first gets what the launch cap leaves: also 240)
@@ -135,11 +140,12 @@ def _bwd_step(k, v, q_smem, do_smem, lse_smem, delta_smem, step_ready, step_empt
 
 @gluon.jit
 def _bwd_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_empty, step_ready,
-                           step_empty, dk_desc, dv_desc, Items, Starts, PartIdx, Nk, qk_scale, sm_scale,
-                           GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, DENSE: gl.constexpr,
+                           step_empty, dk_desc, dv_desc, DkPart, DvPart, Items, Starts, PartIdx, Nk, qk_scale,
+                           sm_scale, GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, DENSE: gl.constexpr,
                            CAUSAL: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
     """One compute warpgroup: keys [HALF * 64, HALF * 64 + 64) of each item; dK and dV accumulate over the
-    item's query tiles (every head of the group) and leave through this half of the K/V buffer by TMA."""
+    item's query tiles (every head of the group) and leave through this half of the K/V buffer by TMA, or
+    for a chunk of a cut list (scratch slot >= 0) into its rows of DkPart and DvPart in float32."""
     BN: gl.constexpr = k_smem.type.shape[1] // 2  # this warpgroup's keys
     HEAD_D: gl.constexpr = k_smem.type.shape[2]
     BM: gl.constexpr = q_smem.type.shape[1]
@@ -176,21 +182,28 @@ def _bwd_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem
                 dk, dv = _bwd_step(k, v, q_smem, do_smem, lse_smem, delta_smem, step_ready, step_empty, dk, dv, t,
                                    qk_scale, key0, q_tok0, CAUSAL, s_layout, p_layout)
                 t += 1
-        # dK and dV out through this half of the K/V buffer (the item's last products are done)
-        k.store((dk * sm_scale).to(k.dtype))
-        v.store(dv.to(v.dtype))
-        fence_async_shared()
-        partition_barrier()
-        tma_store(dk_desc, [kv_row, 0], k)
-        tma_store(dv_desc, [kv_row, 0], v)
+        slot = gl.load(rec + 6)
+        if slot < 0:  # dK and dV out through this half of the K/V buffer (the item's last products are done)
+            k.store((dk * sm_scale).to(k.dtype))
+            v.store(dv.to(v.dtype))
+            fence_async_shared()
+            partition_barrier()
+            tma_store(dk_desc, [kv_row, 0], k)
+            tma_store(dv_desc, [kv_row, 0], v)
+        else:  # a chunk: its share, added to the others' by the merge launches (`chunk_sum.py`)
+            part_rows = (slot * (2 * BN) + HALF * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_layout)))
+            offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))  # (HEAD_D,)
+            offs = part_rows.to(gl.int64)[:, None] * HEAD_D + offs_d[None, :]  # (64, HEAD_D)
+            gl.store(DkPart + offs, dk * sm_scale)
+            gl.store(DvPart + offs, dv)
         c += 1
     tma.store_wait(0)
 
 
 @gluon.jit
-def _attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, Items,
-                                 Starts, FullIdx, PartIdx, Nq, Nk, qk_scale, sm_scale, GROUPS: gl.constexpr,
-                                 SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, DENSE: gl.constexpr,
+def _attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, DkPart,
+                                 DvPart, Items, Starts, FullIdx, PartIdx, Nq, Nk, qk_scale, sm_scale,
+                                 GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, DENSE: gl.constexpr,
                                  CAUSAL: gl.constexpr, STAGES: gl.constexpr, LOAD_WARP_REGS: gl.constexpr,
                                  COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
     """One resident program per SM; program p walks items [Starts[p], Starts[p + 1]) (`_dkdv_items`)."""
@@ -215,12 +228,12 @@ def _attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delt
         mbarrier.init(step_empty.index(i), count=2)
     gl.warp_specialize([
         (_bwd_compute_partition, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_empty,
-                                  step_ready, step_empty, dk_desc, dv_desc, Items, Starts, PartIdx, Nk, qk_scale,
-                                  sm_scale, GROUPS, SUB, MASK_BLOCK_Q, DENSE, CAUSAL, FIRST_HALF,
+                                  step_ready, step_empty, dk_desc, dv_desc, DkPart, DvPart, Items, Starts, PartIdx,
+                                  Nk, qk_scale, sm_scale, GROUPS, SUB, MASK_BLOCK_Q, DENSE, CAUSAL, FIRST_HALF,
                                   num_warps)),  # keys [0, 64) of each item
         (_bwd_compute_partition, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_empty,
-                                  step_ready, step_empty, dk_desc, dv_desc, Items, Starts, PartIdx, Nk, qk_scale,
-                                  sm_scale, GROUPS, SUB, MASK_BLOCK_Q, DENSE, CAUSAL, SECOND_HALF,
+                                  step_ready, step_empty, dk_desc, dv_desc, DkPart, DvPart, Items, Starts, PartIdx,
+                                  Nk, qk_scale, sm_scale, GROUPS, SUB, MASK_BLOCK_Q, DENSE, CAUSAL, SECOND_HALF,
                                   num_warps)),  # keys [64, 128)
         (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                                v_smem, lse_smem, delta_smem, kv_ready, kv_empty, step_ready, step_empty, Items,
@@ -241,15 +254,13 @@ def shape_supported(q_shape, k_shape, dtype, index, mask_geometry) -> bool:
         return False
     if len(index):
         Hq, Hkv, Hm = q_shape[1], k_shape[1], mask_geometry[1]
-        if index[10 + 8].shape[0]:  # the column work plan splits lists (`WorkPlan.split`)
-            return False
         if Hq != Hkv and Hm > 1:  # GQA walks every group head's list in one item: they must be one list
             return False
     return True
 
 
 def _dkdv_items(B, Hq, Hkv, Nq, Nk, causal: bool, cols, mask_geometry, device):
-    """int32 `(items, ITEM_WIDTH)` records, one per 128-key tile of each (batch, KV head): (first K/V row,
+    """int32 `(items, 6)` records (`split_long_items` adds the scratch slot), one per 128-key tile of each (batch, KV head): (first K/V row,
     first Q row of the group's first query head, full list start, end, partial list start, end). Lists
     count mask blocks of the column (`cols`: `KernelIndex.cols()`), or 64-row query tiles for the dense
     path (causal: the tiles on the diagonal are the partial list). Order: `hopper.order_items`."""
@@ -274,7 +285,7 @@ def _dkdv_items(B, Hq, Hkv, Nq, Nk, causal: bool, cols, mask_geometry, device):
         Bm, Hm, _, Mk, _, block_k, _ = mask_geometry
         col = (((b % Bm) * Hm + hk % Hm) * Mk + (n * BLOCK_N) // block_k).expand(shape)  # each tile's mask column
         lo, hi, plo, phi = list_ranges((cols[0], cols[2]), col)
-    return order_items(torch.stack([kv_row, q_row0, lo, hi, plo, phi], -1).reshape(-1, ITEM_WIDTH.value), causal)
+    return order_items(torch.stack([kv_row, q_row0, lo, hi, plo, phi], -1).reshape(-1, 6), causal)
 
 
 class DkdvHopperPlan:
@@ -290,6 +301,9 @@ class DkdvHopperPlan:
         block_q = BLOCK_M if dense else mask_geometry[4]
         sub = block_q // BLOCK_M
         self.grid = (min(items.shape[0], num_sms(q.device)), )
+        items, merges = split_long_items(items, self.grid[0], sub * (Hq // Hkv))
+        self.grid = (min(items.shape[0], num_sms(q.device)), )  # the chunks may fill more SMs
+        self.chunk_sum = ChunkSum(merges, BLOCK_N, D)
         self.items, self.starts = assign_programs(items, self.grid[0], sub * (Hq // Hkv))
         self.full_idx, self.part_idx = (self.items, self.items) if dense else (cols[1], cols[3])  # dense: unused
         dtype = GL_DTYPES[q.dtype]
@@ -305,13 +319,16 @@ class DkdvHopperPlan:
     def __call__(self, q, k, v, do, lse, delta):
         dk = new_output(self.k_shape, self.dtype, self.device)
         dv = new_output(self.k_shape, self.dtype, self.device)
+        dk_part, dv_part = self.chunk_sum.scratch(self.device), self.chunk_sum.scratch(self.device)
         half = BLOCK_N // 2  # each compute warpgroup stores its 64 rows
         descs = (row_descriptor(q, BLOCK_M, self.q_layout), row_descriptor(do, BLOCK_M, self.q_layout),
                  row_descriptor(k, BLOCK_N, self.kv_layout), row_descriptor(v, BLOCK_N, self.kv_layout),
                  TensorDescriptor(lse, [lse.numel()], [1], [BLOCK_M], self.row_layout),
                  TensorDescriptor(delta, [delta.numel()], [1], [BLOCK_M], self.row_layout),
                  row_descriptor(dk, half, self.kv_layout), row_descriptor(dv, half, self.kv_layout))
-        self.launch(*descs)
+        self.launch(*descs, dk_part, dv_part)
+        self.chunk_sum(dk, dk_part)
+        self.chunk_sum(dv, dv_part)
         return dk, dv
 
 
@@ -342,7 +359,7 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
     out_desc = f"tensordesc<{name}[{BLOCK_N // 2},{D}],{kv_layout!r}>"
     row_desc = f"tensordesc<fp32[{BLOCK_M}],{row_layout!r}>"
     sig = dict(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, lse_desc=row_desc, delta_desc=row_desc,
-               dk_desc=out_desc, dv_desc=out_desc, Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32",
+               dk_desc=out_desc, dv_desc=out_desc, DkPart="*fp32", DvPart="*fp32", Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32",
                Nq="i32", Nk="i32", qk_scale="fp32", sm_scale="fp32")
     constexprs = dict(GROUPS=groups, SUB=1 if dense else block_q // BLOCK_M, MASK_BLOCK_Q=BLOCK_M if dense else block_q,
                       DENSE=dense, CAUSAL=causal, STAGES=STEP_BUFFERS, LOAD_WARP_REGS=LOAD_REGS,

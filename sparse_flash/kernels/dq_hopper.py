@@ -11,8 +11,12 @@ tile of one (batch, head) and its lists of key blocks). Inside a program:
   dP = dO V^T, P = exp2(S - lse), dS = P (dP - delta) and dQ += dS K on the tensor cores; at the item's
   end dQ leaves through the warpgroup's half of the Q buffer by TMA (benchmarks/NOTES.md, step 44).
 
+The few lists much longer than the others (the global rows of BigBird and Longformer) are cut into chunks
+of at most a program's mean load (`hopper.split_long_items`); each chunk writes its share of dQ in float32
+to a scratch slot, and a second launch adds them in order (`chunk_sum.py`).
+
 It serves (`supported`) 16-bit inputs with D = 128, lengths multiples of 128 and of the mask's blocks
-(multiples of 128), masks whose work plan does not split row lists; causal or not. `bwd.py` runs it in place
+(multiples of 128); causal or not. `bwd.py` runs it in place
 of the Triton dQ kernel unless switched off (`configs.set_hopper_backward(False)` or
 SPARSE_FLASH_HOPPER_BWD=0). Measured with the dK/dV kernel in benchmarks/NOTES.md, step 47.
 """
@@ -27,13 +31,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .common import LOG2E
 from .hopper import (GL_DTYPES, ROW_BLOCK, assign_programs, bound_launch, list_tile_start, load_kv, num_sms, partition_barrier,
-                     release, release_after_store, row_descriptor, row_items, runs_on, shapes_fit, tma_load,
-                     tma_store)
+                     release, release_after_store, row_descriptor, row_items, runs_on, shapes_fit,
+                     split_long_items, tma_load, tma_store)
+from .chunk_sum import ChunkSum
 from .memory import new_output
 
 BLOCK_N = 64  # keys per step
 KV_BUFFERS = 3  # K and V tiles in flight each; with two Q and two dO buffers, 224 KB of shared memory
-ITEM_WIDTH = gl.constexpr(6)  # `hopper.row_items`
+ITEM_WIDTH = gl.constexpr(7)  # `hopper.row_items` and a scratch slot (`hopper.split_long_items`)
 FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)
 LOAD_REGS = 24
 COMPUTE_REGS = 240  # each compute warpgroup's (the first gets what the launch cap leaves: also 240)
@@ -102,11 +107,12 @@ def _dq_step(q, do, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, lse,
 
 @gluon.jit
 def _dq_compute_partition(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                          dq_desc, Out, Lse, Delta, Items, Starts, PartIdx, Nq, qk_scale, sm_scale,
+                          dq_desc, Out, Lse, Delta, DqPart, Items, Starts, PartIdx, Nq, qk_scale, sm_scale,
                           SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr,
                           HALF: gl.constexpr, WARPS: gl.constexpr):
     """One compute warpgroup: rows [HALF * 64, HALF * 64 + 64) of each item; delta first, then dQ over the
-    item's key tiles, out through this half of the Q buffer by TMA."""
+    item's key tiles, out through this half of the Q buffer by TMA, or for a chunk of a cut list (scratch
+    slot >= 0) into its rows of DqPart in float32."""
     BM: gl.constexpr = q_smem.type.shape[1] // 2  # this warpgroup's rows
     HEAD_D: gl.constexpr = q_smem.type.shape[2]
     BN: gl.constexpr = k_smem.type.shape[1]
@@ -155,17 +161,23 @@ def _dq_compute_partition(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_r
             dq = _dq_step(q, do, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, lse, delta, t, qk_scale,
                           q_tok, key0, CAUSAL, s_layout, p_layout)
             t += 1
-        q.store((dq * sm_scale).to(q.dtype))  # the item's last products are done: Q is free
-        fence_async_shared()
-        partition_barrier()
-        tma_store(dq_desc, [q_row, 0], q)
+        slot = gl.load(rec + 6)
+        if slot < 0:
+            q.store((dq * sm_scale).to(q.dtype))  # the item's last products are done: Q is free
+            fence_async_shared()
+            partition_barrier()
+            tma_store(dq_desc, [q_row, 0], q)
+        else:  # a chunk: its share, added to the others' by the merge launch (`chunk_sum.py`)
+            part_rows = (slot * (2 * BM) + HALF * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout)))
+            offs_c = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))  # (HEAD_D,)
+            gl.store(DqPart + part_rows.to(gl.int64)[:, None] * HEAD_D + offs_c[None, :], dq * sm_scale)
         c += 1
     tma.store_wait(0)
 
 
 @gluon.jit
-def _attn_bwd_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, Out, Lse, Delta, Items, Starts, FullIdx,
-                               PartIdx, Nq, qk_scale, sm_scale, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr,
+def _attn_bwd_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, Out, Lse, Delta, DqPart, Items, Starts,
+                               FullIdx, PartIdx, Nq, qk_scale, sm_scale, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr,
                                DENSE: gl.constexpr, CAUSAL: gl.constexpr, KV_STAGES: gl.constexpr,
                                LOAD_WARP_REGS: gl.constexpr, COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
     """One resident program per SM; program p walks items [Starts[p], Starts[p + 1])."""
@@ -192,10 +204,12 @@ def _attn_bwd_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, Out, Ls
         mbarrier.init(v_empty.index(i), count=2)
     gl.warp_specialize([
         (_dq_compute_partition, (q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                 v_empty, dq_desc, Out, Lse, Delta, Items, Starts, PartIdx, Nq, qk_scale, sm_scale,
+                                 v_empty, dq_desc, Out, Lse, Delta, DqPart, Items, Starts, PartIdx, Nq, qk_scale,
+                                 sm_scale,
                                  SUB, MASK_BLOCK_K, DENSE, CAUSAL, FIRST_HALF, num_warps)),  # rows [0, 64)
         (_dq_compute_partition, (q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                 v_empty, dq_desc, Out, Lse, Delta, Items, Starts, PartIdx, Nq, qk_scale, sm_scale,
+                                 v_empty, dq_desc, Out, Lse, Delta, DqPart, Items, Starts, PartIdx, Nq, qk_scale,
+                                 sm_scale,
                                  SUB, MASK_BLOCK_K, DENSE, CAUSAL, SECOND_HALF, num_warps)),  # rows [64, 128)
         (_dq_load_partition, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
                               k_ready, k_empty, v_ready, v_empty, Items, Starts, FullIdx, PartIdx, SUB, MASK_BLOCK_K,
@@ -211,9 +225,7 @@ def supported(do, q, k, v, out, index, mask_geometry) -> bool:
 def shape_supported(q_shape, k_shape, dtype, index, mask_geometry) -> bool:
     """The part of `supported` that does not ask the GPU: dtype, shapes and the mask's blocks and lists.
     `index`: `KernelIndex.rows() + KernelIndex.cols()`, or [] for the dense path."""
-    if not shapes_fit(q_shape, k_shape, dtype, mask_geometry, len(index) == 0):
-        return False
-    return not (len(index) and index[8].shape[0])  # the row work plan splits lists (`WorkPlan.split`)
+    return shapes_fit(q_shape, k_shape, dtype, mask_geometry, len(index) == 0)
 
 
 class DqHopperPlan:
@@ -228,6 +240,9 @@ class DqHopperPlan:
         block_k = ROW_BLOCK if dense else mask_geometry[5]  # dense lists count ROW_BLOCK-key tiles
         sub = block_k // BLOCK_N
         self.grid = (min(items.shape[0], num_sms(q.device)), )
+        items, merges = split_long_items(items, self.grid[0], sub)
+        self.grid = (min(items.shape[0], num_sms(q.device)), )  # the chunks may fill more SMs
+        self.chunk_sum = ChunkSum(merges, ROW_BLOCK, D)
         self.items, self.starts = assign_programs(items, self.grid[0], sub)
         self.full_idx, self.part_idx = (self.items, self.items) if dense else (index[1], index[3])  # dense: unused
         dtype = GL_DTYPES[q.dtype]
@@ -242,10 +257,12 @@ class DqHopperPlan:
     def __call__(self, q, k, v, out, do, lse, delta):
         """dQ; also writes `delta` (float32 `(B, Hq, Nq)`), which the dK/dV launch reads."""
         dq = new_output(self.q_shape, self.dtype, self.device)
+        part = self.chunk_sum.scratch(self.device)
         descs = (row_descriptor(q, ROW_BLOCK, self.q_layout), row_descriptor(do, ROW_BLOCK, self.q_layout),
                  row_descriptor(k, BLOCK_N, self.kv_layout), row_descriptor(v, BLOCK_N, self.kv_layout),
                  row_descriptor(dq, ROW_BLOCK // 2, self.q_layout))  # dQ: each warpgroup stores its 64 rows
-        self.launch(*descs, out, lse, delta)
+        self.launch(*descs, out, lse, delta, part)
+        self.chunk_sum(dq, part)
         return dq
 
 
@@ -265,7 +282,7 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
     kv_desc = f"tensordesc<{name}[{BLOCK_N},{D}],{kv_layout!r}>"
     out_desc = f"tensordesc<{name}[{ROW_BLOCK // 2},{D}],{q_layout!r}>"
     sig = dict(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, dq_desc=out_desc, Out=f"*{name}",
-               Lse="*fp32", Delta="*fp32", Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32", Nq="i32",
+               Lse="*fp32", Delta="*fp32", DqPart="*fp32", Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32", Nq="i32",
                qk_scale="fp32", sm_scale="fp32")
     block = ROW_BLOCK if dense else block_k
     constexprs = dict(SUB=block // BLOCK_N, MASK_BLOCK_K=block, DENSE=dense, CAUSAL=causal, KV_STAGES=KV_BUFFERS,

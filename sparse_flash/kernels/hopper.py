@@ -170,13 +170,49 @@ def order_items(items, causal: bool):
     return items[order].to(torch.int32).contiguous()
 
 
+def split_long_items(items, num_programs: int, sub: int):
+    """Items with a 7th field, their scratch slot, after cutting the few lists much longer than the others
+    (the global rows and columns of BigBird and Longformer) into chunks; and the merge records.
+
+    A program's load is its items' tiles (`assign_programs`), so one item longer than the mean load of a
+    program would end after all the others. An item whose full list is longer than HEAVY_FACTOR times the
+    mean list and than a program's mean load (in list entries: tiles / `sub`) becomes chunks of at most
+    that many entries, each with its own scratch slot (the partial list goes with the last chunk); the
+    others get slot -1. Each chunk adds its share of the output tile (first record field: its first row)
+    into its slot, and a merge adds the chunks in order (`chunk_sum.py`): one int32 `(first row, first slot,
+    chunks)` record per cut item. Items are int32 `(items, 6)` from `row_items` or `_dkdv_items`, in their
+    order (chunks take the place of their item).
+    """
+    items = items.long()
+    full = items[:, 3] - items[:, 2]
+    length = full + items[:, 5] - items[:, 4]
+    mean_load = float((length * sub + ITEM_COST).sum()) / num_programs
+    limit = max(1, -(-int(mean_load) // sub))  # list entries per chunk
+    cut = (full > limit) & (full > HEAVY_FACTOR * length.double().mean())
+    chunks = torch.where(cut, -(-full // limit), torch.ones_like(full))
+    owner = torch.repeat_interleave(torch.arange(items.shape[0], device=items.device), chunks)
+    first_chunk = torch.cumsum(chunks, 0) - chunks  # position of each item's first chunk
+    c = torch.arange(owner.shape[0], device=items.device) - first_chunk[owner]  # chunk number in its item
+    rec = items[owner]
+    in_cut = cut[owner]
+    lo = rec[:, 2] + c * limit
+    rec[:, 2] = torch.where(in_cut, lo, rec[:, 2])
+    rec[:, 3] = torch.where(in_cut, torch.minimum(lo + limit, rec[:, 3]), rec[:, 3])
+    before_last = in_cut & (c < chunks[owner] - 1)
+    rec[:, 4] = torch.where(before_last, rec[:, 5], rec[:, 4])  # the partial list goes with the last chunk
+    slot = torch.where(in_cut, torch.cumsum(in_cut.long(), 0) - 1, torch.full_like(c, -1))
+    merges = torch.stack([items[cut, 0], slot[first_chunk[cut]], chunks[cut]], -1)
+    return (torch.cat([rec, slot[:, None]], 1).to(torch.int32).contiguous(), merges.to(torch.int32).contiguous())
+
+
 def assign_programs(items, num_programs: int, sub: int):
     """Items regrouped by the resident program that runs them, and `starts` (int32, `num_programs + 1`):
     program p runs items [starts[p], starts[p + 1]).
 
     The programs never wait for each other, so the call lasts as long as the most loaded one. A program's
     load counts its items' tiles (list length x `sub`) plus ITEM_COST each. BALANCE: runs of consecutive
-    items (at most BUNDLES_PER_PROGRAM runs per program, so that the host loop stays short) go heaviest
+    items (about BUNDLES_PER_PROGRAM runs per program, so that the host loop stays short; each chunk of a
+    cut list, `split_long_items`, is a run of its own) go heaviest
     first to the least loaded program; each program then takes its runs in their order in `items` (as
     `order_items` left them). Without BALANCE, item i goes to program i % num_programs, whatever its length.
     """
@@ -185,14 +221,19 @@ def assign_programs(items, num_programs: int, sub: int):
     if BALANCE and n > num_programs:
         cost = ((items[:, 3] - items[:, 2] + items[:, 5] - items[:, 4]).long().cpu() * sub + ITEM_COST).double()
         run = -(-n // (BUNDLES_PER_PROGRAM * num_programs))  # items per run
-        run_cost = torch.zeros(-(-n // run), dtype=torch.float64).index_add_(0, torch.arange(n) // run, cost)
+        new_run = torch.arange(n) % run == 0
+        if items.shape[1] > 6:  # a chunk of a cut list (`split_long_items`) is a run of its own
+            chunk = (items[:, 6] >= 0).cpu()
+            new_run |= chunk | torch.cat([torch.zeros(1, dtype=torch.bool), chunk[:-1]])
+        run_of = torch.cumsum(new_run.long(), 0) - 1
+        run_cost = torch.zeros(int(run_of[-1]) + 1, dtype=torch.float64).index_add_(0, run_of, cost)
         owner = [0] * run_cost.shape[0]
         loads = [(0.0, p) for p in range(num_programs)]  # a heap of (load, program)
         for r in torch.argsort(run_cost, descending=True, stable=True).tolist():
             load, p = heapq.heappop(loads)
             owner[r] = p
             heapq.heappush(loads, (load + float(run_cost[r]), p))
-        program = torch.tensor(owner)[torch.arange(n) // run]
+        program = torch.tensor(owner)[run_of]
     order = torch.argsort(program, stable=True)  # by program, each program's items in their order in `items`
     counts = torch.bincount(program, minlength=num_programs)
     starts = torch.zeros(num_programs + 1, dtype=torch.int32)
