@@ -65,7 +65,7 @@ for B, Hq, Hkv, N, name, causal in CASES:
             row["d" + label] = {"maxdiff": (a.float() - b.float()).abs().max().item(),
                                 "refmax": a.float().abs().max().item(), "nan": int(b.isnan().sum())}
         row["ms_triton"], row["ms_hopper"] = ms_ref, ms_new
-    except Exception as exc:  # one case's failure must not hide the others
+    except Exception:  # one case's failure must not hide the others
         row["error"] = traceback.format_exc()[-1500:]
     rows.append(row)
     print(json.dumps(row)[:400], flush=True)
