@@ -160,6 +160,37 @@ def test_descriptor_arguments_key_on_all_but_their_data(fast, change):
     assert kinds(kernel) == ["normal", "direct" if change == "none" else "normal"]
 
 
+def test_a_constexpr_may_name_a_launch_option(fast):
+    """Gluon kernels take num_warps as their last parameter: it goes to Triton once, with the constexpr's
+    value, and direct calls pass it positionally like any constexpr."""
+
+    class GluonLike(FakeKernel):
+        arg_names = ["X", "n", "scale", "BLOCK", "num_warps"]
+
+    kernel, x = GluonLike(), torch.zeros(64)
+    for _ in range(2):
+        launch_mod.launch(kernel, (2,), (x, 32, 1.0), {"BLOCK": 16, "num_warps": 4}, 4, 3, 168)
+    assert kinds(kernel) == ["normal", "direct"]
+    assert kernel.log[0][3] == {"BLOCK": 16, "num_warps": 4, "num_stages": 3, "maxnreg": 168}
+    assert kernel.log[1][1][7:] == (None, None, x, 32, 1.0, 16, 4)
+
+
+def test_gluon_descriptors_key_on_their_shared_memory_layout(fast):
+    """Two Gluon descriptors alike but for their layout select different compiled kernels."""
+    pytest.importorskip("triton.experimental.gluon")
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    x = torch.zeros(256, 128, dtype=torch.bfloat16)
+    layouts = (gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16),
+               gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2))
+    kernel = FakeKernel()
+    for layout in layouts + layouts[1:]:
+        desc = TensorDescriptor(x, [256, 128], [128, 1], [64, 128], layout)
+        launch_mod.launch(kernel, (1,), (desc, 32, 1.0), {"BLOCK": 16, "FLAG": True}, 4, 3)
+    assert kinds(kernel) == ["normal", "normal", "direct"]
+
+
 def test_bound_launch_passes_head_then_fixed_tail_and_constexprs(fast):
     """The first call compiles through Triton with every tensor; direct calls pass the trailing (constant)
     tensors by address."""
