@@ -23,8 +23,8 @@ dK and dV in float32 to a scratch slot, and two more launches add them in order 
 
 It serves (`supported`) 16-bit inputs with D = 128, lengths multiples of 128 and of the mask's blocks
 (multiples of 128), and GQA only with a mask shared by the heads; causal or not. `bwd.py` runs it in place
-of the Triton dK/dV kernel where it serves unless switched off: `configs.set_hopper_backward(False)` or SPARSE_FLASH_HOPPER_BWD=0 (benchmarks/NOTES.md,
-steps 45 and 47).
+of the Triton dK/dV kernel where it serves, unless switched off: `configs.set_hopper_backward(False)` or
+SPARSE_FLASH_HOPPER_BWD=0 (benchmarks/NOTES.md, steps 45 and 47).
 """
 
 from __future__ import annotations
@@ -141,8 +141,8 @@ def _bwd_step(k, v, q_smem, do_smem, lse_smem, delta_smem, step_ready, step_empt
 @gluon.jit
 def _bwd_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_empty, step_ready,
                            step_empty, dk_desc, dv_desc, DkPart, DvPart, Items, Starts, PartIdx, Nk, qk_scale,
-                           sm_scale, GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, DENSE: gl.constexpr,
-                           CAUSAL: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
+                           sm_scale, GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
+                           DENSE: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
     """One compute warpgroup: keys [HALF * 64, HALF * 64 + 64) of each item; dK and dV accumulate over the
     item's query tiles (every head of the group) and leave through this half of the K/V buffer by TMA, or
     for a chunk of a cut list (scratch slot >= 0) into its rows of DkPart and DvPart in float32."""
@@ -203,9 +203,9 @@ def _bwd_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem
 @gluon.jit
 def _attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, DkPart,
                                  DvPart, Items, Starts, FullIdx, PartIdx, Nq, Nk, qk_scale, sm_scale,
-                                 GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, DENSE: gl.constexpr,
-                                 CAUSAL: gl.constexpr, STAGES: gl.constexpr, LOAD_WARP_REGS: gl.constexpr,
-                                 COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
+                                 GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
+                                 DENSE: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                                 LOAD_WARP_REGS: gl.constexpr, COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
     """One resident program per SM; program p walks items [Starts[p], Starts[p + 1]) (`_dkdv_items`)."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
@@ -260,10 +260,11 @@ def shape_supported(q_shape, k_shape, dtype, index, mask_geometry) -> bool:
 
 
 def _dkdv_items(B, Hq, Hkv, Nq, Nk, causal: bool, cols, mask_geometry, device):
-    """int32 `(items, 6)` records (`split_long_items` adds the scratch slot), one per 128-key tile of each (batch, KV head): (first K/V row,
-    first Q row of the group's first query head, full list start, end, partial list start, end). Lists
-    count mask blocks of the column (`cols`: `KernelIndex.cols()`), or 64-row query tiles for the dense
-    path (causal: the tiles on the diagonal are the partial list). Order: `hopper.order_items`."""
+    """int32 `(items, 6)` records (`split_long_items` adds the scratch slot), one per 128-key tile of each
+    (batch, KV head): (first K/V row, first Q row of the group's first query head, full list start, end,
+    partial list start, end). Lists count mask blocks of the column (`cols`: `KernelIndex.cols()`), or 64-row
+    query tiles for the dense path (causal: the tiles on the diagonal are the partial list). Order:
+    `hopper.order_items`."""
     G = Hq // Hkv
     tiles = Nk // BLOCK_N
     b = torch.arange(B, device=device).view(B, 1, 1)
@@ -359,7 +360,8 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
     out_desc = f"tensordesc<{name}[{BLOCK_N // 2},{D}],{kv_layout!r}>"
     row_desc = f"tensordesc<fp32[{BLOCK_M}],{row_layout!r}>"
     sig = dict(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, lse_desc=row_desc, delta_desc=row_desc,
-               dk_desc=out_desc, dv_desc=out_desc, DkPart="*fp32", DvPart="*fp32", Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32",
+               dk_desc=out_desc, dv_desc=out_desc, DkPart="*fp32", DvPart="*fp32", Items="*i32", Starts="*i32",
+               FullIdx="*i32", PartIdx="*i32",
                Nq="i32", Nk="i32", qk_scale="fp32", sm_scale="fp32")
     constexprs = dict(GROUPS=groups, SUB=1 if dense else block_q // BLOCK_M, MASK_BLOCK_Q=BLOCK_M if dense else block_q,
                       DENSE=dense, CAUSAL=causal, STAGES=STEP_BUFFERS, LOAD_WARP_REGS=LOAD_REGS,

@@ -30,8 +30,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .common import LOG2E
-from .hopper import (GL_DTYPES, ROW_BLOCK, assign_programs, bound_launch, list_tile_start, load_kv, num_sms, partition_barrier,
-                     release, release_after_store, row_descriptor, row_items, runs_on, shapes_fit,
+from .hopper import (GL_DTYPES, ROW_BLOCK, assign_programs, bound_launch, list_tile_start, load_kv, num_sms,
+                     partition_barrier, release, release_after_store, row_descriptor, row_items, runs_on, shapes_fit,
                      split_long_items, tma_load, tma_store)
 from .chunk_sum import ChunkSum
 from .memory import new_output
@@ -282,8 +282,8 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
     kv_desc = f"tensordesc<{name}[{BLOCK_N},{D}],{kv_layout!r}>"
     out_desc = f"tensordesc<{name}[{ROW_BLOCK // 2},{D}],{q_layout!r}>"
     sig = dict(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, dq_desc=out_desc, Out=f"*{name}",
-               Lse="*fp32", Delta="*fp32", DqPart="*fp32", Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32", Nq="i32",
-               qk_scale="fp32", sm_scale="fp32")
+               Lse="*fp32", Delta="*fp32", DqPart="*fp32", Items="*i32", Starts="*i32", FullIdx="*i32",
+               PartIdx="*i32", Nq="i32", qk_scale="fp32", sm_scale="fp32")
     block = ROW_BLOCK if dense else block_k
     constexprs = dict(SUB=block // BLOCK_N, MASK_BLOCK_K=block, DENSE=dense, CAUSAL=causal, KV_STAGES=KV_BUFFERS,
                       LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS, num_warps=4)

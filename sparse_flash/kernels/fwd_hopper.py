@@ -39,8 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .common import LOG2E
-from .hopper import (GL_DTYPES, assign_programs, bound_launch, list_tile_start, load_kv, num_sms, partition_barrier, release,
-                     release_after_store, row_descriptor, row_items, runs_on, shapes_fit, tma_load, tma_store)
+from .hopper import (GL_DTYPES, assign_programs, bound_launch, list_tile_start, load_kv, num_sms, partition_barrier,
+                     release, release_after_store, row_descriptor, row_items, runs_on, shapes_fit, tma_load, tma_store)
 from .launch import cached_plan, plan_key
 from .memory import new_output
 from .split import MERGE_ROWS, SplitPlan, store_chunk_merge
