@@ -1,6 +1,7 @@
-"""What the Hopper kernels (`fwd_hopper.py`, `bwd_hopper.py`) share: Gluon names that changed between
-Triton versions, device-side helpers, which GPUs and tensors they run on, and the host-side work items:
-their order and their placement on the resident programs.
+"""What the Hopper kernels (`fwd_hopper.py`, `dq_hopper.py`, `bwd_hopper.py`) share: Gluon names that
+changed between Triton versions, device-side helpers, which GPUs and tensors they run on, their prepared
+launches, and the host-side work items: their order, the cutting of very long lists (backward) and their
+placement on the resident programs.
 """
 
 from __future__ import annotations
