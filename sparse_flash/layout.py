@@ -10,12 +10,13 @@ walks which list, or which chunk of a list much longer than the others.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["BlockIndex", "BlockMask", "KernelIndex", "WorkPlan"]
+__all__ = ["BlockIndex", "BlockMask", "KernelIndex", "Tiling", "WorkPlan"]
 
 # The int32 fields of one work item (`WorkPlan.items`): everything a program needs to start walking its share of
 # a list, read in one round trip. [lo, hi) ranges index the full and the partial lists; `*_first` is the first
@@ -232,17 +233,149 @@ def _chunk_size(total: int, num_lists: int) -> int:
     return max(SPLIT_MIN_CHUNK, math.ceil(SPLIT_FACTOR * total / num_lists))
 
 
+class Tiling(NamedTuple):
+    """How a mask's tokens map to image or video pixels: tile-major order, one block per tile.
+
+    Tokens are ordered tile by tile (each tile row-major inside, tiles row-major over the grid), so that
+    block `i` of the mask is tile `i`. `BlockMask.plot` draws such a mask on the pixel grid.
+
+    Attributes:
+        grid: `(frames, height, width)` in pixels; `frames == 1` for images.
+        tile: `(tile_t, tile_h, tile_w)` in pixels; each divides the matching side of `grid`.
+    """
+
+    grid: tuple[int, int, int]
+    tile: tuple[int, int, int]
+
+    @property
+    def tiles(self) -> tuple[int, int, int]:
+        """Tiles along each axis: `grid // tile`."""
+        return tuple(g // t for g, t in zip(self.grid, self.tile))
+
+
+class _ReadOnlyLayout(torch.Tensor):
+    """The view of a mask's layout handed to users: every in-place write raises, views stay read-only.
+
+    Everything else (indexing, arithmetic, `.to`, `.numpy()` as a read-only array) works as on a plain tensor
+    and returns plain tensors.
+    """
+
+    _WRITES = frozenset(
+        ["__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+         "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"])
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        out = kwargs.get("out")
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if name in cls._WRITES or (name.endswith("_") and not name.endswith("__")) or any(
+                isinstance(o, _ReadOnlyLayout) for o in outs):
+            raise RuntimeError(
+                f"BlockMask.layout is read-only ({name} writes to it): a mask is an immutable value. Build a new "
+                "mask with BlockMask.from_layout(mask.layout.clone() ...) or combine masks with | and &")
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **kwargs)
+        return _protect_views(result, args[0] if args else None)
+
+    def numpy(self, *args, **kwargs):
+        array = torch.Tensor.numpy(self.as_subclass(torch.Tensor), *args, **kwargs)
+        array.setflags(write=False)
+        return array
+
+    def __reduce_ex__(self, protocol):
+        return torch.Tensor.__reduce_ex__(self.as_subclass(torch.Tensor).clone(), protocol)
+
+    def __deepcopy__(self, memo):
+        return self.as_subclass(torch.Tensor).clone()
+
+
+def _protect_views(result, source):
+    """Results that share memory with a read-only layout (views, `.data`) stay read-only."""
+    if isinstance(result, (tuple, list)):
+        return type(result)(_protect_views(r, source) for r in result)
+    if (isinstance(result, torch.Tensor) and isinstance(source, torch.Tensor) and not result.is_meta
+            and result.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+            and result.numel() > 0):
+        return torch.Tensor._make_subclass(_ReadOnlyLayout, result)
+    return result
+
+
+def _check_layout(layout) -> torch.Tensor:
+    """`layout` as a 4-D bool tensor `(B, H, Mq, Mk)`, or a clear error."""
+    if not isinstance(layout, torch.Tensor):
+        raise TypeError(f"layout must be a torch.Tensor, got {type(layout).__name__}")
+    if layout.dim() not in (2, 3, 4):
+        raise ValueError(
+            f"layout must have shape (Mq, Mk), (H, Mq, Mk) or (B, H, Mq, Mk), got shape {tuple(layout.shape)}")
+    if layout.is_meta:
+        raise ValueError("layout must hold real values (a cpu or cuda tensor), got a tensor on the meta device")
+    if layout.dtype != torch.bool:
+        if layout.is_floating_point() or layout.is_complex():
+            raise TypeError(f"layout must be a bool or integer tensor, got dtype {layout.dtype}")
+        if ((layout != 0) & (layout != 1)).any():
+            raise ValueError("layout must hold only 0 and 1")
+        layout = layout != 0
+    while layout.dim() < 4:
+        layout = layout.unsqueeze(0)
+    if min(layout.shape) < 1:
+        raise ValueError(f"layout must have at least one batch, head and block per side, got shape "
+                         f"{tuple(layout.shape)}")
+    return layout
+
+
+def _check_length(value, name: str, blocks: int, block: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if math.ceil(value / block) != blocks:
+        raise ValueError(f"{name}={value} with block size {block} needs ceil({value}/{block}) = "
+                         f"{math.ceil(value / block)} blocks, but the layout has {blocks}")
+    return int(value)
+
+
+def _check_tiling(tiling, block_size: tuple[int, int], shape) -> Tiling | None:
+    if tiling is None:
+        return None
+    if not isinstance(tiling, Tiling):
+        raise TypeError(f"tiling must be a sparse_flash.layout.Tiling or None, got {type(tiling).__name__}")
+    grid, tile = tuple(tiling.grid), tuple(tiling.tile)
+    if len(grid) != 3 or len(tile) != 3 or any(
+            isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in (*grid, *tile)):
+        raise ValueError(f"tiling must hold (frames, height, width) and (tile_t, tile_h, tile_w) of positive ints, "
+                         f"got {tiling!r}")
+    if any(g % t for g, t in zip(grid, tile)):
+        raise ValueError(f"tiling's tile {tile} must divide its grid {grid} along every axis")
+    size = math.prod(tile)
+    tiles = math.prod(g // t for g, t in zip(grid, tile))
+    if block_size != (size, size) or tuple(shape[-2:]) != (tiles, tiles):
+        raise ValueError(f"tiling {tiling!r} needs square blocks of {size} tokens and {tiles} x {tiles} blocks, "
+                         f"got block_size {block_size} and {tuple(shape[-2:])} blocks")
+    return Tiling(grid, tile)
+
+
+def _rebuild(layout, block_size, seq_len_q, seq_len_k, name, tiling):
+    """Unpickling: the mask is rebuilt from its defining values (index lists and plans are never stored)."""
+    return BlockMask(layout, block_size, seq_len_q, seq_len_k, name, tiling=tiling)
+
+
 class BlockMask:
     """A block-sparse attention mask: which (query block, key block) tiles are computed.
 
     Build one with a pattern from `sparse_flash.masks` or directly from a layout with
     `BlockMask.from_layout`. Masks of the same geometry combine with `|` and `&`.
 
+    A BlockMask is an immutable value: it owns a copy of its layout, `mask.layout` is read-only (in-place
+    writes raise), attributes cannot be assigned, and two masks are equal (and hash equal) when their
+    layouts, block sizes and lengths are. Masks pickle, deep-copy and `torch.save` at any time; the index
+    lists and launch plans derived from the layout are rebuilt, never stored.
+
     Attributes:
-        layout: bool `(B|1, H|1, Mq, Mk)`; a batch or head dimension of 1 broadcasts.
+        layout: bool `(B|1, H|1, Mq, Mk)`, read-only; a batch or head dimension of 1 broadcasts.
         block_size: `(block_q, block_k)` in tokens.
         seq_len_q, seq_len_k: sequence lengths in tokens; `Mq == ceil(seq_len_q / block_q)`.
         name: a short description used by `repr` and `plot`.
+        tiling: a `Tiling` when the tokens are image or video tiles in tile-major order, else None.
 
     Example:
         >>> import torch, sparse_flash
@@ -251,28 +384,60 @@ class BlockMask:
         0.25
     """
 
-    def __init__(self, layout: torch.Tensor, block_size, seq_len_q: int, seq_len_k: int, name: str = "custom"):
-        self.layout = layout
-        self.block_size = _as_pair(block_size)
-        self.seq_len_q = int(seq_len_q)
-        self.seq_len_k = int(seq_len_k)
-        self.name = name
-        self._copies: dict[str, BlockMask] = {}
-        self._launch_plans: dict = {}  # the triton backend's launch plans for this mask, per call signature
+    def __init__(self, layout: torch.Tensor, block_size, seq_len_q: int | None = None, seq_len_k: int | None = None,
+                 name: str = "custom", *, tiling: Tiling | None = None):
+        """Validate and own a layout; arguments as in `BlockMask.from_layout`."""
+        layout = _check_layout(layout)
+        bq, bk = _as_pair(block_size)
+        Mq, Mk = layout.shape[-2:]
+        seq_len_q = _check_length(Mq * bq if seq_len_q is None else seq_len_q, "seq_len_q", Mq, bq)
+        seq_len_k = _check_length(Mk * bk if seq_len_k is None else seq_len_k, "seq_len_k", Mk, bk)
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, got {type(name).__name__}")
+        values = dict(
+            _layout=layout.clone(memory_format=torch.contiguous_format),  # owned: later writes to `layout` do not reach it
+            block_size=(bq, bk), seq_len_q=seq_len_q, seq_len_k=seq_len_k, name=name,
+            tiling=_check_tiling(tiling, (bq, bk), layout.shape),
+            _copies={}, _launch_plans={}, _hash=None,  # caches derived from the values above
+        )
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
         self._build_index()
+
+    def __setattr__(self, key, value):
+        raise AttributeError(f"BlockMask is immutable: cannot set {key!r}; build a new mask instead")
+
+    def __delattr__(self, key):
+        raise AttributeError(f"BlockMask is immutable: cannot delete {key!r}")
+
+    def __reduce__(self):
+        return _rebuild, (self._layout, self.block_size, self.seq_len_q, self.seq_len_k, self.name, self.tiling)
+
+    def __copy__(self):
+        return self  # an immutable value: a copy is the value itself
+
+    def __deepcopy__(self, memo):
+        return _rebuild(*self.__reduce__()[1])
+
+    @property
+    def layout(self) -> torch.Tensor:
+        """bool `(B|1, H|1, Mq, Mk)`, read-only: in-place writes raise (clone it for a writable copy)."""
+        return torch.Tensor._make_subclass(_ReadOnlyLayout, self._layout)
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_layout(cls, layout, block_size, *, seq_len_q=None, seq_len_k=None, name="custom") -> "BlockMask":
+    def from_layout(cls, layout, block_size, *, seq_len_q=None, seq_len_k=None, name="custom",
+                    tiling: Tiling | None = None) -> "BlockMask":
         """Build a mask from a block layout.
 
         Args:
             layout: bool (or 0/1 integer) tensor `(Mq, Mk)`, `(H, Mq, Mk)` or `(B, H, Mq, Mk)`; a batch or
-                head size of 1 broadcasts against the attention inputs.
+                head size of 1 broadcasts against the attention inputs. The mask keeps its own copy.
             block_size: int, or `(block_q, block_k)`, in tokens.
             seq_len_q, seq_len_k: real sequence lengths; default `Mq * block_q` and `Mk * block_k`. Shorter
                 lengths make the last block partial; `Mq` must equal `ceil(seq_len_q / block_q)`.
             name: a short description shown by `repr` and `plot`.
+            tiling: a `Tiling` when tokens are image or video tiles in tile-major order (one block per tile).
 
         Returns:
             BlockMask with a 4-D bool layout.
@@ -282,55 +447,27 @@ class BlockMask:
             >>> BlockMask.from_layout(layout, 128, seq_len_q=200, seq_len_k=200).nnz
             3
         """
-        if not isinstance(layout, torch.Tensor):
-            raise TypeError(f"layout must be a torch.Tensor, got {type(layout).__name__}")
-        if layout.dim() not in (2, 3, 4):
-            raise ValueError(
-                f"layout must have shape (Mq, Mk), (H, Mq, Mk) or (B, H, Mq, Mk), got shape {tuple(layout.shape)}"
-            )
-        if layout.dtype != torch.bool:
-            if layout.is_floating_point() or layout.is_complex():
-                raise TypeError(f"layout must be a bool or integer tensor, got dtype {layout.dtype}")
-            if ((layout != 0) & (layout != 1)).any():
-                raise ValueError("layout must hold only 0 and 1")
-            layout = layout != 0
-        while layout.dim() < 4:
-            layout = layout.unsqueeze(0)
-        if min(layout.shape[-2:]) < 1:
-            raise ValueError(f"layout must have at least one block per side, got shape {tuple(layout.shape)}")
-        bq, bk = _as_pair(block_size)
-        Mq, Mk = layout.shape[-2:]
-        seq_len_q = Mq * bq if seq_len_q is None else seq_len_q
-        seq_len_k = Mk * bk if seq_len_k is None else seq_len_k
-        for arg, n, m, b in (("seq_len_q", seq_len_q, Mq, bq), ("seq_len_k", seq_len_k, Mk, bk)):
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                raise ValueError(f"{arg} must be a positive int, got {n!r}")
-            if math.ceil(n / b) != m:
-                raise ValueError(
-                    f"{arg}={n} with block size {b} needs ceil({n}/{b}) = {math.ceil(n / b)} blocks, "
-                    f"but the layout has {m}"
-                )
-        return cls(layout.contiguous(), (bq, bk), seq_len_q, seq_len_k, name)
+        return cls(layout, block_size, seq_len_q, seq_len_k, name, tiling=tiling)
 
     # ------------------------------------------------------------------ properties
     @property
     def shape(self) -> tuple[int, int, int, int]:
         """The layout's shape `(B|1, H|1, Mq, Mk)`."""
-        return tuple(self.layout.shape)
+        return tuple(self._layout.shape)
 
     @property
     def num_blocks(self) -> tuple[int, int]:
         """`(Mq, Mk)`: blocks along the query and key sides."""
-        return tuple(self.layout.shape[-2:])
+        return tuple(self._layout.shape[-2:])
 
     @property
     def device(self) -> torch.device:
-        return self.layout.device
+        return self._layout.device
 
     @property
     def density(self) -> float:
         """Fraction of nonzero blocks, a float in [0, 1]."""
-        return self.nnz / self.layout.numel()
+        return self.nnz / self._layout.numel()
 
     @property
     def is_dense(self) -> bool:
@@ -353,16 +490,24 @@ class BlockMask:
 
     # ------------------------------------------------------------------ conversions
     def to(self, device) -> "BlockMask":
-        """The same mask with its layout on `device` (index lists are rebuilt there on first use)."""
+        """The same mask with its layout on `device` (its index lists are built there once and cached).
+
+        A mask has no dtype: `mask.to(torch.float16)` raises a TypeError.
+        """
+        if isinstance(device, torch.dtype):
+            raise TypeError(f"BlockMask.to takes a device (a mask has no dtype), got dtype {device}")
+        if not isinstance(device, (str, int, torch.device)):
+            raise TypeError(f"BlockMask.to takes a device, got {type(device).__name__} {device!r}")
         device = torch.device(device)
+        if device.type == "meta":
+            raise ValueError("BlockMask.to: a mask needs real values, it cannot move to the meta device")
         here = self.device
         if device.type == here.type and device.index in (None, here.index):
             return self
         key = str(device)
         if key not in self._copies:  # moving a mask rebuilds its index lists once per device
-            self._copies[key] = BlockMask(
-                self.layout.to(device), self.block_size, self.seq_len_q, self.seq_len_k, self.name
-            )
+            self._copies[key] = BlockMask(self._layout.to(device), self.block_size, self.seq_len_q, self.seq_len_k,
+                                          self.name, tiling=self.tiling)
         return self._copies[key]
 
     def cuda(self) -> "BlockMask":
@@ -401,7 +546,7 @@ class BlockMask:
     def to_dense(self) -> torch.Tensor:
         """The element mask: bool `(B|1, H|1, seq_len_q, seq_len_k)`, True where attention is allowed."""
         bq, bk = self.block_size
-        dense = self.layout.repeat_interleave(bq, dim=-2).repeat_interleave(bk, dim=-1)
+        dense = self._layout.repeat_interleave(bq, dim=-2).repeat_interleave(bk, dim=-1)
         return dense[..., : self.seq_len_q, : self.seq_len_k]
 
     # ------------------------------------------------------------------ index lists
@@ -427,11 +572,13 @@ class BlockMask:
         for the device six times: for the nonzero blocks, for the class sizes of both causal flags, and once
         per work plan; every other size is known on the host.
         """
-        B, H, Mq, Mk = self.layout.shape
+        B, H, Mq, Mk = self._layout.shape
         bq, bk = self.block_size
-        coords = self.layout.nonzero()  # (nnz, 4), row-major order: sorted by (b, h, i, j)
-        self.nnz = coords.shape[0]
-        self._is_dense = self.nnz == self.layout.numel()  # a bool: torch.compile guards on it, not on nnz
+        coords = self._layout.nonzero()  # (nnz, 4), row-major order: sorted by (b, h, i, j)
+        nnz = coords.shape[0]
+        set_ = functools.partial(object.__setattr__, self)
+        set_("nnz", nnz)
+        set_("_is_dense", nnz == self._layout.numel())  # a bool: torch.compile guards on it, not on nnz
         b, h, i, j = coords.T.contiguous().unbind(0)
         row = (b * H + h) * Mq + i
         col = (b * H + h) * Mk + j
@@ -440,7 +587,8 @@ class BlockMask:
         k_last = torch.clamp(k_first + bk, max=self.seq_len_k) - 1
         # A block touching a sequence tail needs bounds masks on its loads and scores.
         tail = (q_first + bq > self.seq_len_q) | (k_first + bk > self.seq_len_k)
-        self._index, self._long_lists = {}, {}
+        set_("_index", {})
+        set_("_long_lists", {})
         by_col = torch.argsort(col * Mq + i)  # the same entries sorted by (b, h, j, i)
         classes = {}  # each entry's class, per causal flag
         for causal in (False, True):
@@ -459,7 +607,7 @@ class BlockMask:
             # Python bools, like is_dense: torch.compile guards on them, not on counts
             self._long_lists[causal] = total >= LONG_LIST_BLOCKS * B * H * Mq
             if causal:
-                self._covers_causal = total == B * H * _causal_blocks(Mq, Mk, bq, bk, self.seq_len_q)
+                set_("_covers_causal", total == B * H * _causal_blocks(Mq, Mk, bq, bk, self.seq_len_q))
             self._index[("kernel", causal)] = KernelIndex(
                 row_full, row_part, col_full, col_part,
                 _plan_work(rows_live.counts, row_chunk, total / (B * H * Mq), row_full, row_part),
@@ -477,7 +625,7 @@ class BlockMask:
                 f"BlockMask {op} needs the same (block_size, seq_len_q, seq_len_k), got {mine} and {theirs}"
             )
         for dim, what in ((0, "batch"), (1, "head")):
-            a, b = self.layout.shape[dim], other.layout.shape[dim]
+            a, b = self._layout.shape[dim], other._layout.shape[dim]
             if a != b and 1 not in (a, b):
                 raise ValueError(f"BlockMask {op}: {what} sizes {a} and {b} do not broadcast")
         if self.device != other.device:
@@ -485,15 +633,19 @@ class BlockMask:
 
     def __or__(self, other: "BlockMask") -> "BlockMask":
         self._check_same_geometry(other, "|")
-        return BlockMask(
-            self.layout | other.layout, self.block_size, self.seq_len_q, self.seq_len_k, f"{self.name} | {other.name}"
-        )
+        return BlockMask(self._layout | other._layout, self.block_size, self.seq_len_q, self.seq_len_k,
+                         f"{self.name} | {other.name}", tiling=self._shared_tiling(other))
 
     def __and__(self, other: "BlockMask") -> "BlockMask":
         self._check_same_geometry(other, "&")
-        return BlockMask(
-            self.layout & other.layout, self.block_size, self.seq_len_q, self.seq_len_k, f"({self.name}) & ({other.name})"
-        )
+        return BlockMask(self._layout & other._layout, self.block_size, self.seq_len_q, self.seq_len_k,
+                         f"({self.name}) & ({other.name})", tiling=self._shared_tiling(other))
+
+    def _shared_tiling(self, other: "BlockMask") -> Tiling | None:
+        """A combination keeps the operands' tiling when they agree on it (or only one has one)."""
+        if self.tiling is None or other.tiling is None or self.tiling == other.tiling:
+            return self.tiling or other.tiling
+        return None
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, BlockMask):
@@ -502,11 +654,18 @@ class BlockMask:
             self.block_size == other.block_size
             and self.seq_len_q == other.seq_len_q
             and self.seq_len_k == other.seq_len_k
-            and self.layout.shape == other.layout.shape
-            and bool(torch.equal(self.layout.cpu(), other.layout.cpu()))
+            and self._layout.shape == other._layout.shape
+            and bool(torch.equal(self._layout.cpu(), other._layout.cpu()))
         )
 
-    __hash__ = None
+    def __hash__(self) -> int:
+        if self._hash is None:  # computed once: the value never changes
+            flat = self._layout.flatten().to(torch.int64)
+            weights = (torch.arange(flat.numel(), device=flat.device) * 2654435761) % 2147483647
+            digest = int((flat * weights).sum()), int(flat.sum())  # equal layouts give equal digests
+            object.__setattr__(self, "_hash", hash((self.block_size, self.seq_len_q, self.seq_len_k,
+                                                    tuple(self._layout.shape), digest)))
+        return self._hash
 
     # ------------------------------------------------------------------ display
     def __repr__(self) -> str:
@@ -518,7 +677,7 @@ class BlockMask:
         if max(Mq, Mk) > _GRID_MAX_BLOCKS or B * H > _GRID_MAX_LAYOUTS:
             return head + ")"
         rows = [head + ","]
-        grid = self.layout.cpu()
+        grid = self._layout.cpu()
         for b in range(B):
             for h in range(H):
                 if B * H > 1:
@@ -527,49 +686,7 @@ class BlockMask:
         return "\n".join(rows) + "\n)"
 
     def plot(self, path=None, *, heads: int = 4, ax=None):
-        """Draw the block layout; write a PNG when `path` is given.
+        """Draw the mask; see `sparse_flash.plot.plot_mask` (needs matplotlib: the `viz` extra)."""
+        from .plot import plot_mask
 
-        Args:
-            path: file to write (PNG), or None to only return the figure.
-            heads: the number of (batch, head) layouts to draw side by side, at most.
-            ax: a matplotlib Axes to draw the first layout into (for galleries); then only that one is drawn.
-
-        Returns:
-            The matplotlib Figure.
-
-        Raises:
-            ImportError: matplotlib is missing (install the `viz` extra: `pip install sparse-flash[viz]`).
-        """
-        try:
-            import matplotlib
-
-            if ax is None:
-                matplotlib.use("Agg", force=False)
-            import matplotlib.pyplot as plt
-        except ImportError as e:  # pragma: no cover - exercised only without matplotlib
-            raise ImportError(
-                "BlockMask.plot needs matplotlib: install the viz extra with `pip install sparse-flash[viz]`"
-            ) from e
-        B, H, Mq, Mk = self.shape
-        layouts = self.layout.reshape(B * H, Mq, Mk).cpu()
-        title = f"{self.name}\n{Mq}x{Mk} blocks of {self.block_size[0]}x{self.block_size[1]}, density {self.density:.1%}"
-        if ax is not None:
-            ax.imshow(layouts[0].numpy(), cmap="Greys", interpolation="nearest", vmin=0, vmax=1)
-            ax.set_title(title, fontsize=8)
-            ax.set_xticks([])
-            ax.set_yticks([])
-            return ax.figure
-        n = min(B * H, heads)
-        fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3.4), squeeze=False)
-        for idx, a in enumerate(axes[0]):
-            a.imshow(layouts[idx].numpy(), cmap="Greys", interpolation="nearest", vmin=0, vmax=1)
-            a.set_xlabel("key block")
-            a.set_ylabel("query block")
-            if B * H > 1:
-                a.set_title(f"batch {idx // H}, head {idx % H}", fontsize=9)
-        fig.suptitle(title, fontsize=10)
-        fig.tight_layout()
-        if path is not None:
-            fig.savefig(path, dpi=120)
-            plt.close(fig)
-        return fig
+        return plot_mask(self, path, heads=heads, ax=ax)

@@ -1,0 +1,136 @@
+"""Inputs a hostile but realistic user gives: each gives the right answer or a clear error, never a silent
+wrong result. Masks are immutable values; scales, dtypes, non-finite inputs and double backward are handled
+the same way on every backend."""
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+
+import sparse_flash
+from sparse_flash import BlockMask, masks
+from sparse_flash.layout import Tiling
+
+
+# ---------------------------------------------------------------- masks are immutable values
+def test_mask_owns_its_layout():
+    buffer = torch.eye(3, dtype=torch.bool)
+    first = BlockMask.from_layout(buffer, 16)
+    buffer.fill_(True)  # a loop that refills one buffer for the next mask
+    second = BlockMask.from_layout(buffer, 16)
+    assert first.nnz == 3 and first.layout.sum() == 3
+    assert first != second and second.nnz == 9
+
+
+@pytest.mark.parametrize("write", [
+    lambda t: t.__setitem__((0, 0, 0, 1), True),
+    lambda t: t.fill_(True),
+    lambda t: t[0].__setitem__((0, 0, 1), True),
+    lambda t: t[0, 0].diagonal().zero_(),
+    lambda t: t.data.fill_(True),
+    lambda t: t.__ior__(torch.ones_like(t)),
+    lambda t: torch.logical_or(t, torch.ones_like(t), out=t),
+    lambda t: t.copy_(torch.ones_like(t)),
+], ids=["setitem", "fill_", "view-setitem", "view-zero_", "data", "ior", "out=", "copy_"])
+def test_layout_writes_raise(write):
+    mask = BlockMask.from_layout(torch.eye(3, dtype=torch.bool), 16)
+    with pytest.raises(RuntimeError, match="read-only"):
+        write(mask.layout)
+    assert mask.layout.sum() == 3 and mask == BlockMask.from_layout(torch.eye(3, dtype=torch.bool), 16)
+
+
+def test_layout_numpy_is_read_only():
+    mask = BlockMask.from_layout(torch.eye(3, dtype=torch.bool), 16)
+    array = mask.layout.numpy()
+    with pytest.raises(ValueError):
+        array[0, 0, 0, 1] = True
+    assert mask.nnz == 3
+
+
+def test_layout_reads_give_plain_tensors():
+    mask = BlockMask.from_layout(torch.eye(3, dtype=torch.bool), 16)
+    copy_ = mask.layout.clone()
+    copy_[0, 0, 0, 1] = True  # a clone is the user's own
+    assert type(copy_) is torch.Tensor and type(mask.layout | mask.layout) is torch.Tensor
+    assert BlockMask.from_layout(copy_, 16).nnz == 4 and mask.nnz == 3
+
+
+@pytest.mark.parametrize("name", ["layout", "block_size", "seq_len_q", "name", "nnz", "tiling"])
+def test_attributes_cannot_be_assigned(name):
+    mask = masks.local(64, 16, window=1)
+    with pytest.raises(AttributeError, match="immutable"):
+        setattr(mask, name, getattr(mask, name))
+    with pytest.raises(AttributeError, match="immutable"):
+        delattr(mask, name)
+
+
+def test_equal_masks_hash_equal_and_different_masks_differ():
+    a, b = masks.local(256, 32, window=1), masks.local(256, 32, window=1)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != masks.local(256, 32, window=2)
+    assert a != BlockMask.from_layout(a.layout, 32, seq_len_q=250, seq_len_k=256)
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save", "deepcopy", "copy"])
+def test_masks_pickle_save_and_copy_after_a_call(how):
+    mask = masks.bigbird(256, 32, seed=0) | masks.local(256, 32, window=1)
+    q = torch.randn(1, 2, 256, 16)
+    sparse_flash.block_sparse_attention(q, q, q, mask, backend="torch")
+    if how == "pickle":
+        back = pickle.loads(pickle.dumps(mask))
+    elif how == "torch.save":
+        buffer = io.BytesIO()
+        torch.save({"mask": mask}, buffer)
+        buffer.seek(0)
+        back = torch.load(buffer, weights_only=False)["mask"]
+    elif how == "deepcopy":
+        back = copy.deepcopy(mask)
+    else:
+        back = copy.copy(mask)
+    assert back == mask and back.name == mask.name
+    for causal in (False, True):
+        assert torch.equal(back.row_index(causal).indices, mask.row_index(causal).indices)
+
+
+# ---------------------------------------------------------------- the BlockMask constructor validates
+@pytest.mark.parametrize("args, error, match", [
+    ((torch.ones(2, 2, dtype=torch.bool), 16, 64, 64), ValueError, "needs ceil"),  # too few blocks
+    ((torch.ones(2, 2), 16), TypeError, "bool or integer"),
+    ((torch.ones(2, dtype=torch.bool), 16), ValueError, "shape"),
+    ((torch.full((2, 2), 2), 16), ValueError, "only 0 and 1"),
+    ((torch.ones(0, 1, 2, 2, dtype=torch.bool), 16), ValueError, "at least one"),
+    ((torch.ones(1, 0, 2, 2, dtype=torch.bool), 16), ValueError, "at least one"),
+    ((torch.ones(2, 2, dtype=torch.bool), 0), ValueError, "positive"),
+    (([[1, 0], [0, 1]], 16), TypeError, "torch.Tensor"),
+    ((torch.ones(2, 2, dtype=torch.bool, device="meta"), 16), ValueError, "meta"),
+    ((torch.ones(2, 2, dtype=torch.bool), 16, 32, 32, 7), TypeError, "name"),
+], ids=["few-blocks", "float", "1-D", "values", "0-batch", "0-heads", "block-0", "list", "meta", "name"])
+def test_constructor_validates(args, error, match):
+    with pytest.raises(error, match=match):
+        BlockMask(*args)
+
+
+def test_constructor_and_from_layout_agree():
+    layout = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)
+    assert BlockMask(layout, 16, 20, 30) == BlockMask.from_layout(layout, 16, seq_len_q=20, seq_len_k=30)
+
+
+def test_to_refuses_a_dtype_and_meta():
+    mask = masks.local(64, 16, window=1)
+    with pytest.raises(TypeError, match="no dtype"):
+        mask.to(torch.float16)
+    with pytest.raises(ValueError, match="meta"):
+        mask.to("meta")
+
+
+def test_tiling_is_checked_and_kept_by_algebra():
+    tiling = Tiling((1, 8, 8), (1, 4, 4))
+    a = BlockMask.from_layout(torch.eye(4, dtype=torch.bool), 16, tiling=tiling)
+    b = BlockMask.from_layout(torch.ones(4, 4, dtype=torch.bool), 16, tiling=tiling)
+    assert (a | b).tiling == tiling and (a & masks.dense(64, 16)).tiling == tiling
+    with pytest.raises(ValueError, match="tiling"):
+        BlockMask.from_layout(torch.eye(4, dtype=torch.bool), 32, tiling=tiling)
+    with pytest.raises(TypeError, match="tiling"):
+        BlockMask.from_layout(torch.eye(4, dtype=torch.bool), 16, tiling=((1, 8, 8), (1, 4, 4)))
