@@ -17,10 +17,13 @@ from .gallery import PATTERNS, build, gallery
 from .global_blocks import global_
 from .local import local
 from .longformer import longformer
+from .neighborhood import butterfly_2d, neighborhood_2d, neighborhood_3d
 from .random_blocks import random
 from .strided import strided
+from .tiles import from_tiles, tile_order, to_tiles
 
 __all__ = sorted(
     ["PATTERNS", "bigbird", "build", "butterfly", "causal", "dense", "fixed", "gallery", "global_", "local", "longformer",
      "random", "strided"]
+    + ["butterfly_2d", "from_tiles", "neighborhood_2d", "neighborhood_3d", "tile_order", "to_tiles"]
 )
