@@ -6,6 +6,8 @@ Backends load lazily: `reference` (dense oracle), `torch` (block-sparse in plain
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 
 import torch
@@ -44,6 +46,10 @@ def _resolve_backend(backend: str, q: torch.Tensor) -> str:
             raise RuntimeError(f"backend='triton' was requested but cannot run: {reason}")
         if q.dtype not in _TRITON_DTYPES:
             raise TypeError(f"backend='triton' supports float16, bfloat16 and float32 inputs, got {q.dtype}")
+        if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+            raise TypeError("backend='triton' cannot take bfloat16 inputs under the Triton interpreter "
+                            "(TRITON_INTERPRET=1): its bfloat16 dot products are wrong. Use float16 or float32 there, "
+                            "or bfloat16 on a GPU")
     return backend
 
 
@@ -87,12 +93,23 @@ def _validate(q, k, v, mask, causal, scale, return_lse) -> None:
         raise ValueError(f"mask batch size must be 1 or q's batch size {B}, got {mask.shape[0]}")
     elif mask.shape[1] not in (1, Hq):
         raise ValueError(f"mask head count must be 1 or q's head count {Hq}, got {mask.shape[1]}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if q.is_meta or k.is_meta or v.is_meta:
+        raise ValueError("q, k and v must hold real values: meta tensors are not supported (torch.compile's fake "
+                         "tensors are)")
+    _check_flag(causal, "causal")
+    _check_flag(return_lse, "return_lse")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale}")
+
+
+def _check_flag(value, name: str) -> None:
+    """A Python bool or a NumPy bool (which is no `bool` subclass)."""
+    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+    if not isinstance(value, bool) and not numpy_bool:
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 def block_sparse_attention(
@@ -116,7 +133,7 @@ def block_sparse_attention(
             A CPU mask used with CUDA tensors is copied to the GPU once and the copy is cached.
         causal: also require `k_idx <= q_idx`, top-left aligned like
             `F.scaled_dot_product_attention(is_causal=True)`.
-        scale: softmax scale; default `1 / sqrt(D)`.
+        scale: softmax scale, any finite float (0 and negative included); default `1 / sqrt(D)`.
         return_lse: also return the log-sum-exp of each query's scores.
         backend: `"auto"` (triton on CUDA when usable, else torch), `"triton"`, `"torch"` (block-sparse in
             plain PyTorch, any device) or `"reference"` (dense and materialised: the oracle). A requested
@@ -139,6 +156,7 @@ def block_sparse_attention(
 def _dispatch(q, k, v, mask, causal, scale, return_lse, backend):
     impl = _resolve_backend(backend, q)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    causal, return_lse = bool(causal), bool(return_lse)
     if mask is _DENSE:
         if impl != "triton":  # the other backends take the all-ones mask itself
             from .masks import dense

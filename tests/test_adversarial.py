@@ -134,3 +134,102 @@ def test_tiling_is_checked_and_kept_by_algebra():
         BlockMask.from_layout(torch.eye(4, dtype=torch.bool), 32, tiling=tiling)
     with pytest.raises(TypeError, match="tiling"):
         BlockMask.from_layout(torch.eye(4, dtype=torch.bool), 16, tiling=((1, 8, 8), (1, 4, 4)))
+
+
+# ---------------------------------------------------------------- scales, dtypes, double backward
+def _triton_ok():
+    import os
+
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+BACKENDS = ["torch", "reference"] + (["triton"] if _triton_ok() else [])
+
+
+def _inputs(dtype, n=48, d=16, requires_grad=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, 2, n, d, generator=g, dtype=dtype).requires_grad_(requires_grad) for _ in range(3)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale", [0.0, -0.25, -3.0, 1e-30], ids=["zero", "neg-small", "neg-large", "tiny"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_any_finite_scale_is_exact(backend, scale, causal):
+    from sparse_flash.reference import attention_reference
+
+    mask = masks.local(48, 16, window=1) | masks.global_(48, 16, num_global_blocks=1)
+    dtype = torch.float32
+    q, k, v = _inputs(dtype)
+    out, lse = sparse_flash.block_sparse_attention(q, k, v, mask, causal=causal, scale=scale, return_lse=True,
+                                                   backend=backend)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ref, ref_lse = attention_reference(q64, k64, v64, mask, causal=causal, scale=scale)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.double(), r, atol=5e-5, rtol=5e-5)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_scale_is_refused(scale):
+    q, k, v = _inputs(torch.float32, requires_grad=False)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        sparse_flash.block_sparse_attention(q, k, v, masks.dense(48, 16), scale=scale)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        sparse_flash.flash_attention(q, k, v, scale=scale)
+
+
+def test_numpy_scalars_are_accepted():
+    np = pytest.importorskip("numpy")
+    q, k, v = _inputs(torch.float64, requires_grad=False)
+    mask = masks.local(48, 16, window=1)
+    expected = sparse_flash.block_sparse_attention(q, k, v, mask, causal=True, scale=0.5)
+    got = sparse_flash.block_sparse_attention(q, k, v, mask, causal=np.bool_(True), scale=np.float32(0.5))
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.skipif(not _triton_ok(), reason="needs triton under TRITON_INTERPRET=1")
+def test_bf16_under_the_interpreter_is_refused():
+    q, k, v = _inputs(torch.bfloat16, requires_grad=False)
+    with pytest.raises(TypeError, match="bfloat16.*interpreter"):
+        sparse_flash.block_sparse_attention(q, k, v, masks.dense(48, 16), backend="triton")
+
+
+@pytest.mark.skipif(not _triton_ok(), reason="needs triton under TRITON_INTERPRET=1")
+def test_double_backward_on_triton_raises():
+    q, k, v = _inputs(torch.float32)
+    out = sparse_flash.block_sparse_attention(q, k, v, masks.local(48, 16, window=1), backend="triton")
+    (dq,) = torch.autograd.grad(out.square().sum(), (q,), create_graph=True)
+    assert dq.requires_grad  # never a silent constant
+    with pytest.raises(RuntimeError, match="double backward.*backend='torch'"):
+        dq.square().sum().backward()
+
+
+def test_double_backward_on_the_torch_backend_matches_the_reference():
+    """The torch backend differentiates twice through PyTorch; its second derivatives equal the dense oracle's
+    (whose double backward is PyTorch's own)."""
+    mask = masks.local(48, 16, window=1) | masks.global_(48, 16, num_global_blocks=1)
+
+    def penalty_grads(backend):
+        q, k, v = _inputs(torch.float64)
+        out = sparse_flash.block_sparse_attention(q, k, v, mask, causal=True, backend=backend)
+        first = torch.autograd.grad(out.square().sum(), (q, k, v), create_graph=True)
+        assert all(g.requires_grad for g in first)
+        return torch.autograd.grad(sum(g.square().sum() for g in first), (q, k, v))
+
+    for got, expected in zip(penalty_grads("torch"), penalty_grads("reference")):
+        torch.testing.assert_close(got, expected)
+
+
+def test_meta_inputs_are_a_clear_error():
+    q = torch.empty(1, 2, 48, 16, device="meta")
+    with pytest.raises(ValueError, match="meta"):
+        sparse_flash.block_sparse_attention(q, q, q, masks.dense(48, 16))

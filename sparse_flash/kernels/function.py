@@ -56,7 +56,27 @@ class BlockSparseAttentionFunction(torch.autograd.Function):
         dout = _last_dim_contiguous(dout)
         args = (dout, q, k, v, out, lse, ctx.index, ctx.mask_geometry, ctx.causal, ctx.scale)
         dq, dk, dv = attn_bwd(*args, ctx.plans) if _plain(dout) else attn_bwd_op(*args)
+        if torch.is_grad_enabled():  # backward(create_graph=True): these gradients must not pass for differentiable
+            dq, dk, dv = _refuse_double_backward(dq, dk, dv)
         return dq, dk, dv, None, None, None, None, None, None
+
+
+_DOUBLE_BACKWARD = (
+    "double backward (differentiating the gradients of block_sparse_attention, e.g. a gradient penalty) is not "
+    "supported by the triton backend; backend='torch' and backend='reference' support it"
+)
+
+
+def _refuse_double_backward(*grads):
+    """The gradients, marked so that differentiating them again raises a RuntimeError naming the backends that
+    can (as `torch.autograd.function.once_differentiable` does, with a message of our own)."""
+    error = torch._C._functions.DelayedError(_DOUBLE_BACKWARD, len(grads))
+    marked = []
+    for g in grads:
+        g = g.detach()
+        g.requires_grad_(True)
+        marked.append(g)
+    return error(*marked)
 
 
 def attention_triton(q, k, v, mask: BlockMask | None, *, causal: bool, scale: float):
@@ -78,6 +98,10 @@ def attention_triton(q, k, v, mask: BlockMask | None, *, causal: bool, scale: fl
             idx = mask.kernel_index(causal)
             row_index, col_index = idx.rows(), idx.cols()
             geometry = [*mask.shape, bq, bk, int(mask.has_long_lists(causal))]
+    if scale <= 0:
+        # The kernels keep scores in log2 units times a positive factor (their running maximum relies on it):
+        # s * (q . k) == |s| * ((-q) . k), and a zero scale is a zero query. Autograd carries the sign to dq.
+        q, scale = (-q, -scale) if scale < 0 else (q * 0.0, 1.0)
     plain = _plain(q)
     if plain and q.is_cuda and q.get_device() != torch.cuda.current_device():
         # Triton launches on the current device: make it q's for this call. The backward runs on the
