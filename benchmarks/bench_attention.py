@@ -57,6 +57,9 @@ def build_mask(name: str, n: int, device) -> tuple[sparse_flash.BlockMask, bool]
         return masks.bigbird(n, BLOCK, seed=0, device=device), False
     if name == "longformer":
         return masks.longformer(n, BLOCK, device=device), False
+    if name == "neighborhood_2d":  # n pixels of a square image, tile-major in 16 x 8 tiles: 2-D window 1, tile 0 global
+        side = int(n**0.5)
+        return masks.neighborhood_2d(side, side, (16, 8), 1, device=device) | masks.global_(n, BLOCK, device=device), False
     raise ValueError(name)
 
 
@@ -428,6 +431,7 @@ def main(argv=None) -> int:
 
     rows = run_rows(shapes, mask_names, [torch.bfloat16], log)
     rows += run_rows([(4, 16, 16, 4096, 128)], ["butterfly"], [torch.float16], log)
+    rows += run_rows([(1, 8, 8, 65536, 64)], ["neighborhood_2d"], [torch.bfloat16], log)  # a 256 x 256 image
     add_ratios(rows)
     costs = [] if args.no_mask_costs else mask_costs()
     summary = summarize(rows)
