@@ -67,14 +67,15 @@ def neighborhood_2d(height: int, width: int, tile, window=1, *, num_heads: int |
 
     Block (a, b) is on iff `|row_a - row_b| <= window_h` and `|col_a - col_b| <= window_w`, with (row, col) a
     tile's position on the tile grid. Tokens must be in tile-major order (`masks.to_tiles`): block `i` is tile
-    `i`, `block_size = tile_h * tile_w`, `seq_len = height * width`. Density is about
-    `(2 window_h + 1)(2 window_w + 1) / num_tiles`: 1.8% for a 256 x 256 image in 16 x 8 tiles, window 1.
+    `i`, `block_size = tile_h * tile_w`, `seq_len = height * width`. Density is at most
+    `(2 window_h + 1)(2 window_w + 1) / num_tiles` (less at the borders): 1.6% for a 256 x 256 image in 16 x 8
+    tiles, window 1.
 
     Args:
         height, width: image size in pixels.
         tile: int (square) or `(tile_h, tile_w)`, in pixels; each divides the matching image side.
-        window: int (both axes) or `(window_h, window_w)`, in tiles, >= 0 (0: each tile only itself); or a
-            list with one such window per head.
+        window: int (both axes) or a tuple `(window_h, window_w)`, in tiles, >= 0 (0: each tile only
+            itself); or a *list* with one such window per head (a tuple is per axis, a list per head).
         num_heads: heads of the layout; with a single window every head gets it, with a list it must equal
             the list's length. Default: one layout shared by all heads (or one per listed window).
         device: where the layout lives.
@@ -84,7 +85,7 @@ def neighborhood_2d(height: int, width: int, tile, window=1, *, num_heads: int |
         `tile_h * tile_w`, and `tiling = Tiling((1, height, width), (1, tile_h, tile_w))`.
 
     Example:
-        >>> m = masks.neighborhood_2d(256, 256, (16, 8), window=1) | masks.global_(65536, 128)  # 2.1%
+        >>> m = masks.neighborhood_2d(256, 256, (16, 8), window=1) | masks.global_(65536, 128)  # 2.0%
         >>> x = masks.to_tiles(torch.randn(1, 8, 65536, 64), 256, 256, (16, 8))  # row-major pixels -> tiles
         >>> out = masks.from_tiles(sparse_flash.block_sparse_attention(x, x, x, m), 256, 256, (16, 8))
     """
@@ -105,8 +106,8 @@ def neighborhood_3d(frames: int, height: int, width: int, tile, window=1, *, num
     Args:
         frames, height, width: video size in frames and pixels.
         tile: int (a cube) or `(tile_t, tile_h, tile_w)`; each divides the matching video side.
-        window: int (every axis) or `(window_t, window_h, window_w)`, in tiles, >= 0; or a list with one such
-            window per head.
+        window: int (every axis) or a tuple `(window_t, window_h, window_w)`, in tiles, >= 0; or a *list*
+            with one such window per head (a tuple is per axis, a list per head).
         num_heads: as for `neighborhood_2d`.
         device: where the layout lives.
 
