@@ -144,6 +144,11 @@ def block_sparse_attention(
         (not differentiable). If a query row of the mask is all zero, its output is 0, its lse is -inf and
         its gradients are 0.
 
+    Non-finite inputs: a NaN or infinity in q at row i, or in k or v at key j, reaches exactly the rows it
+    belongs to or that attend it (row i; the rows whose allowed keys include j) and the gradients that flow
+    through them; every other row and gradient stays exact. One known exception: on the triton backend with
+    `causal=True`, a non-finite value in `v` also reaches the earlier rows of its causal diagonal tile.
+
     Example:
         >>> q = k = v = torch.randn(2, 4, 1000, 64)
         >>> mask = sparse_flash.masks.butterfly(1000, 128) | sparse_flash.masks.local(1000, 128, window=1)

@@ -186,16 +186,18 @@ def _item_ranges(lists, chunk_id, n, full: BlockIndex, part: BlockIndex) -> list
     return [full_lo, full_hi, part_lo, part_hi, first(full, full_lo, full_hi), first(part, part_lo, part_hi)]
 
 
-def _plan_work(counts: torch.Tensor, chunk: int, mean: float, full: BlockIndex, part: BlockIndex) -> WorkPlan:
+def _plan_work(counts: torch.Tensor, chunk: int, mean: float, full: BlockIndex,
+               part: BlockIndex) -> tuple[WorkPlan, int]:
     """Programs for lists of `counts` (B, H, M) blocks (`mean` long on average; `full` and `part` are the
-    lists' full and partial blocks): lists longer than `chunk` split, longest first."""
+    lists' full and partial blocks): lists longer than `chunk` split, longest first. Also returns the length
+    of the longest list."""
     B, H, M = counts.shape
     flat = counts.reshape(-1).long()
     n = torch.where(flat > chunk, torch.clamp((flat + chunk - 1) // chunk, max=SPLIT_MAX_CHUNKS), 1)  # chunks per list
     is_split = n > 1
     # The sizes below, fetched from the device together: items, the most items of one (b, h), split lists, slots
-    num_items, width, num_split, num_slots = torch.stack(
-        [n.sum(), n.view(B * H, M).sum(1).max(), is_split.sum(), (n * is_split).sum()]).tolist()
+    num_items, width, num_split, num_slots, longest = torch.stack(
+        [n.sum(), n.view(B * H, M).sum(1).max(), is_split.sum(), (n * is_split).sum(), flat.max()]).tolist()
     lists = torch.repeat_interleave(torch.arange(flat.numel(), device=flat.device), n, output_size=num_items)
     starts = torch.cumsum(n, 0) - n
     chunk_id = torch.arange(lists.numel(), device=flat.device) - starts[lists]
@@ -218,7 +220,7 @@ def _plan_work(counts: torch.Tensor, chunk: int, mean: float, full: BlockIndex, 
     plan = WorkPlan(items.reshape(B, H, -1, len(ITEM_FIELDS)), n.to(torch.int32), slots.to(torch.int32), lead,
                     split.to(torch.int32), slot_list)
     _unbacked((plan.items, 2), (plan.split, 0), (plan.slot_list, 0))
-    return plan
+    return plan, longest
 
 
 def _causal_blocks(Mq: int, Mk: int, bq: int, bk: int, seq_len_q: int) -> int:
@@ -483,6 +485,10 @@ class BlockMask:
         """
         return self._covers_causal
 
+    def longest_row(self, causal: bool = False) -> int:
+        """The most key blocks that one query block walks in an attention call with this `causal` flag."""
+        return self._longest_row[bool(causal)]
+
     def has_long_lists(self, causal: bool = False) -> bool:
         """True if the rows walked by an attention call with this `causal` flag average at least
         `LONG_LIST_BLOCKS` blocks; the kernels then use wider tiles."""
@@ -589,6 +595,7 @@ class BlockMask:
         tail = (q_first + bq > self.seq_len_q) | (k_first + bk > self.seq_len_k)
         set_("_index", {})
         set_("_long_lists", {})
+        set_("_longest_row", {})  # per causal flag: the most live key blocks of one row (a Python int)
         by_col = torch.argsort(col * Mq + i)  # the same entries sorted by (b, h, j, i)
         classes = {}  # each entry's class, per causal flag
         for causal in (False, True):
@@ -608,11 +615,10 @@ class BlockMask:
             self._long_lists[causal] = total >= LONG_LIST_BLOCKS * B * H * Mq
             if causal:
                 set_("_covers_causal", total == B * H * _causal_blocks(Mq, Mk, bq, bk, self.seq_len_q))
-            self._index[("kernel", causal)] = KernelIndex(
-                row_full, row_part, col_full, col_part,
-                _plan_work(rows_live.counts, row_chunk, total / (B * H * Mq), row_full, row_part),
-                _plan_work(cols_live.counts, col_chunk, total / (B * H * Mk), col_full, col_part),
-            )
+            row_plan, longest_row = _plan_work(rows_live.counts, row_chunk, total / (B * H * Mq), row_full, row_part)
+            col_plan, _ = _plan_work(cols_live.counts, col_chunk, total / (B * H * Mk), col_full, col_part)
+            self._index[("kernel", causal)] = KernelIndex(row_full, row_part, col_full, col_part, row_plan, col_plan)
+            self._longest_row[causal] = longest_row
 
     # ------------------------------------------------------------------ algebra
     def _check_same_geometry(self, other, op: str) -> None:

@@ -20,9 +20,33 @@ def _softmax_rows(s: torch.Tensor):
     l = e.sum(dim=-1, keepdim=True)
     empty = l == 0
     l_safe = torch.where(empty, torch.ones_like(l), l)
-    p = e / l_safe
+    p = (e / l_safe).masked_fill(s == float("-inf"), 0.0)  # masked pairs stay 0 even in a row that is NaN
     lse = (m + torch.log(l_safe)).masked_fill(empty, float("-inf")).squeeze(-1)
     return p, lse
+
+
+def split_non_finite(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(clean, bad)`: `t` `(..., N, D)` with every row holding a NaN or an infinity set to 0, and bool `(..., N)`
+    marking those rows."""
+    bad = ~torch.isfinite(t).all(dim=-1)
+    return t.masked_fill(bad[..., None], 0.0), bad
+
+
+def poison_scores(s: torch.Tensor, allowed: torch.Tensor, q_bad: torch.Tensor, kv_bad: torch.Tensor) -> torch.Tensor:
+    """Masked scores under the rule for non-finite inputs.
+
+    A NaN or infinity in q at row i, or in k or v at key j, makes non-finite exactly the rows it belongs to or
+    that attend it: row i; every row whose allowed keys include j. Every other row stays exact: the caller
+    computes with clean inputs (`split_non_finite`), and this sets the pairs (i, j) that are allowed and touch
+    a non-finite row to NaN, and the pairs that are not allowed to -inf. Products 0 * NaN of a masked pair
+    never happen, so nothing reaches a row (or, in the backward, a gradient) through a pair it does not attend.
+
+    Args:
+        s: scores `(..., Nq, Nk)`; allowed: bool, broadcastable to s; q_bad: bool `(..., Nq, 1)`;
+            kv_bad: bool `(..., 1, Nk)`.
+    """
+    s = s.masked_fill(~allowed, float("-inf"))
+    return s.masked_fill(allowed & (q_bad | kv_bad), float("nan"))
 
 
 def attention_reference(
@@ -44,6 +68,8 @@ def attention_reference(
         upcast: compute in float32 (float64 inputs stay float64); False computes in the input dtype, which
             gives the error of "the same math done by PyTorch in that dtype".
 
+    A NaN or infinity in q, k or v reaches exactly the rows that hold or attend it (`poison_scores`).
+
     Returns:
         `(out, lse)`: out in q's dtype, lse float32 `(B, Hq, Nq)` (float64 for float64 inputs).
     """
@@ -52,15 +78,16 @@ def attention_reference(
     B, Hq, Nq, D = q.shape
     groups = Hq // k.shape[1]
     scale = D**-0.5 if scale is None else scale
-    qc, kc, vc = (t.to(compute) for t in (q, k, v))
+    (qc, q_bad), (kc, k_bad), (vc, v_bad) = (split_non_finite(t.to(compute)) for t in (q, k, v))
     kc = kc.repeat_interleave(groups, dim=1)
     vc = vc.repeat_interleave(groups, dim=1)
+    kv_bad = (k_bad | v_bad).repeat_interleave(groups, dim=1)
     allowed = mask.to(q.device).to_dense()
     if causal:
         Nk = k.shape[2]
         allowed = allowed & torch.ones(Nq, Nk, dtype=torch.bool, device=q.device).tril()
     s = torch.matmul(qc, kc.transpose(-1, -2)) * scale
-    s = s.masked_fill(~allowed, float("-inf"))
+    s = poison_scores(s, allowed, q_bad[..., :, None], kv_bad[..., None, :])
     p, lse = _softmax_rows(s)
     out = torch.matmul(p, vc)
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32

@@ -1,8 +1,10 @@
 """Block-sparse attention in plain PyTorch: gathers only the nonzero key blocks of each query block.
 
-Works on any device and differentiates through PyTorch's autograd. Rows (batch, head, query block) are
-sorted by their number of key blocks and processed in chunks padded to the longest row of the chunk, so
-memory stays proportional to the nonzero blocks and no `Nq x Nk` tensor is ever built.
+Works on any device, differentiates (twice, too) through PyTorch's autograd and compiles with
+`torch.compile(fullgraph=True)`. Rows (batch, head, query block) are processed in chunks padded to the
+longest row of the chunk, so memory stays proportional to the nonzero blocks and no `Nq x Nk` tensor is ever
+built. Eagerly, rows are sorted by their number of key blocks first, so that a chunk pads little; inside
+`torch.compile` shapes must not depend on the mask's data, so every row pads to the mask's longest row.
 """
 
 from __future__ import annotations
@@ -11,65 +13,92 @@ import torch
 import torch.nn.functional as F
 
 from .layout import BlockMask
-from .reference import _softmax_rows
+from .reference import _softmax_rows, poison_scores, split_non_finite
 
 _CHUNK_ELEMENTS = 1 << 23  # score elements per chunk: bounds the working memory (32 MB in fp32)
+
+
+def _row_chunks(counts: torch.Tensor, longest: int, block_elements: int):
+    """The work rows in chunks: `(chunks, order)`, each chunk `(rows, width)` with its rows padded to `width`
+    key blocks of `block_elements` score elements each; `order` is the row order of the chunks (None: as is)."""
+    total = counts.numel()
+    if torch.compiler.is_compiling():
+        width = max(longest, 1)
+        n = max(1, _CHUNK_ELEMENTS // (width * block_elements))
+        device = counts.device
+        return [(torch.arange(lo, min(lo + n, total), device=device), width) for lo in range(0, total, n)], None
+    order = torch.argsort(counts, descending=True, stable=True)
+    sorted_counts = counts[order].tolist()
+    chunks, lo = [], 0
+    while lo < total:
+        width = max(sorted_counts[lo], 1)  # key blocks in the chunk's longest row
+        n = max(1, _CHUNK_ELEMENTS // (width * block_elements))
+        chunks.append((order[lo:lo + n], width))
+        lo += n
+    return chunks, order
 
 
 def attention_torch(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, *, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-sparse attention over the nonzero blocks of `mask`; returns `(out, lse)` like the reference."""
+    """Block-sparse attention over the nonzero blocks of `mask`; returns `(out, lse)` like the reference.
+
+    Non-finite inputs follow the reference's rule (see `reference.poison_scores`): they reach exactly the rows
+    that attend them, never a row through a padded slot or a masked pair.
+    """
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     groups = Hq // Hkv
     bq, bk = mask.block_size
     Mq, Mk = mask.num_blocks
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    index = mask.to(q.device).row_index(causal)
+    mask = mask.to(q.device)
+    index = mask.row_index(causal)
+    longest = mask.longest_row(causal)
 
     # One work row per (b, hq, query block), numbered (b * Hq + hq) * Mq + i.
     counts = index.counts.expand(B, Hq, Mq).reshape(-1)
     starts = index.offsets[:-1].reshape(index.counts.shape).expand(B, Hq, Mq).reshape(-1)
-    order = torch.argsort(counts, descending=True, stable=True)
-    sorted_counts = counts[order].tolist()
 
-    q_blocks = F.pad(q, (0, 0, 0, Mq * bq - Nq)).reshape(B * Hq * Mq, bq, D).to(compute)
-    k_blocks = F.pad(k, (0, 0, 0, Mk * bk - Nk)).reshape(B * Hkv * Mk, bk, D).to(compute)
-    v_blocks = F.pad(v, (0, 0, 0, Mk * bk - Nk)).reshape(B * Hkv * Mk, bk, D).to(compute)
+    (qc, q_bad), (kc, k_bad), (vc, v_bad) = (split_non_finite(t.to(compute)) for t in (q, k, v))
+    q_blocks = F.pad(qc, (0, 0, 0, Mq * bq - Nq)).reshape(B * Hq * Mq, bq, D)
+    k_blocks = F.pad(kc, (0, 0, 0, Mk * bk - Nk)).reshape(B * Hkv * Mk, bk, D)
+    v_blocks = F.pad(vc, (0, 0, 0, Mk * bk - Nk)).reshape(B * Hkv * Mk, bk, D)
+    q_bad_blocks = F.pad(q_bad, (0, Mq * bq - Nq)).reshape(B * Hq * Mq, bq)
+    kv_bad_blocks = F.pad(k_bad | v_bad, (0, Mk * bk - Nk)).reshape(B * Hkv * Mk, bk)
     offs_q = torch.arange(bq, device=q.device)
     offs_k = torch.arange(bk, device=q.device)
 
+    chunks, order = _row_chunks(counts, longest, bk * max(bq, D))
     outs, lses = [], []
-    lo = 0
-    while lo < len(sorted_counts):
-        width = max(sorted_counts[lo], 1)  # key blocks in the chunk's longest row
-        n = max(1, _CHUNK_ELEMENTS // (width * bk * max(bq, D)))
-        rows = order[lo : lo + n]
-        lo += n
+    for rows, width in chunks:
         row_counts, row_starts = counts[rows], starts[rows]
         slot = torch.arange(width, device=q.device)
         valid = slot[None, :] < row_counts[:, None]  # (n, width)
-        pos = (row_starts[:, None] + slot[None, :]).clamp(max=max(index.indices.numel() - 1, 0))
-        kb = index.indices[pos].long() if index.indices.numel() else torch.zeros_like(pos)  # key block ids
+        if longest:
+            pos = torch.clamp(row_starts[:, None] + slot[None, :], max=index.indices.numel() - 1)
+            kb = torch.where(valid, index.indices[pos].long(), 0)  # key block ids; padded slots read block 0
+        else:
+            kb = torch.zeros_like(valid, dtype=torch.long)
         b, hq, i = rows // (Hq * Mq), (rows // Mq) % Hq, rows % Mq
         kv_rows = ((b * Hkv + hq // groups) * Mk)[:, None] + kb  # (n, width)
 
-        kc = k_blocks[kv_rows].reshape(len(rows), width * bk, D)
-        vc = v_blocks[kv_rows].reshape(len(rows), width * bk, D)
-        s = torch.matmul(q_blocks[rows], kc.transpose(-1, -2)) * scale  # (n, bq, width * bk)
-
-        k_pos = (kb[:, :, None] * bk + offs_k).reshape(len(rows), 1, width * bk)
-        allowed = valid.repeat_interleave(bk, dim=1)[:, None, :] & (k_pos < Nk)
+        n = len(rows)
+        s = torch.matmul(q_blocks[rows], k_blocks[kv_rows].reshape(n, width * bk, D).transpose(-1, -2)) * scale
+        k_pos = (kb[:, :, None] * bk + offs_k).reshape(n, 1, width * bk)
+        allowed = valid.repeat_interleave(bk, dim=1)[:, None, :] & (k_pos < Nk)  # (n, 1 or bq, width * bk)
         if causal:
-            q_pos = (i[:, None] * bq + offs_q)[:, :, None]
-            allowed = allowed & (k_pos <= q_pos)
-        p, lse = _softmax_rows(s.masked_fill(~allowed, float("-inf")))
-        outs.append(torch.matmul(p, vc))
+            allowed = allowed & (k_pos <= (i[:, None] * bq + offs_q)[:, :, None])
+        s = poison_scores(s, allowed, q_bad_blocks[rows][:, :, None], kv_bad_blocks[kv_rows].reshape(n, 1, -1))
+        p, lse = _softmax_rows(s)
+        outs.append(torch.matmul(p, v_blocks[kv_rows].reshape(n, width * bk, D)))
         lses.append(lse)
 
-    inverse = torch.argsort(order)
-    out = torch.cat(outs)[inverse].reshape(B, Hq, Mq * bq, D)[:, :, :Nq]
-    lse = torch.cat(lses)[inverse].reshape(B, Hq, Mq * bq)[:, :, :Nq]
+    out, lse = torch.cat(outs), torch.cat(lses)
+    if order is not None:
+        inverse = torch.argsort(order)
+        out, lse = out[inverse], lse[inverse]
+    out = out.reshape(B, Hq, Mq * bq, D)[:, :, :Nq]
+    lse = lse.reshape(B, Hq, Mq * bq)[:, :, :Nq]
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return out.to(q.dtype), lse.to(lse_dtype)
