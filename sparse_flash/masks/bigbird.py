@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from ..layout import BlockMask
-from ._common import block_coords, causal_blocks, generator, geometry, make, optional_heads, positive_int
+from ._common import (
+    as_bool, block_coords, causal_blocks, generator, geometry, make, odd_int, optional_heads, positive_int, seed_value
+)
 
 
 def bigbird(
@@ -28,19 +30,22 @@ def bigbird(
     block lower triangle (random blocks are drawn among keys at or before the query block).
 
     Args:
-        seq_len: query length in tokens.
-        block_size: int or `(block_q, block_k)`, in tokens.
-        num_random_blocks: random key blocks per query block.
-        num_sliding_window_blocks: width of the sliding window, in blocks (odd; 3 means +-1).
-        num_global_blocks: leading global blocks.
-        causal: unidirectional variant.
-        seed: an int seed or a `torch.Generator`.
-        num_heads: draw the random part independently per head.
+        seq_len: query length in tokens, from 1.
+        block_size: int or `(block_q, block_k)`, in tokens, from 1.
+        num_random_blocks: random key blocks per query block, from 0 (more than the row holds: all of it).
+        num_sliding_window_blocks: width of the sliding window in blocks, odd (3 means +-1).
+        num_global_blocks: leading global blocks, from 0 (more than the mask has: all of them).
+        causal: unidirectional variant (a bool).
+        seed: an int seed in [0, 2**64 - 1] or a `torch.Generator`.
+        num_heads: draw the random part independently per head, from 1.
         seq_len_k: key length (cross attention); defaults to `seq_len`.
         device: where the layout is drawn and lives.
 
     Returns:
         BlockMask `(1, num_heads or 1, Mq, Mk)`.
+
+    Raises:
+        TypeError, ValueError: an argument outside the ranges above.
 
     Example:
         >>> from sparse_flash import masks
@@ -48,10 +53,12 @@ def bigbird(
         (1, 4, 64, 64)
     """
     r = positive_int(num_random_blocks, "num_random_blocks", minimum=0)
-    w = positive_int(num_sliding_window_blocks, "num_sliding_window_blocks", minimum=0)
+    w = odd_int(num_sliding_window_blocks, "num_sliding_window_blocks")
     g = positive_int(num_global_blocks, "num_global_blocks", minimum=0)
-    geo = geometry(seq_len, block_size, seq_len_k)
+    causal = as_bool(causal, "causal")
+    seed = seed_value(seed)
     heads = optional_heads(num_heads)
+    geo = geometry(seq_len, block_size, seq_len_k, heads=heads)
     i, j = block_coords(geo, device)
     allowed = causal_blocks(geo, device) if causal else torch.ones_like(i * j, dtype=torch.bool)
 

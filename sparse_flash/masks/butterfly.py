@@ -7,7 +7,9 @@ import math
 import torch
 
 from ..layout import BlockMask
-from ._common import geometry, make, positive_int
+from ._common import GridError, geometry, make, positive_int
+
+MAX_FACTORS = 31  # a mask has fewer than 2**31 blocks a side (MAX_LAYOUT_BLOCKS), so at most 31 factors
 
 
 def butterfly(
@@ -27,17 +29,22 @@ def butterfly(
     nonzero blocks plus one pass over the layout.
 
     Args:
-        seq_len: query length in tokens.
-        block_size: int or `(block_q, block_k)`, in tokens.
-        n_factors: how many butterfly factors to union; default all, `ceil(log2(size))`.
+        seq_len: query length in tokens, from 1.
+        block_size: int or `(block_q, block_k)`, in tokens, from 1.
+        n_factors: how many butterfly factors to union, from 0 to 31; default all, `ceil(log2(size))`.
+            Factors past those of the grid add no block (their partners lie outside it).
         butterfly_size: compute the pattern on a `butterfly_size`-square grid and blow each entry up to a
             square of `nb / butterfly_size` blocks; density then is `(1 + n_factors) / butterfly_size`.
-        num_global_blocks: the first rows and columns made dense as well.
+            From 1 to the number of blocks of the longer side.
+        num_global_blocks: the first rows and columns made dense as well, from 0.
         seq_len_k: key length (cross attention); defaults to `seq_len`.
         device: where the layout lives.
 
     Returns:
         BlockMask `(1, 1, Mq, Mk)`.
+
+    Raises:
+        TypeError, ValueError: an argument outside the ranges above.
 
     Example:
         >>> from sparse_flash import masks
@@ -45,18 +52,21 @@ def butterfly(
         >>> round(m.density, 4)
         0.0195
     """
+    n = None if n_factors is None else positive_int(n_factors, "n_factors", minimum=0, maximum=MAX_FACTORS)
+    if butterfly_size is not None:
+        butterfly_size = positive_int(butterfly_size, "butterfly_size")
+    num_global_blocks = positive_int(num_global_blocks, "num_global_blocks", minimum=0)
     geo = geometry(seq_len, block_size, seq_len_k)
     Mq, Mk = geo.num_blocks_q, geo.num_blocks_k
-    size = max(Mq, Mk) if butterfly_size is None else positive_int(butterfly_size, "butterfly_size")
     if butterfly_size is not None and butterfly_size > max(Mq, Mk):
-        raise ValueError(f"butterfly_size must be at most the number of blocks ({max(Mq, Mk)}), got {butterfly_size}")
+        raise GridError(f"butterfly_size must be at most the number of blocks ({max(Mq, Mk)}), got {butterfly_size}")
+    size = max(Mq, Mk) if butterfly_size is None else butterfly_size
     all_factors = math.ceil(math.log2(size))
-    n = all_factors if n_factors is None else positive_int(n_factors, "n_factors", minimum=0)
-    num_global_blocks = positive_int(num_global_blocks, "num_global_blocks", minimum=0)
+    n = all_factors if n is None else n
 
     # Nonzero coordinates of the butterfly on its grid: (r, r) and (r, r ^ 2**k).
     r = torch.arange(size, device=device)
-    partners = [r] + [r ^ (1 << k) for k in range(n)]
+    partners = [r] + [r ^ (1 << k) for k in range(min(n, all_factors))]
     rows = r.repeat(len(partners))
     cols = torch.cat(partners)
     if butterfly_size is None:  # one grid cell per block

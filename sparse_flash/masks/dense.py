@@ -12,8 +12,8 @@ def dense(seq_len: int, block_size=128, *, seq_len_k: int | None = None, device=
     """Every block on: dense attention, served by the same kernels.
 
     Args:
-        seq_len: query length in tokens.
-        block_size: int or `(block_q, block_k)`, in tokens.
+        seq_len: query length in tokens, from 1.
+        block_size: int or `(block_q, block_k)`, in tokens, from 1.
         seq_len_k: key length (cross attention); defaults to `seq_len`.
         device: where the layout lives.
 

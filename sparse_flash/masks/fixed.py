@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import BlockMask
-from ._common import block_coords, geometry, make, optional_heads, positive_int
+from ._common import as_bool, block_coords, make, optional_heads, positive_int, square_geometry
 
 
 def fixed(
@@ -30,18 +30,22 @@ def fixed(
     its own last blocks as global.
 
     Args:
-        seq_len: sequence length in tokens (self-attention).
-        block_size: int or `(block_q, block_k)`, in tokens.
-        num_local_blocks: window size in blocks.
-        num_global_blocks: global blocks per window.
-        causal: unidirectional variant.
-        horizontal_global_attention: global blocks also attend everywhere (bidirectional only).
-        num_different_global_patterns: how many global positions the heads cycle through.
-        num_heads: number of heads (needed with `num_different_global_patterns > 1`).
+        seq_len: sequence length in tokens (self-attention), from 1.
+        block_size: int, or a pair `(b, b)` of equal ints, in tokens, from 1.
+        num_local_blocks: window size in blocks, from 1.
+        num_global_blocks: global blocks per window, from 1 to `num_local_blocks`.
+        causal: unidirectional variant (a bool).
+        horizontal_global_attention: global blocks also attend everywhere (a bool; bidirectional only).
+        num_different_global_patterns: how many global positions the heads cycle through, from 1, with
+            `num_different_global_patterns * num_global_blocks <= num_local_blocks`.
+        num_heads: number of heads, from 1 (needed with `num_different_global_patterns > 1`).
         device: where the layout lives.
 
     Returns:
         BlockMask `(1, num_heads or 1, M, M)`.
+
+    Raises:
+        TypeError, ValueError: an argument outside the ranges above.
 
     Example:
         >>> from sparse_flash import masks
@@ -52,6 +56,8 @@ def fixed(
     G = positive_int(num_global_blocks, "num_global_blocks")
     P = positive_int(num_different_global_patterns, "num_different_global_patterns")
     heads = optional_heads(num_heads)
+    causal = as_bool(causal, "causal")
+    horizontal_global_attention = as_bool(horizontal_global_attention, "horizontal_global_attention")
     if G > L:
         raise ValueError(f"num_global_blocks ({G}) must be at most num_local_blocks ({L})")
     if P * G > L:
@@ -62,7 +68,7 @@ def fixed(
         raise ValueError("num_different_global_patterns > 1 needs num_heads")
     if causal and horizontal_global_attention:
         raise ValueError("horizontal_global_attention is defined for the bidirectional pattern only (causal=False)")
-    geo = geometry(seq_len, block_size)
+    geo = square_geometry("fixed", seq_len, block_size, heads=heads)
     M = geo.num_blocks_q
     i, j = block_coords(geo, device)
     local_ = (i // L) == (j // L)
@@ -72,7 +78,7 @@ def fixed(
     for h in range(heads):
         first = L - (1 + h % P) * G  # offset of the global blocks inside each window
         starts = torch.clamp(torch.arange(0, M, L, device=device) + first, max=max(M - G, 0))
-        cols = (starts[:, None] + torch.arange(G, device=device)[None, :]).clamp(max=M - 1).unique()
+        cols = (starts[:, None] + torch.arange(min(G, M), device=device)[None, :]).clamp(max=M - 1).unique()
         if causal:
             layout[h] |= (j == cols[:, None, None]).any(0) & (i >= j)
         else:

@@ -14,14 +14,17 @@ def global_(
     """Rows and columns `0 .. num_global_blocks - 1` dense, everything else off.
 
     Args:
-        seq_len: query length in tokens.
-        block_size: int or `(block_q, block_k)`, in tokens.
-        num_global_blocks: how many leading blocks are global.
+        seq_len: query length in tokens, from 1.
+        block_size: int or `(block_q, block_k)`, in tokens, from 1.
+        num_global_blocks: how many leading blocks are global, from 0 (more than the mask has: all of them).
         seq_len_k: key length (cross attention); defaults to `seq_len`.
         device: where the layout lives.
 
     Returns:
         BlockMask `(1, 1, Mq, Mk)`.
+
+    Raises:
+        TypeError, ValueError: an argument outside the ranges above.
 
     Example:
         >>> from sparse_flash import masks

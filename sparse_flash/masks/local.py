@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..layout import BlockMask
-from ._common import block_coords, geometry, make, positive_int
+from ._common import as_bool, block_coords, geometry, make, positive_int
 
 
 def local(
@@ -14,15 +14,19 @@ def local(
     Block (i, j) is on iff `|i - j| <= window`, or `0 <= i - j <= window` when `causal`.
 
     Args:
-        seq_len: query length in tokens.
-        block_size: int or `(block_q, block_k)`, in tokens.
-        window: half-width of the band, in blocks (0 keeps only the diagonal).
-        causal: keep only the lower half of the band.
+        seq_len: query length in tokens, from 1.
+        block_size: int or `(block_q, block_k)`, in tokens, from 1.
+        window: half-width of the band in blocks, from 0 (0 keeps only the diagonal); a band wider than the
+            mask covers all of it.
+        causal: keep only the lower half of the band (a bool).
         seq_len_k: key length (cross attention); defaults to `seq_len`.
         device: where the layout lives.
 
     Returns:
         BlockMask `(1, 1, Mq, Mk)`.
+
+    Raises:
+        TypeError, ValueError: an argument outside the ranges above.
 
     Example:
         >>> from sparse_flash import masks
@@ -30,6 +34,7 @@ def local(
         BlockMask(local(window=1), ...
     """
     window = positive_int(window, "window", minimum=0)
+    causal = as_bool(causal, "causal")
     geo = geometry(seq_len, block_size, seq_len_k)
     i, j = block_coords(geo, device)
     d = i - j

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..layout import BlockMask
-from ._common import block_coords, causal_blocks, geometry, make, positive_int
+from ._common import as_bool, block_coords, block_indices, causal_blocks, check_on_grid, geometry, make, odd_int
 
 
 def longformer(
@@ -25,35 +25,45 @@ def longformer(
     The defaults match DeepSpeed's BSLongformer sparsity config.
 
     Args:
-        seq_len: query length in tokens.
-        block_size: int or `(block_q, block_k)`, in tokens.
-        num_sliding_window_blocks: width of the window, in blocks (3 means +-1).
-        global_block_indices: the global blocks; with `global_block_end_indices`, the starts of global ranges.
-        global_block_end_indices: exclusive ends of the global ranges, one per start.
-        causal: restrict to the block lower triangle.
+        seq_len: query length in tokens, from 1.
+        block_size: int or `(block_q, block_k)`, in tokens, from 1.
+        num_sliding_window_blocks: width of the window in blocks, odd (3 means +-1); a window wider than the
+            mask covers all of it.
+        global_block_indices: the global blocks, distinct indices below the number of blocks (of the longer
+            side); with `global_block_end_indices`, the starts of global ranges.
+        global_block_end_indices: exclusive ends of the global ranges, one per start, each after its start and
+            at most the number of blocks.
+        causal: restrict to the block lower triangle (a bool).
         seq_len_k: key length (cross attention); defaults to `seq_len`.
         device: where the layout lives.
 
     Returns:
         BlockMask `(1, 1, Mq, Mk)`.
 
+    Raises:
+        TypeError, ValueError: an argument outside the ranges above.
+
     Example:
         >>> from sparse_flash import masks
         >>> masks.longformer(4096, 128, global_block_indices=[0, 16]).shape
         (1, 1, 32, 32)
     """
-    w = positive_int(num_sliding_window_blocks, "num_sliding_window_blocks", minimum=0)
-    geo = geometry(seq_len, block_size, seq_len_k)
-    starts = [positive_int(s, "global_block_indices", minimum=0) for s in global_block_indices]
+    w = odd_int(num_sliding_window_blocks, "num_sliding_window_blocks")
+    causal = as_bool(causal, "causal")
+    starts = block_indices(global_block_indices, "global_block_indices")
     if global_block_end_indices is None:
         ends = [s + 1 for s in starts]
     else:
-        ends = [positive_int(e, "global_block_end_indices", minimum=0) for e in global_block_end_indices]
+        ends = block_indices(global_block_end_indices, "global_block_end_indices")
         if len(ends) != len(starts) or any(e <= s for s, e in zip(starts, ends)):
             raise ValueError(
                 "global_block_end_indices must give one end after each start, got "
                 f"starts {starts} and ends {ends}"
             )
+    geo = geometry(seq_len, block_size, seq_len_k)
+    check_on_grid(starts, geo, "global_block_indices")
+    if global_block_end_indices is not None:
+        check_on_grid(ends, geo, "global_block_end_indices", ends=True)
     i, j = block_coords(geo, device)
     layout = (i - j).abs() <= w // 2
     for s, e in zip(starts, ends):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import BlockMask
-from ._common import generator, geometry, make, optional_heads
+from ._common import generator, geometry, make, optional_heads, probability, seed_value
 
 
 def random(
@@ -25,28 +25,30 @@ def random(
     keep the diagonal).
 
     Args:
-        seq_len: query length in tokens.
-        block_size: int or `(block_q, block_k)`, in tokens.
-        density: probability of each block, in [0, 1].
-        seed: an int seed or a `torch.Generator` (never the global RNG).
-        num_heads: draw one independent layout per head; default one layout shared by all heads.
+        seq_len: query length in tokens, from 1.
+        block_size: int or `(block_q, block_k)`, in tokens, from 1.
+        density: probability of each block, a float in [0, 1].
+        seed: an int seed in [0, 2**64 - 1] or a `torch.Generator` (never the global RNG).
+        num_heads: draw one independent layout per head, from 1; default one layout shared by all heads.
         seq_len_k: key length (cross attention); defaults to `seq_len`.
         device: where the layout is drawn and lives.
 
     Returns:
         BlockMask `(1, num_heads or 1, Mq, Mk)`.
 
+    Raises:
+        TypeError, ValueError: an argument outside the ranges above.
+
     Example:
         >>> from sparse_flash import masks
         >>> masks.random(4096, 128, density=0.1, seed=1, num_heads=8).shape
         (1, 8, 32, 32)
     """
-    if isinstance(density, bool) or not isinstance(density, (int, float)):
-        raise TypeError(f"density must be a float in [0, 1], got {type(density).__name__}")
-    if not 0.0 <= density <= 1.0:
-        raise ValueError(f"density must be in [0, 1], got {density}")
-    geo = geometry(seq_len, block_size, seq_len_k)
+    density = probability(density, "density")
+    seed = seed_value(seed)
     heads = optional_heads(num_heads)
+    geo = geometry(seq_len, block_size, seq_len_k, heads=heads)
     gen = generator(seed, device if device is not None else "cpu")
     draws = torch.rand(heads, geo.num_blocks_q, geo.num_blocks_k, generator=gen, device=gen.device)
-    return make((draws < density).to(device), geo, f"random(density={density:g}, seed={seed if isinstance(seed, int) else 'gen'})")
+    name = f"random(density={density:g}, seed={seed if isinstance(seed, int) else 'gen'})"
+    return make((draws < density).to(device), geo, name)

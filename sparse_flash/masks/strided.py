@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from ..layout import BlockMask
-from ._common import block_coords, geometry, make, positive_int
+from ._common import block_coords, make, positive_int, square_geometry
 
 
 def strided(
@@ -14,24 +14,28 @@ def strided(
     """Causal strided attention: block (i, j), j <= i, is on iff `(i - j) % stride == 0` or `i - j < bandwidth`.
 
     Args:
-        seq_len: sequence length in tokens (self-attention).
-        block_size: int or `(block_q, block_k)`, in tokens.
-        stride: stride in blocks; default `round(sqrt(M))` for M blocks, as in the Sparse Transformer.
-        bandwidth: width of the local band in blocks; default `stride`.
+        seq_len: sequence length in tokens (self-attention), from 1.
+        block_size: int, or a pair `(b, b)` of equal ints, in tokens, from 1.
+        stride: stride in blocks, from 1; default `round(sqrt(M))` for M blocks, as in the Sparse Transformer.
+        bandwidth: width of the local band in blocks, from 1; default `stride`.
         device: where the layout lives.
 
     Returns:
         BlockMask `(1, 1, M, M)`; pass `causal=True` to the attention call for exact causality.
+
+    Raises:
+        TypeError, ValueError: an argument outside the ranges above.
 
     Example:
         >>> from sparse_flash import masks
         >>> masks.strided(4096, 128, stride=4).shape
         (1, 1, 32, 32)
     """
-    geo = geometry(seq_len, block_size)
-    default = max(1, round(math.sqrt(geo.num_blocks_q)))
-    stride = default if stride is None else positive_int(stride, "stride")
-    bandwidth = stride if bandwidth is None else positive_int(bandwidth, "bandwidth")
+    stride = None if stride is None else positive_int(stride, "stride")
+    bandwidth = None if bandwidth is None else positive_int(bandwidth, "bandwidth")
+    geo = square_geometry("strided", seq_len, block_size)
+    stride = max(1, round(math.sqrt(geo.num_blocks_q))) if stride is None else stride
+    bandwidth = stride if bandwidth is None else bandwidth
     i, j = block_coords(geo, device)
     d = i - j
     layout = (d >= 0) & ((d % stride == 0) | (d < bandwidth))
