@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .layout import BlockIndex, BlockMask, _as_pair
+from .masks._common import as_bool, block_pair, positive_int
 
 
 def _flex_module():
@@ -30,7 +31,7 @@ def _padded(index: BlockIndex, width: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _layout_mask_mod(mask: BlockMask, causal: bool):
     """FlexAttention's semantics come from the mask_mod (the block mask only lets it skip work), so the
     mask_mod looks the block up in the layout; full blocks never call it."""
-    layout = mask.layout
+    layout = mask.layout.as_subclass(torch.Tensor)  # plain: torch.compile cannot trace the read-only view's checks
     B, H = layout.shape[:2]
     bq, bk = mask.block_size
 
@@ -54,7 +55,12 @@ def to_flex(mask: BlockMask, causal: bool = False, *, eager_exact: bool = True):
 
     With `eager_exact=False` the mask_mod is only the causal rule (or none), which is exact for
     `torch.compile(flex_attention)` (it skips the zero blocks itself) and avoids a recompilation per mask.
+    `causal` and `eager_exact` are bools (Python or NumPy).
     """
+    if not isinstance(mask, BlockMask):
+        raise TypeError(f"mask must be a sparse_flash.BlockMask, got {type(mask).__name__}")
+    causal = as_bool(causal, "causal")
+    eager_exact = as_bool(eager_exact, "eager_exact")
     flex = _flex_module()
     Mk = mask.num_blocks[1]
     idx = mask.kernel_index(causal)
@@ -82,6 +88,11 @@ def from_flex(flex_mask, name: str = "from flex") -> BlockMask:
     Only the block structure carries over: element-level masking inside partial blocks (a mask_mod) does
     not; for a causal mask_mod pass `causal=True` to the attention call.
     """
+    flex = _flex_module()
+    if not isinstance(flex_mask, flex.BlockMask):
+        raise TypeError(
+            f"flex_mask must be a torch.nn.attention.flex_attention.BlockMask, got {type(flex_mask).__name__}"
+        )
     seq_q, seq_k = flex_mask.seq_lengths
     bq, bk = _as_pair(tuple(flex_mask.BLOCK_SIZE))
     Mq, Mk = -(-seq_q // bq), -(-seq_k // bk)
@@ -100,7 +111,7 @@ def from_dense(element_mask: torch.Tensor, block_size, *, name: str = "from dens
     Args:
         element_mask: bool `(Nq, Nk)`, `(H, Nq, Nk)` or `(B, H, Nq, Nk)`, True where attention is allowed.
             The lengths need not be multiples of the block size.
-        block_size: int or `(block_q, block_k)`, in tokens.
+        block_size: int or `(block_q, block_k)`, in tokens, from 1 (larger than the lengths: one block).
         name: a short description shown by `repr` and `plot`.
 
     Returns:
@@ -125,13 +136,18 @@ def from_dense(element_mask: torch.Tensor, block_size, *, name: str = "from dens
             "element_mask must have shape (Nq, Nk), (H, Nq, Nk) or (B, H, Nq, Nk) with Nq, Nk >= 1, got shape "
             f"{tuple(element_mask.shape)}"
         )
-    bq, bk = _as_pair(block_size)
+    if min(element_mask.shape[:-2], default=1) < 1:
+        raise ValueError(
+            f"element_mask must have at least one batch and one head, got shape {tuple(element_mask.shape)}"
+        )
+    bq, bk = block_pair(block_size)
     while element_mask.dim() < 4:
         element_mask = element_mask.unsqueeze(0)
     B, H, Nq, Nk = element_mask.shape
     Mq, Mk = -(-Nq // bq), -(-Nk // bk)
-    padded = torch.nn.functional.pad(element_mask, (0, Mk * bk - Nk, 0, Mq * bq - Nq), value=False)
-    layout = padded.reshape(B, H, Mq, bq, Mk, bk).any(dim=5).any(dim=3)
+    tq, tk = min(bq, Nq), min(bk, Nk)  # a block longer than its side is one block: pad to the side only
+    padded = torch.nn.functional.pad(element_mask, (0, Mk * tk - Nk, 0, Mq * tq - Nq), value=False)
+    layout = padded.reshape(B, H, Mq, tq, Mk, tk).any(dim=5).any(dim=3)
     return BlockMask.from_layout(layout, (bq, bk), seq_len_q=Nq, seq_len_k=Nk, name=name)
 
 
@@ -141,9 +157,9 @@ def from_deepspeed(layout, block_size: int, *, seq_len: int | None = None, name:
     Args:
         layout: integer (0/1) or bool `(H, nb, nb)` (or `(nb, nb)`): block (i, j) of head h is computed
             when `layout[h, i, j] == 1`.
-        block_size: DeepSpeed's `block`, one int for both sides.
-        seq_len: sequence length in tokens (self-attention); default `nb * block_size`. A shorter length
-            makes the last block partial.
+        block_size: DeepSpeed's `block`, one int from 1 for both sides.
+        seq_len: sequence length in tokens (self-attention), from `(nb - 1) * block_size + 1` to
+            `nb * block_size` (the default); a shorter length than the default makes the last block partial.
         name: a short description shown by `repr` and `plot`.
 
     Returns:
@@ -158,15 +174,18 @@ def from_deepspeed(layout, block_size: int, *, seq_len: int | None = None, name:
         layout = torch.as_tensor(layout)
     if layout.dim() not in (2, 3) or layout.shape[-1] != layout.shape[-2]:
         raise ValueError(f"layout must have DeepSpeed's shape (H, nb, nb) or (nb, nb), got shape {tuple(layout.shape)}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
+    if layout.dim() == 3 and layout.shape[0] < 1:
+        raise ValueError(f"layout must have at least one head, got shape {tuple(layout.shape)}")
+    if isinstance(block_size, (tuple, list)):
         raise TypeError(f"block_size must be an int (DeepSpeed uses square blocks), got {block_size!r}")
+    block_size = positive_int(block_size, "block_size")
     nb = layout.shape[-1]
-    bad_type = isinstance(seq_len, bool) or not isinstance(seq_len, int)
-    if seq_len is not None and (bad_type or -(-seq_len // block_size) != nb):
-        raise ValueError(
-            f"seq_len must be a positive int with ceil(seq_len / {block_size}) == {nb} (the layout's blocks), "
-            f"got {seq_len!r}"
-        )
+    if seq_len is not None:
+        lo, hi = (nb - 1) * block_size + 1, nb * block_size
+        seq_len = positive_int(seq_len, "seq_len")
+        if not lo <= seq_len <= hi:
+            raise ValueError(f"seq_len must be an int from {lo} to {hi} (ceil(seq_len / {block_size}) == {nb}, the "
+                             f"layout's blocks), got {seq_len}")
     return BlockMask.from_layout(layout, block_size, seq_len_q=seq_len, seq_len_k=seq_len, name=name)
 
 
@@ -175,8 +194,8 @@ def to_deepspeed(mask: BlockMask, *, num_heads: int | None = None) -> torch.Tens
 
     Args:
         mask: a BlockMask with batch size 1, square blocks and `seq_len_q == seq_len_k`.
-        num_heads: expand a mask shared by all heads (`H == 1`) to this many heads; DeepSpeed expects one
-            layout per head.
+        num_heads: expand a mask shared by all heads (`H == 1`) to this many heads (an int from 1); DeepSpeed
+            expects one layout per head.
 
     Returns:
         int64 tensor `(H, nb, nb)` on the mask's device.
@@ -201,8 +220,7 @@ def to_deepspeed(mask: BlockMask, *, num_heads: int | None = None) -> torch.Tens
         )
     layout = mask.layout[0].to(torch.int64)
     if num_heads is not None:
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+        num_heads = positive_int(num_heads, "num_heads")
         if H not in (1, num_heads):
             raise ValueError(f"num_heads={num_heads} does not match the mask's {H} heads")
         layout = layout.expand(num_heads, -1, -1)

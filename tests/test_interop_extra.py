@@ -93,7 +93,7 @@ def test_to_deepspeed_expands_shared_heads():
         (lambda: from_deepspeed(torch.ones(4, 4), 16), TypeError, "bool or integer"),
         (lambda: from_deepspeed(torch.ones(4, 4, dtype=torch.int64), (16, 32)), TypeError, "square blocks"),
         (lambda: from_deepspeed(torch.ones(4, 4, dtype=torch.int64), 16, seq_len=100), ValueError,
-         r"ceil\(seq_len / 16\) == 4 .* got 100"),
+         r"seq_len must be an int from 49 to 64 \(ceil\(seq_len / 16\) == 4, .*\), got 100"),
         (lambda: to_deepspeed(masks.local(256, (32, 64))), ValueError, r"square blocks, got block_size \(32, 64\)"),
         (lambda: to_deepspeed(masks.local(256, 32, seq_len_k=128)), ValueError, "got 256 and 128"),
         (lambda: to_deepspeed(BlockMask.from_layout(torch.ones(2, 1, 2, 2, dtype=torch.bool), 16)), ValueError,
