@@ -8,6 +8,8 @@ A drop-in for `torch.nn.MultiheadAttention(batch_first=True)` whose attention ru
 from __future__ import annotations
 
 import inspect
+import numbers
+from collections import OrderedDict
 
 import torch
 from einops import rearrange
@@ -15,18 +17,14 @@ from torch import nn
 
 from . import masks
 from .api import BACKENDS, HEAD_DIM_RANGE, block_sparse_attention, flash_attention
-from .layout import BlockMask, _as_pair
+from .layout import BlockMask
+from .masks._common import GridError, as_bool, block_pair, is_bool, positive_int
 
 __all__ = ["BlockSparseAttention"]
 
 # Arguments of a pattern constructor that the layer fills in itself.
 _GEOMETRY_ARGS = ("seq_len", "block_size", "seq_len_k", "device")
-
-
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+MASK_CACHE_SIZE = 16  # pattern masks kept per layer, least recently used dropped first
 
 
 def _canonical_device(device) -> torch.device:
@@ -37,7 +35,11 @@ def _canonical_device(device) -> torch.device:
     return device
 
 
-def _check_pattern(name: str, params: dict) -> None:
+def _check_pattern(name: str, params: dict, block_size) -> None:
+    """Refuse what no sequence length makes valid, at construction: unknown, missing or invalid parameters.
+
+    A small mask is built to run the pattern's own checks; parameters that only need a longer grid (a global
+    block past the last block of that small mask) are checked when a mask is built for real lengths."""
     if name not in masks.PATTERNS:
         raise ValueError(f"mask must be a BlockMask, None or a pattern name in {sorted(masks.PATTERNS)}, got {name!r}")
     accepted = inspect.signature(masks.PATTERNS[name]).parameters
@@ -49,6 +51,18 @@ def _check_pattern(name: str, params: dict) -> None:
         if param not in accepted:
             known = sorted(p for p in accepted if p not in _GEOMETRY_ARGS)
             raise TypeError(f"mask pattern {name!r} takes the parameters {known}, got {param!r} in mask_params")
+    for param, spec in accepted.items():
+        if param not in _GEOMETRY_ARGS and spec.default is inspect.Parameter.empty and param not in params:
+            raise TypeError(f"mask pattern {name!r} needs {param!r} in mask_params, got mask_params {params}")
+    trial = dict(params)
+    if isinstance(trial.get("seed"), torch.Generator):
+        trial["seed"] = 0  # a valid seed; drawing from the caller's generator would change the layer's masks
+    try:
+        masks.build(name, block_pair(block_size)[0], block_size, **trial)
+    except GridError:
+        pass
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"mask_params of pattern {name!r} are invalid: {e}") from e
 
 
 class BlockSparseAttention(nn.Module):
@@ -66,17 +80,24 @@ class BlockSparseAttention(nn.Module):
             default `num_heads`.
         kdim, vdim: sizes of the key and value inputs (cross-attention); default `embed_dim`.
         mask: a `BlockMask` (fixed sequence lengths), a pattern name from `sparse_flash.masks.PATTERNS`
-            (rebuilt for each (query, key) length and cached), or None for dense attention.
+            (rebuilt for each (query, key) length), or None for dense attention. Pattern masks are cached per
+            (query length, key length, device), at most `MASK_CACHE_SIZE` (16) of them: the least recently
+            used is dropped first.
         mask_params: keyword parameters of the pattern, e.g. `{"window": 2}`; only with a pattern name.
-        block_size: block size of the masks built from a pattern name, int or `(block_q, block_k)`.
-        causal: also require `key position <= query position` (top-left aligned).
-        dropout: probability of zeroing an element of the output (in training mode).
-        bias: add biases to the four projections.
+            Checked at construction (a small mask is built); a parameter that depends on the length (a global
+            block index) is checked for each length when its mask is built.
+        block_size: block size of the masks built from a pattern name, int or `(block_q, block_k)`, from 1.
+        causal: also require `key position <= query position` (top-left aligned); a bool.
+        dropout: probability of zeroing an element of the output (in training mode), a float in [0, 1].
+        bias: add biases to the four projections; a bool.
         backend: `"auto"`, `"triton"`, `"torch"` or `"reference"`, as in `block_sparse_attention`.
         device, dtype: where and in which dtype to create the parameters.
 
     Under `torch.compile`, call `prepare(seq_len_q, seq_len_k, device)` for every length before the
     first compiled call: masks built from a pattern name are made outside the compiled graph.
+
+    The layer pickles, `torch.save`s and deep-copies at any time, also after a forward: the cache of pattern
+    masks is not part of its state and is rebuilt on demand.
 
     Example:
         >>> import torch
@@ -106,11 +127,11 @@ class BlockSparseAttention(nn.Module):
         dtype=None,
     ):
         super().__init__()
-        embed_dim = _positive_int(embed_dim, "embed_dim")
-        num_heads = _positive_int(num_heads, "num_heads")
-        num_kv_heads = num_heads if num_kv_heads is None else _positive_int(num_kv_heads, "num_kv_heads")
-        kdim = embed_dim if kdim is None else _positive_int(kdim, "kdim")
-        vdim = embed_dim if vdim is None else _positive_int(vdim, "vdim")
+        embed_dim = positive_int(embed_dim, "embed_dim")
+        num_heads = positive_int(num_heads, "num_heads")
+        num_kv_heads = num_heads if num_kv_heads is None else positive_int(num_kv_heads, "num_kv_heads")
+        kdim = embed_dim if kdim is None else positive_int(kdim, "kdim")
+        vdim = embed_dim if vdim is None else positive_int(vdim, "vdim")
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim must be a multiple of num_heads ({num_heads}), got {embed_dim}")
         if num_heads % num_kv_heads:
@@ -122,16 +143,21 @@ class BlockSparseAttention(nn.Module):
                 f"embed_dim // num_heads (the head size) must be between {lo} and {hi}, got {embed_dim} // "
                 f"{num_heads} = {head_dim}"
             )
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-        if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0.0 <= dropout <= 1.0:
+        causal = as_bool(causal, "causal")
+        bias = as_bool(bias, "bias")
+        if is_bool(dropout) or not isinstance(dropout, numbers.Real) or not 0.0 <= dropout <= 1.0:
             raise ValueError(f"dropout must be a float in [0, 1], got {dropout!r}")
+        dropout = float(dropout)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if mask_params is not None and not isinstance(mask_params, dict):
+            raise TypeError(
+                f"mask_params must be a dict of pattern parameters or None, got {type(mask_params).__name__}"
+            )
         if isinstance(mask, str):
             mask_params = dict(mask_params or {})
-            _check_pattern(mask, mask_params)
-            _as_pair(block_size)
+            block_pair(block_size)
+            _check_pattern(mask, mask_params, block_size)
         elif mask_params:
             raise ValueError(f"mask_params only applies to a pattern name, but mask is {type(mask).__name__}")
         elif mask is not None and not isinstance(mask, BlockMask):
@@ -147,8 +173,13 @@ class BlockSparseAttention(nn.Module):
         self.v_proj = nn.Linear(vdim, num_kv_heads * head_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.dropout = nn.Dropout(dropout)
-        self._masks: dict[tuple[int, int, str], BlockMask] = {}  # pattern masks by (Nq, Nk, device)
+        self._masks: OrderedDict[tuple[int, int, str], BlockMask] = OrderedDict()  # LRU by (Nq, Nk, device)
         self.reset_parameters()
+
+    def __getstate__(self):
+        state = super().__getstate__().copy()
+        state["_masks"] = OrderedDict()  # a cache: rebuilt on demand, never serialised
+        return state
 
     def reset_parameters(self) -> None:
         """Xavier-uniform input projections and zero biases, as in `nn.MultiheadAttention`."""
@@ -174,8 +205,8 @@ class BlockSparseAttention(nn.Module):
             >>> attn.prepare(1024).num_blocks
             (16, 16)
         """
-        seq_len_q = _positive_int(seq_len_q, "seq_len_q")
-        seq_len_k = seq_len_q if seq_len_k is None else _positive_int(seq_len_k, "seq_len_k")
+        seq_len_q = positive_int(seq_len_q, "seq_len_q")
+        seq_len_k = seq_len_q if seq_len_k is None else positive_int(seq_len_k, "seq_len_k")
         device = _canonical_device(self.q_proj.weight.device if device is None else device)
         if self.mask is None:
             return None
@@ -187,7 +218,9 @@ class BlockSparseAttention(nn.Module):
     def _pattern_mask(self, seq_len_q: int, seq_len_k: int, device: torch.device) -> BlockMask:
         key = (seq_len_q, seq_len_k, str(device))
         mask = self._masks.get(key)
-        if mask is None:
+        if mask is not None:
+            self._masks.move_to_end(key)
+        else:
             if torch.compiler.is_compiling():
                 raise RuntimeError(
                     f"BlockSparseAttention has no {self.mask!r} mask for lengths ({seq_len_q}, {seq_len_k}) on "
@@ -195,6 +228,8 @@ class BlockSparseAttention(nn.Module):
                 )
             mask = self._build_pattern(seq_len_q, seq_len_k, device)
             self._masks[key] = mask
+            if len(self._masks) > MASK_CACHE_SIZE:
+                self._masks.popitem(last=False)
         return mask
 
     def _build_pattern(self, seq_len_q: int, seq_len_k: int, device: torch.device) -> BlockMask:
@@ -206,7 +241,12 @@ class BlockSparseAttention(nn.Module):
                     f"({seq_len_q} and {seq_len_k})"
                 )
             params["seq_len_k"] = seq_len_k
-        return masks.build(self.mask, seq_len_q, self.block_size, device=device, **params)
+        try:
+            return masks.build(self.mask, seq_len_q, self.block_size, device=device, **params)
+        except ValueError as e:
+            raise type(e)(
+                f"BlockSparseAttention cannot build its {self.mask!r} mask for lengths ({seq_len_q}, {seq_len_k}): {e}"
+            ) from e
 
     @staticmethod
     def _check_lengths(mask: BlockMask, seq_len_q: int, seq_len_k: int, what: str) -> None:

@@ -324,7 +324,7 @@ def test_masks_with_and_without_split_lists_share_the_compiled_graph(monkeypatch
     splits = []
     for seed, density in enumerate([0.9, 0.0, 0.3, 0.6]):
         mask = masks.random(160, 32, density=density, seed=seed, device=DEVICE)
-        layout = (mask | masks.local(160, 32, window=0, device=DEVICE)).layout
+        layout = (mask | masks.local(160, 32, window=0, device=DEVICE)).layout.clone()
         layout[..., 4, 0] = False  # keep one causal block out: every mask walks its lists (no dense path)
         mask = BlockMask.from_layout(layout, 32, seq_len_q=160)
         assert not mask.covers_causal
