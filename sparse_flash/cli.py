@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
+import io
 import platform
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import torch
 
 from . import __version__, masks
 from .api import triton_unavailable_reason
+from .masks._common import geometry, positive_int
 
 PROG = "sparse-flash"
 DEMOS = {"path256": "demos/path256.py"}
@@ -33,29 +35,75 @@ _SET_BY_OPTIONS = ("seq_len", "block_size", "device")
 
 
 class UserError(Exception):
-    """A mistake in the command line or its environment: reported in plain words, without a traceback."""
+    """A mistake in the command's environment: reported in plain words, without a traceback; exit code 1."""
+
+    exit_code = 1
+
+
+class UsageError(UserError):
+    """A bad argument: reported in one line, without a traceback; exit code 2, as argparse's own errors."""
+
+    exit_code = 2
 
 
 # ---------------------------------------------------------------------------------------------- helpers
 def _parse_value(text: str):
-    """`--param` values: Python literals (`2`, `0.1`, `True`, `0,16`), `true`/`false`, else the string."""
+    """`--param` values: Python literals (`2`, `0.1`, `True`, `0,16`), `true`/`false`, floats such as `nan`
+    and `inf` (so that the pattern says what is wrong with them), else the string."""
     lowered = text.lower()
     if lowered in ("true", "false"):
         return lowered == "true"
     try:
         return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
+    except (ValueError, TypeError, SyntaxError, RecursionError):
+        pass
+    try:
+        return float(text)
+    except ValueError:
         return text
 
 
 def _parse_params(pairs: list[str]) -> dict:
-    params = {}
+    params, given = {}, {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or not name.isidentifier() or not value:
-            raise UserError(f"--param expects the form name=value (e.g. --param window=2), got {pair!r}")
-        params[name] = _parse_value(value)
+            raise UsageError(f"--param expects the form name=value (e.g. --param window=2), got {pair!r}")
+        if name in given:
+            raise UsageError(f"--param {name} must be given once, got {given[name]} and {pair}")
+        params[name], given[name] = _parse_value(value), pair
     return params
+
+
+def _check_sizes(args) -> None:
+    """The token and head counts of `masks` commands: ints from 1 (how large a grid may be, the pattern says)."""
+    for option in ("seq_len", "block_size", "num_heads"):
+        value = getattr(args, option, None)
+        if value is not None:
+            try:
+                positive_int(value, "--" + option.replace("_", "-"))
+            except ValueError as e:
+                raise UsageError(str(e)) from e
+
+
+def _png_path(path: str, what: str) -> Path:
+    """A PNG file to write: named `*.png` or without a suffix, and written under exactly that name."""
+    if Path(path).suffix.lower() not in ("", ".png"):
+        raise UsageError(f"{what} must name a .png file (or a name without a suffix), got {path!r}")
+    return Path(path)
+
+
+def _write_png(draw, path: Path) -> None:
+    """Draw into memory as PNG, then write `path` (nothing is written when drawing fails)."""
+    buffer = io.BytesIO()
+    try:
+        draw(buffer)
+    except ImportError as e:
+        raise UserError(str(e)) from e
+    try:
+        path.write_bytes(buffer.getvalue())
+    except OSError as e:
+        raise UserError(f"cannot write the picture: {e}") from e
 
 
 def _search_roots() -> list[Path]:
@@ -83,47 +131,48 @@ def _run_script(path: Path, args: list[str]) -> int:
 # ---------------------------------------------------------------------------------------------- commands
 def _masks_show(args) -> int:
     if args.pattern not in masks.PATTERNS:
-        raise UserError(f"unknown mask pattern {args.pattern!r}; known patterns: {', '.join(masks.PATTERNS)}")
+        raise UsageError(f"unknown mask pattern {args.pattern!r}; known patterns: {', '.join(masks.PATTERNS)}")
+    _check_sizes(args)
+    png = None if args.png is None else _png_path(args.png, "--png")
     params = _parse_params(args.param)
     accepted = inspect.signature(masks.PATTERNS[args.pattern]).parameters
     known = [p for p in accepted if p not in _SET_BY_OPTIONS]
     for name in params:
         if name not in known:
-            raise UserError(
+            raise UsageError(
                 f"pattern {args.pattern!r} has no parameter {name!r}; its parameters are: {', '.join(known)}"
             )
     for name, param in accepted.items():
         if name in known and param.default is inspect.Parameter.empty and name not in params:
-            raise UserError(f"pattern {args.pattern!r} needs --param {name}=VALUE")
+            raise UsageError(f"pattern {args.pattern!r} needs --param {name}=VALUE")
     if args.num_heads is not None:
         if "num_heads" not in accepted:
-            raise UserError(f"pattern {args.pattern!r} draws one layout for all heads; --num-heads does not apply")
+            raise UsageError(f"pattern {args.pattern!r} draws one layout for all heads; --num-heads does not apply")
+        if "num_heads" in params:
+            raise UsageError("num_heads must be given once, got --num-heads and --param num_heads")
         params["num_heads"] = args.num_heads
     try:
         mask = masks.build(args.pattern, args.seq_len, args.block_size, **params)
     except (TypeError, ValueError) as e:
-        raise UserError(f"cannot build {args.pattern!r}: {e}") from e
+        raise UsageError(f"cannot build {args.pattern!r}: {e}") from e
     print(mask)
     print(f"nonzero blocks: {mask.nnz} of {mask.layout.numel()}")
-    if args.png:
-        _plot(lambda: mask.plot(args.png))
-        print(f"wrote {args.png}")
+    if png is not None:
+        _write_png(mask.plot, png)
+        print(f"wrote {png}")
     return 0
 
 
 def _masks_gallery(args) -> int:
-    _plot(lambda: masks.gallery(args.out, seq_len=args.seq_len, block_size=args.block_size))
-    print(f"wrote {args.out}")
-    return 0
-
-
-def _plot(draw) -> None:
+    _check_sizes(args)
+    out = _png_path(args.out, "OUT")
     try:
-        draw()
-    except ImportError as e:
-        raise UserError(str(e)) from e
-    except OSError as e:
-        raise UserError(f"cannot write the picture: {e}") from e
+        geometry(args.seq_len, args.block_size)  # the gallery's patterns all have this grid
+    except ValueError as e:
+        raise UsageError(f"cannot draw the gallery: {e}") from e
+    _write_png(lambda buffer: masks.gallery(buffer, seq_len=args.seq_len, block_size=args.block_size), out)
+    print(f"wrote {out}")
+    return 0
 
 
 def _bench(args) -> int:
@@ -202,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     gallery = masks_commands.add_parser(
         "gallery", help="draw every pattern into one PNG", description="Draw every mask pattern side by side."
     )
-    gallery.add_argument("out", help="the PNG file to write")
+    gallery.add_argument("out", metavar="OUT", help="the PNG file to write")
     gallery.add_argument("--seq-len", type=int, default=4096, help="sequence length in tokens (default 4096)")
     gallery.add_argument("--block-size", type=int, default=128, help="block size in tokens (default 128)")
     gallery.set_defaults(run=_masks_gallery)
@@ -235,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line `argv` (default `sys.argv[1:]`); returns the exit code.
+    """Run the command line `argv` (default `sys.argv[1:]`); returns the exit code: 0 on success, 2 for a bad
+    argument (one line on stderr, as argparse does), 1 when the environment fails (no GPU, a file not written).
 
     Example:
         >>> main(["masks", "show", "local", "--seq-len", "512"])  # doctest: +SKIP
@@ -257,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except UserError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130

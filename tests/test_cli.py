@@ -162,7 +162,7 @@ def test_missing_scripts_are_reported(tmp_path, monkeypatch, capsys, argv, relat
 def test_console_script_and_module_run_as_processes():
     exe = shutil.which("sparse-flash") or pytest.skip("the sparse-flash console script is not installed")
     bad = subprocess.run([exe, "masks", "show", "nope"], capture_output=True, text=True)
-    assert bad.returncode == 1
+    assert bad.returncode == 2
     assert bad.stderr.startswith("sparse-flash: error: unknown mask pattern 'nope'") and "Traceback" not in bad.stderr
     info = subprocess.run([sys.executable, "-m", "sparse_flash", "info"], capture_output=True, text=True)
     assert info.returncode == 0 and "reference  usable" in info.stdout
