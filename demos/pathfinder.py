@@ -48,14 +48,14 @@ from pathlib import Path
 
 import numpy as np
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 DIFFICULTIES = {"easy": 6, "intermediate": 9, "hard": 14}
 
 DASH_TRIES = 3  # samples of the next dash before a path counts as stuck
 SEED_TRIES = 3  # samples of a seed dash before a seeding fails
 TARGET_RETRIES = 4  # regrowths of a failed target pair before starting a new image
 DISTRACTOR_TRIES = 5  # attempts at one distractor path before it is skipped
-MAX_IMAGE_ATTEMPTS = 100_000  # new images tried before giving up with an error
+MAX_TARGET_ATTEMPTS = 500_000  # attempts at the target pair before giving up with an error
 FOOTPRINT_COVERAGE = 0.5  # a pixel is in a footprint when at least this fraction of it is covered
 
 
@@ -131,6 +131,11 @@ class _Geometry:
     footprints: list[np.ndarray]  # per kind: flat offsets of the footprint
     ink_offsets: list[np.ndarray]  # per kind: flat offsets of drawn pixels
     ink_values: list[np.ndarray]  # per kind: antialiased coverage of those pixels
+    step_offsets: np.ndarray  # (n_kinds, K) flat offsets from the next centre of the candidates it may turn to
+    step_weights: np.ndarray  # (n_kinds, K) their continuity weights; 0 pads rows with fewer candidates
+    step_kinds: np.ndarray  # (n_kinds, K) the kind of the dash toward each of them
+    ink_table: np.ndarray  # (n_kinds, I) ink_offsets as one array, short rows repeat their first entry
+    footprint_table: np.ndarray  # (n_kinds, F) footprints as one array, padded the same way
 
     def seed_kind(self, degree: int) -> int:
         return len(self.candidates) + degree
@@ -213,6 +218,16 @@ def _window_offsets(mask: np.ndarray, reach: int, stride: int) -> np.ndarray:
     return (y - reach) * stride + (x - reach)
 
 
+def _padded_table(rows: list[np.ndarray]) -> np.ndarray:
+    """Stack non-empty 1-D integer arrays into one (len(rows), longest) array; a short row repeats its
+    first entry, which reads or writes the same pixel again and so changes nothing."""
+    table = np.empty((len(rows), max(len(row) for row in rows)), dtype=np.intp)
+    for index, row in enumerate(rows):
+        table[index] = row[0]
+        table[index, : len(row)] = row
+    return table
+
+
 def _base_occupancy(size: int, pad: int, padding: int) -> np.ndarray:
     stride = size + 2 * pad
     occupied = np.ones((stride, stride), dtype=bool)
@@ -249,6 +264,14 @@ def _geometry(params: PathfinderParams, margin: int) -> _Geometry:
     tails = ((tail_y + pad) * stride + tail_x + pad).ravel()
     partner_yx = np.rint(params.seed_distance * _unit(seed_angles)).astype(int)
 
+    footprints = [_window_offsets(window, reach, stride) for window in footprint]
+    ink_offsets = [_window_offsets(window, reach, stride) for window in ink]
+    turn_weights = _turn_weights(headings, candidate_angles, params.continuity)
+    # Only candidates with a positive weight can be sampled: keep those (in candidate order) per kind.
+    allowed = turn_weights > 0
+    step_kinds = np.argsort(~allowed, axis=1, kind="stable")[:, : allowed.sum(axis=1).max()]
+    candidates = candidate_yx[:, 0] * stride + candidate_yx[:, 1]
+
     return _Geometry(
         size=size,
         pad=pad,
@@ -256,19 +279,49 @@ def _geometry(params: PathfinderParams, margin: int) -> _Geometry:
         base_occupancy=base,
         target_tails=tails[~base[tails]],
         partner_offsets=partner_yx[:, 0] * stride + partner_yx[:, 1],
-        candidates=candidate_yx[:, 0] * stride + candidate_yx[:, 1],
-        turn_weights=_turn_weights(headings, candidate_angles, params.continuity),
+        candidates=candidates,
+        turn_weights=turn_weights,
         next_centres=next_centre_yx[:, 0] * stride + next_centre_yx[:, 1],
         far_ends=far_ends,
-        footprints=[_window_offsets(window, reach, stride) for window in footprint],
-        ink_offsets=[_window_offsets(window, reach, stride) for window in ink],
+        footprints=footprints,
+        ink_offsets=ink_offsets,
         ink_values=[window[window > 0] for window in ink],
+        step_offsets=candidates[step_kinds],
+        step_weights=np.take_along_axis(turn_weights, step_kinds, axis=1),
+        step_kinds=step_kinds,
+        ink_table=_padded_table(ink_offsets),
+        footprint_table=_padded_table(footprints),
     )
 
 
 # ----------------------------------------------------------------------------------------------------
 # Layout: sampling the paths on the occupancy map.
+#
+# The distribution is that of steps 3 and 4 above, run one attempt at a time; the work is arranged so
+# that each numpy call serves many attempts, of one image and of several images at once:
+# * Image j reads its uniforms from its own generator in a fixed order: label, origin and every try at
+#   every distractor first, then one row per target attempt, whether the attempt needs it all or not.
+#   The image takes its first target attempt that succeeds. So attempts can run in batches of any size,
+#   in lockstep, and an image does not depend on the batch sizes or on which images share a batch.
+#   Blocks of 1 + TARGET_RETRIES attempts share one margin draw, as "4 retries, then a new image" has it.
+# * An attempt keeps one occupancy map per path: map p is what path p must avoid, the border and every
+#   dash so far except path p's newest. A new dash of path p puts p's previous dash into map p and itself
+#   into the other path's map: "the previous dash joins the occupancy map, the other path's newest dash
+#   counts as occupied".
+# * The DISTRACTOR_TRIES tries at one distractor run at once, each on its own copy of the image's map,
+#   and the first that succeeds is kept; distractor k of every image in the batch is placed together.
 # ----------------------------------------------------------------------------------------------------
+
+TARGET_BLOCK = 1 + TARGET_RETRIES  # target attempts per margin draw
+SEED_COLUMNS = 2 * SEED_TRIES  # uniforms for seeding one path: (direction, place) per try
+TARGET_COLUMN = 1 + 2 * SEED_COLUMNS  # first growth column of a target attempt (after margin and seeds)
+SCRATCH_BYTES = 32 << 20  # occupancy maps kept per geometry and process for target attempts
+MIN_TARGET_SUCCESS = 1e-4  # lowest success rate that attempt batches are sized for
+LOCKSTEP_IMAGES = 64  # images whose layouts are sampled together
+
+# (attempts, successes) of target attempts per (params, n_dashes) in this process. It sizes the batches
+# and, since the images do not depend on batch sizes, nothing else.
+_TARGET_RECORD: dict[tuple[PathfinderParams, int], list[int]] = {}
 
 
 @dataclass
@@ -288,168 +341,307 @@ class _Layout:
     origin: int  # index of the target path whose tail carries the first circle
 
 
-def _mark(geometry: _Geometry, occupied: np.ndarray, dash: tuple[int, int]) -> None:
-    kind, anchor = dash
-    occupied[anchor + geometry.footprints[kind]] = True
+@dataclass
+class _Attempts:
+    """Attempts at growing `n_paths` paths each, on occupancy maps in one flat boolean array.
 
-
-def _fits(geometry: _Geometry, occupied: np.ndarray, dash: tuple[int, int]) -> bool:
-    """Whether the drawn pixels of `dash` avoid every occupied pixel."""
-    kind, anchor = dash
-    return not occupied[anchor + geometry.ink_offsets[kind]].any()
-
-
-def _next_dash(
-    geometry: _Geometry, occupied: np.ndarray, head: tuple[int, int], rng: np.random.Generator
-) -> tuple[int, int] | None:
-    """Sample the dash that continues `head`, or None if no acceptable dash was found."""
-    kind, anchor = head
-    centre = anchor + geometry.next_centres[kind]
-    free = ~occupied[centre + geometry.candidates]
-    cumulative = np.cumsum(geometry.turn_weights[kind] * free)
-    total = cumulative[-1]
-    if total <= 0:
-        return None
-    for _ in range(DASH_TRIES):
-        choice = int(np.searchsorted(cumulative, rng.random() * total, side="right"))
-        if _fits(geometry, occupied, (choice, centre)):
-            return choice, int(centre)
-    return None
-
-
-def _extend(
-    geometry: _Geometry,
-    path: _Path,
-    occupied: np.ndarray,
-    rng: np.random.Generator,
-    rival: _Path | None = None,
-) -> bool:
-    """Add one dash to `path`; on success the previous head's footprint joins `occupied`.
-
-    The newest dash of `rival` (not yet in `occupied`) counts as occupied for this step.
+    Map p of attempt r is ``maps[(r * n_paths + p) * size :][:size]``: what path p must avoid. Attempt r
+    reads its uniforms from ``draws[r]``. The live attempts are `rows` (increasing); `kinds` and
+    `anchors` hold the newest dash of each path of each live attempt, and `history` every dash placed,
+    as (rows, kinds, anchors) per placement step, from which `dashes` reads the paths.
     """
-    seen = occupied
-    if rival is not None:
-        seen = occupied.copy()
-        _mark(geometry, seen, rival.dashes[-1])
-    dash = _next_dash(geometry, seen, path.dashes[-1], rng)
-    if dash is None:
-        return False
-    _mark(geometry, occupied, path.dashes[-1])
-    path.dashes.append(dash)
-    return True
+
+    geometry: _Geometry
+    maps: np.ndarray  # (R * n_paths * size,) bool
+    size: int
+    n_paths: int
+    draws: np.ndarray  # (R, columns) uniforms on [0, 1)
+    rows: np.ndarray  # (a,) live attempts
+    kinds: list[np.ndarray]  # per path: (a,) kind of its newest dash
+    anchors: list[np.ndarray]  # per path: (a,) anchor of its newest dash
+    history: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]]  # per path: one entry per dash
+
+    def keep(self, alive: np.ndarray) -> None:
+        """Drop the live attempts where `alive` is False."""
+        self.rows = self.rows[alive]
+        self.kinds = [kind[alive] for kind in self.kinds]
+        self.anchors = [anchor[alive] for anchor in self.anchors]
+
+    def mark(self, path: int, anchors: np.ndarray, kinds: np.ndarray) -> None:
+        """Put the footprints of dashes (one per live attempt) into map `path` of each live attempt."""
+        starts = self.rows * (self.n_paths * self.size) + path * self.size + anchors
+        indices = starts[:, None] + self.geometry.footprint_table.take(kinds, axis=0)
+        self.maps.put(indices, True)
+
+    def place(self, path: int, kinds: np.ndarray, anchors: np.ndarray) -> None:
+        """Make (kinds, anchors) the newest dash of `path`; it joins the maps of the other paths."""
+        for other in range(self.n_paths):
+            if other != path:
+                self.mark(other, anchors, kinds)
+        self.kinds[path] = kinds
+        self.anchors[path] = anchors
+        self.history[path].append((self.rows, kinds, anchors))
+
+    def seed(self, path: int, tails: np.ndarray, directions: np.ndarray) -> None:
+        """Seed `path` of every live attempt with the first of SEED_TRIES tries that fits its map.
+
+        Args:
+            tails: (a, SEED_TRIES) tail pixel of each try.
+            directions: (a, SEED_TRIES) uniforms that pick each try's direction in whole degrees.
+        """
+        tried = len(self.geometry.candidates) + _uniform_index(directions, 360)
+        starts = self.rows * (self.n_paths * self.size) + path * self.size
+        inked = (starts[:, None] + tails)[:, :, None] + self.geometry.ink_table.take(tried, axis=0)
+        fits = ~self.maps.take(inked).any(axis=2)
+        seeded = fits.any(axis=1)
+        chosen = np.arange(len(fits)) * SEED_TRIES + fits.argmax(axis=1)
+        self.keep(seeded)
+        self.place(path, tried.take(chosen[seeded]), tails.take(chosen[seeded]))
+
+    def grow(self, first_column: int, n_steps: int) -> None:
+        """Add `n_steps` dashes to every path, paths taking turns; attempts where a path gets stuck end.
+
+        One step of one path: with c the centre past its newest dash, sample a candidate end pixel with
+        probability proportional to its turn weight times whether it is free; of up to DASH_TRIES samples
+        the first whose dash avoids the path's map is taken, and the previous dash joins that map. Step t
+        of path p reads DASH_TRIES uniforms from column first_column + (t * n_paths + p) * DASH_TRIES.
+        A try after the first runs only for the attempts still without a dash.
+        """
+        geometry = self.geometry
+        columns = self.draws.shape[1]
+        uniforms = self.draws.reshape(-1)
+        for step in range(n_steps):
+            for path in range(self.n_paths):
+                if self.rows.size == 0:
+                    return
+                kind, anchor = self.kinds[path], self.anchors[path]
+                centre = anchor + geometry.next_centres.take(kind)
+                starts = self.rows * (self.n_paths * self.size) + path * self.size + centre
+                weights = geometry.step_weights.take(kind, axis=0)
+                weights[self.maps.take(starts[:, None] + geometry.step_offsets.take(kind, axis=0))] = 0.0
+                cumulative = weights.cumsum(axis=1)
+                cells = self.rows * columns + (first_column + (step * self.n_paths + path) * DASH_TRIES)
+                chosen = self._sample(kind, cumulative, uniforms.take(cells))
+                fits = self._fits(starts, chosen)
+                stuck = cumulative[:, -1] == 0  # no free candidate
+                for attempt in range(1, DASH_TRIES):
+                    retry = np.flatnonzero(~(fits | stuck))
+                    if retry.size == 0:
+                        break
+                    again = self._sample(kind[retry], cumulative[retry], uniforms.take(cells[retry] + attempt))
+                    chosen[retry] = again
+                    fits[retry] = self._fits(starts[retry], again)
+                grown = fits & ~stuck
+                if not grown.all():
+                    self.keep(grown)
+                    kind, anchor, centre, chosen = kind[grown], anchor[grown], centre[grown], chosen[grown]
+                self.mark(path, anchor, kind)
+                self.place(path, chosen, centre)
+
+    def _sample(self, kind: np.ndarray, cumulative: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
+        """The kind of the next dash: searchsorted(cumulative, u * total, side="right") per attempt.
+
+        For u < 1, u * total is below total in floating point, so the pick has a positive weight
+        unless total is 0 (then the attempt is stuck anyway and the pick is clipped into the row).
+        """
+        width = cumulative.shape[1]
+        picks = (cumulative <= (uniforms * cumulative[:, -1])[:, None]).sum(axis=1)
+        return self.geometry.step_kinds.take(kind * width + np.minimum(picks, width - 1))
+
+    def _fits(self, starts: np.ndarray, kinds: np.ndarray) -> np.ndarray:
+        """Whether the dash of each kind, anchored at `starts` (flat map positions), avoids its map."""
+        return ~self.maps.take(starts[:, None] + self.geometry.ink_table.take(kinds, axis=0)).any(axis=1)
+
+    def dashes(self, rows: np.ndarray, path: int) -> tuple[np.ndarray, np.ndarray]:
+        """(kinds, anchors), each (len(rows), n_dashes): the dashes of `path` of attempts `rows` that
+        are still live."""
+        kinds, anchors = [], []
+        for placed_rows, placed_kinds, placed_anchors in self.history[path]:
+            where = placed_rows.searchsorted(rows)
+            kinds.append(placed_kinds.take(where))
+            anchors.append(placed_anchors.take(where))
+        return np.stack(kinds, axis=1), np.stack(anchors, axis=1)
+
+    def occupancy(self, row_index: int, path: int = 0) -> np.ndarray:
+        """The full occupancy map of live attempt self.rows[row_index]: map `path` plus that path's newest
+        dash."""
+        start = (int(self.rows[row_index]) * self.n_paths + path) * self.size
+        occupied = self.maps[start : start + self.size].copy()
+        kind, anchor = int(self.kinds[path][row_index]), int(self.anchors[path][row_index])
+        occupied[anchor + self.geometry.footprints[kind]] = True
+        return occupied
 
 
-def _seed_first_target(geometry: _Geometry, rng: np.random.Generator) -> _Path | None:
-    for _ in range(SEED_TRIES):
-        kind = geometry.seed_kind(int(rng.integers(360)))
-        tail = int(geometry.target_tails[rng.integers(len(geometry.target_tails))])
-        if _fits(geometry, geometry.base_occupancy, (kind, tail)):
-            return _Path(tail, [(kind, tail)])
-    return None
+def _attempts(geometry: _Geometry, maps: np.ndarray, n_paths: int, draws: np.ndarray) -> _Attempts:
+    unseeded = np.zeros(len(draws), dtype=np.intp)
+    return _Attempts(
+        geometry, maps.reshape(-1), geometry.base_occupancy.size, n_paths, draws, np.arange(len(draws)),
+        [unseeded] * n_paths, [unseeded] * n_paths, [[] for _ in range(n_paths)],
+    )
 
 
-def _seed_second_target(geometry: _Geometry, first: _Path, rng: np.random.Generator) -> _Path | None:
-    occupied = geometry.base_occupancy.copy()
-    _mark(geometry, occupied, first.dashes[0])
-    for _ in range(SEED_TRIES):
-        kind = geometry.seed_kind(int(rng.integers(360)))
-        tail = first.tail + int(geometry.partner_offsets[rng.integers(360)])
-        if _fits(geometry, occupied, (kind, tail)):
-            return _Path(tail, [(kind, tail)])
-    return None
+def _uniform_index(uniforms: np.ndarray, count: int) -> np.ndarray:
+    """Integers uniform on 0 .. count-1 from uniforms on [0, 1)."""
+    return np.minimum((uniforms * count).astype(np.intp), count - 1)
 
 
-def _grow_target_pair(
-    geometry: _Geometry, n_dashes: int, rng: np.random.Generator
-) -> tuple[tuple[_Path, _Path], np.ndarray] | None:
-    """One attempt at the two target paths; returns them with the occupancy map, or None."""
-    first = _seed_first_target(geometry, rng)
-    if first is None:
-        return None
-    second = _seed_second_target(geometry, first, rng)
-    if second is None:
-        return None
-    occupied = geometry.base_occupancy.copy()
-    for _ in range(n_dashes - 1):
-        for path, rival in ((first, second), (second, first)):
-            if not _extend(geometry, path, occupied, rng, rival):
-                return None
-    _mark(geometry, occupied, first.dashes[-1])
-    _mark(geometry, occupied, second.dashes[-1])
-    return (first, second), occupied
+def _path(kinds: np.ndarray, anchors: np.ndarray) -> _Path:
+    return _Path(int(anchors[0]), [(int(kind), int(anchor)) for kind, anchor in zip(kinds, anchors)])
+
+
+@functools.lru_cache(maxsize=None)
+def _target_maps(geometry: _Geometry) -> np.ndarray:
+    """Reusable (rows, 2, S) occupancy maps for target attempts, each equal to the base map between uses."""
+    size = geometry.base_occupancy.size
+    rows = max(TARGET_BLOCK, SCRATCH_BYTES // (2 * size) // TARGET_BLOCK * TARGET_BLOCK)
+    return np.broadcast_to(geometry.base_occupancy, (rows, 2, size)).copy()
+
+
+def _target_attempts(geometry: _Geometry, draws: np.ndarray, n_dashes: int) -> _Attempts:
+    """Run the target attempts of `draws` (one per row) on the reusable maps; the attempts that succeeded
+    are left live. Call `_reset_target_maps` when done with them."""
+    count = len(draws)
+    attempts = _attempts(geometry, _target_maps(geometry)[:count], 2, draws)
+    seeds = draws[:, 1:TARGET_COLUMN].reshape(count, 2, SEED_TRIES, 2)
+    tails = geometry.target_tails.take(_uniform_index(seeds[:, 0, :, 1], len(geometry.target_tails)))
+    attempts.seed(0, tails, seeds[:, 0, :, 0])
+    second = seeds[attempts.rows, 1]
+    partners = geometry.partner_offsets.take(_uniform_index(second[:, :, 1], 360))
+    attempts.seed(1, attempts.anchors[0][:, None] + partners, second[:, :, 0])
+    attempts.grow(TARGET_COLUMN, n_dashes - 1)
+    return attempts
+
+
+def _reset_target_maps(attempts: _Attempts) -> None:
+    attempts.maps.reshape(-1, attempts.size)[:] = attempts.geometry.base_occupancy
 
 
 def _grow_targets(
-    geometry: _Geometry, n_dashes: int, rng: np.random.Generator
-) -> tuple[tuple[_Path, _Path], np.ndarray] | None:
-    """The two target paths and the occupancy map, or None after 1 + TARGET_RETRIES failed attempts."""
-    for _ in range(1 + TARGET_RETRIES):
-        grown = _grow_target_pair(geometry, n_dashes, rng)
-        if grown is not None:
-            return grown
-    return None
+    params: PathfinderParams, n_dashes: int, rngs: list[np.random.Generator]
+) -> list[tuple[_Geometry, tuple[_Path, _Path], np.ndarray]]:
+    """Per image: the margin's geometry, the two target paths, the occupancy map with their dashes.
 
-
-def _seed_distractor(geometry: _Geometry, occupied: np.ndarray, rng: np.random.Generator) -> _Path | None:
-    free = np.flatnonzero(~occupied)
-    if free.size == 0:
-        return None
-    for _ in range(SEED_TRIES):
-        kind = geometry.seed_kind(int(rng.integers(360)))
-        tail = int(free[rng.integers(free.size)])
-        if _fits(geometry, occupied, (kind, tail)):
-            return _Path(tail, [(kind, tail)])
-    return None
-
-
-def _grow_distractor(
-    geometry: _Geometry, occupied: np.ndarray, n_dashes: int, rng: np.random.Generator
-) -> tuple[_Path, np.ndarray] | None:
-    """One attempt at a distractor path; returns it with the updated occupancy map, or None."""
-    trial = occupied.copy()
-    path = _seed_distractor(geometry, trial, rng)
-    if path is None:
-        return None
-    for _ in range(n_dashes - 1):
-        if not _extend(geometry, path, trial, rng):
-            return None
-    _mark(geometry, trial, path.dashes[-1])
-    return path, trial
+    Image j's attempts read rows of uniforms from rngs[j] in attempt order, and the image takes its first
+    successful attempt, so the result does not depend on how attempts are batched. Batch sizes come from
+    the success rate seen so far in this process and double for an image that found nothing.
+    """
+    columns = TARGET_COLUMN + 2 * (n_dashes - 1) * DASH_TRIES
+    geometries = [_geometry(params, margin) for margin in params.margins]
+    capacity = min(len(_target_maps(geometry)) for geometry in geometries)
+    record = _TARGET_RECORD.setdefault((params, n_dashes), [0, 0])
+    rate = max(MIN_TARGET_SUCCESS, (record[1] + 1) / (record[0] + 1))
+    first_size = TARGET_BLOCK * math.ceil(min(capacity, 0.4 / rate) / TARGET_BLOCK)
+    sizes = dict.fromkeys(range(len(rngs)), first_size)  # pending images and the size of their next batch
+    spent = dict.fromkeys(sizes, 0)  # attempts made per image
+    results: list = [None] * len(rngs)
+    while sizes:
+        images, counts = [], []
+        for image, size in sizes.items():
+            if images and sum(counts) + size > capacity:
+                break
+            images.append(image)
+            counts.append(size)
+        draws = np.concatenate([rngs[image].random((count, columns)) for image, count in zip(images, counts)])
+        owner = np.repeat(images, counts)
+        first_row = dict(zip(images, np.cumsum([0, *counts[:-1]]).tolist()))
+        margin_choice = np.repeat(_uniform_index(draws[::TARGET_BLOCK, 0], len(geometries)), TARGET_BLOCK)
+        groups = []
+        for choice, geometry in enumerate(geometries):
+            rows = np.flatnonzero(margin_choice == choice)
+            if rows.size:
+                groups.append((rows, _target_attempts(geometry, draws[rows], n_dashes)))
+        best = {}  # image: (row, attempts, index among live attempts) of its first success
+        for rows, attempts in groups:
+            live = rows.take(attempts.rows)
+            winners, first = np.unique(owner.take(live), return_index=True)
+            for image, index in zip(winners.tolist(), first.tolist()):
+                if image not in best or live[index] < best[image][0]:
+                    best[image] = (live[index], attempts, index)
+        for image, (row, attempts, index) in best.items():
+            paths = []
+            for path in range(2):
+                kinds, anchors = attempts.dashes(attempts.rows[index : index + 1], path)
+                paths.append(_path(kinds[0], anchors[0]))
+            results[image] = (attempts.geometry, tuple(paths), attempts.occupancy(index))
+            record[0] += spent[image] + int(row) - first_row[image] + 1
+            record[1] += 1
+            del sizes[image]
+        for _, attempts in groups:
+            _reset_target_maps(attempts)
+        for image, count in zip(images, counts):
+            if image in sizes:
+                spent[image] += count
+                if spent[image] >= MAX_TARGET_ATTEMPTS:
+                    raise RuntimeError(
+                        f"no pair of target paths with {n_dashes} dashes at {params.resolution} px "
+                        f"after {spent[image]} attempts"
+                    )
+                sizes[image] = min(capacity, 2 * count)
+    return results
 
 
 def _grow_distractors(
-    geometry: _Geometry, occupied: np.ndarray, count: int, n_dashes: int, rng: np.random.Generator
-) -> list[_Path]:
-    distractors = []
-    for _ in range(count):
-        for _ in range(DISTRACTOR_TRIES):
-            grown = _grow_distractor(geometry, occupied, n_dashes, rng)
-            if grown is not None:
-                path, occupied = grown
-                distractors.append(path)
+    geometries: list[_Geometry], occupancies: list[np.ndarray], n_dashes: int, draws: np.ndarray
+) -> list[list[_Path]]:
+    """Distractor paths of `n_dashes` dashes per image, added to its occupancy map (in place).
+
+    Args:
+        geometries, occupancies: per image.
+        draws: (images, count, DISTRACTOR_TRIES, columns) uniforms: seeding, then growth, per try.
+
+    Returns:
+        Per image, the distractors placed (a distractor none of whose tries succeeded is skipped).
+    """
+    paths: list[list[_Path]] = [[] for _ in occupancies]
+    by_geometry: dict[_Geometry, list[int]] = {}
+    for image, geometry in enumerate(geometries):
+        by_geometry.setdefault(geometry, []).append(image)
+    for geometry, images in by_geometry.items():
+        for tries in draws[images].transpose(1, 0, 2, 3):  # distractor k of every image
+            frees = [np.flatnonzero(~occupancies[image]) for image in images]
+            members = [index for index, free in enumerate(frees) if free.size]
+            if not members:
                 break
-    return distractors
+            rows = tries[members].reshape(len(members) * DISTRACTOR_TRIES, -1)
+            maps = np.repeat(np.stack([occupancies[images[index]] for index in members]), DISTRACTOR_TRIES, axis=0)
+            seeds = rows[:, :SEED_COLUMNS].reshape(len(rows), SEED_TRIES, 2)
+            places = seeds[:, :, 1].reshape(len(members), DISTRACTOR_TRIES * SEED_TRIES)
+            tails = np.concatenate([frees[index].take(_uniform_index(place, frees[index].size))
+                                    for index, place in zip(members, places)])
+            attempts = _attempts(geometry, maps, 1, rows)
+            attempts.seed(0, tails.reshape(len(rows), SEED_TRIES), seeds[:, :, 0])
+            attempts.grow(SEED_COLUMNS, n_dashes - 1)
+            winners, first = np.unique(attempts.rows // DISTRACTOR_TRIES, return_index=True)
+            kinds, anchors = attempts.dashes(attempts.rows.take(first), 0)
+            for member, index, path_kinds, path_anchors in zip(winners.tolist(), first.tolist(), kinds, anchors):
+                image = images[members[member]]
+                occupancies[image] = attempts.occupancy(index)
+                paths[image].append(_path(path_kinds, path_anchors))
+    return paths
+
+
+def _sample_layouts(params: PathfinderParams, n_dashes: int, rngs: list[np.random.Generator]) -> list[_Layout]:
+    """Sample label, margin and all paths of one image per generator; image j depends on rngs[j] only."""
+    distractor_length = n_dashes // 3
+    count = params.distractor_budget // distractor_length
+    columns = SEED_COLUMNS + (distractor_length - 1) * DASH_TRIES
+    uniforms = np.stack([rng.random(2 + count * DISTRACTOR_TRIES * columns) for rng in rngs])
+    labels = _uniform_index(uniforms[:, 0], 2).tolist()
+    origins = _uniform_index(uniforms[:, 1], 2).tolist()
+    targets = _grow_targets(params, n_dashes, rngs)
+    geometries = [geometry for geometry, _, _ in targets]
+    distractor_draws = uniforms[:, 2:].reshape(len(rngs), count, DISTRACTOR_TRIES, columns)
+    distractors = _grow_distractors(geometries, [occupied for _, _, occupied in targets], distractor_length,
+                                    distractor_draws)
+    return [
+        _Layout(geometry, paths, placed, label, origin)
+        for (geometry, paths, _), placed, label, origin in zip(targets, distractors, labels, origins)
+    ]
 
 
 def _sample_layout(params: PathfinderParams, n_dashes: int, rng: np.random.Generator) -> _Layout:
     """Sample label, margin and all paths of one image."""
-    distractor_length = n_dashes // 3
-    for _ in range(MAX_IMAGE_ATTEMPTS):
-        label = int(rng.integers(2))
-        geometry = _geometry(params, int(rng.choice(params.margins)))
-        grown = _grow_targets(geometry, n_dashes, rng)
-        if grown is None:
-            continue
-        targets, occupied = grown
-        count = params.distractor_budget // distractor_length
-        distractors = _grow_distractors(geometry, occupied, count, distractor_length, rng)
-        origin = int(rng.integers(2))
-        return _Layout(geometry, targets, distractors, label, origin)
-    raise RuntimeError(
-        f"no Pathfinder image with {n_dashes} dashes per path at {params.resolution} px "
-        f"after {MAX_IMAGE_ATTEMPTS} attempts"
-    )
+    return _sample_layouts(params, n_dashes, [rng])[0]
 
 
 def _circle_positions(layout: _Layout) -> tuple[np.ndarray, np.ndarray]:
@@ -532,11 +724,15 @@ def generate_image(resolution: int, difficulty: str, rng: np.random.Generator) -
 def _generate_block(task: tuple[int, int, int, str, int]) -> tuple[int, np.ndarray, np.ndarray]:
     """Images start .. stop-1 of a dataset; image i uses np.random.default_rng([seed, i])."""
     start, stop, resolution, difficulty, seed = task
+    params = PRESETS[resolution]
     images = np.empty((stop - start, resolution, resolution), dtype=np.uint8)
     labels = np.empty(stop - start, dtype=np.int64)
-    for row, index in enumerate(range(start, stop)):
-        rng = np.random.default_rng([seed, index])
-        images[row], labels[row] = generate_image(resolution, difficulty, rng)
+    for chunk in range(start, stop, LOCKSTEP_IMAGES):
+        indices = range(chunk, min(chunk + LOCKSTEP_IMAGES, stop))
+        rngs = [np.random.default_rng([seed, index]) for index in indices]
+        for index, layout in zip(indices, _sample_layouts(params, DIFFICULTIES[difficulty], rngs)):
+            images[index - start] = _render(params, layout)
+            labels[index - start] = layout.label
     return start, images, labels
 
 
