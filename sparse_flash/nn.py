@@ -181,6 +181,10 @@ class BlockSparseAttention(nn.Module):
         state["_masks"] = OrderedDict()  # a cache: rebuilt on demand, never serialised
         return state
 
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._masks = OrderedDict()  # also for layers saved before the cache was left out
+
     def reset_parameters(self) -> None:
         """Xavier-uniform input projections and zero biases, as in `nn.MultiheadAttention`."""
         for proj in (self.q_proj, self.k_proj, self.v_proj):
