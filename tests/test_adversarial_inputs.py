@@ -109,6 +109,12 @@ def test_counts_past_the_grid_saturate():
     assert masks.fixed(1024, 128, num_local_blocks=2**40, num_global_blocks=2**39).is_dense
 
 
+def test_longformer_ranges_may_share_an_end():
+    """Starts must be distinct; overlapping global ranges (here sharing their end) are their union."""
+    shared = masks.longformer(1024, 128, global_block_indices=[0, 2], global_block_end_indices=[4, 4])
+    assert shared == masks.longformer(1024, 128, global_block_indices=[0], global_block_end_indices=[4])
+
+
 # ---------------------------------------------------------------- interop
 @pytest.mark.parametrize("call, error, match", [
     (lambda: from_dense(torch.ones(0, 8, 8, dtype=torch.bool), 4), ValueError,

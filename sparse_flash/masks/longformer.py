@@ -54,7 +54,7 @@ def longformer(
     if global_block_end_indices is None:
         ends = [s + 1 for s in starts]
     else:
-        ends = block_indices(global_block_end_indices, "global_block_end_indices")
+        ends = block_indices(global_block_end_indices, "global_block_end_indices", distinct=False)
         if len(ends) != len(starts) or any(e <= s for s, e in zip(starts, ends)):
             raise ValueError(
                 "global_block_end_indices must give one end after each start, got "
