@@ -161,9 +161,7 @@ def token_permutation(side: int, order: str, tile: tuple[int, int]) -> torch.Ten
     rows, cols = tile
     if side % rows or side % cols:
         raise ConfigError(f"--tile {rows}x{cols} must divide the image side {side}")
-    if hasattr(masks, "tile_order"):
-        return masks.tile_order(side, side, (rows, cols))
-    return torch.arange(n).reshape(side // rows, rows, side // cols, cols).permute(0, 2, 1, 3).reshape(-1)
+    return masks.tile_order(side, side, (rows, cols))
 
 
 def image_units(side: int, permutation: torch.Tensor) -> torch.Tensor:
@@ -235,32 +233,6 @@ def resize_pos_grid(grid: torch.Tensor, resolution: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _band(n: int, window: int, device) -> torch.Tensor:
-    i = torch.arange(n, device=device)
-    return (i[:, None] - i[None, :]).abs() <= window
-
-
-def _tiled_pattern(name: str, side: int, tile: tuple[int, int], window: tuple[int, int], device):
-    """neighborhood_2d or butterfly_2d from the library; the same layouts built here while it lacks them."""
-    rows, cols = side // tile[0], side // tile[1]
-    if name == "neighborhood":
-        if hasattr(masks, "neighborhood_2d"):
-            return masks.neighborhood_2d(side, side, tile, window, device=device)
-        layout = torch.kron(_band(rows, window[0], device).int(), _band(cols, window[1], device).int()).bool()
-        return sparse_flash.BlockMask.from_layout(layout, tile[0] * tile[1], name=f"neighborhood(window={window})")
-    if hasattr(masks, "butterfly_2d"):
-        return masks.butterfly_2d(side, side, tile, device=device)
-
-    def axis(n):
-        return masks.butterfly(n, 1, device=device).layout[0, 0].int()
-
-    def same(n):
-        return torch.eye(n, dtype=torch.int32, device=device)
-
-    layout = (torch.kron(same(rows), axis(cols)) | torch.kron(axis(rows), same(cols))).bool()
-    return sparse_flash.BlockMask.from_layout(layout, tile[0] * tile[1], name="butterfly_2d")
-
-
 def _pattern(name: str, seq_len: int, config: MaskConfig, side: int, tile, device) -> sparse_flash.BlockMask:
     block = config.block_size
     if name == "dense":
@@ -280,7 +252,8 @@ def _pattern(name: str, seq_len: int, config: MaskConfig, side: int, tile, devic
         diagonal = masks.local(seq_len, block, window=0, device=device)
         return masks.random(seq_len, block, density=default.density, seed=config.seed, device=device) | diagonal
     if name in TILED_MASKS:
-        mask = _tiled_pattern(name, side, tile, config.window, device)
+        mask = (masks.neighborhood_2d(side, side, tile, config.window, device=device) if name == "neighborhood"
+                else masks.butterfly_2d(side, side, tile, device=device))
         if config.global_blocks:
             mask = mask | masks.global_(seq_len, block, num_global_blocks=config.global_blocks, device=device)
         return mask
@@ -405,13 +378,14 @@ class PixelTransformer(nn.Module):
 
     def tokens(self, pixels: torch.Tensor) -> torch.Tensor:
         """Row-major pixels `(B, N)` in the model's token order."""
-        return pixels[:, self.permutation]
+        return pixels if self.config.order == "row" else pixels[:, self.permutation]
 
     def encode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token values `(B, N)` (0..255, or MASK_TOKEN) in token order -> final features `(B, N, C)`."""
         x = self.pixel_embed(tokens.long())
         if "learned" in self.config.pos_kinds:
-            x = x + self.pos_embed.flatten(0, 1)[self.permutation]
+            grid = self.pos_embed.flatten(0, 1)
+            x = x + (grid if self.config.order == "row" else grid[self.permutation])
         if "sincos" in self.config.pos_kinds:
             x = x + self.pos_sincos
         rope = (self.rope_cos, self.rope_sin) if "rope2d" in self.config.pos_kinds else None

@@ -242,7 +242,7 @@ def load_split(config: DataConfig, split: str, cache_dir: str, workers: int, pro
     cache = Path(cache_dir).expanduser()
     extra = {"pool": config.pool} if config.pool != 1 else {}
     lock = cache / f"pathfinder{config.resolution}_{config.difficulty}_n{n}_seed{seed}_pool{config.pool}.lock"
-    with file_lock(lock):
+    with file_lock(lock):  # a process that waits here finds the cache filled by the one that generated it
         images, labels = pathfinder.load_or_generate(
             n, config.resolution, config.difficulty, seed, cache_dir=cache, workers=workers, progress=progress,
             **extra,
@@ -275,11 +275,16 @@ def load_data(config: DataConfig, cache_dir: str, workers: int, device: torch.de
               log: RunLog, splits=("train", "eval")) -> Data:
     """Generate or load the splits (rank 0 first, then the other ranks read the cache) and place them."""
     started = time.perf_counter()
+    counts = {"train": (config.n_train, config.seed), "eval": (config.n_eval, config.eval_seed)}
+    log(f"data: loading or generating {', '.join(f'{counts[s][0]:,} {s} images (seed {counts[s][1]})' for s in splits)}"
+        f" of {config.resolution} px {config.difficulty} in {Path(cache_dir).expanduser()}, {workers} workers")
     arrays = {}
     for turn in (0, 1) if dist.world > 1 else (0,):
         if (turn == 0) == dist.is_main:
             for split in splits:
-                arrays[split] = load_split(config, split, cache_dir, workers, progress=dist.is_main)
+                # pathfinder's progress line is redrawn with carriage returns: only on a terminal
+                arrays[split] = load_split(config, split, cache_dir, workers,
+                                           progress=dist.is_main and sys.stderr.isatty())
         if dist.world > 1 and turn == 0:
             torch.distributed.barrier()
     nbytes = sum(images.nbytes for images, _ in arrays.values())
@@ -715,6 +720,12 @@ class Trainer:
             state.step += 1
             steps_here += 1
             state.samples += len(labels) * self.dist.world
+            if steps_here == 1:  # the first step of a piece compiles (torch.compile, Triton): not training time
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.log(f"[{spec.name}] first step of this piece took {time.perf_counter() - clock - state.seconds:.1f} s "
+                         "(compilation; not counted as training time)")
+                clock = time.perf_counter() - state.seconds
             phase_ends = state.step == spec.train.pretrain_steps
             eval_due = self.phase() == "classify" and not phase_ends and (
                 (state.step - spec.train.pretrain_steps) % control.eval_every == 0)

@@ -131,8 +131,7 @@ def test_tile_order_matches_to_tiles_and_is_invisible_to_a_dense_model():
     x = torch.arange(64).reshape(1, 64, 1)
     expected = x.reshape(2, 4, 4, 2).permute(0, 2, 1, 3).reshape(-1)  # (tile rows, tile cols, 4x2 pixels)
     assert torch.equal(perm, expected)
-    if hasattr(path_model.masks, "to_tiles"):
-        assert torch.equal(path_model.masks.to_tiles(x, 8, 8, (4, 2)).reshape(-1), perm)
+    assert torch.equal(path_model.masks.to_tiles(x, 8, 8, (4, 2)).reshape(-1), perm)
     # With dense attention and permutation-invariant pooling, token order must not change anything.
     pixels = torch.randint(0, 256, (2, 64), dtype=torch.uint8)
     for pos in ("learned+sincos", "rope2d"):
