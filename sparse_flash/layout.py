@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -101,14 +102,16 @@ class KernelIndex(NamedTuple):
         return sum(t.numel() * t.element_size() for part in self for t in part)
 
 
+def _is_int(value) -> bool:
+    """A Python or NumPy integer, never a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _as_pair(block_size, name: str = "block_size") -> tuple[int, int]:
-    if isinstance(block_size, bool):
-        raise TypeError(f"{name} must be an int or a pair of ints, got {block_size!r}")
-    if isinstance(block_size, int):
-        pair = (block_size, block_size)
-    elif isinstance(block_size, (tuple, list)) and len(block_size) == 2 and all(
-        isinstance(b, int) and not isinstance(b, bool) for b in block_size
-    ):
+    """`block_size` (an int or a pair of ints, Python or NumPy) as `(block_q, block_k)`."""
+    if _is_int(block_size):
+        pair = (int(block_size), int(block_size))
+    elif isinstance(block_size, (tuple, list)) and len(block_size) == 2 and all(_is_int(b) for b in block_size):
         pair = (int(block_size[0]), int(block_size[1]))
     else:
         raise TypeError(f"{name} must be an int or a pair of ints (block_q, block_k), got {block_size!r}")
@@ -304,6 +307,9 @@ def _protect_views(result, source):
     return result
 
 
+_INDEX_LIMIT = 2**31 - 1  # int32 offsets address the index lists
+
+
 def _check_layout(layout) -> torch.Tensor:
     """`layout` as a 4-D bool tensor `(B, H, Mq, Mk)`, or a clear error."""
     if not isinstance(layout, torch.Tensor):
@@ -324,16 +330,20 @@ def _check_layout(layout) -> torch.Tensor:
     if min(layout.shape) < 1:
         raise ValueError(f"layout must have at least one batch, head and block per side, got shape "
                          f"{tuple(layout.shape)}")
+    if layout.numel() > _INDEX_LIMIT:
+        raise ValueError(f"layout must have at most {_INDEX_LIMIT} blocks (the index lists are int32), got shape "
+                         f"{tuple(layout.shape)}")
     return layout
 
 
 def _check_length(value, name: str, blocks: int, block: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not _is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if math.ceil(value / block) != blocks:
-        raise ValueError(f"{name}={value} with block size {block} needs ceil({value}/{block}) = "
-                         f"{math.ceil(value / block)} blocks, but the layout has {blocks}")
-    return int(value)
+    value, needed = int(value), -(-int(value) // block)
+    if needed != blocks:
+        raise ValueError(f"{name}={value} with block size {block} needs ceil({value}/{block}) = {needed} blocks, "
+                         f"but the layout has {blocks}")
+    return value
 
 
 def _check_tiling(tiling, block_size: tuple[int, int], shape) -> Tiling | None:

@@ -82,7 +82,7 @@ def plot_mask(mask: BlockMask, path=None, *, heads: int = 4, ax=None):
     if mask.tiling is None:
         fig.tight_layout()
     if path is not None:
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, dpi=120, format="png")
         plt.close(fig)
     return fig
 

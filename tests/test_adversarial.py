@@ -313,3 +313,20 @@ def test_nn_layer_compiles_on_cpu_with_backend_auto():
     expected = layer(x)
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_numpy_ints_and_long_lengths_in_from_layout():
+    np = pytest.importorskip("numpy")
+    layout = torch.ones(2, 3, dtype=torch.bool)
+    mask = BlockMask.from_layout(layout, np.int64(16), seq_len_q=np.int32(20), seq_len_k=40)
+    assert mask.block_size == (16, 16) and mask.seq_len_q == 20
+    big = 2**53 + 1  # float division would round this length
+    with pytest.raises(ValueError, match="needs ceil"):
+        BlockMask.from_layout(torch.ones(1, 1, dtype=torch.bool), 2**53, seq_len_q=big, seq_len_k=2**53)
+
+
+def test_plot_writes_exactly_the_name_given(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "noext"
+    masks.local(64, 16, window=1).plot(str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -116,11 +116,6 @@ class Geometry(NamedTuple):
 
 def block_pair(block_size) -> tuple[int, int]:
     """`block_size` as `(block_q, block_k)`; NumPy ints are accepted like Python ints."""
-    if isinstance(block_size, (tuple, list)):
-        block_size = type(block_size)(
-            int(b) if isinstance(b, numbers.Integral) and not is_bool(b) else b for b in block_size)
-    elif isinstance(block_size, numbers.Integral) and not is_bool(block_size):
-        block_size = int(block_size)
     bq, bk = _as_pair(block_size)
     return positive_int(bq, "block_size"), positive_int(bk, "block_size")
 
