@@ -34,7 +34,7 @@ Usage:
     python demos/path256.py --eval-only --init-from demos/checkpoints/path32hard.pt
     python demos/path256.py --preset path256 --order tile --mask neighborhood --bench --record
 
-Everything goes to --out (default demos/results/<preset>/): `train.log` (plain lines), `<preset>_<run>.json`
+Everything goes to --out (default demos/runs/<preset>/, git-ignored): `train.log` (plain lines), `<preset>_<run>.json`
 metrics, `<preset>_<run>_ckpt.pt` checkpoints (atomic), `<preset>_summary.json` and `<preset>_curves.png`.
 Exit status 2 with one line on stderr for every bad flag, checkpoint or combination.
 """
@@ -175,7 +175,7 @@ def build_parser() -> Parser:
     add("--device", help="torch device (default: cuda when available, else cpu)")
     group = parser.add_argument_group("pieces, output and modes")
     add = group.add_argument
-    add("--out", help="results folder (default: demos/results/<preset>)")
+    add("--out", help="run folder (default: demos/runs/<preset>, git-ignored)")
     add("--time-budget", type=non_negative(float), default=0.0,
         help="wall seconds this process may run; it stops in time for a last evaluation and checkpoint")
     add("--stop-after", type=non_negative(int), default=0, help="stop this process after N steps (a piece)")
@@ -203,7 +203,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.out is None:
-        args.out = str(Path(__file__).resolve().parent / "results" / args.preset)
+        args.out = str(Path(__file__).resolve().parent / "runs" / args.preset)  # git-ignored
     if args.eval_seed is None:
         args.eval_seed = args.seed + EVAL_SEED_OFFSET
     args.pos = parse_pos(args.pos)
@@ -223,6 +223,9 @@ def check_args(args) -> None:
         raise ConfigError("--eval-only needs --init-from CKPT (the checkpoint to evaluate)")
     if args.resolution % args.pool:
         raise ConfigError(f"--pool {args.pool} must divide --resolution {args.resolution}")
+    if args.resolution // args.pool < 8:
+        raise ConfigError(f"--pool {args.pool} leaves {args.resolution // args.pool}-px images of --resolution "
+                          f"{args.resolution}; the model needs 8 px or more")
     if args.pool > 1 and not args.bench and not generator_takes_pool():  # --bench reads no images
         raise ConfigError("--pool needs demos/pathfinder.py's load_or_generate(..., pool=...), not in this checkout")
     if args.eval_seed == args.seed:
@@ -395,7 +398,8 @@ def eval_only(args, device: torch.device, dist: Dist, log: RunLog) -> dict:
         raise ConfigError(f"--init-from {args.init_from}: weights do not fit its own config ({str(error)[:160]})")
     data = load_data(data_cfg, args.cache_dir, args.workers, device, dist, log, splits=("eval",))
     started = time.perf_counter()
-    result = evaluate(model, data.eval_images, data.eval_labels, args.batch_size, device, dist)
+    batch_size = args.batch_size if "batch_size" in args.explicit else train_cfg.batch_size
+    result = evaluate(model, data.eval_images, data.eval_labels, batch_size, device, dist)
     seconds = time.perf_counter() - started
     task = results_table.task_name(data_cfg.resolution, data_cfg.pool)
     log(f"held-out accuracy {result['acc']:.2%} ({result['correct']:,} of {result['count']:,} images; {task} "

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from path_train import CHECKPOINT_FORMAT, file_lock, read_checkpoint, save_atomically, write_json
+from path_train import file_lock, git_commit, read_checkpoint, save_atomically, write_json
 
 DEMOS = Path(__file__).resolve().parent
 RESULTS = DEMOS / "results" / "results.json"
@@ -78,6 +78,7 @@ def make_record(metrics: dict, checkpoint: str | None, curves: str | None = None
     gpus = max(env.get("gpus") or 0, 0)
     concurrent = metrics.get("concurrent", 1)
     minutes = row["seconds"] / 60
+    last_env = pieces[-1]["environment"] if pieces else env  # the piece that finished the run
     return {
         "task": task_name(data["resolution"], data["pool"]), "resolution": data["resolution"] // data["pool"],
         "source_resolution": data["resolution"], "pool": data["pool"], "difficulty": data["difficulty"],
@@ -101,8 +102,8 @@ def make_record(metrics: dict, checkpoint: str | None, curves: str | None = None
             "layer_masks": mask.get("layers"), "init_from": (metrics.get("init_from") or {}).get("path"),
         },
         "checkpoint": checkpoint, "curves": curves, "run": f"{metrics['preset']}_{metrics['run']}",
-        "device": env.get("device"), "commit": (pieces[-1]["environment"] if pieces else env).get("commit"),
-        "date": (pieces[-1]["environment"] if pieces else env).get("date"), "command": env.get("command"),
+        "device": env.get("device"), "commit": last_env.get("commit") or f"{git_commit()} (at record time)",
+        "date": last_env.get("date"), "command": last_env.get("command"),
     }
 
 

@@ -399,6 +399,7 @@ def test_flops_count_nonzero_blocks_only():
     (["--order", "tile", "--tile", "3x3"], "must divide the image side 8"),
     (["--order", "tile", "--tile", "4x2"], "in tile order a block is a tile"),
     (["--pool", "3"], "--pool 3 must divide --resolution 32"),
+    (["--pool", "8"], "--pool 8 leaves 4-px images"),
     (["--pos", "rope"], "--pos takes components"),
     (["--n-train", "2"], "at least --batch-size"),
     (["--resume"], "--resume: no checkpoint at"),
@@ -438,7 +439,7 @@ def test_presets_fill_unset_flags_and_flags_win():
         3, 128, 4, 256, 32, "hard")
     assert (args.n_train, args.n_eval, args.lr, args.pos, args.head, args.augment, args.compile) == (
         160_000, 20_000, 1e-3, "sincos", "max", True, "auto")
-    assert args.eval_seed == args.seed + path_train.EVAL_SEED_OFFSET and args.out.endswith("results/path32hard")
+    assert args.eval_seed == args.seed + path_train.EVAL_SEED_OFFSET and args.out.endswith("runs/path32hard")
     assert path256.make_control(args, CPU, 0.0).compile == "off"  # compiled on the GPU only
     assert [(r.name, r.mask.layers[0]) for r in path256.plan_runs(path256.parse_args(["--preset", "path32"]))] == [
         ("dense", "dense"), ("sparse", "butterfly")]
