@@ -122,6 +122,7 @@ class _Geometry:
     pad: int
     stride: int
     base_occupancy: np.ndarray  # bool (stride * stride,): pad and padding band
+    free_span: tuple[int, int]  # the flat positions between which pixels can be free
     target_tails: np.ndarray  # flat positions allowed for the first target path's tail
     partner_offsets: np.ndarray  # (360,) flat offset from the first to the second target tail
     candidates: np.ndarray  # (n_candidates,) flat offsets of the end pixels around a centre
@@ -131,11 +132,15 @@ class _Geometry:
     footprints: list[np.ndarray]  # per kind: flat offsets of the footprint
     ink_offsets: list[np.ndarray]  # per kind: flat offsets of drawn pixels
     ink_values: list[np.ndarray]  # per kind: antialiased coverage of those pixels
-    step_offsets: np.ndarray  # (n_kinds, K) flat offsets from the next centre of the candidates it may turn to
-    step_weights: np.ndarray  # (n_kinds, K) their continuity weights; 0 pads rows with fewer candidates
-    step_kinds: np.ndarray  # (n_kinds, K) the kind of the dash toward each of them
-    ink_table: np.ndarray  # (n_kinds, I) ink_offsets as one array, short rows repeat their first entry
-    footprint_table: np.ndarray  # (n_kinds, F) footprints as one array, padded the same way
+    # Per-kind tables stored one column per kind (take(kinds, axis=1) gathers them), short columns
+    # padded: the K candidates a dash may turn to (offset from the next centre, turn weight, kind; weight
+    # 0 pads), and the ink and footprint offsets (padded by repeating the first, a no-op when reading or
+    # setting pixels).
+    step_offsets: np.ndarray  # (K, n_kinds)
+    step_weights: np.ndarray  # (K, n_kinds)
+    step_kinds: np.ndarray  # (K, n_kinds)
+    ink_table: np.ndarray  # (I, n_kinds)
+    footprint_table: np.ndarray  # (F, n_kinds)
 
     def seed_kind(self, degree: int) -> int:
         return len(self.candidates) + degree
@@ -218,13 +223,13 @@ def _window_offsets(mask: np.ndarray, reach: int, stride: int) -> np.ndarray:
     return (y - reach) * stride + (x - reach)
 
 
-def _padded_table(rows: list[np.ndarray]) -> np.ndarray:
-    """Stack non-empty 1-D integer arrays into one (len(rows), longest) array; a short row repeats its
-    first entry, which reads or writes the same pixel again and so changes nothing."""
-    table = np.empty((len(rows), max(len(row) for row in rows)), dtype=np.intp)
-    for index, row in enumerate(rows):
-        table[index] = row[0]
-        table[index, : len(row)] = row
+def _padded_columns(columns: list[np.ndarray]) -> np.ndarray:
+    """Non-empty 1-D integer arrays as the columns of one (longest, len(columns)) array; a short column
+    repeats its first entry, which reads or sets the same pixel again and so changes nothing."""
+    table = np.empty((max(len(column) for column in columns), len(columns)), dtype=np.intp)
+    for index, column in enumerate(columns):
+        table[:, index] = column[0]
+        table[: len(column), index] = column
     return table
 
 
@@ -277,6 +282,7 @@ def _geometry(params: PathfinderParams, margin: int) -> _Geometry:
         pad=pad,
         stride=stride,
         base_occupancy=base,
+        free_span=(int(np.argmin(base)), base.size - int(np.argmin(base[::-1]))),
         target_tails=tails[~base[tails]],
         partner_offsets=partner_yx[:, 0] * stride + partner_yx[:, 1],
         candidates=candidates,
@@ -286,11 +292,11 @@ def _geometry(params: PathfinderParams, margin: int) -> _Geometry:
         footprints=footprints,
         ink_offsets=ink_offsets,
         ink_values=[window[window > 0] for window in ink],
-        step_offsets=candidates[step_kinds],
-        step_weights=np.take_along_axis(turn_weights, step_kinds, axis=1),
-        step_kinds=step_kinds,
-        ink_table=_padded_table(ink_offsets),
-        footprint_table=_padded_table(footprints),
+        step_offsets=np.ascontiguousarray(candidates[step_kinds].T),
+        step_weights=np.ascontiguousarray(np.take_along_axis(turn_weights, step_kinds, axis=1).T),
+        step_kinds=np.ascontiguousarray(step_kinds.T),
+        ink_table=_padded_columns(ink_offsets),
+        footprint_table=_padded_columns(footprints),
     )
 
 
@@ -316,7 +322,9 @@ TARGET_BLOCK = 1 + TARGET_RETRIES  # target attempts per margin draw
 SEED_COLUMNS = 2 * SEED_TRIES  # uniforms for seeding one path: (direction, place) per try
 TARGET_COLUMN = 1 + 2 * SEED_COLUMNS  # first growth column of a target attempt (after margin and seeds)
 SCRATCH_BYTES = 32 << 20  # occupancy maps kept per geometry and process for target attempts
-MIN_TARGET_SUCCESS = 1e-4  # lowest success rate that attempt batches are sized for
+RELIABLE_SUCCESSES = 10  # successes after which the success rate sizes the attempt batches
+BATCH_SUCCESSES = 0.25  # expected successes per batch of target attempts for one image, at least ...
+FILL_SUCCESSES = 2.0  # ... and at most, when the batch has room
 LOCKSTEP_IMAGES = 64  # images whose layouts are sampled together
 
 # (attempts, successes) of target attempts per (params, n_dashes) in this process. It sizes the batches
@@ -370,8 +378,7 @@ class _Attempts:
     def mark(self, path: int, anchors: np.ndarray, kinds: np.ndarray) -> None:
         """Put the footprints of dashes (one per live attempt) into map `path` of each live attempt."""
         starts = self.rows * (self.n_paths * self.size) + path * self.size + anchors
-        indices = starts[:, None] + self.geometry.footprint_table.take(kinds, axis=0)
-        self.maps.put(indices, True)
+        self.maps[self.geometry.footprint_table.take(kinds, axis=1) + starts] = True
 
     def place(self, path: int, kinds: np.ndarray, anchors: np.ndarray) -> None:
         """Make (kinds, anchors) the newest dash of `path`; it joins the maps of the other paths."""
@@ -391,8 +398,7 @@ class _Attempts:
         """
         tried = len(self.geometry.candidates) + _uniform_index(directions, 360)
         starts = self.rows * (self.n_paths * self.size) + path * self.size
-        inked = (starts[:, None] + tails)[:, :, None] + self.geometry.ink_table.take(tried, axis=0)
-        fits = ~self.maps.take(inked).any(axis=2)
+        fits = self._fits((starts[:, None] + tails).ravel(), tried.ravel()).reshape(tried.shape)
         seeded = fits.any(axis=1)
         chosen = np.arange(len(fits)) * SEED_TRIES + fits.argmax(axis=1)
         self.keep(seeded)
@@ -401,11 +407,12 @@ class _Attempts:
     def grow(self, first_column: int, n_steps: int) -> None:
         """Add `n_steps` dashes to every path, paths taking turns; attempts where a path gets stuck end.
 
-        One step of one path: with c the centre past its newest dash, sample a candidate end pixel with
-        probability proportional to its turn weight times whether it is free; of up to DASH_TRIES samples
-        the first whose dash avoids the path's map is taken, and the previous dash joins that map. Step t
-        of path p reads DASH_TRIES uniforms from column first_column + (t * n_paths + p) * DASH_TRIES.
-        A try after the first runs only for the attempts still without a dash.
+        One step of one path (step 3 of the module docstring): with c the centre past its newest dash, a
+        try samples a candidate end pixel with probability proportional to its turn weight times whether
+        it is free, and the first of up to DASH_TRIES tries whose dash avoids the path's map is taken;
+        then the previous dash joins that map. Step t of path p reads DASH_TRIES uniforms, one per try,
+        from column first_column + (t * n_paths + p) * DASH_TRIES; a try after the first runs only for the
+        attempts still without a dash.
         """
         geometry = self.geometry
         columns = self.draws.shape[1]
@@ -417,21 +424,26 @@ class _Attempts:
                 kind, anchor = self.kinds[path], self.anchors[path]
                 centre = anchor + geometry.next_centres.take(kind)
                 starts = self.rows * (self.n_paths * self.size) + path * self.size + centre
-                weights = geometry.step_weights.take(kind, axis=0)
-                weights[self.maps.take(starts[:, None] + geometry.step_offsets.take(kind, axis=0))] = 0.0
-                cumulative = weights.cumsum(axis=1)
+                # (K, a): cumulative weight of the free candidates, summed in candidate order
+                taken = self.maps[geometry.step_offsets.take(kind, axis=1) + starts]
+                cumulative = geometry.step_weights.take(kind, axis=1) * ~taken
+                for slot in range(1, len(cumulative)):
+                    np.add(cumulative[slot - 1], cumulative[slot], out=cumulative[slot])
+                free = cumulative[-1] > 0  # some candidate is free
                 cells = self.rows * columns + (first_column + (step * self.n_paths + path) * DASH_TRIES)
                 chosen = self._sample(kind, cumulative, uniforms.take(cells))
-                fits = self._fits(starts, chosen)
-                stuck = cumulative[:, -1] == 0  # no free candidate
+                grown = free & self._fits(starts, chosen)
+                trying = np.flatnonzero(free & ~grown)
                 for attempt in range(1, DASH_TRIES):
-                    retry = np.flatnonzero(~(fits | stuck))
-                    if retry.size == 0:
+                    if trying.size == 0:
                         break
-                    again = self._sample(kind[retry], cumulative[retry], uniforms.take(cells[retry] + attempt))
-                    chosen[retry] = again
-                    fits[retry] = self._fits(starts[retry], again)
-                grown = fits & ~stuck
+                    tried = self._sample(
+                        kind.take(trying), cumulative[:, trying], uniforms.take(cells.take(trying) + attempt)
+                    )
+                    fits = self._fits(starts.take(trying), tried)
+                    chosen[trying[fits]] = tried[fits]
+                    grown[trying[fits]] = True
+                    trying = trying[~fits]
                 if not grown.all():
                     self.keep(grown)
                     kind, anchor, centre, chosen = kind[grown], anchor[grown], centre[grown], chosen[grown]
@@ -439,18 +451,18 @@ class _Attempts:
                 self.place(path, chosen, centre)
 
     def _sample(self, kind: np.ndarray, cumulative: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
-        """The kind of the next dash: searchsorted(cumulative, u * total, side="right") per attempt.
+        """The kind of the next dash: slot searchsorted(cumulative, u * total, side="right") per column.
 
-        For u < 1, u * total is below total in floating point, so the pick has a positive weight
-        unless total is 0 (then the attempt is stuck anyway and the pick is clipped into the row).
+        For u < 1, u * total is below total in floating point, so the slot found has a positive weight
+        (a column with total 0 is clipped to the last slot; its attempt is stuck anyway).
         """
-        width = cumulative.shape[1]
-        picks = (cumulative <= (uniforms * cumulative[:, -1])[:, None]).sum(axis=1)
-        return self.geometry.step_kinds.take(kind * width + np.minimum(picks, width - 1))
+        step_kinds = self.geometry.step_kinds
+        slots = np.minimum((cumulative <= uniforms * cumulative[-1]).sum(axis=0), len(step_kinds) - 1)
+        return step_kinds.take(slots * step_kinds.shape[1] + kind)
 
     def _fits(self, starts: np.ndarray, kinds: np.ndarray) -> np.ndarray:
         """Whether the dash of each kind, anchored at `starts` (flat map positions), avoids its map."""
-        return ~self.maps.take(starts[:, None] + self.geometry.ink_table.take(kinds, axis=0)).any(axis=1)
+        return ~self.maps[self.geometry.ink_table.take(kinds, axis=1) + starts].any(axis=0)
 
     def dashes(self, rows: np.ndarray, path: int) -> tuple[np.ndarray, np.ndarray]:
         """(kinds, anchors), each (len(rows), n_dashes): the dashes of `path` of attempts `rows` that
@@ -516,22 +528,36 @@ def _reset_target_maps(attempts: _Attempts) -> None:
     attempts.maps.reshape(-1, attempts.size)[:] = attempts.geometry.base_occupancy
 
 
+def _batch_size(record: list[int], capacity: int, pending: int, failed: int) -> int:
+    """Target attempts to run next for one of `pending` images, a multiple of TARGET_BLOCK.
+
+    With the success rate q of this (preset, difficulty) known from RELIABLE_SUCCESSES successes:
+    BATCH_SUCCESSES / q attempts, so that few attempts run past an image's first success, or more, up
+    to FILL_SUCCESSES / q, where the batch has room (a batch costs a fixed overhead per step). Before
+    that, twice the `failed` batch (TARGET_BLOCK at first).
+    """
+    attempts, successes = record
+    if successes >= RELIABLE_SUCCESSES:
+        mean = attempts / successes
+        wanted = max(BATCH_SUCCESSES * mean, min(capacity / pending, FILL_SUCCESSES * mean))
+    else:
+        wanted = 2 * failed
+    return TARGET_BLOCK * max(1, min(capacity // TARGET_BLOCK, math.ceil(wanted / TARGET_BLOCK)))
+
+
 def _grow_targets(
     params: PathfinderParams, n_dashes: int, rngs: list[np.random.Generator]
 ) -> list[tuple[_Geometry, tuple[_Path, _Path], np.ndarray]]:
     """Per image: the margin's geometry, the two target paths, the occupancy map with their dashes.
 
     Image j's attempts read rows of uniforms from rngs[j] in attempt order, and the image takes its first
-    successful attempt, so the result does not depend on how attempts are batched. Batch sizes come from
-    the success rate seen so far in this process and double for an image that found nothing.
+    successful attempt, so the result does not depend on how attempts are batched (see `_batch_size`).
     """
     columns = TARGET_COLUMN + 2 * (n_dashes - 1) * DASH_TRIES
     geometries = [_geometry(params, margin) for margin in params.margins]
     capacity = min(len(_target_maps(geometry)) for geometry in geometries)
     record = _TARGET_RECORD.setdefault((params, n_dashes), [0, 0])
-    rate = max(MIN_TARGET_SUCCESS, (record[1] + 1) / (record[0] + 1))
-    first_size = TARGET_BLOCK * math.ceil(min(capacity, 0.4 / rate) / TARGET_BLOCK)
-    sizes = dict.fromkeys(range(len(rngs)), first_size)  # pending images and the size of their next batch
+    sizes = dict.fromkeys(range(len(rngs)), _batch_size(record, capacity, len(rngs), 0))  # pending: next batch
     spent = dict.fromkeys(sizes, 0)  # attempts made per image
     results: list = [None] * len(rngs)
     while sizes:
@@ -543,7 +569,6 @@ def _grow_targets(
             counts.append(size)
         draws = np.concatenate([rngs[image].random((count, columns)) for image, count in zip(images, counts)])
         owner = np.repeat(images, counts)
-        first_row = dict(zip(images, np.cumsum([0, *counts[:-1]]).tolist()))
         margin_choice = np.repeat(_uniform_index(draws[::TARGET_BLOCK, 0], len(geometries)), TARGET_BLOCK)
         groups = []
         for choice, geometry in enumerate(geometries):
@@ -556,27 +581,31 @@ def _grow_targets(
             winners, first = np.unique(owner.take(live), return_index=True)
             for image, index in zip(winners.tolist(), first.tolist()):
                 if image not in best or live[index] < best[image][0]:
-                    best[image] = (live[index], attempts, index)
-        for image, (row, attempts, index) in best.items():
-            paths = []
-            for path in range(2):
-                kinds, anchors = attempts.dashes(attempts.rows[index : index + 1], path)
-                paths.append(_path(kinds[0], anchors[0]))
-            results[image] = (attempts.geometry, tuple(paths), attempts.occupancy(index))
-            record[0] += spent[image] + int(row) - first_row[image] + 1
-            record[1] += 1
-            del sizes[image]
-        for _, attempts in groups:
-            _reset_target_maps(attempts)
+                    best[image] = (int(live[index]), attempts, index)
+        first_row = 0
         for image, count in zip(images, counts):
-            if image in sizes:
+            if image in best:
+                row, attempts, index = best[image]
+                paths = []
+                for path in range(2):
+                    kinds, anchors = attempts.dashes(attempts.rows[index : index + 1], path)
+                    paths.append(_path(kinds[0], anchors[0]))
+                results[image] = (attempts.geometry, tuple(paths), attempts.occupancy(index))
+                record[0] += row - first_row + 1
+                record[1] += 1
+                del sizes[image]
+            else:
+                record[0] += count
                 spent[image] += count
                 if spent[image] >= MAX_TARGET_ATTEMPTS:
                     raise RuntimeError(
                         f"no pair of target paths with {n_dashes} dashes at {params.resolution} px "
                         f"after {spent[image]} attempts"
                     )
-                sizes[image] = min(capacity, 2 * count)
+                sizes[image] = _batch_size(record, capacity, len(sizes), count)
+            first_row += count
+        for _, attempts in groups:
+            _reset_target_maps(attempts)
     return results
 
 
@@ -598,7 +627,8 @@ def _grow_distractors(
         by_geometry.setdefault(geometry, []).append(image)
     for geometry, images in by_geometry.items():
         for tries in draws[images].transpose(1, 0, 2, 3):  # distractor k of every image
-            frees = [np.flatnonzero(~occupancies[image]) for image in images]
+            start, stop = geometry.free_span
+            frees = [np.flatnonzero(~occupancies[image][start:stop]) + start for image in images]
             members = [index for index, free in enumerate(frees) if free.size]
             if not members:
                 break
@@ -669,16 +699,25 @@ def _draw_paths(layout: _Layout, brightness: float) -> np.ndarray:
     return canvas.reshape(geometry.stride, geometry.stride)[inner, inner]
 
 
+@functools.lru_cache(maxsize=4096)
+def _disk_stamp(radius: float, aa: int, offset_y: float, offset_x: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Antialiased disk of brightness 1 centred `offset` (y, x) away from its anchor pixel: (rows, cols,
+    values), rows and cols relative to the anchor."""
+    reach = math.ceil(radius) + 1
+    centres = _subpixel_centres(reach, aa)
+    dy = centres[:, None] - offset_y
+    dx = centres[None, :] - offset_x
+    disk = _block_mean((dy**2 + dx**2 <= radius**2).astype(float), aa)
+    pixels = np.arange(-reach, reach + 1)
+    return pixels, pixels, disk
+
+
 def _draw_disk(image: np.ndarray, centre: np.ndarray, radius: float, aa: int) -> None:
     """Draw an antialiased disk of brightness 1 into `image` (maximum with what is there)."""
-    reach = math.ceil(radius) + 1
     anchor = np.rint(centre).astype(int)
-    centres = _subpixel_centres(reach, aa)
-    dy = centres[:, None] + anchor[0] - centre[0]
-    dx = centres[None, :] + anchor[1] - centre[1]
-    disk = _block_mean((dy**2 + dx**2 <= radius**2).astype(float), aa)
-    rows = np.arange(-reach, reach + 1) + anchor[0]
-    cols = np.arange(-reach, reach + 1) + anchor[1]
+    offset = centre - anchor
+    rows, cols, disk = _disk_stamp(radius, aa, float(offset[0]), float(offset[1]))
+    rows, cols = rows + anchor[0], cols + anchor[1]
     keep_rows = (rows >= 0) & (rows < image.shape[0])
     keep_cols = (cols >= 0) & (cols < image.shape[1])
     window = np.ix_(rows[keep_rows], cols[keep_cols])
