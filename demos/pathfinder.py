@@ -117,6 +117,45 @@ PRESETS: dict[int, PathfinderParams] = {
 
 
 @dataclass(frozen=True, eq=False)
+class _Stamps:
+    """Pixel sets, one per kind, as bytes and bits of a bit-packed map (pixel q is bit q % 8 of byte
+    q // 8), for each position of the anchor pixel within its byte: column kind * 8 + anchor % 8 lists
+    the bytes (offsets from the anchor's byte) and bit masks. Short columns repeat their first entry,
+    which reads or sets the same bits again and so changes nothing."""
+
+    bytes: np.ndarray  # (width, n_kinds * 8) intp
+    masks: np.ndarray  # (width, n_kinds * 8) uint8
+
+    def at(self, kinds: np.ndarray, positions: np.ndarray, map_starts) -> tuple[np.ndarray, np.ndarray]:
+        """(width, a) byte indices and bit masks of the stamps of `kinds` anchored at pixel `positions`
+        of the maps starting at bytes `map_starts`."""
+        columns = kinds * 8 + (positions & 7)
+        return self.bytes.take(columns, axis=1) + (map_starts + (positions >> 3)), self.masks.take(columns, axis=1)
+
+
+def _stamps(offset_sets: list[np.ndarray], merge: bool) -> _Stamps:
+    """Stamps of flat pixel offset sets; with `merge`, one entry per byte (bits joined), else one per
+    offset in the given order."""
+    columns = []
+    for offsets in offset_sets:
+        for align in range(8):
+            shifted = align + np.asarray(offsets)
+            bytes_, masks = shifted >> 3, (1 << (shifted & 7)).astype(np.uint8)
+            if merge:
+                order = np.argsort(bytes_, kind="stable")
+                bytes_, first = np.unique(bytes_[order], return_index=True)
+                masks = np.bitwise_or.reduceat(masks[order], first)
+            columns.append((bytes_, masks))
+    width = max(len(bytes_) for bytes_, _ in columns)
+    table_bytes = np.empty((width, len(columns)), dtype=np.intp)
+    table_masks = np.empty((width, len(columns)), dtype=np.uint8)
+    for index, (bytes_, masks) in enumerate(columns):
+        table_bytes[:, index], table_masks[:, index] = bytes_[0], masks[0]
+        table_bytes[: len(bytes_), index], table_masks[: len(masks), index] = bytes_, masks
+    return _Stamps(table_bytes, table_masks)
+
+
+@dataclass(frozen=True, eq=False)
 class _Geometry:
     size: int
     pad: int
@@ -132,15 +171,14 @@ class _Geometry:
     footprints: list[np.ndarray]  # per kind: flat offsets of the footprint
     ink_offsets: list[np.ndarray]  # per kind: flat offsets of drawn pixels
     ink_values: list[np.ndarray]  # per kind: antialiased coverage of those pixels
-    # Per-kind tables stored one column per kind (take(kinds, axis=1) gathers them), short columns
-    # padded: the K candidates a dash may turn to (offset from the next centre, turn weight, kind; weight
-    # 0 pads), and the ink and footprint offsets (padded by repeating the first, a no-op when reading or
-    # setting pixels).
-    step_offsets: np.ndarray  # (K, n_kinds)
+    # For the sampler, per kind one column: the K candidates a dash may turn to (turn weight and kind,
+    # weight 0 pads), and the candidate, ink and footprint pixels as stamps on bit-packed maps.
     step_weights: np.ndarray  # (K, n_kinds)
     step_kinds: np.ndarray  # (K, n_kinds)
-    ink_table: np.ndarray  # (I, n_kinds)
-    footprint_table: np.ndarray  # (F, n_kinds)
+    step_stamps: _Stamps  # candidate pixels around the next centre, in slot order
+    ink_stamps: _Stamps
+    footprint_stamps: _Stamps
+    packed_base: np.ndarray  # uint8 (stride * stride / 8,): base_occupancy packed
 
     def seed_kind(self, degree: int) -> int:
         return len(self.candidates) + degree
@@ -223,16 +261,6 @@ def _window_offsets(mask: np.ndarray, reach: int, stride: int) -> np.ndarray:
     return (y - reach) * stride + (x - reach)
 
 
-def _padded_columns(columns: list[np.ndarray]) -> np.ndarray:
-    """Non-empty 1-D integer arrays as the columns of one (longest, len(columns)) array; a short column
-    repeats its first entry, which reads or sets the same pixel again and so changes nothing."""
-    table = np.empty((max(len(column) for column in columns), len(columns)), dtype=np.intp)
-    for index, column in enumerate(columns):
-        table[:, index] = column[0]
-        table[: len(column), index] = column
-    return table
-
-
 def _base_occupancy(size: int, pad: int, padding: int) -> np.ndarray:
     stride = size + 2 * pad
     occupied = np.ones((stride, stride), dtype=bool)
@@ -246,7 +274,8 @@ def _geometry(params: PathfinderParams, margin: int) -> _Geometry:
     """Precompute candidate pixels, turn weights and dash stamps for one preset and margin."""
     size, length, aa = params.resolution, params.dash_length, params.antialias
     reach = length + 2 * margin + math.ceil(params.thickness) + 2  # how far a stamp extends from its anchor
-    pad = 2 * reach  # room for stamps anchored at centres just outside the free area
+    pad = 4 * math.ceil(reach / 2)  # room for stamps anchored at centres just outside the free area;
+    # at least 2 * reach and a multiple of 4, so that map rows are whole bytes when packed
     stride = size + 2 * pad
 
     candidate_yx = _circle_pixels(length + margin)
@@ -292,11 +321,12 @@ def _geometry(params: PathfinderParams, margin: int) -> _Geometry:
         footprints=footprints,
         ink_offsets=ink_offsets,
         ink_values=[window[window > 0] for window in ink],
-        step_offsets=np.ascontiguousarray(candidates[step_kinds].T),
         step_weights=np.ascontiguousarray(np.take_along_axis(turn_weights, step_kinds, axis=1).T),
         step_kinds=np.ascontiguousarray(step_kinds.T),
-        ink_table=_padded_columns(ink_offsets),
-        footprint_table=_padded_columns(footprints),
+        step_stamps=_stamps(list(candidates[step_kinds]), merge=False),
+        ink_stamps=_stamps(ink_offsets, merge=True),
+        footprint_stamps=_stamps(footprints, merge=True),
+        packed_base=np.packbits(base, bitorder="little"),
     )
 
 
@@ -321,7 +351,7 @@ def _geometry(params: PathfinderParams, margin: int) -> _Geometry:
 TARGET_BLOCK = 1 + TARGET_RETRIES  # target attempts per margin draw
 SEED_COLUMNS = 2 * SEED_TRIES  # uniforms for seeding one path: (direction, place) per try
 TARGET_COLUMN = 1 + 2 * SEED_COLUMNS  # first growth column of a target attempt (after margin and seeds)
-SCRATCH_BYTES = 32 << 20  # occupancy maps kept per geometry and process for target attempts
+SCRATCH_BYTES = 8 << 20  # packed occupancy maps kept per geometry and process for target attempts
 RELIABLE_SUCCESSES = 10  # successes after which the success rate sizes the attempt batches
 BATCH_SUCCESSES = 0.25  # expected successes per batch of target attempts for one image, at least ...
 FILL_SUCCESSES = 2.0  # ... and at most, when the batch has room
@@ -351,23 +381,27 @@ class _Layout:
 
 @dataclass
 class _Attempts:
-    """Attempts at growing `n_paths` paths each, on occupancy maps in one flat boolean array.
+    """Attempts at growing `n_paths` paths each, on bit-packed occupancy maps in one flat uint8 array.
 
-    Map p of attempt r is ``maps[(r * n_paths + p) * size :][:size]``: what path p must avoid. Attempt r
-    reads its uniforms from ``draws[r]``. The live attempts are `rows` (increasing); `kinds` and
-    `anchors` hold the newest dash of each path of each live attempt, and `history` every dash placed,
-    as (rows, kinds, anchors) per placement step, from which `dashes` reads the paths.
+    Map p of attempt r is the `size` bytes from (r * n_paths + p) * size of `maps`: what path p must
+    avoid. Attempt r reads its uniforms from ``draws[r]``. The live attempts are `rows` (increasing);
+    `kinds` and `anchors` hold the newest dash of each path of each live attempt, and `history` every
+    dash placed, as (rows, kinds, anchors) per placement step, from which `dashes` reads the paths.
     """
 
     geometry: _Geometry
-    maps: np.ndarray  # (R * n_paths * size,) bool
-    size: int
+    maps: np.ndarray  # (R * n_paths * size,) uint8
+    size: int  # bytes per map
     n_paths: int
     draws: np.ndarray  # (R, columns) uniforms on [0, 1)
     rows: np.ndarray  # (a,) live attempts
     kinds: list[np.ndarray]  # per path: (a,) kind of its newest dash
     anchors: list[np.ndarray]  # per path: (a,) anchor of its newest dash
     history: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]]  # per path: one entry per dash
+
+    def starts(self, path: int) -> np.ndarray:
+        """(a,) first byte of map `path` of each live attempt."""
+        return (self.rows * self.n_paths + path) * self.size
 
     def keep(self, alive: np.ndarray) -> None:
         """Drop the live attempts where `alive` is False."""
@@ -377,8 +411,8 @@ class _Attempts:
 
     def mark(self, path: int, anchors: np.ndarray, kinds: np.ndarray) -> None:
         """Put the footprints of dashes (one per live attempt) into map `path` of each live attempt."""
-        starts = self.rows * (self.n_paths * self.size) + path * self.size + anchors
-        self.maps[self.geometry.footprint_table.take(kinds, axis=1) + starts] = True
+        indices, masks = self.geometry.footprint_stamps.at(kinds, anchors, self.starts(path))
+        self.maps[indices] |= masks
 
     def place(self, path: int, kinds: np.ndarray, anchors: np.ndarray) -> None:
         """Make (kinds, anchors) the newest dash of `path`; it joins the maps of the other paths."""
@@ -397,8 +431,8 @@ class _Attempts:
             directions: (a, SEED_TRIES) uniforms that pick each try's direction in whole degrees.
         """
         tried = len(self.geometry.candidates) + _uniform_index(directions, 360)
-        starts = self.rows * (self.n_paths * self.size) + path * self.size
-        fits = self._fits((starts[:, None] + tails).ravel(), tried.ravel()).reshape(tried.shape)
+        starts = np.repeat(self.starts(path), SEED_TRIES)
+        fits = self._fits(starts, tails.ravel(), tried.ravel()).reshape(tried.shape)
         seeded = fits.any(axis=1)
         chosen = np.arange(len(fits)) * SEED_TRIES + fits.argmax(axis=1)
         self.keep(seeded)
@@ -423,16 +457,16 @@ class _Attempts:
                     return
                 kind, anchor = self.kinds[path], self.anchors[path]
                 centre = anchor + geometry.next_centres.take(kind)
-                starts = self.rows * (self.n_paths * self.size) + path * self.size + centre
-                # (K, a): cumulative weight of the free candidates, summed in candidate order
-                taken = self.maps[geometry.step_offsets.take(kind, axis=1) + starts]
-                cumulative = geometry.step_weights.take(kind, axis=1) * ~taken
+                starts = self.starts(path)
+                # (K, a): cumulative weight of the free candidates, summed in slot order
+                indices, masks = geometry.step_stamps.at(kind, centre, starts)
+                cumulative = geometry.step_weights.take(kind, axis=1) * ((self.maps[indices] & masks) == 0)
                 for slot in range(1, len(cumulative)):
                     np.add(cumulative[slot - 1], cumulative[slot], out=cumulative[slot])
                 free = cumulative[-1] > 0  # some candidate is free
                 cells = self.rows * columns + (first_column + (step * self.n_paths + path) * DASH_TRIES)
                 chosen = self._sample(kind, cumulative, uniforms.take(cells))
-                grown = free & self._fits(starts, chosen)
+                grown = free & self._fits(starts, centre, chosen)
                 trying = np.flatnonzero(free & ~grown)
                 for attempt in range(1, DASH_TRIES):
                     if trying.size == 0:
@@ -440,7 +474,7 @@ class _Attempts:
                     tried = self._sample(
                         kind.take(trying), cumulative[:, trying], uniforms.take(cells.take(trying) + attempt)
                     )
-                    fits = self._fits(starts.take(trying), tried)
+                    fits = self._fits(starts.take(trying), centre.take(trying), tried)
                     chosen[trying[fits]] = tried[fits]
                     grown[trying[fits]] = True
                     trying = trying[~fits]
@@ -460,9 +494,10 @@ class _Attempts:
         slots = np.minimum((cumulative <= uniforms * cumulative[-1]).sum(axis=0), len(step_kinds) - 1)
         return step_kinds.take(slots * step_kinds.shape[1] + kind)
 
-    def _fits(self, starts: np.ndarray, kinds: np.ndarray) -> np.ndarray:
-        """Whether the dash of each kind, anchored at `starts` (flat map positions), avoids its map."""
-        return ~self.maps[self.geometry.ink_table.take(kinds, axis=1) + starts].any(axis=0)
+    def _fits(self, starts: np.ndarray, anchors: np.ndarray, kinds: np.ndarray) -> np.ndarray:
+        """Whether the dash of each kind at each anchor pixel avoids its map (starting at byte `starts`)."""
+        indices, masks = self.geometry.ink_stamps.at(kinds, anchors, starts)
+        return ~(self.maps[indices] & masks).any(axis=0)
 
     def dashes(self, rows: np.ndarray, path: int) -> tuple[np.ndarray, np.ndarray]:
         """(kinds, anchors), each (len(rows), n_dashes): the dashes of `path` of attempts `rows` that
@@ -475,19 +510,20 @@ class _Attempts:
         return np.stack(kinds, axis=1), np.stack(anchors, axis=1)
 
     def occupancy(self, row_index: int, path: int = 0) -> np.ndarray:
-        """The full occupancy map of live attempt self.rows[row_index]: map `path` plus that path's newest
-        dash."""
+        """The full packed occupancy map of live attempt self.rows[row_index]: map `path` plus that
+        path's newest dash."""
         start = (int(self.rows[row_index]) * self.n_paths + path) * self.size
         occupied = self.maps[start : start + self.size].copy()
-        kind, anchor = int(self.kinds[path][row_index]), int(self.anchors[path][row_index])
-        occupied[anchor + self.geometry.footprints[kind]] = True
+        head = slice(row_index, row_index + 1)
+        indices, masks = self.geometry.footprint_stamps.at(self.kinds[path][head], self.anchors[path][head], 0)
+        occupied[indices] |= masks
         return occupied
 
 
 def _attempts(geometry: _Geometry, maps: np.ndarray, n_paths: int, draws: np.ndarray) -> _Attempts:
     unseeded = np.zeros(len(draws), dtype=np.intp)
     return _Attempts(
-        geometry, maps.reshape(-1), geometry.base_occupancy.size, n_paths, draws, np.arange(len(draws)),
+        geometry, maps.reshape(-1), geometry.packed_base.size, n_paths, draws, np.arange(len(draws)),
         [unseeded] * n_paths, [unseeded] * n_paths, [[] for _ in range(n_paths)],
     )
 
@@ -503,10 +539,10 @@ def _path(kinds: np.ndarray, anchors: np.ndarray) -> _Path:
 
 @functools.lru_cache(maxsize=None)
 def _target_maps(geometry: _Geometry) -> np.ndarray:
-    """Reusable (rows, 2, S) occupancy maps for target attempts, each equal to the base map between uses."""
-    size = geometry.base_occupancy.size
+    """Reusable (rows, 2, S / 8) packed maps for target attempts, each equal to the base map between uses."""
+    size = geometry.packed_base.size
     rows = max(TARGET_BLOCK, SCRATCH_BYTES // (2 * size) // TARGET_BLOCK * TARGET_BLOCK)
-    return np.broadcast_to(geometry.base_occupancy, (rows, 2, size)).copy()
+    return np.broadcast_to(geometry.packed_base, (rows, 2, size)).copy()
 
 
 def _target_attempts(geometry: _Geometry, draws: np.ndarray, n_dashes: int) -> _Attempts:
@@ -525,7 +561,7 @@ def _target_attempts(geometry: _Geometry, draws: np.ndarray, n_dashes: int) -> _
 
 
 def _reset_target_maps(attempts: _Attempts) -> None:
-    attempts.maps.reshape(-1, attempts.size)[:] = attempts.geometry.base_occupancy
+    attempts.maps.reshape(-1, attempts.size)[:] = attempts.geometry.packed_base
 
 
 def _batch_size(record: list[int], capacity: int, pending: int, failed: int) -> int:
@@ -627,8 +663,9 @@ def _grow_distractors(
         by_geometry.setdefault(geometry, []).append(image)
     for geometry, images in by_geometry.items():
         for tries in draws[images].transpose(1, 0, 2, 3):  # distractor k of every image
-            start, stop = geometry.free_span
-            frees = [np.flatnonzero(~occupancies[image][start:stop]) + start for image in images]
+            start, stop = geometry.free_span[0] // 8, -(-geometry.free_span[1] // 8)
+            frees = [np.flatnonzero(np.unpackbits(occupancies[image][start:stop], bitorder="little") == 0)
+                     + 8 * start for image in images]
             members = [index for index, free in enumerate(frees) if free.size]
             if not members:
                 break
