@@ -61,8 +61,8 @@ from path_model import (
 )
 from path_train import (
     EVAL_SEED_OFFSET, Control, Data, DataConfig, Dist, RunLog, RunSpec, TrainConfig, Trainer, autocast,
-    checkpoint_configs, environment, evaluate, generator_takes_pool, load_data, make_optimizer, peak_memory_gib,
-    read_checkpoint, write_json, classify_step,
+    check_init, check_resume, checkpoint_configs, classify_step, environment, evaluate, generator_takes_pool,
+    load_data, make_optimizer, peak_memory_gib, read_checkpoint, write_json,
 )
 
 COMPILE_CHOICES = ("off", "auto", "inductor", "aot_eager", "eager")
@@ -363,6 +363,11 @@ def record_runs(args, results: dict[str, dict], specs: list[RunSpec]) -> None:
 def run_training(args, device: torch.device, dist: Dist, log: RunLog, started: float) -> dict[str, dict]:
     """Train the planned runs one after the other, then summarise and record them."""
     specs = plan_runs(args)
+    for spec in specs:  # checkpoints that cannot serve fail now, before the data is made
+        if args.resume:
+            check_resume(spec, read_checkpoint(spec.checkpoint_path, "--resume"))
+        elif args.init_from:
+            check_init(spec, read_checkpoint(args.init_from, "--init-from"), args.init_from)
     data = load_data(data_config(args), args.cache_dir, args.workers, device, dist, log)
     control = make_control(args, device, started)
     results = {spec.name: Trainer(spec, control, data, device, dist, log).fit() for spec in specs}
@@ -452,6 +457,7 @@ def bench(args, device: torch.device, dist: Dist, log: RunLog) -> list[dict]:
             torch.cuda.reset_peak_memory_stats(device)
         step_seconds = time_call(lambda: classify_step(net, optimizer, pixels, labels, args.lr, device), device,
                                  args.bench_steps)
+        peak = peak_memory_gib(device)  # of training, before the attention-only timing
         shape = (args.batch_size, config.heads, config.side**2, config.head_dim)
         q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
 
@@ -468,7 +474,7 @@ def bench(args, device: torch.device, dist: Dist, log: RunLog) -> list[dict]:
             "task": "bench", "attention": name, "mask": described["name"], "density": described["density"],
             "resolution": config.side, "layers": config.layers, "width": config.width, "heads": config.heads,
             "batch_size": args.batch_size, "samples_per_s": args.batch_size / step_seconds,
-            "peak_memory_gib": peak_memory_gib(device),
+            "peak_memory_gib": peak,
             "attention_tflops": attention_flops(config, masks_) * args.batch_size / attention_seconds / 1e12,
             "step_tflops": step_flops(config, masks_) * args.batch_size / step_seconds / 1e12,
             "step_seconds": step_seconds, "attention_seconds": attention_seconds, "levers": {

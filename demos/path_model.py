@@ -295,7 +295,7 @@ def describe_masks(layer_list: list[sparse_flash.BlockMask | None], config: Mask
     """What the metrics and results record about the masks: names, per-layer density and their mean."""
     densities = [mask_density(m) for m in layer_list]
     return {
-        "name": ",".join(dict.fromkeys(config.layers)) if len(set(config.layers)) == 1 else ",".join(config.layers),
+        "name": config.layers[0] if len(set(config.layers)) == 1 else ",".join(config.layers),
         "layers": [m.name if m is not None else "dense (flash_attention)" for m in layer_list],
         "block_size": config.block_size, "densities": densities, "density": sum(densities) / len(densities),
         "window": list(config.window), "global_blocks": config.global_blocks,

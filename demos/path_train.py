@@ -502,6 +502,29 @@ def _plain(value):
 SCHEDULE_KEYS = ("steps", "train_seconds")  # a resumed run may extend its schedule
 
 
+def check_resume(spec: RunSpec, checkpoint: dict) -> list[str]:
+    """ConfigError unless `checkpoint` is this run's (same model, masks, data and training but for the
+    schedule's length); returns the schedule changes."""
+    mine = config_dicts(spec)
+    problems = []
+    for key, values in mine.items():
+        problems += differences(checkpoint.get(key, {}), values, SCHEDULE_KEYS if key == "train_config" else ())
+    if problems:
+        raise ConfigError(f"--resume: {spec.checkpoint_path} was trained with other settings "
+                          f"({'; '.join(problems)}); pass the same flags or a new --out")
+    return differences(checkpoint["train_config"], mine["train_config"])
+
+
+def check_init(spec: RunSpec, checkpoint: dict, path) -> ModelConfig:
+    """ConfigError unless `checkpoint`'s weights fit this run's model; returns the checkpoint's model config."""
+    theirs = checkpoint_configs(checkpoint)[0]
+    problems = spec.model.shape_mismatch(theirs)
+    if problems:
+        raise ConfigError(f"--init-from {path}: the checkpoint's model differs ({', '.join(problems)}); "
+                          "pass matching flags")
+    return theirs
+
+
 # ----------------------------------------------------------------------------------------------------
 # The training run
 # ----------------------------------------------------------------------------------------------------
@@ -614,7 +637,9 @@ class Trainer:
         path = self.spec.checkpoint_path
         if self.control.resume:
             checkpoint = read_checkpoint(path, "--resume")
-            self.check_resumable(checkpoint)
+            extended = check_resume(self.spec, checkpoint)
+            if extended:
+                self.log(f"[{self.spec.name}] resuming with a changed schedule: {'; '.join(extended)}")
             self.model.load_state_dict(checkpoint["model"])
             self.optimizer.load_state_dict(checkpoint["optimizer"])
             self.state = TrainState(**checkpoint["state"])
@@ -624,30 +649,13 @@ class Trainer:
                      f"({self.state.seconds:.0f} s of training so far)")
         elif self.control.init_from:
             checkpoint = read_checkpoint(self.control.init_from, "--init-from")
-            theirs = checkpoint_configs(checkpoint)[0]
-            problems = self.spec.model.shape_mismatch(theirs)
-            if problems:
-                raise ConfigError(f"--init-from {self.control.init_from}: the checkpoint's model differs "
-                                  f"({', '.join(problems)}); pass matching flags")
+            theirs = check_init(self.spec, checkpoint, self.control.init_from)
             self.model.load_state_dict(transfer_state(checkpoint["model"], self.model))
             self.metrics["init_from"] = {"path": str(self.control.init_from), "side": theirs.side,
                                          "order": theirs.order, "tile": list(theirs.tile),
                                          "step": checkpoint["state"]["step"]}
             self.log(f"[{self.spec.name}] initialised from {self.control.init_from} ({theirs.side} px, "
                      f"{theirs.order} order) at {self.spec.model.side} px, {self.spec.model.order} order")
-
-    def check_resumable(self, checkpoint: dict) -> None:
-        mine = config_dicts(self.spec)
-        problems = []
-        for key, values in mine.items():
-            ignore = SCHEDULE_KEYS if key == "train_config" else ()
-            problems += differences(checkpoint.get(key, {}), values, ignore)
-        if problems:
-            raise ConfigError(f"--resume: {self.spec.checkpoint_path} was trained with other settings "
-                              f"({'; '.join(problems)}); pass the same flags or a new --out")
-        extended = differences(checkpoint["train_config"], mine["train_config"])
-        if extended:
-            self.log(f"[{self.spec.name}] resuming with a changed schedule: {'; '.join(extended)}")
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """DDP across the torchrun ranks, and torch.compile with `--compile`."""

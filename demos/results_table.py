@@ -231,12 +231,13 @@ def update_readme(results: Path = RESULTS, readme: Path = README) -> bool:
 
 
 def print_summary(rows: dict[str, dict]) -> None:
-    print(f"{'run':<14}{'density':>9}{'steps':>8}{'samples':>11}{'held-out acc':>14}{'loss':>8}"
+    wide = max(len("run"), *map(len, rows)) + 2
+    print(f"{'run':<{wide}}{'density':>9}{'steps':>8}{'samples':>11}{'held-out acc':>14}{'loss':>8}"
           f"{'samples/s':>11}{'peak GiB':>10}{'finite loss':>13}")
     for name, r in rows.items():
         rate = f"{r['samples_per_s']:.1f}" if r["samples_per_s"] else "-"
         memory = f"{r['peak_memory_gib']:.2f}" if r["peak_memory_gib"] is not None else "-"
-        print(f"{name:<14}{r['density']:>9.2%}{r['steps']:>8}{r['samples']:>11}{r['eval_acc']:>14.2%}"
+        print(f"{name:<{wide}}{r['density']:>9.2%}{r['steps']:>8}{r['samples']:>11}{r['eval_acc']:>14.2%}"
               f"{r['eval_loss']:>8.4f}{rate:>11}{memory:>10}{'yes' if r['finite_loss'] else 'NO':>13}")
 
 
