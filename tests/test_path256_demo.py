@@ -359,6 +359,8 @@ def test_record_add_and_readme_section(tmp_path, fake_data, monkeypatch):
     assert (tmp_path / "checkpoints" / "tiny.pt").exists()
     small = path_train.read_checkpoint(tmp_path / "checkpoints" / "tiny.pt", "test")
     assert "optimizer" not in small and small["state"]["step"] == 2
+    assert path256.main(["--eval-only", "--init-from", str(tmp_path / "checkpoints" / "tiny.pt"), "--device", "cpu",
+                         "--out", str(tmp_path / "eval"), "--cache-dir", str(tmp_path / "cache")]) == 0
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\n## Path-256 demo results\n\n{results_table.START}\n{results_table.END}\n\n## after\n")
     assert results_table.main(["--results", str(results), "readme", "--readme", str(readme)]) == 0
