@@ -57,6 +57,9 @@ TARGET_RETRIES = 4  # regrowths of a failed target pair before starting a new im
 DISTRACTOR_TRIES = 5  # attempts at one distractor path before it is skipped
 MAX_TARGET_ATTEMPTS = 500_000  # attempts at the target pair before giving up with an error
 FOOTPRINT_COVERAGE = 0.5  # a pixel is in a footprint when at least this fraction of it is covered
+PROGRESS_STEP = 0.1  # progress: a line per this fraction of the images ...
+PROGRESS_SECONDS = 30.0  # ... or after this many seconds without one ...
+PROGRESS_GAP = 2.0  # ... but never two lines closer than this
 
 
 @dataclass(frozen=True)
@@ -778,6 +781,19 @@ def _check_choice(name: str, value, choices) -> None:
         raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
 
 
+def _check_integer(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+
+
+def _check_pool(pool, resolution: int) -> None:
+    _check_integer("pool", pool, 1)
+    if resolution % pool:
+        raise ValueError(f"pool must divide the resolution {resolution}, got {pool}")
+
+
 def generate_image(resolution: int, difficulty: str, rng: np.random.Generator) -> tuple[np.ndarray, int]:
     """Generate one Pathfinder image.
 
@@ -789,32 +805,98 @@ def generate_image(resolution: int, difficulty: str, rng: np.random.Generator) -
     Returns:
         (image, label): a uint8 array of shape (resolution, resolution) and 1 if both circles lie on
         the same path, else 0.
+
+    Example::
+
+        image, label = generate_image(32, "hard", np.random.default_rng(0))
     """
     _check_choice("resolution", resolution, PRESETS)
     _check_choice("difficulty", difficulty, DIFFICULTIES)
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
     params = PRESETS[resolution]
     layout = _sample_layout(params, DIFFICULTIES[difficulty], rng)
     return _render(params, layout), layout.label
 
 
-def _generate_block(task: tuple[int, int, int, str, int]) -> tuple[int, np.ndarray, np.ndarray]:
-    """Images start .. stop-1 of a dataset; image i uses np.random.default_rng([seed, i])."""
-    start, stop, resolution, difficulty, seed = task
+def pool_images(images: np.ndarray, pool: int) -> np.ndarray:
+    """Average uint8 images over pool x pool pixel blocks, rounded to the nearest integer (halves up).
+
+    Args:
+        images: uint8 array (n, H, W) with H and W multiples of `pool`.
+        pool: block side in pixels, at least 1.
+
+    Returns:
+        uint8 array (n, H / pool, W / pool).
+
+    Example::
+
+        small = pool_images(images_256px, 4)  # (n, 64, 64)
+    """
+    if images.ndim != 3 or images.dtype != np.uint8:
+        raise ValueError(f"images must be a uint8 array (n, H, W), got {images.dtype} {images.shape}")
+    count, height, width = images.shape
+    _check_pool(pool, math.gcd(height, width))
+    blocks = images.reshape(count, height // pool, pool, width // pool, pool)
+    sums = blocks.sum(axis=(2, 4), dtype=np.uint32)
+    area = pool * pool
+    return ((2 * sums + area) // (2 * area)).astype(np.uint8)
+
+
+def _generate_block(task: tuple[int, int, int, str, int, int]) -> tuple[int, np.ndarray, np.ndarray]:
+    """Images start .. stop-1 of a dataset, pooled; image i uses np.random.default_rng([seed, i])."""
+    start, stop, resolution, difficulty, seed, pool = task
     params = PRESETS[resolution]
-    images = np.empty((stop - start, resolution, resolution), dtype=np.uint8)
+    side = resolution // pool
+    images = np.empty((stop - start, side, side), dtype=np.uint8)
     labels = np.empty(stop - start, dtype=np.int64)
     for chunk in range(start, stop, LOCKSTEP_IMAGES):
         indices = range(chunk, min(chunk + LOCKSTEP_IMAGES, stop))
         rngs = [np.random.default_rng([seed, index]) for index in indices]
-        for index, layout in zip(indices, _sample_layouts(params, DIFFICULTIES[difficulty], rngs)):
-            images[index - start] = _render(params, layout)
-            labels[index - start] = layout.label
+        layouts = _sample_layouts(params, DIFFICULTIES[difficulty], rngs)
+        rendered = np.stack([_render(params, layout) for layout in layouts])
+        images[chunk - start : chunk - start + len(indices)] = pool_images(rendered, pool) if pool > 1 else rendered
+        labels[chunk - start : chunk - start + len(indices)] = [layout.label for layout in layouts]
     return start, images, labels
 
 
-def _report_progress(done: int, total: int) -> None:
-    end = "\n" if done == total else ""
-    print(f"\rpathfinder: {done}/{total} images", end=end, file=sys.stderr, flush=True)
+def _duration(seconds: float) -> str:
+    if seconds < 100:
+        return f"{seconds:.0f} s"
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes}m{seconds:02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"
+
+
+class _Progress:
+    """Progress of a generation as plain lines on stderr (no carriage returns, so logs read well).
+
+    A line when another PROGRESS_STEP of the images is done or PROGRESS_SECONDS passed since the last
+    one, but not within PROGRESS_GAP seconds of it; and a last line when all are done.
+    """
+
+    def __init__(self, total: int, what: str, stream=None, clock=time.perf_counter):
+        self.total, self.what, self.stream, self.clock = total, what, stream, clock
+        self.started = self.last_time = clock()
+        self.last_done = 0
+
+    def update(self, done: int) -> None:
+        now = self.clock()
+        if done >= self.total:
+            elapsed = now - self.started
+            rate = f", {done / elapsed:,.0f} images/s" if elapsed > 0 else ""
+            self._print(f"{done:,} {self.what} in {elapsed:.1f} s{rate}")
+            return
+        since = now - self.last_time
+        stepped = done - self.last_done >= PROGRESS_STEP * self.total
+        if since < PROGRESS_GAP or not (stepped or since >= PROGRESS_SECONDS):
+            return
+        rate = done / (now - self.started)
+        left = f", {_duration((self.total - done) / rate)} left" if rate > 0 else ""
+        self._print(f"{done:,}/{self.total:,} {self.what} ({done / self.total:.0%}), {rate:,.0f} images/s{left}")
+        self.last_time, self.last_done = now, done
+
+    def _print(self, text: str) -> None:
+        print(f"pathfinder: {text}", file=self.stream or sys.stderr, flush=True)
 
 
 def generate_dataset(
@@ -823,7 +905,8 @@ def generate_dataset(
     difficulty: str = "easy",
     seed: int = 0,
     workers: int | None = None,
-    progress: bool = False,
+    progress: bool = True,
+    pool: int = 1,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Generate n Pathfinder images in parallel.
 
@@ -831,25 +914,38 @@ def generate_dataset(
     result does not depend on the number of workers. Labels are drawn 50/50 per image.
 
     Args:
-        n: number of images.
+        n: number of images (at least 0).
         resolution: image side in pixels (32, 64, 128 or 256).
         difficulty: "easy", "intermediate" or "hard".
         seed: dataset seed (a non-negative integer).
-        workers: worker processes; default ``os.cpu_count()``; 1 runs in this process.
-        progress: print a progress line to stderr.
+        workers: worker processes (at least 1); default ``os.cpu_count()``; 1 runs in this process.
+        progress: print progress lines to stderr (images done, rate, time left; see ``_Progress``).
+        pool: average each image over pool x pool pixel blocks (``pool_images``); must divide the
+            resolution; 1 keeps full resolution.
 
     Returns:
-        (images, labels): uint8 array (n, resolution, resolution) and int64 array (n,) of 0/1.
+        (images, labels): uint8 array (n, resolution / pool, resolution / pool) and int64 array (n,)
+        of 0/1.
+
+    Example::
+
+        images, labels = generate_dataset(1000, 256, "hard", seed=0, pool=4)  # (1000, 64, 64)
     """
+    _check_integer("n", n, 0)
     _check_choice("resolution", resolution, PRESETS)
     _check_choice("difficulty", difficulty, DIFFICULTIES)
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+    _check_integer("seed", seed, 0)
+    _check_pool(pool, resolution)
+    if workers is not None:
+        _check_integer("workers", workers, 1)
     workers = workers or os.cpu_count() or 1
     block = max(1, min(256, math.ceil(n / (8 * workers))))
-    tasks = [(start, min(start + block, n), resolution, difficulty, seed) for start in range(0, n, block)]
-    images = np.empty((n, resolution, resolution), dtype=np.uint8)
+    tasks = [(start, min(start + block, n), resolution, difficulty, seed, pool) for start in range(0, n, block)]
+    side = resolution // pool
+    images = np.empty((n, side, side), dtype=np.uint8)
     labels = np.empty(n, dtype=np.int64)
+    what = f"images of {resolution} px ({difficulty})" + (f" pooled {pool}x{pool}" if pool > 1 else "")
+    report = _Progress(n, what) if progress else None
     done = 0
 
     def collect(results) -> None:
@@ -858,33 +954,34 @@ def generate_dataset(
             images[start : start + len(block_labels)] = block_images
             labels[start : start + len(block_labels)] = block_labels
             done += len(block_labels)
-            if progress:
-                _report_progress(done, n)
+            if report:
+                report.update(done)
 
     workers = min(workers, len(tasks))
     if workers <= 1:
         collect(map(_generate_block, tasks))
     else:
-        with multiprocessing.Pool(workers) as pool:
-            collect(pool.imap_unordered(_generate_block, tasks))
+        with multiprocessing.Pool(workers) as processes:
+            collect(processes.imap_unordered(_generate_block, tasks))
     return images, labels
 
 
-def _cache_metadata(n: int, resolution: int, difficulty: str, seed: int) -> dict:
+def _cache_metadata(n: int, resolution: int, difficulty: str, seed: int, pool: int) -> dict:
     """What identifies a cached dataset, in its JSON form."""
     metadata = {
         "n": n,
         "resolution": resolution,
         "difficulty": difficulty,
         "seed": seed,
+        "pool": pool,
         "params": asdict(PRESETS[resolution]),
         "generator_version": GENERATOR_VERSION,
     }
     return json.loads(json.dumps(metadata))
 
 
-def _cache_paths(directory: Path, n: int, resolution: int, difficulty: str, seed: int) -> dict[str, Path]:
-    stem = f"pathfinder{resolution}_{difficulty}_n{n}_seed{seed}"
+def _cache_paths(directory: Path, n: int, resolution: int, difficulty: str, seed: int, pool: int) -> dict[str, Path]:
+    stem = f"pathfinder{resolution}_{difficulty}_n{n}_seed{seed}" + (f"_pool{pool}" if pool > 1 else "")
     return {
         "images": directory / f"{stem}_images.npy",
         "labels": directory / f"{stem}_labels.npy",
@@ -903,7 +1000,7 @@ def _read_cache(paths: dict[str, Path], expected: dict) -> tuple[np.ndarray, np.
         labels = np.load(paths["labels"])
     except (OSError, ValueError, EOFError):
         return None
-    side = expected["resolution"]
+    side = expected["resolution"] // expected["pool"]
     if images.shape != (expected["n"], side, side) or labels.shape != (expected["n"],):
         return None
     return images, labels.astype(np.int64)
@@ -930,30 +1027,49 @@ def load_or_generate(
     seed: int,
     cache_dir: str | os.PathLike = "~/.cache/sparse_flash/pathfinder",
     workers: int | None = None,
-    progress: bool = False,
+    progress: bool = True,
+    pool: int = 1,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Load a dataset from the disk cache, generating and caching it when missing or stale.
 
     The cache holds ``<stem>_images.npy`` and ``<stem>_labels.npy`` (uint8) and ``<stem>.json`` with
-    n, resolution, difficulty, seed, the preset parameters, the generator version and the seconds
-    generation took; it is reused only when that metadata matches.
+    n, resolution, difficulty, seed, pool, the preset parameters, the generator version and the seconds
+    generation took; it is reused only when that metadata matches. A pooled set has its own files
+    (stem ending ``_pool<pool>``); it is made from the full-resolution set when that one is cached,
+    else generated (pooled in the workers, so the full-resolution images are never all in memory).
 
     Args:
-        n, resolution, difficulty, seed, workers, progress: as for ``generate_dataset``.
+        n, resolution, difficulty, seed, workers, progress, pool: as for ``generate_dataset``.
         cache_dir: directory of the cache files (created when missing; ``~`` is expanded).
 
     Returns:
-        (images, labels): uint8 array (n, resolution, resolution) and int64 array (n,).
+        (images, labels): uint8 array (n, resolution / pool, resolution / pool) and int64 array (n,).
+
+    Example::
+
+        images, labels = load_or_generate(20_000, 256, "hard", seed=0, pool=4, progress=False)
     """
+    _check_integer("n", n, 0)
     _check_choice("resolution", resolution, PRESETS)
     _check_choice("difficulty", difficulty, DIFFICULTIES)
-    paths = _cache_paths(Path(cache_dir).expanduser(), n, resolution, difficulty, seed)
-    expected = _cache_metadata(n, resolution, difficulty, seed)
+    _check_integer("seed", seed, 0)
+    _check_pool(pool, resolution)
+    directory = Path(cache_dir).expanduser()
+    paths = _cache_paths(directory, n, resolution, difficulty, seed, pool)
+    expected = _cache_metadata(n, resolution, difficulty, seed, pool)
     cached = _read_cache(paths, expected)
+    if cached is None and pool > 1:
+        full_paths = _cache_paths(directory, n, resolution, difficulty, seed, 1)
+        full = _read_cache(full_paths, _cache_metadata(n, resolution, difficulty, seed, 1))
+        if full is not None:
+            cached = pool_images(full[0], pool), full[1]
+            _write_cache(paths, {**expected, "seconds": 0.0}, *cached)
     if cached is not None:
+        if progress:
+            print(f"pathfinder: {n:,} images loaded from {paths['images']}", file=sys.stderr, flush=True)
         return cached
     started = time.perf_counter()
-    images, labels = generate_dataset(n, resolution, difficulty, seed, workers, progress)
+    images, labels = generate_dataset(n, resolution, difficulty, seed, workers, progress, pool)
     metadata = {**expected, "seconds": round(time.perf_counter() - started, 3)}
     _write_cache(paths, metadata, images, labels)
     return images, labels
@@ -994,7 +1110,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("-n", type=int, default=64, help="number of images (default 64)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=None, help="worker processes (default: all cores)")
+    parser.add_argument(
+        "--pool", type=int, default=1,
+        help="average over POOL x POOL pixel blocks, e.g. 4 turns 256-px images into 64 px (default 1)",
+    )
     parser.add_argument("--cache-dir", default="~/.cache/sparse_flash/pathfinder")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument("--show", metavar="PNG", help="write a grid of the first 64 images to this file")
     args = parser.parse_args(argv)
     if args.n < 1:
@@ -1003,6 +1124,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"argument --seed: must be non-negative, got {args.seed}")
     if args.workers is not None and args.workers < 1:
         parser.error(f"argument --workers: must be at least 1, got {args.workers}")
+    if args.pool < 1 or args.resolution % args.pool:
+        parser.error(f"argument --pool: must be at least 1 and divide --resolution {args.resolution}, got {args.pool}")
     return args
 
 
@@ -1010,11 +1133,14 @@ def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
     started = time.perf_counter()
     images, labels = load_or_generate(
-        args.n, args.resolution, args.difficulty, args.seed, args.cache_dir, args.workers, progress=True
+        args.n, args.resolution, args.difficulty, args.seed, args.cache_dir, args.workers,
+        progress=not args.quiet, pool=args.pool,
     )
     seconds = time.perf_counter() - started
+    side = images.shape[1]
+    pooled = f" (pooled {args.pool}x{args.pool} from {args.resolution} px)" if args.pool > 1 else ""
     print(
-        f"{len(images)} images of {args.resolution}x{args.resolution} ({args.difficulty}), "
+        f"{len(images)} images of {side}x{side}{pooled} ({args.difficulty}), "
         f"{labels.mean():.1%} label 1, ready in {seconds:.2f} s"
     )
     if args.show:
