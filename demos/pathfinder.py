@@ -360,6 +360,12 @@ BATCH_SUCCESSES = 0.25  # expected successes per batch of target attempts for on
 FILL_SUCCESSES = 2.0  # ... and at most, when the batch has room
 LOCKSTEP_IMAGES = 64  # images whose layouts are sampled together
 
+# Free pixels of a packed byte: how many, and where the r-th one is (bit 0 is the first pixel).
+_FREE_BITS = np.array([8 - bin(value).count("1") for value in range(256)], dtype=np.uint8)
+_FREE_SELECT = np.array(
+    [([bit for bit in range(8) if not value >> bit & 1] + [0] * 8)[:8] for value in range(256)], dtype=np.intp
+).ravel()
+
 # (attempts, successes) of target attempts per (params, n_dashes) in this process. It sizes the batches
 # and, since the images do not depend on batch sizes, nothing else.
 _TARGET_RECORD: dict[tuple[PathfinderParams, int], list[int]] = {}
@@ -648,13 +654,40 @@ def _grow_targets(
     return results
 
 
+def _free_pixels(occupied: np.ndarray, first_byte: int, uniforms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pixels uniform over the free pixels of packed maps: pixel floor(u * count) of the free ones in
+    increasing order, found by counting free bits per byte rather than listing the free pixels.
+
+    Args:
+        occupied: (m, B) packed maps, the bytes from `first_byte` on (those that can hold free pixels).
+        uniforms: (m, t) uniforms on [0, 1).
+
+    Returns:
+        (pixels, counts): (m, t) flat pixel positions (meaningless where the count is 0) and (m,) number
+        of free pixels per map.
+    """
+    m, width = occupied.shape
+    cumulative = _FREE_BITS.take(occupied).cumsum(axis=1, dtype=np.int64)
+    counts = cumulative[:, -1]
+    ranks = np.minimum((uniforms * counts[:, None]).astype(np.int64), np.maximum(counts - 1, 0)[:, None])
+    # one sorted array for all maps: map i's running counts shifted by i * (8 * width + 1)
+    shift = (8 * width + 1) * np.arange(m)[:, None]
+    flat = (cumulative + shift).ravel()
+    found = np.minimum(flat.searchsorted(ranks + shift, side="right"), flat.size - 1)
+    byte = found - width * np.arange(m)[:, None]
+    before = np.where(byte > 0, flat.take(found - 1) - shift, 0)
+    values = occupied.ravel().take(found)
+    bits = _FREE_SELECT.take(values.astype(np.intp) * 8 + np.minimum(ranks - before, 7))
+    return 8 * (first_byte + byte) + bits, counts
+
+
 def _grow_distractors(
     geometries: list[_Geometry], occupancies: list[np.ndarray], n_dashes: int, draws: np.ndarray
 ) -> list[list[_Path]]:
     """Distractor paths of `n_dashes` dashes per image, added to its occupancy map (in place).
 
     Args:
-        geometries, occupancies: per image.
+        geometries, occupancies: per image (maps packed).
         draws: (images, count, DISTRACTOR_TRIES, columns) uniforms: seeding, then growth, per try.
 
     Returns:
@@ -665,28 +698,27 @@ def _grow_distractors(
     for image, geometry in enumerate(geometries):
         by_geometry.setdefault(geometry, []).append(image)
     for geometry, images in by_geometry.items():
+        occupied = np.stack([occupancies[image] for image in images])
+        first_byte, stop_byte = geometry.free_span[0] // 8, -(-geometry.free_span[1] // 8)
         for tries in draws[images].transpose(1, 0, 2, 3):  # distractor k of every image
-            start, stop = geometry.free_span[0] // 8, -(-geometry.free_span[1] // 8)
-            frees = [np.flatnonzero(np.unpackbits(occupancies[image][start:stop], bitorder="little") == 0)
-                     + 8 * start for image in images]
-            members = [index for index, free in enumerate(frees) if free.size]
-            if not members:
+            seeds = tries[:, :, :SEED_COLUMNS].reshape(len(images), DISTRACTOR_TRIES, SEED_TRIES, 2)
+            places = seeds[..., 1].reshape(len(images), DISTRACTOR_TRIES * SEED_TRIES)
+            tails, counts = _free_pixels(occupied[:, first_byte:stop_byte], first_byte, places)
+            members = np.flatnonzero(counts)
+            if members.size == 0:
                 break
             rows = tries[members].reshape(len(members) * DISTRACTOR_TRIES, -1)
-            maps = np.repeat(np.stack([occupancies[images[index]] for index in members]), DISTRACTOR_TRIES, axis=0)
-            seeds = rows[:, :SEED_COLUMNS].reshape(len(rows), SEED_TRIES, 2)
-            places = seeds[:, :, 1].reshape(len(members), DISTRACTOR_TRIES * SEED_TRIES)
-            tails = np.concatenate([frees[index].take(_uniform_index(place, frees[index].size))
-                                    for index, place in zip(members, places)])
-            attempts = _attempts(geometry, maps, 1, rows)
-            attempts.seed(0, tails.reshape(len(rows), SEED_TRIES), seeds[:, :, 0])
+            attempts = _attempts(geometry, np.repeat(occupied[members], DISTRACTOR_TRIES, axis=0), 1, rows)
+            directions = seeds[members, :, :, 0].reshape(len(rows), SEED_TRIES)
+            attempts.seed(0, tails[members].reshape(len(rows), SEED_TRIES), directions)
             attempts.grow(SEED_COLUMNS, n_dashes - 1)
             winners, first = np.unique(attempts.rows // DISTRACTOR_TRIES, return_index=True)
             kinds, anchors = attempts.dashes(attempts.rows.take(first), 0)
             for member, index, path_kinds, path_anchors in zip(winners.tolist(), first.tolist(), kinds, anchors):
-                image = images[members[member]]
-                occupancies[image] = attempts.occupancy(index)
-                paths[image].append(_path(path_kinds, path_anchors))
+                occupied[members[member]] = attempts.occupancy(index)
+                paths[images[members[member]]].append(_path(path_kinds, path_anchors))
+        for index, image in enumerate(images):
+            occupancies[image] = occupied[index]
     return paths
 
 
