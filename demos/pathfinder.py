@@ -28,9 +28,40 @@ How an image is made (after Linsley et al. 2018, with the Long Range Arena param
 Image i of a dataset depends only on (seed, i, resolution, difficulty), so any number of worker
 processes gives the same arrays.
 
+How it is computed. Rejection sampling dominates: a 64-px hard image needs about 3,500 attempts at the
+target pair on average (most die within 8 dashes), a 128-px hard one about 180. Steps 3 and 4 run as
+written, but for many attempts and images at once (see "Layout" below): every attempt reads a fixed
+row of uniforms from its image's generator and the image keeps its first successful attempt, so the
+result is the one a one-attempt-at-a-time loop over the same uniforms gives, whatever the batch sizes
+(tests/test_pathfinder.py runs such a loop and compares layouts exactly, and compares image statistics
+with the generator before this scheme, commit f59dcde). Occupancy maps are bit-packed, dash stamps are
+precomputed per kind and anchor alignment.
+
+CPU time per image and core (ms), ``generate_dataset(..., workers=1)`` on the 2-core development VM
+(AMD EPYC), hundreds of images per cell; before = commit f59dcde (GENERATOR_VERSION 1):
+
+    ============  ====================  ====================  ====================
+    resolution    easy (before/now)     intermediate          hard
+    ============  ====================  ====================  ====================
+    32            0.92 / 0.46           1.55 / 0.47           4.2 / 0.73
+    64            1.34 / 0.56           31 / 2.1              511 / 20
+    128           1.51 / 1.08           3.0 / 1.14            34 / 3.4
+    256           1.88 / 1.23           1.84 / 0.99           3.6 / 1.18
+    ============  ====================  ====================  ====================
+
+At 0.73 ms a 32-px hard image, 16 cores make the 200,000 of an LRA set in about 10 s. ``generate_image``
+makes one image alone and pays the batching overhead for it (about 3-5 ms at 32 px, 31 ms at 64 px hard);
+use ``generate_dataset`` for many.
+
+Pooled resolution: ``load_or_generate(..., pool=4)`` (``--pool 4``) averages each image over 4x4 pixel
+blocks (``pool_images``), e.g. Path-256 images at 64 px with the same labels, cached under its own name.
+Progress: generation prints plain lines to stderr (images done, rate, time left) every 10% or 30 s;
+``progress=False`` (``--quiet``) turns them off.
+
 Command line::
 
     python demos/pathfinder.py --resolution 32 --difficulty easy -n 64 --seed 0 --show grid.png
+    python demos/pathfinder.py --resolution 256 --difficulty hard -n 20000 --pool 4
 """
 
 from __future__ import annotations
@@ -357,7 +388,7 @@ TARGET_COLUMN = 1 + 2 * SEED_COLUMNS  # first growth column of a target attempt 
 SCRATCH_BYTES = 8 << 20  # packed occupancy maps kept per geometry and process for target attempts
 RELIABLE_SUCCESSES = 10  # successes after which the success rate sizes the attempt batches
 BATCH_SUCCESSES = 0.25  # expected successes per batch of target attempts for one image, at least ...
-FILL_SUCCESSES = 2.0  # ... and at most, when the batch has room
+FILL_SUCCESSES = 1.0  # ... and at most, when the batch has room
 LOCKSTEP_IMAGES = 64  # images whose layouts are sampled together
 
 # Free pixels of a packed byte: how many, and where the r-th one is (bit 0 is the first pixel).
@@ -407,14 +438,19 @@ class _Attempts:
     kinds: list[np.ndarray]  # per path: (a,) kind of its newest dash
     anchors: list[np.ndarray]  # per path: (a,) anchor of its newest dash
     history: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]]  # per path: one entry per dash
+    bases: np.ndarray = None  # (a,) first byte of the maps of each live attempt
+
+    def __post_init__(self):
+        self.bases = self.rows * (self.n_paths * self.size)
 
     def starts(self, path: int) -> np.ndarray:
         """(a,) first byte of map `path` of each live attempt."""
-        return (self.rows * self.n_paths + path) * self.size
+        return self.bases + path * self.size
 
     def keep(self, alive: np.ndarray) -> None:
         """Drop the live attempts where `alive` is False."""
         self.rows = self.rows[alive]
+        self.bases = self.bases[alive]
         self.kinds = [kind[alive] for kind in self.kinds]
         self.anchors = [anchor[alive] for anchor in self.anchors]
 
@@ -470,8 +506,7 @@ class _Attempts:
                 # (K, a): cumulative weight of the free candidates, summed in slot order
                 indices, masks = geometry.step_stamps.at(kind, centre, starts)
                 cumulative = geometry.step_weights.take(kind, axis=1) * ((self.maps[indices] & masks) == 0)
-                for slot in range(1, len(cumulative)):
-                    np.add(cumulative[slot - 1], cumulative[slot], out=cumulative[slot])
+                _accumulate(cumulative)
                 free = cumulative[-1] > 0  # some candidate is free
                 cells = self.rows * columns + (first_column + (step * self.n_paths + path) * DASH_TRIES)
                 chosen = self._sample(kind, cumulative, uniforms.take(cells))
@@ -527,6 +562,16 @@ class _Attempts:
         indices, masks = self.geometry.footprint_stamps.at(self.kinds[path][head], self.anchors[path][head], 0)
         occupied[indices] |= masks
         return occupied
+
+
+def _accumulate(values: np.ndarray) -> None:
+    """Running sums down the rows of a (K, a) float array, in place, added in row order (as
+    np.cumsum(axis=0), which is slower for wide arrays and faster for narrow ones)."""
+    if values.shape[1] < 256:
+        np.cumsum(values, axis=0, out=values)
+        return
+    for row in range(1, len(values)):
+        np.add(values[row - 1], values[row], out=values[row])
 
 
 def _attempts(geometry: _Geometry, maps: np.ndarray, n_paths: int, draws: np.ndarray) -> _Attempts:
