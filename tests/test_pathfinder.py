@@ -1,7 +1,7 @@
 """Tests of the Pathfinder image generator in demos/pathfinder.py.
 
-Run as a script, ``python tests/test_pathfinder.py --reference OLD_PATHFINDER.py`` remakes the reference
-statistics in tests/data/pathfinder_stats.json from another version of the generator.
+Run as a script, ``python tests/test_pathfinder.py --reference OLD_PATHFINDER.py --commit REV`` remakes
+the reference statistics in tests/data/pathfinder_stats.json from another version of the generator.
 """
 
 import argparse
@@ -556,7 +556,7 @@ def test_generation_reports_progress_on_stderr_unless_told_not_to(capsys):
 # ----------------------------------------------------------------------------------------------------
 
 
-def _reference_statistics(generator_path: str, images: int) -> dict:
+def _reference_statistics(generator_path: str, images: int, commit: str) -> dict:
     spec = importlib.util.spec_from_file_location("pathfinder_reference", generator_path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -574,13 +574,24 @@ def _reference_statistics(generator_path: str, images: int) -> dict:
                 for name, values in ((name, [row[name] for row in rows]) for name in rows[0])
             }
             print(case, "done", file=sys.stderr, flush=True)
-    return {**{key: value for key, value in REFERENCE.items() if key != "cases"}, "images": images, "cases": cases}
+    return {"about": REFERENCE["about"], "generator_commit": commit, "images": images, "cases": cases}
+
+
+def _reference_json(statistics: dict) -> str:
+    """The reference as JSON with one statistic per line."""
+    lines = ["{"] + [f" {json.dumps(key)}: {json.dumps(statistics[key])}," for key in statistics if key != "cases"]
+    cases = []
+    for case, stats in statistics["cases"].items():
+        rows = ",\n".join(f"   {json.dumps(name)}: {json.dumps(value)}" for name, value in stats.items())
+        cases.append(f"  {json.dumps(case)}: {{\n{rows}\n  }}")
+    return "\n".join(lines + [' "cases": {', ",\n".join(cases), " }", "}"]) + "\n"
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Remake tests/data/pathfinder_stats.json from a generator file.")
     parser.add_argument("--reference", required=True, help="path of the pathfinder.py to describe")
+    parser.add_argument("--commit", required=True, help="the commit that file comes from, recorded in the JSON")
     parser.add_argument("--images", type=int, default=2000, help="images per case (default 2000)")
     args = parser.parse_args()
-    statistics = _reference_statistics(args.reference, args.images)
-    (Path(__file__).resolve().parent / "data" / "pathfinder_stats.json").write_text(json.dumps(statistics, indent=1))
+    statistics = _reference_statistics(args.reference, args.images, args.commit)
+    (Path(__file__).resolve().parent / "data" / "pathfinder_stats.json").write_text(_reference_json(statistics))
