@@ -73,6 +73,7 @@ import math
 import multiprocessing
 import os
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -438,10 +439,7 @@ class _Attempts:
     kinds: list[np.ndarray]  # per path: (a,) kind of its newest dash
     anchors: list[np.ndarray]  # per path: (a,) anchor of its newest dash
     history: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]]  # per path: one entry per dash
-    bases: np.ndarray = None  # (a,) first byte of the maps of each live attempt
-
-    def __post_init__(self):
-        self.bases = self.rows * (self.n_paths * self.size)
+    bases: np.ndarray  # (a,) first byte of the maps of each live attempt
 
     def starts(self, path: int) -> np.ndarray:
         """(a,) first byte of map `path` of each live attempt."""
@@ -575,10 +573,12 @@ def _accumulate(values: np.ndarray) -> None:
 
 
 def _attempts(geometry: _Geometry, maps: np.ndarray, n_paths: int, draws: np.ndarray) -> _Attempts:
+    """Attempts with one row of `draws` each, on `maps` (R, n_paths, S / 8), none seeded yet."""
     unseeded = np.zeros(len(draws), dtype=np.intp)
+    rows, size = np.arange(len(draws)), geometry.packed_base.size
     return _Attempts(
-        geometry, maps.reshape(-1), geometry.packed_base.size, n_paths, draws, np.arange(len(draws)),
-        [unseeded] * n_paths, [unseeded] * n_paths, [[] for _ in range(n_paths)],
+        geometry, maps.reshape(-1), size, n_paths, draws, rows, [unseeded] * n_paths, [unseeded] * n_paths,
+        [[] for _ in range(n_paths)], rows * (n_paths * size),
     )
 
 
@@ -591,6 +591,9 @@ def _path(kinds: np.ndarray, anchors: np.ndarray) -> _Path:
     return _Path(int(anchors[0]), [(int(kind), int(anchor)) for kind, anchor in zip(kinds, anchors)])
 
 
+_TARGET_MAPS_LOCK = threading.Lock()  # the reusable maps serve one sampler at a time
+
+
 @functools.lru_cache(maxsize=None)
 def _target_maps(geometry: _Geometry) -> np.ndarray:
     """Reusable (rows, 2, S / 8) packed maps for target attempts, each equal to the base map between uses."""
@@ -600,8 +603,8 @@ def _target_maps(geometry: _Geometry) -> np.ndarray:
 
 
 def _target_attempts(geometry: _Geometry, draws: np.ndarray, n_dashes: int) -> _Attempts:
-    """Run the target attempts of `draws` (one per row) on the reusable maps; the attempts that succeeded
-    are left live. Call `_reset_target_maps` when done with them."""
+    """Run the target attempts of `draws` (one per row) on the first len(draws) reusable maps; the
+    attempts that succeeded are left live. The caller puts the maps back to the base map."""
     count = len(draws)
     attempts = _attempts(geometry, _target_maps(geometry)[:count], 2, draws)
     seeds = draws[:, 1:TARGET_COLUMN].reshape(count, 2, SEED_TRIES, 2)
@@ -612,10 +615,6 @@ def _target_attempts(geometry: _Geometry, draws: np.ndarray, n_dashes: int) -> _
     attempts.seed(1, attempts.anchors[0][:, None] + partners, second[:, :, 0])
     attempts.grow(TARGET_COLUMN, n_dashes - 1)
     return attempts
-
-
-def _reset_target_maps(attempts: _Attempts) -> None:
-    attempts.maps.reshape(-1, attempts.size)[:] = attempts.geometry.packed_base
 
 
 def _batch_size(record: list[int], capacity: int, pending: int, failed: int) -> int:
@@ -633,6 +632,23 @@ def _batch_size(record: list[int], capacity: int, pending: int, failed: int) -> 
     else:
         wanted = 2 * failed
     return TARGET_BLOCK * max(1, min(capacity // TARGET_BLOCK, math.ceil(wanted / TARGET_BLOCK)))
+
+
+def _first_successes(groups: list[tuple[np.ndarray, _Attempts]], owner: np.ndarray) -> dict[int, tuple]:
+    """Per image with a successful attempt: (row, attempts, index among its live attempts) of the first.
+
+    Args:
+        groups: (rows of the batch, their attempts) per margin.
+        owner: (batch,) image of each row; an image's rows are in attempt order.
+    """
+    best: dict[int, tuple] = {}
+    for rows, attempts in groups:
+        live = rows.take(attempts.rows)
+        winners, first = np.unique(owner.take(live), return_index=True)
+        for image, index in zip(winners.tolist(), first.tolist()):
+            if image not in best or live[index] < best[image][0]:
+                best[image] = (int(live[index]), attempts, index)
+    return best
 
 
 def _grow_targets(
@@ -660,42 +676,40 @@ def _grow_targets(
         draws = np.concatenate([rngs[image].random((count, columns)) for image, count in zip(images, counts)])
         owner = np.repeat(images, counts)
         margin_choice = np.repeat(_uniform_index(draws[::TARGET_BLOCK, 0], len(geometries)), TARGET_BLOCK)
-        groups = []
-        for choice, geometry in enumerate(geometries):
-            rows = np.flatnonzero(margin_choice == choice)
-            if rows.size:
-                groups.append((rows, _target_attempts(geometry, draws[rows], n_dashes)))
-        best = {}  # image: (row, attempts, index among live attempts) of its first success
-        for rows, attempts in groups:
-            live = rows.take(attempts.rows)
-            winners, first = np.unique(owner.take(live), return_index=True)
-            for image, index in zip(winners.tolist(), first.tolist()):
-                if image not in best or live[index] < best[image][0]:
-                    best[image] = (int(live[index]), attempts, index)
-        first_row = 0
-        for image, count in zip(images, counts):
-            if image in best:
-                row, attempts, index = best[image]
-                paths = []
-                for path in range(2):
-                    kinds, anchors = attempts.dashes(attempts.rows[index : index + 1], path)
-                    paths.append(_path(kinds[0], anchors[0]))
-                results[image] = (attempts.geometry, tuple(paths), attempts.occupancy(index))
-                record[0] += row - first_row + 1
-                record[1] += 1
-                del sizes[image]
-            else:
-                record[0] += count
-                spent[image] += count
-                if spent[image] >= MAX_TARGET_ATTEMPTS:
-                    raise RuntimeError(
-                        f"no pair of target paths with {n_dashes} dashes at {params.resolution} px "
-                        f"after {spent[image]} attempts"
-                    )
-                sizes[image] = _batch_size(record, capacity, len(sizes), count)
-            first_row += count
-        for _, attempts in groups:
-            _reset_target_maps(attempts)
+        used = {}  # geometry: maps used, put back to the base map whatever happens
+        try:
+            groups = []
+            for choice, geometry in enumerate(geometries):
+                rows = np.flatnonzero(margin_choice == choice)
+                if rows.size:
+                    used[geometry] = rows.size
+                    groups.append((rows, _target_attempts(geometry, draws[rows], n_dashes)))
+            best = _first_successes(groups, owner)
+            first_row = 0
+            for image, count in zip(images, counts):
+                if image in best:
+                    row, attempts, index = best[image]
+                    paths = []
+                    for path in range(2):
+                        kinds, anchors = attempts.dashes(attempts.rows[index : index + 1], path)
+                        paths.append(_path(kinds[0], anchors[0]))
+                    results[image] = (attempts.geometry, tuple(paths), attempts.occupancy(index))
+                    record[0] += row - first_row + 1
+                    record[1] += 1
+                    del sizes[image]
+                else:
+                    record[0] += count
+                    spent[image] += count
+                    if spent[image] >= MAX_TARGET_ATTEMPTS:
+                        raise RuntimeError(
+                            f"no pair of target paths with {n_dashes} dashes at {params.resolution} px "
+                            f"after {spent[image]} attempts"
+                        )
+                    sizes[image] = _batch_size(record, capacity, len(sizes), count)
+                first_row += count
+        finally:
+            for geometry, count in used.items():
+                _target_maps(geometry)[:count] = geometry.packed_base
     return results
 
 
@@ -775,7 +789,8 @@ def _sample_layouts(params: PathfinderParams, n_dashes: int, rngs: list[np.rando
     uniforms = np.stack([rng.random(2 + count * DISTRACTOR_TRIES * columns) for rng in rngs])
     labels = _uniform_index(uniforms[:, 0], 2).tolist()
     origins = _uniform_index(uniforms[:, 1], 2).tolist()
-    targets = _grow_targets(params, n_dashes, rngs)
+    with _TARGET_MAPS_LOCK:
+        targets = _grow_targets(params, n_dashes, rngs)
     geometries = [geometry for geometry, _, _ in targets]
     distractor_draws = uniforms[:, 2:].reshape(len(rngs), count, DISTRACTOR_TRIES, columns)
     distractors = _grow_distractors(geometries, [occupied for _, _, occupied in targets], distractor_length,

@@ -365,6 +365,24 @@ def test_images_do_not_depend_on_how_attempts_are_batched(monkeypatch):
     assert [_layout_summary(layout) for layout in together] == [_layout_summary(layout) for layout in alone]
 
 
+def test_an_interrupted_sampler_leaves_its_reusable_maps_clean(monkeypatch):
+    params, n_dashes = pathfinder.PRESETS[32], pathfinder.DIFFICULTIES["hard"]
+    expected = _layout_summary(pathfinder._sample_layout(params, n_dashes, np.random.default_rng([19, 0])))
+    grow = pathfinder._Attempts.grow
+
+    def grow_then_fail(self, *args):
+        grow(self, *args)  # the maps now hold dashes
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pathfinder._Attempts, "grow", grow_then_fail)
+    with pytest.raises(KeyboardInterrupt):
+        pathfinder._sample_layout(params, n_dashes, np.random.default_rng([19, 0]))
+    monkeypatch.undo()
+    geometry = pathfinder._geometry(params, params.margins[0])
+    assert (pathfinder._target_maps(geometry) == geometry.packed_base).all()
+    assert _layout_summary(pathfinder._sample_layout(params, n_dashes, np.random.default_rng([19, 0]))) == expected
+
+
 def _stamp_pixels(stamps, kind, position):
     """The pixels a stamp sets when anchored at `position`, as a sorted list (with repeats dropped)."""
     indices, masks = stamps.at(np.array([kind]), np.array([position]), 0)
