@@ -147,6 +147,10 @@ def test_consecutive_dashes_follow_the_continuity_rule():
             assert np.all(np.abs(turns) < max_turn)
 
 
+def _must_not_generate(*args, **kwargs):
+    raise AssertionError("the cache should have been used")
+
+
 def test_cache_round_trip(tmp_path, monkeypatch):
     images, labels = pathfinder.load_or_generate(10, 32, "easy", 1, cache_dir=tmp_path, workers=1)
     metadata_files = list(tmp_path.glob("*.json"))
@@ -159,10 +163,7 @@ def test_cache_round_trip(tmp_path, monkeypatch):
     assert metadata["seconds"] >= 0
     assert {np.load(path).dtype for path in tmp_path.glob("*.npy")} == {np.dtype(np.uint8)}
 
-    def must_not_generate(*args, **kwargs):
-        raise AssertionError("the cache should have been used")
-
-    monkeypatch.setattr(pathfinder, "generate_dataset", must_not_generate)
+    monkeypatch.setattr(pathfinder, "generate_dataset", _must_not_generate)
     cached_images, cached_labels = pathfinder.load_or_generate(10, 32, "easy", 1, cache_dir=tmp_path)
     np.testing.assert_array_equal(cached_images, images)
     np.testing.assert_array_equal(cached_labels, labels)
@@ -195,21 +196,22 @@ def test_command_line(tmp_path, capsys):
         pathfinder.main(["--resolution", "48"])
 
 
-def test_bad_arguments_raise():
-    with pytest.raises(ValueError, match="resolution"):
-        pathfinder.generate_image(48, "easy", np.random.default_rng(0))
-    with pytest.raises(ValueError, match="difficulty"):
-        pathfinder.generate_dataset(2, 32, "medium")
-    with pytest.raises(TypeError, match="rng must be a numpy.random.Generator, got int"):
-        pathfinder.generate_image(32, "easy", 0)
-    with pytest.raises(TypeError, match="n must be an integer, got float 2.0"):
-        pathfinder.generate_dataset(2.0, 32, "easy")
-    with pytest.raises(ValueError, match="n must be at least 0, got -1"):
-        pathfinder.generate_dataset(-1, 32, "easy")
-    with pytest.raises(ValueError, match="seed must be at least 0, got -3"):
-        pathfinder.load_or_generate(2, 32, "easy", -3)
-    with pytest.raises(ValueError, match="workers must be at least 1, got 0"):
-        pathfinder.generate_dataset(2, 32, "easy", workers=0)
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: pathfinder.generate_image(48, "easy", np.random.default_rng(0)), ValueError, "resolution must be"),
+        (lambda: pathfinder.generate_dataset(2, 32, "medium"), ValueError, "difficulty must be one of"),
+        (lambda: pathfinder.generate_image(32, "easy", 0), TypeError, "rng must be a numpy.random.Generator, got int"),
+        (lambda: pathfinder.generate_dataset(2.0, 32, "easy"), TypeError, "n must be an integer, got float 2.0"),
+        (lambda: pathfinder.generate_dataset(-1, 32, "easy"), ValueError, "n must be at least 0, got -1"),
+        (lambda: pathfinder.load_or_generate(2, 32, "easy", -3), ValueError, "seed must be at least 0, got -3"),
+        (lambda: pathfinder.generate_dataset(2, 32, "easy", workers=0), ValueError, "workers must be at least 1"),
+    ],
+    ids=["resolution", "difficulty", "rng", "n-type", "n-value", "seed", "workers"],
+)
+def test_bad_arguments_raise(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -513,11 +515,8 @@ def test_pooled_dataset_is_the_full_one_averaged(tmp_path, monkeypatch):
     ]
     assert json.loads((tmp_path / "pathfinder64_easy_n6_seed2_pool4.json").read_text())["pool"] == 4
 
-    def must_not_generate(*args, **kwargs):
-        raise AssertionError("the cache should have been used")
-
     pathfinder.load_or_generate(6, 64, "easy", 3, tmp_path, workers=1)  # full resolution, cached
-    monkeypatch.setattr(pathfinder, "generate_dataset", must_not_generate)
+    monkeypatch.setattr(pathfinder, "generate_dataset", _must_not_generate)
     again, _ = pathfinder.load_or_generate(6, 64, "easy", 2, tmp_path, pool=4)
     np.testing.assert_array_equal(again, images)
     from_full, _ = pathfinder.load_or_generate(6, 64, "easy", 3, tmp_path, pool=4)  # pooled from the full set
