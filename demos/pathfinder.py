@@ -38,7 +38,8 @@ with the generator before this scheme, commit f59dcde). Occupancy maps are bit-p
 precomputed per kind and anchor alignment.
 
 CPU time per image and core (ms), ``generate_dataset(..., workers=1)`` on the 2-core development VM
-(AMD EPYC), hundreds of images per cell; before = commit f59dcde (GENERATOR_VERSION 1):
+(AMD EPYC), hundreds of images per cell (64 px hard before: 64 images); repeated runs differ by up to
+20%; before = commit f59dcde (GENERATOR_VERSION 1):
 
     ============  ====================  ====================  ====================
     resolution    easy (before/now)     intermediate          hard
