@@ -192,7 +192,11 @@ def file_lock(path: Path):
 
 
 def git_commit() -> str | None:
-    """The repository's HEAD commit, with "+dirty" when demos/ has uncommitted changes; None outside git."""
+    """The commit the code comes from: $SPARSE_FLASH_COMMIT when set (a copy of the tree run elsewhere, e.g. on a
+    GPU machine whose repository is not the one the tree came from), else the repository's HEAD, with "+dirty"
+    when demos/ or sparse_flash/ have uncommitted changes; None outside git."""
+    if os.environ.get("SPARSE_FLASH_COMMIT"):
+        return os.environ["SPARSE_FLASH_COMMIT"]
     root = Path(__file__).resolve().parent.parent
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
@@ -284,7 +288,7 @@ def load_data(config: DataConfig, cache_dir: str, workers: int, device: torch.de
             for split in splits:
                 # pathfinder's progress line is redrawn with carriage returns: only on a terminal
                 arrays[split] = load_split(config, split, cache_dir, workers,
-                                           progress=dist.is_main and sys.stderr.isatty())
+                                           progress=dist.is_main)
         if dist.world > 1 and turn == 0:
             torch.distributed.barrier()
     nbytes = sum(images.nbytes for images, _ in arrays.values())
