@@ -12,7 +12,8 @@ Example:
 
 from . import masks
 from .api import block_sparse_attention, flash_attention
-from .layout import BlockIndex, BlockMask, KernelIndex
+from .mask import BlockMask
+from .mask_index import BlockIndex, KernelIndex
 
 __version__ = "0.1.0"
 

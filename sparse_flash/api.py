@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from .layout import BlockMask
+from .mask import BlockMask
 
 BACKENDS = ("auto", "reference", "torch", "triton")
 HEAD_DIM_RANGE = (8, 256)

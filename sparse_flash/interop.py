@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .layout import BlockIndex, BlockMask, _as_pair
+from .mask import BlockMask, _as_pair
+from .mask_index import BlockIndex
 from .masks._common import as_bool, block_pair, positive_int
 
 

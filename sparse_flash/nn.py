@@ -17,7 +17,7 @@ from torch import nn
 
 from . import masks
 from .api import BACKENDS, HEAD_DIM_RANGE, block_sparse_attention, flash_attention
-from .layout import BlockMask
+from .mask import BlockMask
 from .masks._common import GridError, as_bool, block_pair, is_bool, positive_int
 
 __all__ = ["BlockSparseAttention"]

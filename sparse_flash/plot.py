@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import BlockMask, Tiling
+from .mask import BlockMask, Tiling
 
 _MAX_GRID_LINES = 64  # tile borders are drawn up to this many tiles per side
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import BlockMask
+from .mask import BlockMask
 
 
 def _softmax_rows(s: torch.Tensor):

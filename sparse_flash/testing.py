@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .layout import BlockMask
+from .mask import BlockMask
 from .reference import attention_reference
 
 _FP32_NOISE = 1e-5

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .layout import BlockMask
+from .mask import BlockMask
 from .reference import _softmax_rows, poison_scores, split_non_finite
 
 _CHUNK_ELEMENTS = 1 << 23  # score elements per chunk: bounds the working memory (32 MB in fp32)

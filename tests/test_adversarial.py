@@ -11,7 +11,7 @@ import torch
 
 import sparse_flash
 from sparse_flash import BlockMask, masks
-from sparse_flash.layout import Tiling
+from sparse_flash.mask import Tiling
 
 
 # ---------------------------------------------------------------- masks are immutable values

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sparse_flash import BlockMask, masks
-from sparse_flash.layout import HEAVY_FACTOR, ITEM_FIELDS, LONG_LIST_BLOCKS
+from sparse_flash.mask_index import HEAVY_FACTOR, ITEM_FIELDS, LONG_LIST_BLOCKS
 
 
 @st.composite

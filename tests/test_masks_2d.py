@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import sparse_flash
 from sparse_flash import masks
-from sparse_flash.layout import Tiling
+from sparse_flash.mask import Tiling
 
 
 # ---------------------------------------------------------------------------------------------- definitions

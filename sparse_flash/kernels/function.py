@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import BlockMask
+from ..mask import BlockMask
 from .bwd import attn_bwd
+from .launch import mask_plans
 from .fwd import attn_fwd
 from .ops import attn_bwd_op, attn_fwd_op
 
@@ -109,7 +110,7 @@ def attention_triton(q, k, v, mask: BlockMask | None, *, causal: bool, scale: fl
         with torch.cuda.device(q.device):
             return attention_triton(q, k, v, mask, causal=causal, scale=scale)
     # Launch plans are kept per mask (the dense path's for all masks); calls inside torch.compile keep none.
-    plans = None if not plain else _DENSE_PLANS if not row_index else mask._launch_plans
+    plans = None if not plain else _DENSE_PLANS if not row_index else mask_plans(mask)
     if plain and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         # Inference: no graph to record, so no autograd.Function either.
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))

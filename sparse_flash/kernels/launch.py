@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 
 import torch
 
@@ -194,6 +195,20 @@ def plan_key(tensors, *flags) -> tuple:
     alignment of each tensor (everything the plan's launch arguments and Triton's specialisation follow)."""
     device = -1 if _interpreting() else _current_device()
     return (device, _GENERATION[0], *flags, *[(t.shape, t.stride(), t.dtype, t.data_ptr() & 15) for t in tensors])
+
+
+_MASK_PLANS: dict[int, dict] = {}  # launch plans per live mask, by the mask's id
+
+
+def mask_plans(mask) -> dict:
+    """The launch plans kept for `mask` (a dict for `cached_plan`), created on first use and dropped when the
+    mask is collected. Owned here, not by the mask: a mask is a value, and pickling it never meets a plan."""
+    key = id(mask)
+    plans = _MASK_PLANS.get(key)
+    if plans is None:
+        plans = _MASK_PLANS[key] = {}
+        weakref.finalize(mask, _MASK_PLANS.pop, key, None)
+    return plans
 
 
 def cached_plan(cache: dict | None, key: tuple, build):

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..layout import BlockMask, _as_pair
+from ..mask import BlockMask, _as_pair
 
 MAX_INT = 2**63 - 1  # every int argument: it must fit the int64 arithmetic the layouts are built with
 MAX_LAYOUT_BLOCKS = 2**31 - 1  # heads x Mq x Mk: the int32 offsets of the index lists address every block

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import BlockMask
+from ..mask import BlockMask
 from ._common import (
     as_bool, block_coords, causal_blocks, generator, geometry, make, odd_int, optional_heads, positive_int, seed_value
 )

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..layout import BlockMask
+from ..mask import BlockMask
 from ._common import GridError, geometry, make, positive_int
 
 MAX_FACTORS = 31  # a mask has fewer than 2**31 blocks a side (MAX_LAYOUT_BLOCKS), so at most 31 factors

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..layout import BlockMask
+from ..mask import BlockMask
 from ._common import causal_blocks, geometry, make
 
 

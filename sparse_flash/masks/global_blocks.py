@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import BlockMask
+from ..mask import BlockMask
 from ._common import geometry, make, positive_int
 
 

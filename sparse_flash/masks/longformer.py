@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..layout import BlockMask
+from ..mask import BlockMask
 from ._common import as_bool, block_coords, block_indices, causal_blocks, check_on_grid, geometry, make, odd_int
 
 

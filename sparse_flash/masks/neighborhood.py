@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ..layout import BlockMask, Tiling
+from ..mask import BlockMask, Tiling
 from ._common import optional_heads
 from .butterfly import butterfly
 from .tiles import per_axis, tiling_of

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..layout import BlockMask
+from ..mask import BlockMask
 from ._common import block_coords, make, positive_int, square_geometry
 
 

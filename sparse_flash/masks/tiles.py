@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ..layout import Tiling
+from ..mask import Tiling
 from ._common import positive_int
 
 
