@@ -4,42 +4,47 @@ Before a kernel change is kept, both versions run interleaved (base, new, new, b
 after one round thrown away) and each keeps its fastest `do_bench` median and the median of its runs; the
 ratios base/new are the change's gain. Three ways to name the versions:
 
-    # a saved copy of the forward launcher against the current one (forward only)
-    git show HEAD:sparse_flash/kernels/fwd.py > benchmarks/_fwd_base.py
+    # a saved copy of the Triton forward launcher against the current one (forward only); with
+    # --base-family gluon, a saved gluon/fwd.py (rows that the Gluon forward does not serve are skipped)
+    git show HEAD:sparse_flash/kernels/triton/fwd.py > benchmarks/_fwd_base.py
     python benchmarks/ab_kernels.py --base benchmarks/_fwd_base.py --out ab.json
-    # pointer loads (base) against TMA descriptor loads (new), forward and backward
+    # a kernel setting (`sparse_flash.kernels.settings`) off (base) against on (new), the library choosing
+    # the kernels as it does (`dispatch.py`): pointer loads against TMA descriptor loads, forward and backward
     python benchmarks/ab_kernels.py --switch tma --out ab.json
     # the Triton forward (base) against the Hopper forward (new) where it serves; or, for masks with split
-    # lists, fwd.py (base) against the Hopper forward's split-list path (new)
+    # lists, the Triton forward (base) against the Hopper forward's split-list path (new)
     python benchmarks/ab_kernels.py --switch hopper --out ab.json
     python benchmarks/ab_kernels.py --switch hopper-split --rows "bigbird|longformer" --out ab.json
-    # the Hopper forward's items taken in turn by its programs (base) against balanced by load (new)
+    # the Hopper kernels' items taken in turn by their programs (base) against balanced by load (new),
+    # forward and backward (the Hopper dQ and dK/dV kernels place their items the same way)
     python benchmarks/ab_kernels.py --switch hopper-balance --out ab.json
     # the Triton backward kernels (base) against the Hopper dQ and dK/dV kernels (new), backward only
     python benchmarks/ab_kernels.py --switch hopper-bwd --rows "128" --out ab.json
-
-Each version keeps its launch plans per row, as the library keeps them per mask, so the timings are those
-of repeated calls (no plan built inside the timed call).
-    # a saved copy of the whole package (kernels and the mask's index lists) against the current one,
-    # forward and backward
+    # a saved copy of the whole package, of HEAD or of any older commit, against the current one, forward
+    # and backward, each through its own package's public entry (`block_sparse_attention(...,
+    # backend="triton")`: each side's API host time counts too)
     mkdir -p /tmp/base && git archive HEAD sparse_flash | tar -x -C /tmp/base
     python benchmarks/ab_kernels.py --base-package /tmp/base/sparse_flash --out ab.json
+
+Each version keeps its launch plans per row, as the library keeps them per mask (a package copy keeps its
+own), so the timings are those of repeated calls (no plan built inside the timed call).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import contextlib
 import importlib.util
 import json
 import os
 import statistics
 import sys
-import types
 
 import torch
 
+import sparse_flash
 from bench_attention import build_mask  # the benchmark's masks (run from benchmarks/)
+from sparse_flash.kernels import dispatch, settings
 
 # (B, Hq, Hkv, N, D, mask, causal); "dense" is the all-ones mask (dense path)
 ROWS = [(4, 16, 16, 4096, 128, m, False) for m in ("dense", "local", "butterfly", "random", "bigbird")] + [
@@ -47,88 +52,199 @@ ROWS = [(4, 16, 16, 4096, 128, m, False) for m in ("dense", "local", "butterfly"
     (1, 16, 16, 16384, 128, m, False) for m in ("dense", "local", "butterfly", "random", "bigbird", "longformer")] + [
     (1, 8, 8, 65536, 64, m, False) for m in ("dense", "local", "butterfly", "random", "bigbird", "longformer")] + [
     (4, 16, 16, 4096, 64, m, False) for m in ("butterfly", "random")] + [
-    (1, 16, 16, 16384, 128, "local16", False)]  # long lists at D=128: 31 blocks per row (NOTES step 39)
+    (1, 16, 16, 16384, 128, "local16", False)]  # long lists at D=128: 31 blocks per row (tuning log, step 39)
+
+# --switch: the setting each name turns off (base) and on (new), and the passes it changes
+SWITCHES = {"tma": ("tma", ("fwd", "bwd")), "hopper": ("hopper_forward", ("fwd",)),
+            "hopper-split": ("hopper_split", ("fwd",)), "hopper-balance": ("hopper_balance", ("fwd", "bwd")),
+            "hopper-bwd": ("hopper_backward", ("bwd",))}
+BASE_PACKAGE = "sparse_flash_base"  # the name a saved package copy is imported under
 
 
-def row_mask(name: str, N: int):
+def row_mask(name: str, N: int, device="cuda"):
     """The benchmark's mask of that name, or for `local<w>` a local mask of window w (block 128)."""
     if name.startswith("local") and name[5:].isdigit():
-        from sparse_flash import masks
-
-        return masks.local(N, 128, window=int(name[5:]), device="cuda")
-    return build_mask(name, N, "cuda")[0]
+        return sparse_flash.masks.local(N, 128, window=int(name[5:]), device=device)
+    return build_mask(name, N, device)[0]
 
 
-def load_base(path: str):
-    """The saved launcher module, loaded inside `sparse_flash.kernels` so that its relative imports resolve."""
-    spec = importlib.util.spec_from_file_location("sparse_flash.kernels._fwd_base", path)
+def kernel_args(mask, causal: bool):
+    """(index, geometry) that the launchers take for `mask`: both None where the call takes the dense path,
+    as `kernels/function.py` decides (every block the call can reach is in the mask)."""
+    if mask.is_dense or (causal and mask.covers_causal):
+        return None, None
+    return mask.kernel_index(causal), mask.kernel_geometry(causal)
+
+
+def load_base(path: str, family: str = "triton"):
+    """A saved forward launcher module of `family`, loaded inside `sparse_flash.kernels.<family>` so that its
+    relative imports resolve (a copy from the current layout)."""
+    spec = importlib.util.spec_from_file_location(f"sparse_flash.kernels.{family}._fwd_base", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
+def _rename_base_ops() -> None:
+    """Make the custom ops that a saved package registers take the namespace `sparse_flash_base` (the current
+    package holds `sparse_flash::attn_fwd` and `sparse_flash::attn_bwd`; a second registration would fail).
+    Every version of the package registers them with `torch.library.custom_op("sparse_flash::...")`, called
+    from the module that defines them, whose name tells the two packages apart."""
+    define = torch.library.custom_op
+    if getattr(define, "renames_base_ops", False):
+        return
+
+    def custom_op(name, *args, **kwargs):
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.split(".")[0] == BASE_PACKAGE and name.startswith("sparse_flash::"):
+            name = BASE_PACKAGE + name[len("sparse_flash"):]
+        return define(name, *args, **kwargs)
+
+    custom_op.renames_base_ops = True
+    torch.library.custom_op = custom_op
+
+
 def load_base_package(path: str):
-    """The kernel launchers and BlockMask of a saved package copy, imported as `sparse_flash_base` without
-    running its package `__init__` files (those would register the library's custom ops a second time)."""
-    for name, folder in (("sparse_flash_base", path), ("sparse_flash_base.kernels", os.path.join(path, "kernels"))):
-        package = types.ModuleType(name)
-        package.__path__ = [folder]
-        sys.modules[name] = package
-    names = ("kernels.fwd", "kernels.bwd", "layout")
-    return tuple(importlib.import_module(f"sparse_flash_base.{name}") for name in names)
+    """A saved copy of the sparse_flash package folder (from any commit), imported whole as
+    `sparse_flash_base`: its public entry, BlockMask and kernels, beside the current package."""
+    _rename_base_ops()
+    spec = importlib.util.spec_from_file_location(BASE_PACKAGE, os.path.join(path, "__init__.py"),
+                                                  submodule_search_locations=[path])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[BASE_PACKAGE] = package
+    spec.loader.exec_module(package)
+    return package
 
 
-def set_hopper_split(enabled: bool) -> bool:
-    """Allow the Hopper forward's split-list path (`fwd_hopper.SPLIT_LISTS`); returns the previous setting."""
-    from sparse_flash.kernels import fwd_hopper
+class Launchers:
+    """A version that calls kernel launchers on a mask's index lists, under kernel settings (`switches`)."""
 
-    previous, fwd_hopper.SPLIT_LISTS = fwd_hopper.SPLIT_LISTS, bool(enabled)
-    return previous
+    def __init__(self, forward=None, backward=None, **switches):
+        self.launch_fwd, self.launch_bwd, self.switches = forward, backward, switches
+
+    def context(self):
+        return settings.override(**self.switches)
+
+    def calls(self, mask, causal, q, k, v, do):
+        """(forward, backward) of one row, each a call with no arguments, or None for a pass not compared.
+        The backward takes the library's forward output (default settings), the same for every version."""
+        index, geometry = kernel_args(mask, causal)
+        scale, plans = q.shape[-1] ** -0.5, {}  # this version's launch plans for this row
+        out, lse = dispatch.attn_fwd(q, k, v, index, geometry, causal, scale) if self.launch_bwd else (None, None)
+
+        def forward():
+            return self.launch_fwd(q, k, v, index, geometry, causal, scale, plans)[0]
+
+        def backward():
+            return self.launch_bwd(do, q, k, v, out, lse, index, geometry, causal, scale, plans)
+
+        return forward if self.launch_fwd else None, backward if self.launch_bwd else None
 
 
-def set_hopper_balance(enabled: bool) -> bool:
-    """Balance the Hopper kernels' items over their programs by load (`hopper.BALANCE`); returns the
-    previous setting."""
-    from sparse_flash.kernels import hopper
+class PublicEntry:
+    """A version that calls a package's `block_sparse_attention(..., backend="triton")`: the forward without
+    grad, the backward as `torch.autograd.grad` of one forward output (graph kept, so no forward is timed)."""
 
-    previous, hopper.BALANCE = hopper.BALANCE, bool(enabled)
-    return previous
+    def __init__(self, package):
+        self.package = package
+
+    def context(self):
+        return contextlib.nullcontext()
+
+    def calls(self, mask, causal, q, k, v, do):
+        if not isinstance(mask, self.package.BlockMask):  # the mask as this package builds it
+            mask = self.package.BlockMask.from_layout(mask.layout.clone(), mask.block_size,
+                                                      seq_len_q=mask.seq_len_q, seq_len_k=mask.seq_len_k)
+        entry = self.package.block_sparse_attention
+
+        def forward():
+            with torch.no_grad():
+                return entry(q, k, v, mask, causal=causal, backend="triton")
+
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = entry(*leaves, mask, causal=causal, backend="triton")
+        return forward, lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
 
 
-def kernel_args(mask, causal):
-    """(forward index, backward index, geometry) that the launchers take for `mask`."""
-    idx = mask.kernel_index(causal)
-    rows = [] if mask.is_dense or (causal and mask.covers_causal) else idx.rows()
-    geom = [*mask.shape, *mask.block_size, int(mask.has_long_lists(causal))]
-    return rows, [] if not rows else idx.rows() + idx.cols(), geom
-
-
-def time_versions(calls: dict, repeats: int, do_bench) -> dict:
-    """`do_bench` medians (ms) of each version's call, in rounds of (base, new, new, base). One round before
-    them is thrown away: the GPU runs its first timing after an idle spell at higher clocks."""
+def time_versions(calls: dict, contexts: dict, repeats: int, do_bench) -> dict:
+    """`do_bench` medians (ms) of each version's call (inside its context), in rounds of (base, new, new,
+    base). One round before them is thrown away: the GPU runs its first timing after an idle spell at
+    higher clocks."""
     times = {tag: [] for tag in calls}
     for i, tag in enumerate(("base", "new") + ("base", "new", "new", "base") * repeats):
-        ms = do_bench(calls[tag], warmup=25, rep=100, return_mode="median")
+        with contexts[tag]():
+            ms = do_bench(calls[tag], warmup=25, rep=100, return_mode="median")
         if i >= 2:
             times[tag].append(ms)
     return times
 
 
-def ab_record(row, dtype, pass_, times, max_diff) -> dict:
+def max_diff(results: dict) -> float:
+    """The largest elementwise difference between the base and new results (a tensor or a tuple of them)."""
+    pairs = zip(*(r if isinstance(r, (tuple, list)) else (r,) for r in (results["base"], results["new"])))
+    return max(float((a.float() - b.float()).abs().max()) for a, b in pairs)
+
+
+def ab_record(row, dtype, pass_, times, diff) -> dict:
     """One result: each version's fastest and median timing, and the gains base/new of both."""
     r = {"row": row, "dtype": dtype, "pass": pass_, "base_ms": min(times["base"]), "new_ms": min(times["new"]),
-         "runs_ms": times, "max_diff": max_diff}
+         "runs_ms": times, "max_diff": diff}
     r["gain"] = r["base_ms"] / r["new_ms"]
     r["median_gain"] = statistics.median(times["base"]) / statistics.median(times["new"])
     print(r, flush=True)
     return r
 
 
+def run_row(versions: dict, row, dtype, repeats: int, do_bench, device="cuda", supported=None) -> list[dict]:
+    """The records of one row: each pass that the versions compare, timed interleaved. `supported(q, k, v,
+    index, geometry)`, where given, says whether the row can run at all (else it is skipped)."""
+    B, Hq, Hkv, N, D, name, causal = row
+    mask = row_mask(name, N, device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(B, Hq, N, D, device=device, dtype=dtype, generator=gen)
+    k, v = (torch.randn(B, Hkv, N, D, device=device, dtype=dtype, generator=gen) for _ in range(2))
+    do = torch.randn(q.shape, device=device, dtype=dtype, generator=gen)
+    if supported is not None and not supported(q, k, v, *kernel_args(mask, causal)):
+        print(f"skipped {list(row)}: the base's kernel family does not serve it", flush=True)
+        return []
+    contexts = {tag: version.context for tag, version in versions.items()}
+    calls = {tag: version.calls(mask, causal, q, k, v, do) for tag, version in versions.items()}
+    records = []
+    for i, pass_ in enumerate(("fwd", "bwd")):
+        timed = {tag: c[i] for tag, c in calls.items()}
+        if any(c is None for c in timed.values()):
+            continue
+        results = {}
+        for tag, call in timed.items():
+            with contexts[tag]():
+                results[tag] = call()
+        records.append(ab_record([B, Hq, Hkv, N, D, name, causal], str(dtype).removeprefix("torch."), pass_,
+                                 time_versions(timed, contexts, repeats, do_bench), max_diff(results)))
+    return records
+
+
+def versions_of(args) -> tuple[dict, object]:
+    """The two versions that the arguments name, and the row filter of `run_row` (`supported`)."""
+    if args.base:
+        family = importlib.import_module(f"sparse_flash.kernels.{args.base_family}.fwd")
+        base = load_base(args.base, args.base_family)
+        # the family's launcher is called directly: hopper settings (dispatch's choice) do not apply
+        supported = getattr(family, "supported", None)
+        return {"base": Launchers(base.attn_fwd), "new": Launchers(family.attn_fwd)}, supported
+    if args.base_package:
+        return {"base": PublicEntry(load_base_package(args.base_package)), "new": PublicEntry(sparse_flash)}, None
+    field, passes = SWITCHES[args.switch]
+    launchers = (dispatch.attn_fwd if "fwd" in passes else None, dispatch.attn_bwd if "bwd" in passes else None)
+    return {"base": Launchers(*launchers, **{field: False}), "new": Launchers(*launchers, **{field: True})}, None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", help="a saved copy of sparse_flash/kernels/fwd.py")
-    parser.add_argument("--base-package", help="a saved copy of the sparse_flash package folder")
-    parser.add_argument("--switch", choices=["tma", "hopper", "hopper-split", "hopper-balance", "hopper-bwd"],
+    parser.add_argument("--base", help="a saved copy of sparse_flash/kernels/triton/fwd.py (or gluon/fwd.py)")
+    parser.add_argument("--base-family", choices=["triton", "gluon"], default="triton",
+                        help="--base: the kernel family of the saved forward launcher")
+    parser.add_argument("--base-package", help="a saved copy of the sparse_flash package folder (any commit)")
+    parser.add_argument("--switch", choices=sorted(SWITCHES),
                         help="time the library with a setting off (base) and on (new)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--rows", help="only rows whose (B, Hq, Hkv, N, D, mask, causal) text contains one of these "
@@ -136,68 +252,15 @@ def main():
     parser.add_argument("--repeats", type=int, default=1, help="rounds of (base, new, new, base) timings per row")
     parser.add_argument("--out", default="ab.json")
     args = parser.parse_args()
-    dtype = getattr(torch, args.dtype)
     if sum(a is not None for a in (args.base, args.base_package, args.switch)) != 1:
         parser.error("give exactly one of --base, --base-package and --switch")
     from triton.testing import do_bench
 
-    from sparse_flash.kernels import bwd, configs, fwd, tma
-
-    same_mask = lambda mask: mask  # noqa: E731
-    masks = {"base": same_mask, "new": same_mask}  # the mask each version walks
-    if args.base:
-        versions = {"base": load_base(args.base).attn_fwd, "new": fwd.attn_fwd}
-        backward = None
-    elif args.base_package:
-        base_fwd, base_bwd, base_layout = load_base_package(args.base_package)
-        versions = {"base": base_fwd.attn_fwd, "new": fwd.attn_fwd}
-        backward = {"base": base_bwd.attn_bwd, "new": bwd.attn_bwd}
-        masks["base"] = lambda mask: base_layout.BlockMask.from_layout(
-            mask.layout, mask.block_size, seq_len_q=mask.seq_len_q, seq_len_k=mask.seq_len_k)
-    else:
-        setter = {"tma": tma.set_tma, "hopper": configs.set_hopper_forward, "hopper-split": set_hopper_split,
-                  "hopper-balance": set_hopper_balance, "hopper-bwd": configs.set_hopper_backward}[args.switch]
-
-        def switched(f, value):
-            def call(*a, **kw):
-                previous = setter(value)
-                try:
-                    return f(*a, **kw)
-                finally:
-                    setter(previous)
-            return call
-
-        versions = {"base": switched(fwd.attn_fwd, False), "new": switched(fwd.attn_fwd, True)}
-        backward = None
-        if args.switch in ("tma", "hopper-bwd"):
-            backward = {"base": switched(bwd.attn_bwd, False), "new": switched(bwd.attn_bwd, True)}
-    results = []
+    versions, supported = versions_of(args)
     chosen = [r for r in ROWS if args.rows is None or any(part in str(r) for part in args.rows.split("|"))]
-    for B, Hq, Hkv, N, D, name, causal in chosen:
-        mask = row_mask(name, N)
-        margs = {tag: kernel_args(masks[tag](mask), causal) for tag in versions}  # (rows, index, geometry)
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype, generator=gen)
-        k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
-        row = [B, Hq, Hkv, N, D, name, causal]
-        plans = {tag: {} for tag in versions}  # each version's launch plans for this row
-        calls = {tag: (lambda f=f, a=margs[tag], p=plans[tag]: f(q, k, v, a[0], a[2], causal, D**-0.5, p))
-                 for tag, f in versions.items()}
-        if args.switch != "hopper-bwd":  # that switch leaves the forward as it is: nothing to compare
-            outs = {tag: call()[0] for tag, call in calls.items()}
-            diff = float((outs["base"].float() - outs["new"].float()).abs().max())
-            results.append(ab_record(row, args.dtype, "fwd", time_versions(calls, args.repeats, do_bench), diff))
-        if backward is None:
-            continue
-        rows, _, geom = margs["new"]
-        out, lse = fwd.attn_fwd(q, k, v, rows, geom, causal, D**-0.5)
-        do = torch.randn_like(q)
-        calls = {tag: (lambda f=f, a=margs[tag], p=plans[tag]: f(do, q, k, v, out, lse, a[1], a[2], causal,
-                                                                   D**-0.5, p))
-                 for tag, f in backward.items()}
-        grads = {tag: call() for tag, call in calls.items()}
-        diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads["base"], grads["new"]))
-        results.append(ab_record(row, args.dtype, "bwd", time_versions(calls, args.repeats, do_bench), diff))
+    results = []
+    for row in chosen:
+        results += run_row(versions, row, getattr(torch, args.dtype), args.repeats, do_bench, supported=supported)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print(f"{'row':44} {'pass':4} {'base ms':>8} {'new ms':>8} {'gain':>6} {'median gain':>11} {'max diff':>9}")

@@ -12,7 +12,8 @@ tokens, where one call's host time can exceed its GPU time, are also timed as CU
     python benchmarks/bench_attention.py --quick         # two shapes, fewer masks
     python benchmarks/bench_attention.py --out DIR       # where json, markdown and plots go
 
-Writes `bench.json`, `bench.md`, `tflops_vs_density.png` and `time_vs_length.png` under --out.
+Writes `bench.json`, `bench.jsonl`, `bench.md`, `tflops_vs_density.png` and `time_vs_length.png` under --out,
+by default `benchmarks/results/latest` (the repository keeps the latest run only: benchmarks/results/README.md).
 """
 
 from __future__ import annotations
@@ -404,7 +405,7 @@ def plots(rows: list[dict], out: Path) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="two shapes and four masks")
-    parser.add_argument("--out", default=None, help="output folder (default benchmarks/results/<date>-<gpu>)")
+    parser.add_argument("--out", default="benchmarks/results/latest", help="output folder (default: %(default)s)")
     parser.add_argument("--no-mask-costs", action="store_true", help="skip the mask construction timings")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -414,7 +415,7 @@ def main(argv=None) -> int:
 
     gpu = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
-    out = Path(args.out or f"benchmarks/results/{date}-{gpu.split()[-1].lower()}")
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"date": date, "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
             "cuda": torch.version.cuda, "block_size": BLOCK, "host": host_info()}

@@ -10,12 +10,13 @@ benchmark (time against the dense kernel at most 1.15 x density + 0.01) holds fo
 leave room.
 Times are `do_bench` medians, the benchmark's method (it clears L2 before every call), or with `--timing
 graph` CUDA-graph replays (`do_bench_cudagraph`: calls back to back, no clearing). The two differ by up to
-12% on short lists at D=128 (NOTES step 38).
+12% on short lists at D=128 (docs/tuning-log.md, step 38).
 
     python benchmarks/density_fit.py --head-dims 128 --fwd-configs "64,64,4,3;128,128,8,3"
 
-fits each forward tile setting (block_m, block_n, warps, stages: `FwdConfig`) instead of the library's rule,
-against the dense kernel at its own; where the lines cross says from which list length a setting wins.
+fits each tile setting of the Triton forward (block_m, block_n, warps, stages: `FwdConfig`) instead of the
+library's rule, with the Hopper forward switched off, against the dense kernel at its own; where the lines
+cross says from which list length a setting wins.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 import sparse_flash
 from sparse_flash import masks
-from sparse_flash.kernels import configs, fwd
+from sparse_flash.kernels import settings
+from sparse_flash.kernels.triton import configs, fwd
 
 
 TIMING = {"eager": lambda fn: do_bench(fn, warmup=50, rep=300), "graph": lambda fn: do_bench_cudagraph(fn, rep=300)}
@@ -55,19 +57,18 @@ def fit(seq_len: int, batch: int, heads: int, head_dim: int, windows, fwd_config
     grid_blocks = (seq_len // 128) ** 2 * batch * heads
     rows = []
     rule = fwd.fwd_config
-    hopper = configs.hopper_forward_enabled()
+    switches = {} if fwd_config is None else {"hopper_forward": False}
     if fwd_config is not None:  # new masks, so launch plans are built with it
         fwd.fwd_config = lambda *a: configs.FwdConfig(*fwd_config)
-        configs.set_hopper_forward(False)
     try:
-        for w in windows:
-            mask = masks.local(seq_len, 128, window=w).to("cuda")
-            ms = gpu_ms(lambda: sparse_flash.block_sparse_attention(q, k, v, mask), timing)
-            rows.append({"window": w, "density": mask.density, "ms": ms,
-                         "limit_ms": (1.15 * mask.density + 0.01) * dense_ms})
+        with settings.override(**switches):
+            for w in windows:
+                mask = masks.local(seq_len, 128, window=w).to("cuda")
+                ms = gpu_ms(lambda: sparse_flash.block_sparse_attention(q, k, v, mask), timing)
+                rows.append({"window": w, "density": mask.density, "ms": ms,
+                             "limit_ms": (1.15 * mask.density + 0.01) * dense_ms})
     finally:
         fwd.fwd_config = rule
-        configs.set_hopper_forward(hopper)
     blocks = np.array([r["density"] * grid_blocks for r in rows])
     a, c = np.polyfit(blocks, np.array([r["ms"] for r in rows]), 1)
     for r, nb in zip(rows, blocks):

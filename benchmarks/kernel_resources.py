@@ -1,9 +1,9 @@
 """Registers, spills, shared memory and programs per SM of each kernel's default launch, without a GPU.
 
-Every kernel is compiled for sm_90a (H100/H200) at the tile settings `configs.py` picks for a benchmark row,
-then assembled with Triton's own ptxas. A program's share of an SM's 64K registers, 228 KB of shared memory
-and 2,048 threads says how many programs an SM holds at once: more of them hide each other's prologue and
-epilogue (NOTES steps 25 and 26).
+Every Triton kernel is compiled for sm_90a (H100/H200) at the tile settings `kernels/triton/configs.py` picks
+for a benchmark row, then assembled with Triton's own ptxas. A program's share of an SM's 64K registers,
+228 KB of shared memory and 2,048 threads says how many programs an SM holds at once: more of them hide each
+other's prologue and epilogue (docs/tuning-log.md, steps 25 and 26).
 
     python benchmarks/kernel_resources.py            # needs triton with its CUDA backend; no GPU
     python benchmarks/kernel_resources.py --dkdv     # the dK/dV kernel at candidate tiles, both load paths
@@ -19,18 +19,29 @@ import tempfile
 import torch
 import triton
 
-from sparse_flash.kernels import bwd, fwd
 from sparse_flash.kernels.aot import compile_sm90
-from sparse_flash.kernels.configs import block_d, bwd_config, fwd_config
+from sparse_flash.kernels.triton import bwd, fwd
+from sparse_flash.kernels.triton.configs import block_d, bwd_config, fwd_config
 
 SM_REGISTERS, SM_SHARED, SM_THREADS = 65536, 228 * 1024, 2048  # per SM on Hopper
 BLOCK_SHARED_RESERVED = 1024  # shared memory the driver reserves per program
 
 
+def ptxas_path() -> str:
+    """The ptxas that Triton itself runs for sm_90 (Triton 3.9 runs its newer `ptxas-blackwell` there, whose
+    PTX version the older `ptxas` beside it rejects)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return get_ptxas(90).path
+    except (ImportError, TypeError):  # a Triton without that choice: its one ptxas
+        return os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+
+
 def compile_report(kernel, constexprs: dict, warps: int, stages: int, descriptors=(), maxnreg: int = 0) -> dict:
     """Compile for sm_90a; registers and spills from ptxas, shared memory from Triton, programs per SM."""
     compiled = compile_sm90(kernel, constexprs, descriptors, warps, stages, aligned=True, maxnreg=maxnreg)
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    ptxas = ptxas_path()
     folder = tempfile.mkdtemp()
     with open(f"{folder}/k.ptx", "w") as f:
         f.write(compiled.asm["ptx"])

@@ -16,6 +16,7 @@ for a in "$@"; do
 done
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+  python -c "from sparse_flash.kernels import settings; print(settings.current())"  # the kernel switches in force
   date -u +%FT%TZ; } | tee "$RES/env.txt"
 
 if [ $tests = 1 ]; then

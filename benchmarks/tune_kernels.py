@@ -1,7 +1,8 @@
 """Sweep the kernels' tile shapes, warps and pipeline depth on this GPU; print the best per head dim.
 
-The winners go into `sparse_flash/kernels/configs.py` by hand (with the measurement in NOTES.md), so
-users get tuned kernels without autotuning at run time.
+The candidates are the Triton kernels' tiles (`sparse_flash/kernels/triton/configs.py`), so the Hopper (Gluon)
+kernels are switched off while they are timed. The winners go into `configs.py` by hand (with the measurement
+in docs/tuning-log.md), so users get tuned kernels without autotuning at run time.
 
     python benchmarks/tune_kernels.py --out results.json               # tile defaults, B=4 H=16 N=4096
     python benchmarks/tune_kernels.py --set rows --out results.json    # the benchmark's rows, best per row
@@ -44,11 +45,11 @@ ROW_FWD = [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (
            (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 2), (64, 32, 4, 3), (64, 128, 4, 2), (128, 64, 8, 2)]
 ROW_BWD = [(32, 64, 64, 32, 4, 3), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 2), (32, 128, 128, 32, 4, 3),
            (64, 128, 128, 64, 8, 2), (64, 64, 64, 64, 4, 3),
-           # 64-row programs with wide inner steps and two stages, as the D=64 forward won with (NOTES step 26)
+           # 64-row programs with wide inner steps and two stages, as the D=64 forward won with (tuning log, step 26)
            (32, 64, 64, 32, 4, 2), (64, 64, 64, 128, 4, 2), (128, 64, 64, 64, 4, 2), (128, 64, 64, 128, 4, 2),
-           # dK/dV tiles that do not spill registers at D=128 (kernel_resources.py --dkdv; NOTES step 28)
+           # dK/dV tiles that do not spill registers at D=128 (kernel_resources.py --dkdv; tuning log, step 28)
            (32, 64, 64, 64, 4, 2), (32, 64, 64, 64, 4, 3), (64, 64, 64, 64, 8, 2),
-           # three programs per SM at D=64 (NOTES step 34): dK/dV held to 168 registers, one stage, or the
+           # three programs per SM at D=64 (tuning log, step 34): dK/dV held to 168 registers, one stage, or the
            # long lists' dQ held to 168 (a seventh and eighth number cap the dK/dV and dQ passes)
            (32, 64, 64, 32, 4, 3, 168, 0), (32, 64, 64, 32, 4, 1), (32, 128, 128, 32, 4, 3, 0, 168)]
 
@@ -71,13 +72,14 @@ def _problem(name, causal, D, N=4096, B=4, H=16, Hkv=None):
 
 
 def _patch(kind, cfg, group=None):
-    """Fix the launchers' tile settings to `cfg`, and the heads scheduled together to `group` (None: the
-    library's rule). Forward settings are the Triton forward's, so the Hopper forward is turned off."""
-    from sparse_flash.kernels import bwd, configs, fwd
+    """Fix the Triton launchers' tile settings to `cfg`, and the heads scheduled together to `group` (None:
+    the library's rule). The settings are the Triton kernels', so the Hopper kernels are turned off."""
+    from sparse_flash.kernels import settings
+    from sparse_flash.kernels.triton import bwd, configs, fwd
 
+    settings.configure(hopper_forward=False, hopper_backward=False)
     if kind == "fwd":
         fwd.fwd_config = lambda *a: configs.FwdConfig(*cfg)
-        configs.set_hopper_forward(False)
     else:
         bwd.bwd_config = lambda *a: configs.BwdConfig(*cfg)
     for module in (fwd, bwd):
@@ -85,22 +87,18 @@ def _patch(kind, cfg, group=None):
 
 
 def _run_once(kind, cfg, name, causal, D, shape=None, group=None):
-    from sparse_flash.kernels.bwd import attn_bwd
-    from sparse_flash.kernels.fwd import attn_fwd
+    from ab_kernels import kernel_args
+    from sparse_flash.kernels.dispatch import attn_bwd, attn_fwd
 
     _patch(kind, cfg, group)
     mask, q, k, v, do = _problem(name, causal, D, **(shape or {}))
-    idx = mask.kernel_index(causal)
-    rows, cols = idx.rows(), idx.cols()
-    if mask.is_dense:
-        rows, cols = [], []
-    geom = [*mask.shape, *mask.block_size, int(mask.has_long_lists(causal))]
+    index, geometry = kernel_args(mask, causal)
     scale = D**-0.5
-    plans = {}  # kept across the timed calls, as the library keeps them per mask (NOTES step 40)
+    plans = {}  # kept across the timed calls, as the library keeps them per mask (tuning log, step 40)
     if kind == "fwd":
-        return lambda: attn_fwd(q, k, v, rows, geom, causal, scale, plans)
-    out, lse = attn_fwd(q, k, v, rows, geom, causal, scale, plans)
-    return lambda: attn_bwd(do, q, k, v, out, lse, rows + cols, geom, causal, scale, plans)
+        return lambda: attn_fwd(q, k, v, index, geometry, causal, scale, plans)
+    out, lse = attn_fwd(q, k, v, index, geometry, causal, scale, plans)
+    return lambda: attn_bwd(do, q, k, v, out, lse, index, geometry, causal, scale, plans)
 
 
 def _warm(job):
@@ -191,7 +189,7 @@ def _print_best(results, label, groups, kinds, name_of) -> None:
 
 def tune_rows(args):
     """Every candidate on every benchmark row; prints the best three per row against the current default."""
-    from sparse_flash.kernels import bwd, configs, fwd
+    from sparse_flash.kernels.triton import bwd, configs, fwd
 
     current = {"fwd": fwd.fwd_config, "bwd": bwd.bwd_config}
     rows = [r for r in ROWS if (args.masks is None or r[4] in args.masks.split(","))
@@ -241,7 +239,7 @@ DKDV_PASS = [(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3), (
 
 def tune_bwd_passes(args):
     """Each backward pass's settings alone; prints the best three per pass and row against the default."""
-    from sparse_flash.kernels import bwd
+    from sparse_flash.kernels.triton import bwd
 
     current = bwd.bwd_config
     jobs = []
@@ -279,7 +277,7 @@ ORDER_TILE_ROWS = [r for r in ORDER_ROWS if r[5] in ("local", "butterfly", "rand
 
 
 def _default_cfgs(D, N, mask):
-    from sparse_flash.kernels import configs
+    from sparse_flash.kernels.triton import configs
 
     return {"fwd": tuple(configs.fwd_config(D, torch.bfloat16, 128, 128, False, N, mask.has_long_lists(False))),
             "bwd": tuple(configs.bwd_config(D, torch.bfloat16, 128, 128, False, mask.has_long_lists(False)))[:6]}
