@@ -68,14 +68,6 @@ def row_mask(name: str, N: int, device="cuda"):
     return build_mask(name, N, device)[0]
 
 
-def kernel_args(mask, causal: bool):
-    """(index, geometry) that the launchers take for `mask`: both None where the call takes the dense path,
-    as `kernels/function.py` decides (every block the call can reach is in the mask)."""
-    if mask.is_dense or (causal and mask.covers_causal):
-        return None, None
-    return mask.kernel_index(causal), mask.kernel_geometry(causal)
-
-
 def load_base(path: str, family: str = "triton"):
     """A saved forward launcher module of `family`, loaded inside `sparse_flash.kernels.<family>` so that its
     relative imports resolve (a copy from the current layout)."""
@@ -128,7 +120,7 @@ class Launchers:
     def calls(self, mask, causal, q, k, v, do):
         """(forward, backward) of one row, each a call with no arguments, or None for a pass not compared.
         The backward takes the library's forward output (default settings), the same for every version."""
-        index, geometry = kernel_args(mask, causal)
+        index, geometry = mask.kernel_records(causal)
         scale, plans = q.shape[-1] ** -0.5, {}  # this version's launch plans for this row
         out, lse = dispatch.attn_fwd(q, k, v, index, geometry, causal, scale) if self.launch_bwd else (None, None)
 
@@ -204,7 +196,7 @@ def run_row(versions: dict, row, dtype, repeats: int, do_bench, device="cuda", s
     q = torch.randn(B, Hq, N, D, device=device, dtype=dtype, generator=gen)
     k, v = (torch.randn(B, Hkv, N, D, device=device, dtype=dtype, generator=gen) for _ in range(2))
     do = torch.randn(q.shape, device=device, dtype=dtype, generator=gen)
-    if supported is not None and not supported(q, k, v, *kernel_args(mask, causal)):
+    if supported is not None and not supported(q, k, v, *mask.kernel_records(causal)):
         print(f"skipped {list(row)}: the base's kernel family does not serve it", flush=True)
         return []
     contexts = {tag: version.context for tag, version in versions.items()}

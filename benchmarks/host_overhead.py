@@ -18,7 +18,6 @@ import pstats
 import torch
 
 import sparse_flash
-from ab_kernels import kernel_args
 from profile_rows import host_us
 from sparse_flash import masks
 from sparse_flash.kernels import settings
@@ -69,7 +68,7 @@ def main():
     mask = masks.butterfly(N, 128, device="cuda")
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     do = torch.randn_like(q)
-    index, geometry = kernel_args(mask, False)
+    index, geometry = mask.kernel_records(False)
     plans = {}
     out, lse = attn_fwd(q.detach(), k.detach(), v.detach(), index, geometry, False, 0.125)
     x = torch.empty(10, device="cuda")

@@ -87,12 +87,11 @@ def _patch(kind, cfg, group=None):
 
 
 def _run_once(kind, cfg, name, causal, D, shape=None, group=None):
-    from ab_kernels import kernel_args
     from sparse_flash.kernels.dispatch import attn_bwd, attn_fwd
 
     _patch(kind, cfg, group)
     mask, q, k, v, do = _problem(name, causal, D, **(shape or {}))
-    index, geometry = kernel_args(mask, causal)
+    index, geometry = mask.kernel_records(causal)
     scale = D**-0.5
     plans = {}  # kept across the timed calls, as the library keeps them per mask (tuning log, step 40)
     if kind == "fwd":

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 
 import torch
 
+from .kernels import settings
 from .mask import BlockMask
 
 BACKENDS = ("auto", "reference", "torch", "triton")
@@ -29,7 +29,7 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
         return "triton is not installed (pip install sparse-flash[triton])"
     if device.type == "cuda":
         return None
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type == "cpu" and settings.interpreting():
         return None
     return f"triton kernels need a CUDA device (or TRITON_INTERPRET=1 for CPU tensors), got {device.type}"
 

@@ -390,6 +390,14 @@ class BlockMask:
         B, H, Mq, Mk = self._layout.shape
         return MaskGeometry(B, H, Mq, Mk, *self.block_size, self.has_long_lists(causal))
 
+    def kernel_records(self, causal: bool = False) -> tuple[KernelIndex | None, MaskGeometry | None]:
+        """What the kernels take for an attention call with this `causal` flag: `(kernel_index, kernel_geometry)`,
+        or `(None, None)` when every block the call can reach is in the mask (the dense path, which walks every
+        block without loading indices)."""
+        if self.is_dense or (causal and self.covers_causal):
+            return None, None
+        return self.kernel_index(causal), self.kernel_geometry(causal)
+
     # ------------------------------------------------------------------ algebra
     def _check_same_geometry(self, other, op: str) -> None:
         if not isinstance(other, BlockMask):

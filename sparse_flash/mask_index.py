@@ -87,14 +87,6 @@ class KernelIndex(NamedTuple):
     row_plan: WorkPlan  # programs over query blocks (forward, dQ)
     col_plan: WorkPlan  # programs over key blocks (dK/dV)
 
-    def rows(self) -> list[torch.Tensor]:
-        """The tensors the forward and dQ kernels take, in their argument order."""
-        return [*self.row_full[1:], *self.row_partial[1:], *self.row_plan]
-
-    def cols(self) -> list[torch.Tensor]:
-        """The tensors the dK/dV kernel takes, in its argument order."""
-        return [*self.col_full[1:], *self.col_partial[1:], *self.col_plan]
-
     def nbytes(self) -> int:
         """Device memory held by these lists and plans."""
         return sum(t.numel() * t.element_size() for part in self for t in part)

@@ -28,13 +28,10 @@ ERROR_LOG: dict = defaultdict(lambda: {"cases": 0, "max_error": defaultdict(floa
 @contextlib.contextmanager
 def poison_outputs():
     """Fill every kernel output with NaN before launch, so that unwritten tiles fail the comparison."""
-    from .kernels.memory import set_poison
+    from .kernels import settings
 
-    previous = set_poison(True)
-    try:
+    with settings.override(poison=True):
         yield
-    finally:
-        set_poison(previous)
 
 
 def make_qkv(B, Hq, Hkv, Nq, Nk, D, *, dtype, device, seed=0, requires_grad=True, layout="contiguous"):

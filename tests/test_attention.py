@@ -104,7 +104,7 @@ def test_long_lists_take_the_dense_tiles(split):
     """Rows averaging 16 blocks or more (`BlockMask.has_long_lists`) run the forward on the dense kernel's
     128 x 128 tiles at D = 128 in 16-bit dtypes (`configs.fwd_config`), partial tail blocks included, and
     with every list cut into chunks that the last one merges."""
-    from sparse_flash.kernels import configs, fwd
+    from sparse_flash.kernels.triton import configs, fwd
 
     p = Problem(1, 2, 1, 2200, 2100, 96, 128, 128, "random", 0.97, False, 9)
     chosen = []
@@ -121,7 +121,7 @@ def test_long_lists_take_the_dense_tiles(split):
     (16384, True, torch.bfloat16, 64, False)])
 def test_sparse_forward_at_d128_takes_the_dense_tiles_on_long_lists_or_long_sequences(seq_len, long_lists, dtype,
                                                                                       block, wide):
-    from sparse_flash.kernels import configs
+    from sparse_flash.kernels.triton import configs
 
     cfg = configs.fwd_config(128, dtype, block, block, False, seq_len, long_lists)
     assert ((cfg.block_m, cfg.block_n, cfg.num_warps) == (128, 128, 8)) == wide
@@ -220,12 +220,12 @@ def split_every_list():
     """Masks built in this context cut every list longer than 2 blocks into chunks of about 2 blocks, at
     most 3 chunks (so longer lists get uneven chunks), so that the chunked programs and the merge by the
     last chunk run on every drawn problem."""
-    from sparse_flash import layout
+    from sparse_flash import mask_index
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(layout, "SPLIT_MIN_CHUNK", 2)
-        mp.setattr(layout, "SPLIT_FACTOR", 0)
-        mp.setattr(layout, "SPLIT_MAX_CHUNKS", 3)
+        mp.setattr(mask_index, "SPLIT_MIN_CHUNK", 2)
+        mp.setattr(mask_index, "SPLIT_FACTOR", 0)
+        mp.setattr(mask_index, "SPLIT_MAX_CHUNKS", 3)
         yield
 
 
@@ -262,8 +262,9 @@ def test_split_lists_leave_their_counters_at_zero():
         assert torch.equal(a, b)
     from sparse_flash.kernels.launch import mask_plans
 
-    splits = [s for plan in mask_plans(mask).values()
-              for s in (getattr(plan, "split", None), getattr(plan, "rows", None), getattr(plan, "cols", None))
+    passes = [p for plan in mask_plans(mask).values() for p in (plan, getattr(plan, "dq", None),
+                                                                  getattr(plan, "dkdv", None)) if p is not None]
+    splits = [s for p in passes for s in (getattr(p, "split", None), getattr(p, "rows", None), getattr(p, "cols", None))
               if s is not None and s.num_split]
     assert len(splits) == 3  # the forward's rows, the backward's rows and columns
     for split in splits:
@@ -279,7 +280,7 @@ def test_split_lists_leave_their_counters_at_zero():
 def test_head_groups_match_reference(group, p):
     """Sparse programs run (batch, head) pairs in groups (the last one smaller when the group size does
     not divide them), with split lists too: every tile is still computed exactly once."""
-    from sparse_flash.kernels import bwd, fwd
+    from sparse_flash.kernels.triton import bwd, fwd
 
     with pytest.MonkeyPatch.context() as mp, split_every_list(), fresh_plans():
         for module in (fwd, bwd):
@@ -308,9 +309,9 @@ def test_work_plan_splits_only_long_lists():
 
 
 def test_work_plan_caps_chunks_per_list(monkeypatch):
-    from sparse_flash import layout
+    from sparse_flash import mask_index
 
-    monkeypatch.setattr(layout, "SPLIT_MAX_CHUNKS", 3)
+    monkeypatch.setattr(mask_index, "SPLIT_MAX_CHUNKS", 3)
     plan = masks.bigbird(128 * 256, 128, num_global_blocks=2, seed=0).kernel_index(False).row_plan
     assert plan.chunks[plan.split.long()].tolist() == [3, 3]  # not 8: 256 blocks in chunks of 85 or 86
     assert plan.slot_list.numel() == 6
@@ -324,11 +325,11 @@ def test_masks_covering_causal_take_the_dense_causal_path(monkeypatch, kind):
     from sparse_flash.kernels import function
 
     seen, real = [], function.attn_fwd
-    monkeypatch.setattr(function, "attn_fwd", lambda q, k, v, index, *a: seen.append(len(index)) or real(q, k, v, index, *a))
+    monkeypatch.setattr(function, "attn_fwd", lambda q, k, v, index, *a: seen.append(index) or real(q, k, v, index, *a))
     n = 150
     mask = {"causal": masks.causal(n, 32), "causal | local": masks.causal(n, 32) | masks.local(n, 32, window=1),
             "causal, 16x32 blocks": masks.causal(n, (16, 32)), "local": masks.local(n, 32, window=1)}[kind]
     q, k, v = make_qkv(1, 2, 2, n, n, 32, dtype=torch.float32, device=DEVICE, seed=3)
     result = compare_to_reference(q, k, v, mask.to(DEVICE), causal=True, backend="triton")
     assert not result.failures(), result.failures()
-    assert seen and all((length == 0) == (kind != "local") for length in seen)
+    assert seen and all((index is None) == (kind != "local") for index in seen)

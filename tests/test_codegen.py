@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 # (Hq, Hkv, Nq, Nk, D, mask kind, causal) of calls whose launches compile with the lengths as Triton's JIT
 # specialises them: a length of 1 becomes a constant (Triton 3.6's ptxas crashed on the backward of the
-# first two; NOTES step 32), on the dense causal path and the sparse one.
+# first two; tuning log, step 32), on the dense causal path and the sparse one.
 EDGE_CALLS = [(1, 1, 1, 130, 128, "dense", True), (1, 1, 130, 1, 72, "dense", True),
               (2, 1, 1, 130, 128, "random", False)]
 
@@ -29,8 +29,8 @@ def cases():
     library's own dense D=64 settings (a register cap) and long-list D=128 settings (the dense tiles)."""
     import torch
 
-    from sparse_flash.kernels import bwd, fwd
-    from sparse_flash.kernels.configs import fwd_config
+    from sparse_flash.kernels.triton import bwd, fwd
+    from sparse_flash.kernels.triton.configs import fwd_config
 
     tiles = {"fwd": (fwd._attn_fwd_kernel, dict(BLOCK_M=64, BLOCK_N=64)),
              "dq": (bwd._attn_bwd_dq_kernel, dict(BLOCK_M=64, BLOCK_N=32)),
@@ -60,9 +60,9 @@ def gluon_cases():
     where this Triton has no Gluon."""
     import torch
 
-    from sparse_flash.kernels import fwd
+    from sparse_flash.kernels import dispatch
 
-    if fwd._hopper_module() is None:
+    if dispatch._gluon_modules() is None:
         return []
     return [(torch.bfloat16, False, False, 128, False), (torch.float16, True, False, 128, False),
             (torch.bfloat16, True, True, 128, False), (torch.float16, False, True, 256, False),
@@ -74,9 +74,9 @@ def gluon_bwd_cases():
     kernel (Gluon), or none where this Triton has no Gluon."""
     import torch
 
-    from sparse_flash.kernels import fwd
+    from sparse_flash.kernels import dispatch
 
-    if fwd._hopper_module() is None:
+    if dispatch._gluon_modules() is None:
         return []
     return [(torch.bfloat16, False, False, 128, 1), (torch.float16, True, False, 128, 1),
             (torch.bfloat16, True, True, 128, 1), (torch.float16, False, True, 256, 1),
@@ -88,16 +88,16 @@ def gluon_dq_cases():
     this Triton has no Gluon."""
     import torch
 
-    from sparse_flash.kernels import fwd
+    from sparse_flash.kernels import dispatch
 
-    if fwd._hopper_module() is None:
+    if dispatch._gluon_modules() is None:
         return []
     return [(torch.bfloat16, False, False, 128), (torch.float16, True, False, 128), (torch.bfloat16, True, True, 128),
             (torch.float16, False, True, 256)]
 
 
 def main() -> int:
-    from sparse_flash.kernels import fwd
+    from sparse_flash.kernels import dispatch
     from sparse_flash.kernels.aot import AheadOfTimeUnsupported, compile_sm90
 
     failed = 0
@@ -114,12 +114,13 @@ def main() -> int:
     for dtype, dense, causal, block, split in gluon_cases():
         name = f"hopper fwd {dtype} dense={dense} causal={causal} block={block} split={split}"
         try:
-            hopper = fwd._hopper_module()
-            kernel = hopper.compile_sm90(dtype, dense, causal, block, split)
+            from sparse_flash.kernels.gluon import merge
+
+            kernel = dispatch._gluon_modules().fwd.compile_sm90(dtype, dense, causal, block, split)
             shared = kernel.metadata.shared
             assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
             if split:  # and the launch that merges the chunks
-                compile_sm90(hopper._merge_split_rows, dict(HEAD_D=128, MASK_BLOCK_Q=block, BLOCK_M=hopper.BLOCK))
+                compile_sm90(merge._merge_split_rows_kernel, dict(HEAD_D=128, MASK_BLOCK_Q=block, BLOCK_M=128))
             print(f"ok {name} ({shared} bytes of shared memory)")
         except Exception as e:
             failed += 1
@@ -127,9 +128,7 @@ def main() -> int:
     for dtype, dense, causal, block_q, groups in gluon_bwd_cases():
         name = f"hopper dkdv {dtype} dense={dense} causal={causal} block_q={block_q} groups={groups}"
         try:
-            from sparse_flash.kernels import bwd_hopper
-
-            shared = bwd_hopper.compile_sm90(dtype, dense, causal, block_q, groups).metadata.shared
+            shared = dispatch._gluon_modules().dkdv.compile_sm90(dtype, dense, causal, block_q, groups).metadata.shared
             assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
             print(f"ok {name} ({shared} bytes of shared memory)")
         except Exception as e:
@@ -138,9 +137,7 @@ def main() -> int:
     for dtype, dense, causal, block_k in gluon_dq_cases():
         name = f"hopper dq {dtype} dense={dense} causal={causal} block_k={block_k}"
         try:
-            from sparse_flash.kernels import dq_hopper
-
-            shared = dq_hopper.compile_sm90(dtype, dense, causal, block_k).metadata.shared
+            shared = dispatch._gluon_modules().dq.compile_sm90(dtype, dense, causal, block_k).metadata.shared
             assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
             print(f"ok {name} ({shared} bytes of shared memory)")
         except Exception as e:

@@ -141,23 +141,22 @@ HOPPER_MASKS = {
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_hopper_forward_serves_and_matches_reference(dtype, mask_name, heads, causal, monkeypatch):
-    """The warp-specialised forward (`fwd_hopper.py`) takes these calls (D = 128, lengths multiples of 128,
+    """The warp-specialised forward (`gluon/fwd.py`) takes these calls (D = 128, lengths multiples of 128,
     rows with no block, blocks of 256, per-head layouts, GQA; causal: the dense causal path and diagonal
     blocks with element masks), and its outputs, log-sum-exp and the gradients computed from them pass
     the 2x rule against the float64 reference, outputs NaN-poisoned."""
-    from sparse_flash.kernels import fwd, fwd_hopper
+    from sparse_flash.kernels.gluon import fwd as gluon_fwd
     from sparse_flash.testing import compare_to_reference, make_qkv
 
     served = []
-    real = fwd_hopper.attn_fwd_hopper
-    monkeypatch.setattr(fwd_hopper, "attn_fwd_hopper", lambda *a, **kw: served.append(1) or real(*a, **kw))
+    real = gluon_fwd.FwdPlan.__call__
+    monkeypatch.setattr(gluon_fwd.FwdPlan, "__call__", lambda *a: served.append(1) or real(*a))
     n = 1024
     mask = HOPPER_MASKS[mask_name](n, heads[0])
     q, k, v = make_qkv(2, *heads, n, n, 128, dtype=dtype, device="cuda", seed=7)
     result = compare_to_reference(q, k, v, mask, causal=causal, backend="triton")
     assert not result.failures(), result.failures()
     assert served, "the Hopper forward did not serve the call"
-    assert fwd._hopper_forward() is fwd_hopper
 
 
 @pytest.mark.skipif(not SM90, reason="the Hopper backward kernels need sm_90")
@@ -166,26 +165,25 @@ def test_hopper_forward_serves_and_matches_reference(dtype, mask_name, heads, ca
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_hopper_backward_serves_and_matches_reference(dtype, mask_name, heads, causal, monkeypatch):
-    """The warp-specialised dQ and dK/dV kernels (`dq_hopper.py`, `bwd_hopper.py`, switched on for the test)
+    """The warp-specialised dQ and dK/dV kernels (`gluon/dq.py`, `gluon/dkdv.py`, switched on for the test)
     take these calls (the dK/dV kernel leaves per-head layouts under GQA to the Triton kernel: it walks
     every group head's list in one item), and the gradients pass the 2x rule against the float64
     reference, outputs NaN-poisoned."""
-    from sparse_flash.kernels import bwd_hopper, configs, dq_hopper
+    from sparse_flash.kernels import settings
+    from sparse_flash.kernels.gluon import dkdv as gluon_dkdv
+    from sparse_flash.kernels.gluon import dq as gluon_dq
     from sparse_flash.testing import compare_to_reference, make_qkv
 
     served = {"dq": 0, "dkdv": 0}
-    for name, plan in (("dq", dq_hopper.DqHopperPlan), ("dkdv", bwd_hopper.DkdvHopperPlan)):
+    for name, plan in (("dq", gluon_dq.DqPlan), ("dkdv", gluon_dkdv.DkdvPlan)):
         real = plan.__call__
         monkeypatch.setattr(plan, "__call__", lambda *a, _real=real, _name=name: served.update(
             {_name: served[_name] + 1}) or _real(*a))
     n = 1024
     mask = HOPPER_MASKS[mask_name](n, heads[0])
     q, k, v = make_qkv(2, *heads, n, n, 128, dtype=dtype, device="cuda", seed=9)
-    previous = configs.set_hopper_backward(True)
-    try:
+    with settings.override(hopper_backward=True):
         result = compare_to_reference(q, k, v, mask, causal=causal, backend="triton")
-    finally:
-        configs.set_hopper_backward(previous)
     assert not result.failures(), result.failures()
     per_head_gqa = heads[0] != heads[1] and mask.shape[1] > 1
     assert served["dq"] > 0, "the Hopper dQ kernel did not serve the call"
@@ -197,13 +195,14 @@ def test_hopper_backward_serves_and_matches_reference(dtype, mask_name, heads, c
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_hopper_backward_cuts_long_lists_and_matches_reference(dtype, causal, monkeypatch):
     """BigBird's global rows and columns at 4,096 tokens are lists far longer than the others: the Hopper
-    backward kernels cut them into chunks summed by `chunk_sum.py` (checked: the plans hold chunks), and
+    backward kernels cut them into chunks summed by `merge.ChunkSum` (checked: the plans hold chunks), and
     the gradients pass the 2x rule against the float64 reference, outputs NaN-poisoned."""
-    from sparse_flash.kernels import bwd_hopper, dq_hopper
+    from sparse_flash.kernels.gluon import dkdv as gluon_dkdv
+    from sparse_flash.kernels.gluon import dq as gluon_dq
     from sparse_flash.testing import compare_to_reference, make_qkv
 
     slots = {"dq": [], "dkdv": []}
-    for name, plan in (("dq", dq_hopper.DqHopperPlan), ("dkdv", bwd_hopper.DkdvHopperPlan)):
+    for name, plan in (("dq", gluon_dq.DqPlan), ("dkdv", gluon_dkdv.DkdvPlan)):
         real = plan.__call__
         monkeypatch.setattr(plan, "__call__", lambda self, *a, _real=real, _name=name: slots[_name].append(
             self.chunk_sum.slots) or _real(self, *a))
@@ -218,39 +217,38 @@ def test_hopper_backward_cuts_long_lists_and_matches_reference(dtype, causal, mo
 
 @pytest.mark.skipif(not SM90, reason="the Hopper forward needs sm_90")
 def test_hopper_forward_switched_off_leaves_the_triton_forward(monkeypatch):
-    from sparse_flash.kernels import configs, fwd_hopper
+    from sparse_flash.kernels import settings
+    from sparse_flash.kernels.gluon import fwd as gluon_fwd
 
-    monkeypatch.setattr(fwd_hopper, "attn_fwd_hopper", lambda *a, **kw: pytest.fail("Hopper forward ran"))
-    previous = configs.set_hopper_forward(False)
-    try:
+    monkeypatch.setattr(gluon_fwd.FwdPlan, "__call__", lambda *a: pytest.fail("Hopper forward ran"))
+    with settings.override(hopper_forward=False):
         q, k, v = (torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         out = sparse_flash.block_sparse_attention(q, k, v, masks.dense(256, 128, device="cuda"), backend="triton")
-    finally:
-        configs.set_hopper_forward(previous)
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v), atol=2e-2, rtol=0)
 
 
 @pytest.mark.skipif(not SM90, reason="the Hopper forward needs sm_90")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_hopper_forward_split_lists_match_reference(causal, monkeypatch):
-    """The Hopper forward's path for masks whose work plan splits lists (`fwd_hopper.SPLIT_LISTS`): every
+    """The Hopper forward's path for masks whose work plan splits lists (`settings.hopper_split`): every
     list longer than 2 blocks cut into chunks, each chunk an item, merged after the kernel; against the
     float64 reference, outputs NaN-poisoned."""
-    from sparse_flash import layout
-    from sparse_flash.kernels import fwd_hopper
+    from sparse_flash import mask_index
+    from sparse_flash.kernels import settings
+    from sparse_flash.kernels.gluon import fwd as gluon_fwd
     from sparse_flash.testing import compare_to_reference, make_qkv
 
-    monkeypatch.setattr(fwd_hopper, "SPLIT_LISTS", True)
-    monkeypatch.setattr(layout, "SPLIT_MIN_CHUNK", 2)
-    monkeypatch.setattr(layout, "SPLIT_FACTOR", 0)
-    monkeypatch.setattr(layout, "SPLIT_MAX_CHUNKS", 3)
+    monkeypatch.setattr(mask_index, "SPLIT_MIN_CHUNK", 2)
+    monkeypatch.setattr(mask_index, "SPLIT_FACTOR", 0)
+    monkeypatch.setattr(mask_index, "SPLIT_MAX_CHUNKS", 3)
     served = []
-    real = fwd_hopper.attn_fwd_hopper
-    monkeypatch.setattr(fwd_hopper, "attn_fwd_hopper", lambda *a, **kw: served.append(1) or real(*a, **kw))
+    real = gluon_fwd.FwdPlan.__call__
+    monkeypatch.setattr(gluon_fwd.FwdPlan, "__call__", lambda *a: served.append(1) or real(*a))
     n = 1024
     mask = masks.bigbird(n, 128, seed=0, device="cuda")
-    assert mask.kernel_index(causal).rows()[8].shape[0] > 0  # lists are split
+    assert mask.kernel_index(causal).row_plan.split.shape[0] > 0  # lists are split
     q, k, v = make_qkv(2, 4, 2, n, n, 128, dtype=torch.bfloat16, device="cuda", seed=11)
-    result = compare_to_reference(q, k, v, mask, causal=causal, backend="triton")
+    with settings.override(hopper_split=True):
+        result = compare_to_reference(q, k, v, mask, causal=causal, backend="triton")
     assert not result.failures(), result.failures()
     assert served, "the Hopper forward did not serve the call"

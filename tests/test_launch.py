@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from sparse_flash.kernels import launch as launch_mod
+from sparse_flash.kernels import settings
 
 
 class FakeCompiled:
@@ -35,14 +36,13 @@ class FakeKernel:
 
 @pytest.fixture
 def fast(monkeypatch):
-    monkeypatch.setattr(launch_mod, "_interpreting", lambda: False)
+    monkeypatch.setattr(settings, "interpreting", lambda: False)
     monkeypatch.setattr(launch_mod, "_current_device", lambda: 0)
     monkeypatch.setattr(launch_mod, "_raw_stream", lambda device: 7)
     monkeypatch.setattr(launch_mod, "_hooks_installed", lambda: False)
     monkeypatch.setattr(launch_mod, "_CACHE", {})
-    previous = launch_mod.set_fast_launch(True)
-    yield
-    launch_mod.set_fast_launch(previous)
+    with settings.override(fast_launch=True):
+        yield
 
 
 def kinds(kernel):
@@ -97,7 +97,7 @@ class SmallGPUKernel(FakeKernel):
 
 @pytest.mark.parametrize("interpreting", [False, True], ids=["fast", "normal path"])
 def test_a_pipeline_too_deep_for_the_gpu_runs_with_fewer_stages(fast, monkeypatch, interpreting):
-    monkeypatch.setattr(launch_mod, "_interpreting", lambda: interpreting)
+    monkeypatch.setattr(settings, "interpreting", lambda: interpreting)
     kernel, x = SmallGPUKernel(limit=130), torch.zeros(64)
     cx = {"BLOCK": 16, "FLAG": True}
     launch_mod.launch(kernel, (1,), (x, 32, 1.0), cx, 4, 3)
@@ -131,7 +131,7 @@ def test_anything_triton_specialises_on_takes_the_normal_path(fast, monkeypatch,
     elif change == "warps":
         warps = 8
     elif change == "disabled":
-        launch_mod.set_fast_launch(False)
+        settings.configure(fast_launch=False)  # the fixture's override restores it
     elif change == "hook":
         monkeypatch.setattr(launch_mod, "_hooks_installed", lambda: True)
     launch_mod.launch(kernel, (1,), args, cx, warps, 3)
@@ -213,7 +213,7 @@ def test_bound_launch_takes_the_normal_path_when_direct_calls_are_off(fast, monk
     bound = launch_mod.BoundLaunch(kernel, 1, (32, 0.5), {"BLOCK": 16, "FLAG": True}, 4, 3)
     bound(torch.zeros(64))
     if change == "disabled":
-        launch_mod.set_fast_launch(False)
+        settings.configure(fast_launch=False)  # the fixture's override restores it
     else:
         monkeypatch.setattr(launch_mod, "_hooks_installed", lambda: True)
     bound(torch.zeros(64))
@@ -222,7 +222,7 @@ def test_bound_launch_takes_the_normal_path_when_direct_calls_are_off(fast, monk
 
 
 def test_bound_launch_under_the_interpreter_launches_normally_every_time(fast, monkeypatch):
-    monkeypatch.setattr(launch_mod, "_interpreting", lambda: True)
+    monkeypatch.setattr(settings, "interpreting", lambda: True)
     kernel = FakeKernel()
     bound = launch_mod.BoundLaunch(kernel, 1, (32, 0.5), {"BLOCK": 16, "FLAG": True}, 4, 3)
     for _ in range(3):
@@ -243,6 +243,8 @@ def test_plan_key_follows_everything_a_plan_fixes(fast):
         launch_mod.plan_key((torch.zeros(4 * 2 * 64 * 32 + 1)[1:].view(4, 2, 64, 32),), "fwd", True, 0.5),
     ]
     assert all(other != key for other in others)
+    with settings.override(tma=False):  # a plan is built under the settings in force
+        assert launch_mod.plan_key((x,), "fwd", True, 0.5) != key
     launch_mod.forget_plans()
     assert launch_mod.plan_key((x,), "fwd", True, 0.5) != key
 

@@ -159,7 +159,7 @@ def test_work_items_of_split_lists(causal):
 
 def test_item_fields_agree_with_the_kernels():
     pytest.importorskip("triton")
-    from sparse_flash.kernels import common
+    from sparse_flash.kernels.triton import common
 
     assert common.ITEM_WIDTH == len(ITEM_FIELDS)
     for i, name in enumerate(ITEM_FIELDS):

@@ -314,10 +314,10 @@ def test_new_mask_of_another_layout_does_not_recompile():
 def test_masks_with_and_without_split_lists_share_the_compiled_graph(monkeypatch):
     """Work plans differ in their number of split lists (0 included); that count is a size torch.compile
     never specialises, so one graph serves them all, and it matches eager."""
-    from sparse_flash import layout
+    from sparse_flash import mask_index
 
-    monkeypatch.setattr(layout, "SPLIT_MIN_CHUNK", 2)  # split every list longer than two blocks
-    monkeypatch.setattr(layout, "SPLIT_FACTOR", 0)
+    monkeypatch.setattr(mask_index, "SPLIT_MIN_CHUNK", 2)  # split every list longer than two blocks
+    monkeypatch.setattr(mask_index, "SPLIT_FACTOR", 0)
     model = TinyModel().to(DEVICE)
     x = torch.randn(2, 160, 64, device=DEVICE)
     compiled, counter = compile_counted(model)

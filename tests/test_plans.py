@@ -18,12 +18,13 @@ def built(monkeypatch):
     """Counts the forward and backward plans built. The dense path keeps its plans in one dict for the
     process, emptied when it holds PLAN_LIMIT plans: the tests get a fresh one, so that what earlier tests
     left there (hypothesis draws new shapes each run) cannot empty it in the middle of a test."""
-    from sparse_flash.kernels import bwd, function, fwd
+    from sparse_flash.kernels import dispatch, function
+    from sparse_flash.kernels.triton import fwd
 
     monkeypatch.setattr(function, "_DENSE_PLANS", {})
 
     counts = {"fwd": 0, "bwd": 0}
-    for module, name, kind in ((fwd, "_FwdPlan", "fwd"), (bwd, "_BwdPlan", "bwd")):
+    for module, name, kind in ((fwd, "FwdPlan", "fwd"), (dispatch, "_BackwardPlan", "bwd")):
         cls = getattr(module, name)
 
         def counted(*a, _cls=cls, _kind=kind):
@@ -74,7 +75,7 @@ def test_plans_live_with_their_mask(built):
 
 def test_descriptors_built_directly_equal_checked_ones():
     TensorDescriptor = pytest.importorskip("triton.tools.tensor_descriptor").TensorDescriptor
-    from sparse_flash.kernels.tma import descriptor_layout, make_descriptor
+    from sparse_flash.kernels.triton.tma import descriptor_layout, make_descriptor
 
     t = torch.randn(2, 1, 40, 64, device=DEVICE)
     layout = descriptor_layout(t, 16, 64)

@@ -23,17 +23,14 @@ pytestmark = pytest.mark.skipif(not triton_usable(), reason="triton is not usabl
 def loads(kind):
     """"pointer": no descriptors anywhere; "descriptor": descriptors in every pass at every head dim
     (the defaults use them only where they measured faster, configs.py)."""
-    from sparse_flash.kernels import bwd, configs, fwd, tma
+    from sparse_flash.kernels import settings
+    from sparse_flash.kernels.triton import bwd, configs, fwd
 
-    previous = tma.set_tma(kind == "descriptor")
-    try:
-        with pytest.MonkeyPatch.context() as mp, fresh_plans():
-            if kind == "descriptor":
-                mp.setattr(fwd, "fwd_config", lambda *a: configs.fwd_config(*a)._replace(tma=True))
-                mp.setattr(bwd, "bwd_config", lambda *a: configs.bwd_config(*a)._replace(tma=True))
-            yield
-    finally:
-        tma.set_tma(previous)
+    with settings.override(tma=kind == "descriptor"), pytest.MonkeyPatch.context() as mp, fresh_plans():
+        if kind == "descriptor":
+            mp.setattr(fwd, "fwd_config", lambda *a: configs.fwd_config(*a)._replace(tma=True))
+            mp.setattr(bwd, "bwd_config", lambda *a: configs.bwd_config(*a)._replace(tma=True))
+        yield
 
 
 @pytest.mark.parametrize("kind", ["pointer", "descriptor"])
@@ -49,7 +46,8 @@ def test_loads_match_reference(kind, dtype, p):
 
 
 def test_descriptor_only_for_aligned_tensors():
-    from sparse_flash.kernels.tma import set_tma, tile_descriptor
+    from sparse_flash.kernels import settings
+    from sparse_flash.kernels.triton.tma import tile_descriptor
 
     base = torch.randn(2, 3, 40, 72, dtype=torch.float16, device=DEVICE)
     desc = tile_descriptor(base, 32, 128)
@@ -65,11 +63,8 @@ def test_descriptor_only_for_aligned_tensors():
     assert tile_descriptor(base[..., 1:65], 16, 64) is None
     assert tile_descriptor(torch.randn(2, 1, 40, 64, device=DEVICE).expand(2, 3, 40, 64), 16, 64) is None
     assert tile_descriptor(torch.randn(2, 3, 40, 128, device=DEVICE)[..., ::2], 16, 64) is None
-    previous = set_tma(False)
-    try:
+    with settings.override(tma=False):
         assert tile_descriptor(base, 32, 128) is None
-    finally:
-        set_tma(previous)
 
 
 def test_misaligned_inputs_take_pointer_loads():
@@ -88,7 +83,7 @@ def test_loads_on_fused_projection_layout(kind):
     for dtype in (torch.float32, torch.float16):
         q, k, v = make_qkv(p.B, p.Hq, p.Hkv, p.Nq, p.Nk, p.D, dtype=dtype, device=DEVICE, seed=p.seed,
                            layout="transposed")
-        from sparse_flash.kernels.tma import tile_descriptor
+        from sparse_flash.kernels.triton.tma import tile_descriptor
 
         assert all(tile_descriptor(t.detach(), 16, 64) is not None for t in (q, k, v))  # the layout qualifies
         with loads(kind):

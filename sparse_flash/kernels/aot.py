@@ -68,6 +68,26 @@ def compile_sm90(kernel, constexprs: dict, descriptors=(), num_warps: int = 4, n
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def compile_gluon_sm90(kernel, signature: dict, constexprs: dict, maxnreg: int, num_warps: int = 4):
+    """A Gluon kernel compiled for sm_90a (no GPU needed): `signature` gives each runtime argument's type in
+    order (`"*fp32"`, `"i32"`, a `descriptor_type`), `constexprs` the constexprs' values (num_warps included
+    where the kernel takes it)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {**signature, **{n: "constexpr" for n in constexprs}}
+    names = list(sig)
+    src = GluonASTSource(kernel, sig, {(names.index(n), ): v for n, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, maxnreg=maxnreg))
+
+
+def descriptor_type(dtype: str, block_shape, layout) -> str:
+    """The signature type of a Gluon TMA descriptor: `dtype` as Triton spells it (`"bf16"`), its block shape
+    and shared layout."""
+    return f"tensordesc<{dtype}[{','.join(str(n) for n in block_shape)}],{layout!r}>"
+
+
 def launch_record(kernel, args: tuple, constexprs: dict, num_warps: int, num_stages: int, maxnreg: int = 0) -> dict:
     """A launch written down as plain data (JSON), enough to compile it again elsewhere as Triton's JIT
     would on the GPU: each runtime argument's kind, and its value where Triton specialises on it."""

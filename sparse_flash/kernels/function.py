@@ -1,6 +1,6 @@
-"""Autograd for the Triton kernels, and the entry point the public API calls.
+"""Autograd for the kernels, and the entry point the public API calls.
 
-Eager calls on plain tensors go straight to the launchers; the registered custom ops (`ops.py`) serve
+Eager calls on plain tensors go straight to the launchers (`dispatch.py`); the registered custom ops (`ops.py`) serve
 torch.compile, fake tensors and tensor subclasses. The custom-op dispatcher costs more host time per call
 than a kernel launch, which dominates small problems.
 """
@@ -10,14 +10,11 @@ from __future__ import annotations
 import torch
 
 from ..mask import BlockMask
-from .bwd import attn_bwd
+from . import ops
+from .dispatch import attn_bwd, attn_fwd
 from .launch import mask_plans
-from .fwd import attn_fwd
-from .ops import attn_bwd_op, attn_fwd_op
 
-
-_DENSE_GEOMETRY = [1, 1, 1, 1, 1, 1, 0]  # the dense path ignores the mask's geometry
-_DENSE_PLANS: dict = {}  # launch plans of the dense path, which take no mask index
+_DENSE_PLANS: dict = {}  # launch plans of the dense path, which takes no mask index
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -31,20 +28,22 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 class BlockSparseAttentionFunction(torch.autograd.Function):
-    """out, lse = attention(q, k, v); lse is saved for the backward and is not differentiable."""
+    """out, lse = attention(q, k, v); lse is saved for the backward and is not differentiable.
+
+    `index` (a `KernelIndex`) and `geometry` (a `MaskGeometry`) carry the mask, both None for the dense path.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, row_index, col_index, mask_geometry, causal, scale, plans):
+    def forward(ctx, q, k, v, index, geometry, causal, scale, plans):
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
         if _plain(q):
-            out, lse = attn_fwd(q, k, v, row_index, mask_geometry, causal, scale, plans)
+            out, lse = attn_fwd(q, k, v, index, geometry, causal, scale, plans)
         else:
-            out, lse = attn_fwd_op(q, k, v, row_index, mask_geometry, causal, scale)
+            out, lse = ops.attn_fwd(q, k, v, index, geometry, causal, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         # The mask's index lists are constant, never differentiated: kept as plain references, which costs
-        # less host time than 20 saved tensors and their version checks.
-        ctx.index = [*row_index, *col_index]
-        ctx.mask_geometry, ctx.causal, ctx.scale, ctx.plans = mask_geometry, causal, scale, plans
+        # less host time than 24 saved tensors and their version checks.
+        ctx.index, ctx.geometry, ctx.causal, ctx.scale, ctx.plans = index, geometry, causal, scale, plans
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # lse has no gradient: no zero tensor for it on every backward
         return out, lse
@@ -52,14 +51,14 @@ class BlockSparseAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         if dout is None:
-            return (None,) * 9
+            return (None,) * 8
         q, k, v, out, lse = ctx.saved_tensors
         dout = _last_dim_contiguous(dout)
-        args = (dout, q, k, v, out, lse, ctx.index, ctx.mask_geometry, ctx.causal, ctx.scale)
-        dq, dk, dv = attn_bwd(*args, ctx.plans) if _plain(dout) else attn_bwd_op(*args)
+        args = (dout, q, k, v, out, lse, ctx.index, ctx.geometry, ctx.causal, ctx.scale)
+        dq, dk, dv = attn_bwd(*args, ctx.plans) if _plain(dout) else ops.attn_bwd(*args)
         if torch.is_grad_enabled():  # backward(create_graph=True): these gradients must not pass for differentiable
             dq, dk, dv = _refuse_double_backward(dq, dk, dv)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 _DOUBLE_BACKWARD = (
@@ -86,19 +85,12 @@ def attention_triton(q, k, v, mask: BlockMask | None, *, causal: bool, scale: fl
     fp32 inputs use IEEE fp32 dot products (`input_precision="ieee"`), not TF32.
     Returns `(out, lse)`.
     """
-    if mask is None:
-        row_index, col_index, geometry = [], [], _DENSE_GEOMETRY
-    else:
+    index = geometry = None  # the dense path
+    if mask is not None:
         bq, bk = mask.block_size
         if bq % 16 or bk % 16:
             raise ValueError(f"the triton backend needs mask block sizes that are multiples of 16, got {mask.block_size}")
-        if mask.is_dense or (causal and mask.covers_causal):
-            # Every block the call can reach is in the mask: walk them all without loading indices.
-            row_index, col_index, geometry = [], [], _DENSE_GEOMETRY
-        else:
-            idx = mask.kernel_index(causal)
-            row_index, col_index = idx.rows(), idx.cols()
-            geometry = [*mask.shape, bq, bk, int(mask.has_long_lists(causal))]
+        index, geometry = mask.kernel_records(causal)
     if scale <= 0:
         # The kernels keep scores in log2 units times a positive factor (their running maximum relies on it):
         # s * (q . k) == |s| * ((-q) . k), and a zero scale is a zero query. Autograd carries the sign to dq.
@@ -110,14 +102,14 @@ def attention_triton(q, k, v, mask: BlockMask | None, *, causal: bool, scale: fl
         with torch.cuda.device(q.device):
             return attention_triton(q, k, v, mask, causal=causal, scale=scale)
     # Launch plans are kept per mask (the dense path's for all masks); calls inside torch.compile keep none.
-    plans = None if not plain else _DENSE_PLANS if not row_index else mask_plans(mask)
+    plans = None if not plain else _DENSE_PLANS if index is None else mask_plans(mask)
     if plain and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         # Inference: no graph to record, so no autograd.Function either.
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-        return attn_fwd(q, k, v, row_index, geometry, causal, scale, plans)
+        return attn_fwd(q, k, v, index, geometry, causal, scale, plans)
     # Self-attention may pass one tensor as q, k and v; torch.compile wants distinct autograd inputs.
     if k is q:
         k = k[...]
     if v is q or v is k:
         v = v[...]
-    return BlockSparseAttentionFunction.apply(q, k, v, row_index, col_index, geometry, causal, scale, plans)
+    return BlockSparseAttentionFunction.apply(q, k, v, index, geometry, causal, scale, plans)

@@ -13,21 +13,14 @@ installed (profilers), every call takes the normal path.
 from __future__ import annotations
 
 import functools
-import os
 import weakref
 
 import torch
 
+from . import settings
+
 _CACHE: dict = {}
 _CACHE_LIMIT = 1024  # exact signatures kept; a training loop uses a handful
-_ENABLED = [os.environ.get("SPARSE_FLASH_FAST_LAUNCH", "1") != "0"]
-
-
-def set_fast_launch(enabled: bool) -> bool:
-    """Turn the cached direct launch on or off (benchmarks compare both); returns the previous setting."""
-    previous = _ENABLED[0]
-    _ENABLED[0] = bool(enabled)
-    return previous
 
 
 @functools.cache
@@ -59,7 +52,7 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
     Returns the compiled kernel that ran, or None where the cached direct launch is off (interpreter,
     launch hooks, `set_fast_launch(False)`).
     """
-    if _ENABLED[0] and not _interpreting():
+    if settings.current().fast_launch and not settings.interpreting():
         # What Triton specialises a runtime argument on: a tensor's dtype and 16-byte alignment, an int's
         # value (it checks == 1, divisibility by 16 and the 32/64-bit range); floats it does not (`_arg_key`).
         # Most arguments are ints, which are their own key: no call for them.
@@ -134,7 +127,7 @@ class BoundLaunch:
 
     def __call__(self, *head) -> None:
         compiled = self._compiled
-        if compiled is not None and _ENABLED[0] and not _hooks_installed():
+        if compiled is not None and settings.current().fast_launch and not _hooks_installed():
             compiled.run(self.grid, 1, 1, _raw_stream(_current_device()), compiled.function, compiled.packed_metadata,
                          None, None, None, *head, *self._rest)
             return
@@ -176,10 +169,6 @@ def _raw_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)  # what Triton's launcher uses
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 PLAN_LIMIT = 64  # launch plans kept per cache (one per call signature: shapes, strides, dtype, flags)
 _GENERATION = [0]
 
@@ -193,7 +182,8 @@ def forget_plans() -> None:
 def plan_key(tensors, *flags) -> tuple:
     """The key of a launch plan: the launching device, `flags`, and the shape, strides, dtype and 16-byte
     alignment of each tensor (everything the plan's launch arguments and Triton's specialisation follow)."""
-    device = -1 if _interpreting() else _current_device()
+    device = -1 if settings.interpreting() else _current_device()
+    flags = (*flags, settings.current())  # a plan is built under the settings in force
     return (device, _GENERATION[0], *flags, *[(t.shape, t.stride(), t.dtype, t.data_ptr() & 15) for t in tensors])
 
 

@@ -1,26 +1,49 @@
 """The launchers registered as torch custom ops, so that `torch.compile(fullgraph=True)` keeps them whole.
 
-Each op has a fake (meta) implementation that only describes its outputs' shapes and dtypes.
+A custom op takes tensors, lists of tensors and numbers only: this is the one place where the mask's records
+(`KernelIndex`, `MaskGeometry`) become flat lists (`flatten`) and back (`unflatten`). Each op has a fake (meta)
+implementation that only describes its outputs' shapes and dtypes.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .bwd import attn_bwd
-from .fwd import attn_fwd
+from ..mask_index import BlockIndex, KernelIndex, MaskGeometry, WorkPlan
+from . import dispatch
+
+_PART_RECORDS = (BlockIndex, BlockIndex, BlockIndex, BlockIndex, WorkPlan, WorkPlan)  # KernelIndex's fields
+
+
+def flatten(index: KernelIndex | None, geometry: MaskGeometry | None) -> tuple[list[torch.Tensor], list[int]]:
+    """The records as a custom op's arguments: every tensor of `index` in field order, and the geometry's ints
+    (empty lists for the dense path)."""
+    if index is None:
+        return [], []
+    return [t for part in index for t in part], [int(x) for x in geometry]
+
+
+def unflatten(flat: list[torch.Tensor], geometry: list[int]) -> tuple[KernelIndex | None, MaskGeometry | None]:
+    """The inverse of `flatten`."""
+    if not flat:
+        return None, None
+    tensors, parts = iter(flat), []
+    for record in _PART_RECORDS:
+        parts.append(record(*(next(tensors) for _ in record._fields)))
+    *sizes, long_lists = geometry
+    return KernelIndex(*parts), MaskGeometry(*sizes, bool(long_lists))
 
 
 @torch.library.custom_op("sparse_flash::attn_fwd", mutates_args=())
 def attn_fwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: list[torch.Tensor], mask_geometry: list[int],
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: list[torch.Tensor], geometry: list[int],
     causal: bool, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return attn_fwd(q, k, v, index, mask_geometry, causal, scale)
+    return dispatch.attn_fwd(q, k, v, *unflatten(index, geometry), causal, scale)
 
 
 @attn_fwd_op.register_fake
-def _(q, k, v, index, mask_geometry, causal, scale):
+def _(q, k, v, index, geometry, causal, scale):
     B, Hq, Nq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32)  # contiguous, like the launcher
 
@@ -28,11 +51,22 @@ def _(q, k, v, index, mask_geometry, causal, scale):
 @torch.library.custom_op("sparse_flash::attn_bwd", mutates_args=())
 def attn_bwd_op(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    index: list[torch.Tensor], mask_geometry: list[int], causal: bool, scale: float,
+    index: list[torch.Tensor], geometry: list[int], causal: bool, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal, scale)
+    return dispatch.attn_bwd(do, q, k, v, out, lse, *unflatten(index, geometry), causal, scale)
 
 
 @attn_bwd_op.register_fake
-def _(do, q, k, v, out, lse, index, mask_geometry, causal, scale):
+def _(do, q, k, v, out, lse, index, geometry, causal, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def attn_fwd(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, causal: bool, scale: float):
+    """`dispatch.attn_fwd` through the custom op (torch.compile, fake tensors, tensor subclasses)."""
+    return attn_fwd_op(q, k, v, *flatten(index, geometry), causal, scale)
+
+
+def attn_bwd(do, q, k, v, out, lse, index: KernelIndex | None, geometry: MaskGeometry | None, causal: bool,
+             scale: float):
+    """`dispatch.attn_bwd` through the custom op."""
+    return attn_bwd_op(do, q, k, v, out, lse, *flatten(index, geometry), causal, scale)

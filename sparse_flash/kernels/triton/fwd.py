@@ -10,18 +10,17 @@ never leave the chip.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from ...mask_index import KernelIndex, MaskGeometry
+from ..launch import BoundLaunch, cached_plan, plan_key
+from ..memory import new_output
 from .common import LOG2E, dot_precision, item_ranges, list_tile_start, load_unmasked_rows, schedule, store_rows
-from .configs import block_d, fwd_config, hopper_forward_enabled, interpreting, schedule_heads
-from .launch import BoundLaunch, cached_plan, plan_key
-from .memory import new_output
+from .configs import block_d, fwd_config, schedule_heads
 from .split import SplitPlan, chunk_rows, last_chunk, store_chunk_merge
-from .tma import descriptor_layout, make_descriptor, tma_enabled
+from .tma import descriptor_layout, make_descriptor
 
 
 @triton.jit
@@ -183,25 +182,26 @@ def _attn_fwd_kernel(
         tl.store(Lse + offs_m, lse, mask=m_ok)
 
 
-class _FwdPlan:
+class FwdPlan:
     """What one call signature of `attn_fwd` fixes: tiles, grid, the launches and their non-tensor
     arguments. A call then only allocates the outputs (and scratch), builds descriptors and launches."""
 
-    def __init__(self, q, k, v, index, mask_geometry, causal: bool, scale: float):
+    def __init__(self, q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, causal: bool, scale: float):
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
-        dense = len(index) == 0
-        Bm, Hm, Mq, Mk, block_q, block_k, long_lists = mask_geometry
-        cfg = fwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k, causal, Nq,
-                         bool(long_lists))
+        dense = index is None
         if dense:
+            cfg = fwd_config(D, q.dtype, None, None, causal, Nq, False)
             block_q, block_k = cfg.block_m, cfg.block_n
             self.split = SplitPlan(q.device)
             full_idx, part_idx, items, lead = [self.split.dummy] * 4
             grid = triton.cdiv(Nq, cfg.block_m) * B * Hq
         else:
-            full_off, full_idx, part_off, part_idx, items, _, _, lead, split, slot_list = index
-            self.split = SplitPlan(q.device, (items, split, slot_list), B, Hq, Bm, Hm, block_q, D, with_lse=True)
+            block_q, block_k = geometry.block_q, geometry.block_k
+            cfg = fwd_config(D, q.dtype, block_q, block_k, causal, Nq, geometry.long_lists)
+            full_idx, part_idx = index.row_full.indices, index.row_partial.indices
+            items, lead = index.row_plan.items, index.row_plan.lead
+            self.split = SplitPlan(q.device, index.row_plan, B, Hq, geometry, D, with_lse=True)
             grid = items.shape[2] * (block_q // cfg.block_m) * B * Hq
         self.k_layout, self.v_layout = (descriptor_layout(t, cfg.block_n, block_d(D)) if cfg.tma else None
                                         for t in (k, v))
@@ -237,41 +237,20 @@ class _FwdPlan:
         return out, lse
 
 
-@functools.cache
-def _hopper_module():
-    """`fwd_hopper` (the warp-specialised forward), or None where this Triton has no Gluon."""
-    try:
-        from . import fwd_hopper
-    except (ImportError, AttributeError):  # no Gluon, or one older than the kernel's names
-        return None
-    return fwd_hopper
-
-
-def _hopper_forward():
-    """`fwd_hopper` where it may serve calls: allowed (`set_hopper_forward`), not under the interpreter
-    (Gluon kernels do not run there), and importable."""
-    if not hopper_forward_enabled() or interpreting():
-        return None
-    return _hopper_module()
-
-
-def attn_fwd(q, k, v, index, mask_geometry, causal: bool, scale: float, plans: dict | None = None):
-    """Launch the forward kernel (split rows included: their last chunks combine them). On an H100 or
-    H200, the calls that `fwd_hopper.supported` accepts run the warp-specialised kernel of `fwd_hopper.py`.
+def attn_fwd(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, causal: bool, scale: float,
+             plans: dict | None = None):
+    """Launch the forward kernel (split rows included: their last chunks combine them).
 
     Args:
         q: `(B, Hq, Nq, D)`; k, v: `(B, Hkv, Nk, D)`; last dimension contiguous.
-        index: `KernelIndex.rows()` (full and partial row lists, then the work plan), or `[]` for dense.
-        mask_geometry: `(Bm, Hm, Mq, Mk, block_q, block_k, long_lists)` of the mask (ignored for dense).
+        index: the mask's `KernelIndex` for this call's causal flag, or None for the dense path.
+        geometry: the mask's `MaskGeometry` (None for the dense path).
         plans: where to keep this call's launch plan for the next call with the same signature; one dict
-            per index (the mask's), or None to build one for this call only.
+            per mask (`launch.mask_plans`), or None to build one for this call only.
 
     Returns:
         `(out, lse)`: out like q, lse float32 `(B, Hq, Nq)` natural log.
     """
-    hopper = _hopper_forward()
-    if hopper is not None and hopper.supported(q, k, v, index, mask_geometry):
-        return hopper.attn_fwd_hopper(q, k, v, index, mask_geometry, causal, scale, plans)
-    key = plan_key((q, k, v), "fwd", causal, scale, tma_enabled())
-    plan = cached_plan(plans, key, lambda: _FwdPlan(q, k, v, index, mask_geometry, causal, scale))
+    key = plan_key((q, k, v), "fwd-triton", causal, scale)
+    plan = cached_plan(plans, key, lambda: FwdPlan(q, k, v, index, geometry, causal, scale))
     return plan(q, k, v)

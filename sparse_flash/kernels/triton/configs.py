@@ -6,7 +6,6 @@ Kernel tiles divide the mask's block size, so a tile never straddles two mask bl
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -35,47 +34,7 @@ class BwdConfig(NamedTuple):
     dq_maxnreg: int = 0  # the dQ pass's
 
 
-_HOPPER_FWD = [os.environ.get("SPARSE_FLASH_HOPPER_FWD", "1") != "0"]
-
-
-def set_hopper_forward(enabled: bool) -> bool:
-    """Allow or forbid the warp-specialised Hopper forward (`fwd_hopper.py`) where it serves a call; off,
-    the Triton forward (`fwd.py`) runs every call (also `SPARSE_FLASH_HOPPER_FWD=0`). Returns the previous
-    setting."""
-    previous = _HOPPER_FWD[0]
-    _HOPPER_FWD[0] = bool(enabled)
-    return previous
-
-
-def hopper_forward_enabled() -> bool:
-    """The current `set_hopper_forward` setting."""
-    return _HOPPER_FWD[0]
-
-
-# Off until they have run on a GPU (benchmarks/NOTES.md, steps 45-46).
-_HOPPER_BWD = [os.environ.get("SPARSE_FLASH_HOPPER_BWD", "1") == "1"]
-
-
-def set_hopper_backward(enabled: bool) -> bool:
-    """Allow or forbid the warp-specialised Hopper backward kernels (`dq_hopper.py`, `bwd_hopper.py` for
-    dK/dV) where they serve a call (the default); off (or SPARSE_FLASH_HOPPER_BWD=0), the Triton backward
-    kernels run every call. Returns the previous setting."""
-    previous = _HOPPER_BWD[0]
-    _HOPPER_BWD[0] = bool(enabled)
-    return previous
-
-
-def hopper_backward_enabled() -> bool:
-    """The current `set_hopper_backward` setting."""
-    return _HOPPER_BWD[0]
-
-
 MIN_TILE = 16  # tl.dot needs every dimension to be at least 16
-
-
-def interpreting() -> bool:
-    """True under TRITON_INTERPRET=1 (kernels run on the CPU through numpy)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def fit_tile(preferred: int, mask_block: int | None) -> int:
@@ -99,19 +58,19 @@ def fwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
                causal: bool = False, seq_len_q: int = 0, long_lists: bool = False) -> FwdConfig:
     """Forward tiles for one problem; `block_q`/`block_k` are the mask's (None for the dense path).
 
-    Measured on an H200 (bf16; benchmarks/NOTES.md): the dense non-causal path wants the largest tiles;
+    Measured on an H200 (bf16; docs/tuning-log.md): the dense non-causal path wants the largest tiles;
     sparse rows (short, uneven lists) 64 x 64 at D = 128, and at D = 64 64 x 128 with 4 warps and a
     shallow pipeline (3-8% over 128 x 64 with 8 warps: small programs, three or four of them per SM; one
     stage below 16,384 tokens, 3-7% over two at 4,096). Dense causal: 128 x 128 at D = 128 (3% over
     64 x 64 at 16,384 tokens), and at D = 64 from 16,384 tokens on, 64 x 64 below. At D = 64 the dense
     128 x 128 programs of 8 warps are held to 128 registers, so that two fit on an SM: 5-7% faster than
-    128 x 64 tiles without the cap, and 6-10% when causal at 65,536 tokens (NOTES step 33). K and V stream
+    128 x 64 tiles without the cap, and 6-10% when causal at 65,536 tokens (tuning log, step 33). K and V stream
     through TMA descriptors: 5-12% faster than pointer loads at D = 128, within -0.4% to +4% at D = 64.
     Sparse rows at D = 128 in 16-bit dtypes, with mask blocks of 128 or more, take the dense 128 x 128
     tiles when their lists are long (16 blocks or more on average, `BlockMask.has_long_lists`) or the
     queries number 16,384 or more: those tiles walk each block at the dense kernel's rate (14.5-14.9 ns per
     128 x 128 block against 16.3-16.9 for 64 x 64 at 16,384 tokens) for about 20 us more per call; 9-12%
-    faster at 31 blocks per row, 2-10% on the benchmark's masks at 16,384 tokens (NOTES steps 38 and 40).
+    faster at 31 blocks per row, 2-10% on the benchmark's masks at 16,384 tokens (tuning log, steps 38 and 40).
     Shorter sequences with short lists keep 64 x 64 tiles (the 4,096-token rows: -6% to +7% by mask).
     """
     d = block_d(head_dim)
@@ -146,7 +105,7 @@ def bwd_config(head_dim: int, dtype: torch.dtype, block_q: int | None, block_k: 
     tokens, 4% at 16,384). Sparse rows run 5-10% faster with 32-row inner steps and three stages at D = 64
     (128-row dK/dV and dQ tiles when the lists are long: 8% on 10% random at 65,536). At D = 128 short lists
     take the dense 64 x 64 tiles (4-7% over 128-row tiles once heads are grouped, `schedule_heads`), long
-    lists 128-row dK/dV and dQ tiles, 8 warps and three stages (H200, bf16; benchmarks/NOTES.md). TMA
+    lists 128-row dK/dV and dQ tiles, 8 warps and three stages (H200, bf16; docs/tuning-log.md). TMA
     descriptor loads serve D = 128 (3-6% faster on sparse rows); at D = 64 pointer loads are 1-5% faster.
     """
     d = block_d(head_dim)

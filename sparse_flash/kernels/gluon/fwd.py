@@ -4,7 +4,7 @@ Gluon is Triton's lower-level dialect: shared-memory buffers, barriers, layouts 
 spelled out. This kernel runs one resident program per SM, each looping over its share of the work
 items (a query tile of one (batch, head) and its lists of key blocks: the full blocks, then the blocks on
 the causal diagonal, which take an element mask), shares balanced by their key tiles on the host
-(`hopper.assign_programs`). Inside a program:
+(`schedule.assign_programs`). Inside a program:
 
 - one *load* warp issues TMA copies: the next item's Q tile into one of two Q buffers, and K and V tiles
   into rings of K_BUFFERS and V_BUFFERS buffers, each signalled on an mbarrier when it lands;
@@ -15,45 +15,44 @@ the causal diagonal, which take an element mask), shares balanced by their key t
   softmax runs while the other's products do.
 
 The load warp runs ahead of the products, across items: the next item's Q and first K/V tiles arrive
-while this item's last products and its store run, which the one-item-per-program kernel (`fwd.py`)
-cannot overlap (benchmarks/NOTES.md, step 37: about 70 us per call at 16,384 tokens, D = 128).
+while this item's last products and its store run, which the one-item-per-program kernel (`triton/fwd.py`)
+cannot overlap (docs/tuning-log.md, step 37: about 70 us per call at 16,384 tokens, D = 128).
 
-It serves the calls it was written for (`supported`), and `fwd.py` serves everything else: 16-bit
+It serves the calls it was written for (`supported`), and `triton/fwd.py` serves everything else: 16-bit
 inputs, D = 128, both sequence lengths multiples of 128 and of the mask's blocks (so no block ends in a
 sequence tail), mask blocks multiples of 128, contiguous tensors, and a GPU of compute capability 9.0
 (H100, H200); causal or not. Where the mask's work plan splits long lists (global rows), each chunk is an
-item of its own writing to scratch rows, and a second launch merges the chunks (`SPLIT_LISTS`). Importing
-this module needs a Triton with Gluon (3.5 or newer); `fwd.py` imports it only when it can.
+item of its own writing to scratch rows, and a second launch merges the chunks (`merge.py`; switched by
+`settings.hopper_split`). Importing this module needs a Triton with Gluon (3.5 or newer); `dispatch.py`
+imports it only when it can.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
-import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import LOG2E
-from .hopper import (GL_DTYPES, assign_programs, bound_launch, list_tile_start, load_kv, num_sms, partition_barrier,
-                     release, release_after_store, row_descriptor, row_items, runs_on, shapes_fit, tma_load, tma_store)
-from .launch import cached_plan, plan_key
-from .memory import new_output
-from .split import MERGE_ROWS, SplitPlan, store_chunk_merge
+from ...mask_index import KernelIndex, MaskGeometry
+from ..aot import compile_gluon_sm90, descriptor_type
+from .. import settings
+from ..launch import cached_plan, plan_key
+from ..memory import new_output
+from ..schedule import assign_programs, row_items, split_row_items
+from ..triton.common import LOG2E
+from ..triton.split import SplitPlan
+from .merge import merge_split_rows
+from .pipeline import (GL_DTYPES, bound_launch, list_tile_start, load_kv, num_sms, partition_barrier, release,
+                       release_after_store, row_descriptor, runs_on, shapes_fit, tma_load, tma_store)
 
 BLOCK = 128  # query rows per item and key rows per K/V stage
 K_BUFFERS, V_BUFFERS = 2, 3  # K and V tiles in flight per program: with two Q buffers, 224 KB at D = 128
-ITEM_WIDTH = gl.constexpr(6)  # an item record (`hopper.row_items`)
-SPLIT_ITEM_WIDTH = gl.constexpr(8)  # with the scratch row of a chunk of a split list (`_split_items`), and padding
+ITEM_WIDTH = gl.constexpr(6)  # an item record (`schedule.row_items`)
+SPLIT_ITEM_WIDTH = gl.constexpr(8)  # with the scratch row of a chunk of a split list (`schedule.split_row_items`)
 FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)  # which query rows a compute warpgroup takes
-HEAD_DIMS = (128, )  # head dims served (the kernel compiles for 64 too; measured slower there, NOTES step 41)
-# Masks whose work plan splits long lists: each chunk an item of its own, merged after the kernel (NOTES,
-# steps 43-44). SPARSE_FLASH_HOPPER_SPLIT=0 sends such masks to `fwd.py` instead.
-SPLIT_LISTS = os.environ.get("SPARSE_FLASH_HOPPER_SPLIT") != "0"
+HEAD_DIMS = (128, )  # head dims served (the kernel compiles for 64 too; measured slower there, tuning log, step 41)
 LOAD_REGS = 24  # registers per thread of the load warp
 COMPUTE_REGS = 224  # registers per thread of the second compute warpgroup (the first gets what is left: 256)
 MAX_REGS = 168  # registers per thread of the whole program (12 warps: 8 compute, 4 for the load warp's group)
@@ -153,7 +152,7 @@ def _store_tile(O, L, row, out, m_i, l_safe, empty, offs_mo, offs_m, offs_d):
 @gluon.jit
 def _store_tile_tma(o_desc, o_smem, L, row, out, m_i, l_safe, empty, offs_m):
     """Rows [row, row + BLOCK_M) of O through `o_smem` by an asynchronous TMA store (storing from the
-    accumulator's registers took 16-33% of the time on short lists, NOTES step 44), and of the log-sum-exp."""
+    accumulator's registers took 16-33% of the time on short lists, tuning log, step 44), and of the log-sum-exp."""
     o_smem.store(out.to(o_smem.dtype))
     fence_async_shared()  # the shared-memory writes before the TMA engine reads them
     partition_barrier()  # every warp's rows are written
@@ -291,96 +290,45 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, OutPart, LsePar
     ], [num_warps, 1], [COMPUTE_REGS, LOAD_WARP_REGS])
 
 
-def supported(q, k, v, index, mask_geometry) -> bool:
-    """Whether this kernel serves the call (see module), causal or not; `fwd.py` serves the rest."""
-    return runs_on(q, k, v) and shape_supported(q.shape, k.shape, q.dtype, index, mask_geometry)
+def supported(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None) -> bool:
+    """Whether this kernel serves the call (see module), causal or not; `triton/fwd.py` serves the rest."""
+    return runs_on(q, k, v) and shape_supported(q.shape, k.shape, q.dtype, index, geometry)
 
 
-def shape_supported(q_shape, k_shape, dtype, index, mask_geometry) -> bool:
+def shape_supported(q_shape, k_shape, dtype, index: KernelIndex | None, geometry: MaskGeometry | None) -> bool:
     """The part of `supported` that does not ask the GPU: dtype, shapes and the mask's blocks and lists.
 
-    D in HEAD_DIMS (128) only: at D = 64 this kernel measured 0.91-1.01x the Triton kernel (NOTES, step
-    41). Masks whose work plan splits long lists (global rows) come here unless SPLIT_LISTS is off.
+    D in HEAD_DIMS (128) only: at D = 64 this kernel measured 0.91-1.01x the Triton kernel (tuning log, step
+    41). Masks whose work plan splits long lists (global rows, each chunk an item of its own, merged after the
+    kernel; tuning log, steps 43-44) come here unless `settings.hopper_split` is off.
     """
-    if not shapes_fit(q_shape, k_shape, dtype, mask_geometry, len(index) == 0, HEAD_DIMS):
+    if not shapes_fit(q_shape, k_shape, dtype, geometry, HEAD_DIMS):
         return False
-    return not (len(index) and index[8].shape[0] and not SPLIT_LISTS)  # `WorkPlan.split`: lists cut into chunks
+    return index is None or index.row_plan.split.shape[0] == 0 or settings.current().hopper_split
 
 
-def _split_items(B, Hq, Hkv, Nq, Nk, index, mask_geometry, split_plan, device):
-    """Item records of a mask whose work plan splits lists, with `SPLIT_ITEM_WIDTH` fields: `row_items`' six,
-    then the first scratch row of the item's tile in its chunk's slot (-1: not split) and padding. Each
-    chunk of a split list is an item of its own, taken from the work plan's records (`WorkPlan.items`);
-    chunks first, then the rest by (batch, head). Also returns the merge records, one per (tile of a split
-    list, batch x head): (first Out/LSE row, first slot, number of chunks, copy, tile in its mask block)."""
-    from .common import (ITEM_BLOCK, ITEM_CHUNK, ITEM_CHUNKS, ITEM_FULL_HI, ITEM_FULL_LO, ITEM_PART_HI,
-                         ITEM_PART_LO, ITEM_SLOT)
-
-    plan_items = index[4]  # (Bm|1, Hm|1, W, fields)
-    block_q = mask_geometry[4]
-    sub = block_q // BLOCK
-    b = torch.arange(B, device=device).view(B, 1, 1, 1)
-    h = torch.arange(Hq, device=device).view(1, Hq, 1, 1)
-    s = torch.arange(sub, device=device).view(1, 1, 1, sub)
-    mask_b = torch.arange(B, device=device).view(B, 1) % plan_items.shape[0]
-    mask_h = torch.arange(Hq, device=device).view(1, Hq) % plan_items.shape[1]
-    rec = plan_items[mask_b, mask_h].long()  # (B, Hq, W, fields): each (batch, head)'s records
-    W = rec.shape[2]
-    shape = (B, Hq, W, sub)
-
-    def field(i):
-        return rec[..., i.value].unsqueeze(-1).expand(shape)
-
-    block, chunk, slot = field(ITEM_BLOCK), field(ITEM_CHUNK), field(ITEM_SLOT)
-    q_row = (b * Hq + h) * Nq + block.clamp(min=0) * block_q + s * BLOCK
-    kv_row = ((b * Hkv + h // (Hq // Hkv)) * Nk).expand(shape)
-    copy = (b * split_plan.copy_strides[0] + h * split_plan.copy_strides[1]).expand(shape)
-    scratch = torch.where(slot >= 0, (slot * split_plan.copies + copy) * block_q + s * BLOCK, -1)
-    items = torch.stack([q_row, kv_row, field(ITEM_FULL_LO), field(ITEM_FULL_HI), field(ITEM_PART_LO),
-                         field(ITEM_PART_HI), scratch, torch.zeros_like(scratch)], -1)
-    valid = block >= 0  # padding records walk nothing
-    items = items[valid]
-    order = torch.argsort((items[:, 6] < 0).to(torch.int8), stable=True)
-    first = (chunk == 0) & (slot >= 0) & valid
-    merges = torch.stack([q_row, slot, field(ITEM_CHUNKS), copy, s.expand(shape)], -1)[first]
-    return items[order].to(torch.int32).contiguous(), merges.to(torch.int32).contiguous()
-
-
-@triton.jit
-def _merge_split_rows(Out, Lse, Part, LsePart, RowMerges, copies, HEAD_D: tl.constexpr, MASK_BLOCK_Q: tl.constexpr,
-                      BLOCK_M: tl.constexpr):
-    """Program (i, j): rows [j * MERGE_ROWS, (j + 1) * MERGE_ROWS) of merge record i's tile of a split list,
-    its chunks combined by their log-sum-exp into Out and Lse (`split.store_chunk_merge`). One program per
-    record took 32 us at 16,384 tokens (16 programs walking 128 rows each); this grid spreads the rows."""
-    rec = RowMerges + tl.program_id(0) * 5
-    part = tl.program_id(1)  # which MERGE_ROWS rows of the record's BLOCK_M
-    out_row = tl.load(rec) + part * MERGE_ROWS
-    first, num_chunks, copy, tile = tl.load(rec + 1), tl.load(rec + 2), tl.load(rec + 3), tl.load(rec + 4)
-    rows_tile = tile * (BLOCK_M // MERGE_ROWS) + part  # the same rows, counted in MERGE_ROWS-row tiles
-    store_chunk_merge(Out + out_row.to(tl.int64) * HEAD_D, HEAD_D, Lse + out_row, 0, MERGE_ROWS, Part, LsePart, first,
-                      num_chunks, copies, copy, rows_tile, MASK_BLOCK_Q, MERGE_ROWS, HEAD_D, HEAD_D)
-
-
-class _FwdHopperPlan:
+class FwdPlan:
     """What one call signature fixes: the item records, descriptor layouts, grid and constexprs, and for
     split lists their scratch (`split.SplitPlan`) and merge records."""
 
-    def __init__(self, q, k, v, index, mask_geometry, causal: bool, scale: float):
+    def __init__(self, q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, causal: bool, scale: float):
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
-        dense = len(index) == 0
-        split = not dense and index[8].shape[0] > 0
+        dense = index is None
+        split = not dense and index.row_plan.split.shape[0] > 0
         self.split = SplitPlan(q.device)
         self.merges = None
         if split:
-            Bm, Hm, _, _, block_q, _, _ = mask_geometry
-            self.split = SplitPlan(q.device, (index[4], index[8], index[9]), B, Hq, Bm, Hm, block_q, D, with_lse=True)
-            self.items, self.merges = _split_items(B, Hq, Hkv, Nq, Nk, index, mask_geometry, self.split, q.device)
-            self.block_q = block_q
+            self.split = SplitPlan(q.device, index.row_plan, B, Hq, geometry, D, with_lse=True)
+            self.items, self.merges = split_row_items(B, Hq, Hkv, Nq, Nk, index, geometry, self.split.copy_strides,
+                                                      self.split.copies, q.device, BLOCK)
+            self.block_q = geometry.block_q
         else:
-            self.items = row_items(B, Hq, Hkv, Nq, Nk, causal, index, mask_geometry, q.device)
-        self.full_idx, self.part_idx = (self.items, self.items) if dense else (index[1], index[3])  # dense: unused
-        block_k = BLOCK if dense else mask_geometry[5]
+            self.items = row_items(B, Hq, Hkv, Nq, Nk, causal, index, geometry, q.device)
+        # the dense path reads no list (any tensor will do)
+        self.full_idx, self.part_idx = ((self.items, self.items) if dense else
+                                        (index.row_full.indices, index.row_partial.indices))
+        block_k = BLOCK if dense else geometry.block_k
         self.layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], GL_DTYPES[q.dtype])
         self.D = D
         self.grid = (min(self.items.shape[0], num_sms(q.device)), )
@@ -398,9 +346,7 @@ class _FwdHopperPlan:
                  for t, rows in ((q, BLOCK), (k, BLOCK), (v, BLOCK), (out, BLOCK // 2))]  # out: per warpgroup
         self.launch(*descs, lse, part, lse_part)
         if self.merges is not None and self.merges.shape[0]:
-            grid = (self.merges.shape[0], BLOCK // MERGE_ROWS.value)
-            _merge_split_rows[grid](out, lse, part, lse_part, self.merges, self.split.copies, HEAD_D=self.D,
-                                    MASK_BLOCK_Q=self.block_q, BLOCK_M=BLOCK)
+            merge_split_rows(out, lse, part, lse_part, self.merges, self.split.copies, self.block_q, BLOCK)
         return out, lse
 
 
@@ -409,10 +355,11 @@ def _constexprs(block_k: int, dense: bool, causal: bool, split: bool) -> dict:
                 K_STAGES=K_BUFFERS, V_STAGES=V_BUFFERS, LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS)
 
 
-def attn_fwd_hopper(q, k, v, index, mask_geometry, causal: bool, scale: float, plans: dict | None = None):
-    """`fwd.attn_fwd` for the calls that `supported` accepts; same arguments and results."""
-    key = plan_key((q, k, v), "fwd_hopper", causal, scale, True)
-    plan = cached_plan(plans, key, lambda: _FwdHopperPlan(q, k, v, index, mask_geometry, causal, scale))
+def attn_fwd(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, causal: bool, scale: float,
+             plans: dict | None = None):
+    """`triton.fwd.attn_fwd` for the calls that `supported` accepts; same arguments and results."""
+    key = plan_key((q, k, v), "fwd-gluon", causal, scale)
+    plan = cached_plan(plans, key, lambda: FwdPlan(q, k, v, index, geometry, causal, scale))
     return plan(q, k, v)
 
 
@@ -420,18 +367,12 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
                  split: bool = False):
     """The kernel compiled for sm_90a on any machine (no GPU needed), as the launcher would launch it at
     D = 128; for compile checks (tests/test_codegen.py)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     D = 128
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], GL_DTYPES[dtype])
-    desc = f"tensordesc<{name}[{BLOCK},{D}],{layout!r}>"
-    out_desc = f"tensordesc<{name}[{BLOCK // 2},{D}],{layout!r}>"
-    sig = dict(q_desc=desc, k_desc=desc, v_desc=desc, o_desc=out_desc, Lse="*fp32", OutPart="*fp32", LsePart="*fp32",
-               Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32", Nq="i32", qk_scale="fp32")
-    constexprs = dict(_constexprs(block_k, dense, causal, split), num_warps=4)
-    sig.update({n: "constexpr" for n in constexprs})
-    names = list(sig)
-    src = GluonASTSource(_attn_fwd_hopper_kernel, sig, {(names.index(n), ): v for n, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAX_REGS))
+    desc = descriptor_type(name, (BLOCK, D), layout)
+    sig = dict(q_desc=desc, k_desc=desc, v_desc=desc, o_desc=descriptor_type(name, (BLOCK // 2, D), layout),
+               Lse="*fp32", OutPart="*fp32", LsePart="*fp32", Items="*i32", Starts="*i32", FullIdx="*i32",
+               PartIdx="*i32", Nq="i32", qk_scale="fp32")
+    return compile_gluon_sm90(_attn_fwd_hopper_kernel, sig, dict(_constexprs(block_k, dense, causal, split), num_warps=4),
+                              MAX_REGS)

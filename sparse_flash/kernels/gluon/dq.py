@@ -1,7 +1,7 @@
 """dQ kernel for Hopper GPUs with producer and consumer warps, written in Gluon (the backward's first
 launch: it also stores delta = rowsum(dO * O), which the dK/dV launch reads).
 
-Built like the forward (`fwd_hopper.py`), with the same work items (`hopper.row_items`: a 128-row query
+Built like the forward (`gluon/fwd.py`), with the same work items (`schedule.row_items`: a 128-row query
 tile of one (batch, head) and its lists of key blocks). Inside a program:
 
 - one *load* warp issues TMA copies: the item's Q and dO tiles into one of two buffers each, then the K and
@@ -9,16 +9,16 @@ tile of one (batch, head) and its lists of key blocks). Inside a program:
 - two *compute* warpgroups (4 warps each), one per 64-row half of the item, first compute delta for their
   rows (dO from shared memory, O from global memory) and store it, then per key tile run S = Q K^T and
   dP = dO V^T, P = exp2(S - lse), dS = P (dP - delta) and dQ += dS K on the tensor cores; at the item's
-  end dQ leaves through the warpgroup's half of the Q buffer by TMA (benchmarks/NOTES.md, step 44).
+  end dQ leaves through the warpgroup's half of the Q buffer by TMA (tuning log, step 44).
 
 The few lists much longer than the others (the global rows of BigBird and Longformer) are cut into chunks
-of at most a program's mean load (`hopper.split_long_items`); each chunk writes its share of dQ in float32
-to a scratch slot, and a second launch adds them in order (`chunk_sum.py`).
+of at most a program's mean load (`schedule.split_long_items`); each chunk writes its share of dQ in float32
+to a scratch slot, and a second launch adds them in order (`merge.ChunkSum`).
 
 It serves (`supported`) 16-bit inputs with D = 128, lengths multiples of 128 and of the mask's blocks
-(multiples of 128); causal or not. `bwd.py` runs it in place
-of the Triton dQ kernel unless switched off (`configs.set_hopper_backward(False)` or
-SPARSE_FLASH_HOPPER_BWD=0). Measured with the dK/dV kernel in benchmarks/NOTES.md, step 47.
+(multiples of 128); causal or not. `dispatch.py` runs it in place of the Triton dQ kernel where it serves,
+unless `settings.hopper_backward` is off (SPARSE_FLASH_HOPPER_BWD=0). Measured with the dK/dV kernel in the
+tuning log, step 47.
 """
 
 from __future__ import annotations
@@ -29,16 +29,18 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import LOG2E
-from .hopper import (GL_DTYPES, ROW_BLOCK, assign_programs, bound_launch, list_tile_start, load_kv, num_sms,
-                     partition_barrier, release, release_after_store, row_descriptor, row_items, runs_on, shapes_fit,
-                     split_long_items, tma_load, tma_store)
-from .chunk_sum import ChunkSum
-from .memory import new_output
+from ...mask_index import KernelIndex, MaskGeometry
+from ..aot import compile_gluon_sm90, descriptor_type
+from ..memory import new_output
+from ..schedule import ROW_BLOCK, assign_programs, row_items, split_long_items
+from ..triton.common import LOG2E
+from .merge import ChunkSum
+from .pipeline import (GL_DTYPES, bound_launch, list_tile_start, load_kv, num_sms, partition_barrier, release,
+                       release_after_store, row_descriptor, runs_on, shapes_fit, tma_load, tma_store)
 
 BLOCK_N = 64  # keys per step
 KV_BUFFERS = 3  # K and V tiles in flight each; with two Q and two dO buffers, 224 KB of shared memory
-ITEM_WIDTH = gl.constexpr(7)  # `hopper.row_items` and a scratch slot (`hopper.split_long_items`)
+ITEM_WIDTH = gl.constexpr(7)  # `schedule.row_items` and a scratch slot (`schedule.split_long_items`)
 FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)
 LOAD_REGS = 24
 COMPUTE_REGS = 240  # each compute warpgroup's (the first gets what the launch cap leaves: also 240)
@@ -152,7 +154,7 @@ def _dq_compute_partition(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_r
         dq = gl.zeros([BM, HEAD_D], gl.float32, acc_layout)  # (BM, D)
         # The full list's tiles, then the partial list's (on the causal diagonal: masked where key > query), in
         # one loop: as two loops, an item with an empty full list read shared memory out of bounds in the
-        # second (sm_90, Triton 3.6; NOTES step 47).
+        # second (sm_90, Triton 3.6; tuning log, step 47).
         for j in range(n_full + part_hi - part_lo):
             key0 = q_tok - BN  # full list: a first key below every row leaves the tile unmasked
             if CAUSAL:
@@ -167,7 +169,7 @@ def _dq_compute_partition(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_r
             fence_async_shared()
             partition_barrier()
             tma_store(dq_desc, [q_row, 0], q)
-        else:  # a chunk: its share, added to the others' by the merge launch (`chunk_sum.py`)
+        else:  # a chunk: its share, added to the others' by the merge launch (`merge.ChunkSum`)
             part_rows = (slot * (2 * BM) + HALF * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout)))
             offs_c = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))  # (HEAD_D,)
             gl.store(DqPart + part_rows.to(gl.int64)[:, None] * HEAD_D + offs_c[None, :], dq * sm_scale)
@@ -217,34 +219,36 @@ def _attn_bwd_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, Out, Ls
     ], [num_warps, 1], [COMPUTE_REGS, LOAD_WARP_REGS])
 
 
-def supported(do, q, k, v, out, index, mask_geometry) -> bool:
+def supported(do, q, k, v, out, index: KernelIndex | None, geometry: MaskGeometry | None) -> bool:
     """Whether this kernel serves the dQ launch of the call (see module); the Triton kernel serves the rest."""
-    return runs_on(q, k, v, do, out) and shape_supported(q.shape, k.shape, q.dtype, index, mask_geometry)
+    return runs_on(q, k, v, do, out) and shape_supported(q.shape, k.shape, q.dtype, index, geometry)
 
 
-def shape_supported(q_shape, k_shape, dtype, index, mask_geometry) -> bool:
-    """The part of `supported` that does not ask the GPU: dtype, shapes and the mask's blocks and lists.
-    `index`: `KernelIndex.rows() + KernelIndex.cols()`, or [] for the dense path."""
-    return shapes_fit(q_shape, k_shape, dtype, mask_geometry, len(index) == 0)
+def shape_supported(q_shape, k_shape, dtype, index: KernelIndex | None, geometry: MaskGeometry | None) -> bool:
+    """The part of `supported` that does not ask the GPU: dtype, shapes and the mask's blocks (index and
+    geometry None: the dense path)."""
+    return shapes_fit(q_shape, k_shape, dtype, geometry)
 
 
-class DqHopperPlan:
+class DqPlan:
     """What one call signature fixes: the item records and their placement on programs, descriptor
     layouts, grid and constexprs."""
 
-    def __init__(self, q, k, index, mask_geometry, causal: bool, scale: float):
+    def __init__(self, q, k, index: KernelIndex | None, geometry: MaskGeometry | None, causal: bool, scale: float):
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
-        dense = len(index) == 0
-        items = row_items(B, Hq, Hkv, Nq, Nk, causal, index[:10], mask_geometry, q.device)
-        block_k = ROW_BLOCK if dense else mask_geometry[5]  # dense lists count ROW_BLOCK-key tiles
+        dense = index is None
+        items = row_items(B, Hq, Hkv, Nq, Nk, causal, index, geometry, q.device)
+        block_k = ROW_BLOCK if dense else geometry.block_k  # dense lists count ROW_BLOCK-key tiles
         sub = block_k // BLOCK_N
         self.grid = (min(items.shape[0], num_sms(q.device)), )
         items, merges = split_long_items(items, self.grid[0], sub)
         self.grid = (min(items.shape[0], num_sms(q.device)), )  # the chunks may fill more SMs
         self.chunk_sum = ChunkSum(merges, ROW_BLOCK, D)
         self.items, self.starts = assign_programs(items, self.grid[0], sub)
-        self.full_idx, self.part_idx = (self.items, self.items) if dense else (index[1], index[3])  # dense: unused
+        # the dense path reads no list (any tensor will do)
+        self.full_idx, self.part_idx = ((self.items, self.items) if dense else
+                                        (index.row_full.indices, index.row_partial.indices))
         dtype = GL_DTYPES[q.dtype]
         self.q_layout = gl.NVMMASharedLayout.get_default_for([ROW_BLOCK, D], dtype)
         self.kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
@@ -270,24 +274,16 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
                  block_k: int = ROW_BLOCK):
     """The kernel compiled for sm_90a on any machine (no GPU needed), as the launcher would launch it at
     D = 128; for compile checks (tests/test_codegen.py)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     D = 128
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
     q_layout = gl.NVMMASharedLayout.get_default_for([ROW_BLOCK, D], GL_DTYPES[dtype])
     kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], GL_DTYPES[dtype])
-    q_desc = f"tensordesc<{name}[{ROW_BLOCK},{D}],{q_layout!r}>"
-    kv_desc = f"tensordesc<{name}[{BLOCK_N},{D}],{kv_layout!r}>"
-    out_desc = f"tensordesc<{name}[{ROW_BLOCK // 2},{D}],{q_layout!r}>"
-    sig = dict(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, dq_desc=out_desc, Out=f"*{name}",
-               Lse="*fp32", Delta="*fp32", DqPart="*fp32", Items="*i32", Starts="*i32", FullIdx="*i32",
-               PartIdx="*i32", Nq="i32", qk_scale="fp32", sm_scale="fp32")
+    q_desc, kv_desc = descriptor_type(name, (ROW_BLOCK, D), q_layout), descriptor_type(name, (BLOCK_N, D), kv_layout)
+    sig = dict(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc,
+               dq_desc=descriptor_type(name, (ROW_BLOCK // 2, D), q_layout), Out=f"*{name}", Lse="*fp32",
+               Delta="*fp32", DqPart="*fp32", Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32", Nq="i32",
+               qk_scale="fp32", sm_scale="fp32")
     block = ROW_BLOCK if dense else block_k
     constexprs = dict(SUB=block // BLOCK_N, MASK_BLOCK_K=block, DENSE=dense, CAUSAL=causal, KV_STAGES=KV_BUFFERS,
                       LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS, num_warps=4)
-    sig.update({n: "constexpr" for n in constexprs})
-    names = list(sig)
-    src = GluonASTSource(_attn_bwd_dq_hopper_kernel, sig, {(names.index(n), ): v for n, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAX_REGS))
+    return compile_gluon_sm90(_attn_bwd_dq_hopper_kernel, sig, constexprs, MAX_REGS)

@@ -1,6 +1,6 @@
 """Long lists split across programs: scratch for the chunks, and how the last chunk combines them.
 
-A mask's work plan (`layout.WorkPlan`) cuts lists much longer than average (the global rows and columns
+A mask's work plan (`mask_index.WorkPlan`) cuts lists much longer than average (the global rows and columns
 of BigBird or Longformer) into chunks, each walked by its own program, so one list no longer sets the
 running time. Each chunk program stores its partial result in a scratch slot and counts itself done on an
 atomic counter of its tile; the program that counts last combines the chunks (forward: by their
@@ -19,9 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ...mask_index import MaskGeometry, WorkPlan
+from ..memory import new_output
 from .common import ITEM_CHUNK, ITEM_CHUNKS
 from .configs import MIN_TILE, block_d
-from .memory import new_output
 
 
 class SplitPlan:
@@ -29,19 +30,21 @@ class SplitPlan:
 
     Args:
         device: where the scratch lives.
-        plan: `(items, split, slot_list)` from the mask's `WorkPlan`, or None for the dense path (nothing
-            split, no items).
+        plan: the mask's `WorkPlan` of the lists the launch walks, or None for the dense path (nothing split,
+            no items).
         batch, heads: of the tensor the launch writes (query heads for rows, KV heads for columns).
-        mask_batch, mask_heads: the mask's `B|1, H|1`.
-        mask_block: the mask's block size along the split lists' dimension.
+        geometry: the mask's `MaskGeometry` (None for the dense path).
         head_dim: D.
+        along: "rows" (the plan walks row lists: blocks of block_q) or "cols" (column lists: block_k).
         parts: number of partial tensors per slot (1 for out or dQ, 2 for dK and dV).
         with_lse: also keep a log-sum-exp per row (the forward).
     """
 
-    def __init__(self, device, plan=None, batch=1, heads=1, mask_batch=1, mask_heads=1, mask_block=1, head_dim=1,
-                 parts=1, with_lse=False):
-        items, split, slot_list = plan if plan is not None else (None, None, None)
+    def __init__(self, device, plan: WorkPlan | None = None, batch=1, heads=1, geometry: MaskGeometry | None = None,
+                 head_dim=1, *, along="rows", parts=1, with_lse=False):
+        items, split, slot_list = (None, None, None) if plan is None else (plan.items, plan.split, plan.slot_list)
+        mask_batch, mask_heads = (1, 1) if geometry is None else (geometry.batch, geometry.heads)
+        mask_block = 1 if geometry is None else geometry.block_q if along == "rows" else geometry.block_k
         self.device = device
         self.dummy = placeholder(device, torch.int32)
         self.num_split = 0 if split is None else split.shape[0]

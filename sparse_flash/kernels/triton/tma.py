@@ -10,31 +10,17 @@ GPU, a Triton without host descriptors, or a tensor whose base or strides are no
 kernels then load through pointers (the same arithmetic).
 
 Under the interpreter (`TRITON_INTERPRET=1`) the descriptor path runs as on a Hopper GPU, so CPU tests
-cover it; `set_tma(False)` (or `SPARSE_FLASH_TMA=0`) selects the pointer path everywhere.
+cover it; `settings.override(tma=False)` (or `SPARSE_FLASH_TMA=0`) selects the pointer path everywhere.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from .configs import interpreting
-
-_ENABLED = [os.environ.get("SPARSE_FLASH_TMA", "1") != "0"]
-
-
-def set_tma(enabled: bool) -> bool:
-    """Allow or forbid the descriptor path (tests run both); returns the previous setting."""
-    previous = _ENABLED[0]
-    _ENABLED[0] = bool(enabled)
-    return previous
-
-
-def tma_enabled() -> bool:
-    """The current `set_tma` setting (launch plans key on it)."""
-    return _ENABLED[0]
+from .. import settings
+from ..settings import interpreting
 
 
 _HAS_TMA: dict = {}  # device -> bool, asked once per device
@@ -63,7 +49,7 @@ def descriptor_layout(t: torch.Tensor, block_rows: int, block_d: int):
     """`(shape, strides, block_shape)` of a descriptor of `t` (B, H, N, D) that loads `(1, 1, block_rows,
     block_d)` tiles, or None where TMA cannot serve (see module). The same for every tensor with t's shape,
     strides, dtype and 16-byte alignment, so launch plans compute it once."""
-    if not _ENABLED[0] or not _device_has_tma(t.device) or _descriptor_class() is None:
+    if not settings.current().tma or not _device_has_tma(t.device) or _descriptor_class() is None:
         return None
     shape, strides = list(t.shape), list(t.stride())
     for i in range(len(shape) - 2, -1, -1):  # a dimension of size 1 is never stepped: any valid stride will do

@@ -1,7 +1,7 @@
 """dK/dV kernel for Hopper GPUs with producer and consumer warps, written in Gluon (the backward's second
-launch; the dQ launch before it, `dq_hopper.py` or the Triton kernel, stores delta = rowsum(dO * O)).
+launch; the dQ launch before it, `gluon/dq.py` or the Triton kernel, stores delta = rowsum(dO * O)).
 
-Built like the forward (`fwd_hopper.py`): one resident program per SM walks its share of the work items,
+Built like the forward (`gluon/fwd.py`): one resident program per SM walks its share of the work items,
 here a 128-key tile of one (batch, KV head) and the lists of 64-row query tiles that see it, for every
 query head sharing that KV head (GQA). Inside a program:
 
@@ -12,19 +12,19 @@ query head sharing that KV head (GQA). Inside a program:
   S^T = K Q^T and dP^T = V dO^T, then P^T = exp2(S^T - lse), dV += P^T dO, dS^T = P^T (dP^T - delta)
   and dK += dS^T Q on the tensor cores, and release the slot; at the item's end each writes its dK and dV
   rows into its half of the K/V buffer and stores them by TMA (storing from the accumulators' registers
-  cost the forward 8-20%, benchmarks/NOTES.md step 44).
+  cost the forward 8-20%, tuning log, step 44).
 
 Registers: each warpgroup holds dK and dV (64 x 128 fp32 each) and two 64 x 64 score tiles, hence 64-row
 query tiles (FlashAttention-3 makes the same split at D = 128).
 
 The few column lists much longer than the others (the global columns of BigBird and Longformer) are cut
-into chunks of at most a program's mean load (`hopper.split_long_items`); each chunk writes its share of
-dK and dV in float32 to a scratch slot, and two more launches add them in order (`chunk_sum.py`).
+into chunks of at most a program's mean load (`schedule.split_long_items`); each chunk writes its share of
+dK and dV in float32 to a scratch slot, and two more launches add them in order (`merge.ChunkSum`).
 
 It serves (`supported`) 16-bit inputs with D = 128, lengths multiples of 128 and of the mask's blocks
-(multiples of 128), and GQA only with a mask shared by the heads; causal or not. `bwd.py` runs it in place
-of the Triton dK/dV kernel where it serves, unless switched off: `configs.set_hopper_backward(False)` or
-SPARSE_FLASH_HOPPER_BWD=0 (benchmarks/NOTES.md, steps 45 and 47).
+(multiples of 128), and GQA only with a mask shared by the heads; causal or not. `dispatch.py` runs it in
+place of the Triton dK/dV kernel where it serves, unless `settings.hopper_backward` is off
+(SPARSE_FLASH_HOPPER_BWD=0; tuning log, steps 45 and 47).
 """
 
 from __future__ import annotations
@@ -36,13 +36,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .common import LOG2E
-from .hopper import (GL_DTYPES, assign_programs, bound_launch, list_ranges, list_tile_start, num_sms, order_items,
-                     partition_barrier, release, release_after_store, row_descriptor, runs_on, shapes_fit,
-                     split_long_items, tma_load, tma_store)
-from .launch import cached_plan, plan_key
-from .chunk_sum import ChunkSum
-from .memory import new_output
+from ...mask_index import KernelIndex, MaskGeometry
+from ..aot import compile_gluon_sm90, descriptor_type
+from ..memory import new_output
+from ..schedule import assign_programs, column_items, split_long_items
+from ..triton.common import LOG2E
+from .merge import ChunkSum
+from .pipeline import (GL_DTYPES, bound_launch, list_tile_start, num_sms, partition_barrier, release,
+                       release_after_store, row_descriptor, runs_on, shapes_fit, tma_load, tma_store)
 
 BLOCK_N = 128  # keys per item (64 per compute warpgroup)
 BLOCK_M = 64  # query rows per step
@@ -173,7 +174,7 @@ def _bwd_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem
         dv = gl.zeros([BN, HEAD_D], gl.float32, acc_layout)  # (64, D)
         for g in range(GROUPS):
             # the full list's tiles, then the partial list's (on the causal diagonal: masked where query < key),
-            # in one loop (as in dq_hopper.py: two loops faulted on items with an empty full list)
+            # in one loop (as in gluon/dq.py: two loops faulted on items with an empty full list)
             for j in range(n_full + part_hi - part_lo):
                 q_tok0 = key0 + BN  # full list: a first query above every key leaves the tile unmasked
                 if CAUSAL:
@@ -190,7 +191,7 @@ def _bwd_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem
             partition_barrier()
             tma_store(dk_desc, [kv_row, 0], k)
             tma_store(dv_desc, [kv_row, 0], v)
-        else:  # a chunk: its share, added to the others' by the merge launches (`chunk_sum.py`)
+        else:  # a chunk: its share, added to the others' by the merge launches (`merge.ChunkSum`)
             part_rows = (slot * (2 * BN) + HALF * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_layout)))
             offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))  # (HEAD_D,)
             offs = part_rows.to(gl.int64)[:, None] * HEAD_D + offs_d[None, :]  # (64, HEAD_D)
@@ -206,7 +207,7 @@ def _attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delt
                                  GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
                                  DENSE: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                                  LOAD_WARP_REGS: gl.constexpr, COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """One resident program per SM; program p walks items [Starts[p], Starts[p + 1]) (`_dkdv_items`)."""
+    """One resident program per SM; program p walks items [Starts[p], Starts[p + 1]) (`schedule.column_items`)."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -241,72 +242,43 @@ def _attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delt
     ], [num_warps, 1], [COMPUTE_REGS, LOAD_WARP_REGS])
 
 
-def supported(do, q, k, v, index, mask_geometry) -> bool:
+def supported(do, q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None) -> bool:
     """Whether this kernel serves the dK/dV launch of the call (see module); the Triton kernel serves the
     rest."""
-    return runs_on(q, k, v, do) and shape_supported(q.shape, k.shape, q.dtype, index, mask_geometry)
+    return runs_on(q, k, v, do) and shape_supported(q.shape, k.shape, q.dtype, index, geometry)
 
 
-def shape_supported(q_shape, k_shape, dtype, index, mask_geometry) -> bool:
-    """The part of `supported` that does not ask the GPU: dtype, shapes and the mask's blocks and lists.
-    `index`: `KernelIndex.rows() + KernelIndex.cols()`, or [] for the dense path."""
-    if not shapes_fit(q_shape, k_shape, dtype, mask_geometry, len(index) == 0):
+def shape_supported(q_shape, k_shape, dtype, index: KernelIndex | None, geometry: MaskGeometry | None) -> bool:
+    """The part of `supported` that does not ask the GPU: dtype, shapes and the mask's blocks and heads
+    (index and geometry None: the dense path)."""
+    if not shapes_fit(q_shape, k_shape, dtype, geometry):
         return False
-    if len(index):
-        Hq, Hkv, Hm = q_shape[1], k_shape[1], mask_geometry[1]
-        if Hq != Hkv and Hm > 1:  # GQA walks every group head's list in one item: they must be one list
+    if geometry is not None:
+        Hq, Hkv = q_shape[1], k_shape[1]
+        if Hq != Hkv and geometry.heads > 1:  # GQA walks every group head's list in one item: they must be one list
             return False
     return True
 
 
-def _dkdv_items(B, Hq, Hkv, Nq, Nk, causal: bool, cols, mask_geometry, device):
-    """int32 `(items, 6)` records (`split_long_items` adds the scratch slot), one per 128-key tile of each
-    (batch, KV head): (first K/V row, first Q row of the group's first query head, full list start, end,
-    partial list start, end). Lists count mask blocks of the column (`cols`: `KernelIndex.cols()`), or 64-row
-    query tiles for the dense path (causal: the tiles on the diagonal are the partial list). Order:
-    `hopper.order_items`."""
-    G = Hq // Hkv
-    tiles = Nk // BLOCK_N
-    b = torch.arange(B, device=device).view(B, 1, 1)
-    hk = torch.arange(Hkv, device=device).view(1, Hkv, 1)
-    n = torch.arange(tiles, device=device).view(1, 1, tiles)
-    shape = (B, Hkv, tiles)
-    kv_row = ((b * Hkv + hk) * Nk + n * BLOCK_N).expand(shape)
-    q_row0 = ((b * Hq + hk * G) * Nq).expand(shape)
-    if len(cols) == 0:
-        q_tiles = Nq // BLOCK_M
-        if causal:  # query tiles that see these keys start at the tile holding the first key
-            plo = (n * BLOCK_N // BLOCK_M).clamp(max=q_tiles).expand(shape)
-            phi = ((n + 1) * BLOCK_N // BLOCK_M).clamp(max=q_tiles).expand(shape)
-            lo, hi = phi, torch.full_like(phi, q_tiles)
-        else:
-            lo = plo = phi = torch.zeros(shape, dtype=torch.long, device=device)
-            hi = torch.full(shape, q_tiles, dtype=torch.long, device=device)
-    else:
-        Bm, Hm, _, Mk, _, block_k, _ = mask_geometry
-        col = (((b % Bm) * Hm + hk % Hm) * Mk + (n * BLOCK_N) // block_k).expand(shape)  # each tile's mask column
-        lo, hi, plo, phi = list_ranges((cols[0], cols[2]), col)
-    return order_items(torch.stack([kv_row, q_row0, lo, hi, plo, phi], -1).reshape(-1, 6), causal)
-
-
-class DkdvHopperPlan:
+class DkdvPlan:
     """What one call signature fixes: the item records and their placement on programs, descriptor
     layouts, grid and constexprs."""
 
-    def __init__(self, q, k, index, mask_geometry, causal: bool, scale: float):
+    def __init__(self, q, k, index: KernelIndex | None, geometry: MaskGeometry | None, causal: bool, scale: float):
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
-        dense = len(index) == 0
-        cols = [] if dense else index[10:]
-        items = _dkdv_items(B, Hq, Hkv, Nq, Nk, causal, cols, mask_geometry, q.device)
-        block_q = BLOCK_M if dense else mask_geometry[4]
+        dense = index is None
+        items = column_items(B, Hq, Hkv, Nq, Nk, causal, index, geometry, q.device, BLOCK_N, BLOCK_M)
+        block_q = BLOCK_M if dense else geometry.block_q
         sub = block_q // BLOCK_M
         self.grid = (min(items.shape[0], num_sms(q.device)), )
         items, merges = split_long_items(items, self.grid[0], sub * (Hq // Hkv))
         self.grid = (min(items.shape[0], num_sms(q.device)), )  # the chunks may fill more SMs
         self.chunk_sum = ChunkSum(merges, BLOCK_N, D)
         self.items, self.starts = assign_programs(items, self.grid[0], sub * (Hq // Hkv))
-        self.full_idx, self.part_idx = (self.items, self.items) if dense else (cols[1], cols[3])  # dense: unused
+        # the dense path reads no list (any tensor will do)
+        self.full_idx, self.part_idx = ((self.items, self.items) if dense else
+                                        (index.col_full.indices, index.col_partial.indices))
         dtype = GL_DTYPES[q.dtype]
         self.q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], dtype)
         self.kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
@@ -333,40 +305,21 @@ class DkdvHopperPlan:
         return dk, dv
 
 
-def attn_bwd_dkdv_hopper(q, k, v, do, lse, delta, index, mask_geometry, causal: bool, scale: float,
-                         plans: dict | None = None):
-    """dK and dV of the call (the Triton dQ launch has stored `delta`); arguments as `bwd.attn_bwd`'s, and
-    `delta` float32 `(B, Hq, Nq)`. Returns `(dk, dv)` shaped and typed like k and v."""
-    key = plan_key((q, k, v, do, lse), "dkdv_hopper", causal, scale, True)
-    plan = cached_plan(plans, key, lambda: DkdvHopperPlan(q, k, index, mask_geometry, causal, scale))
-    return plan(q, k, v, do, lse, delta)
-
-
 def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causal: bool = False,
                  block_q: int = BLOCK_N, groups: int = 1):
     """The kernel compiled for sm_90a on any machine (no GPU needed), as the launcher would launch it at
     D = 128; for compile checks (tests/test_codegen.py)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     D = 128
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
     q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], GL_DTYPES[dtype])
     kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], GL_DTYPES[dtype])
     row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    q_desc = f"tensordesc<{name}[{BLOCK_M},{D}],{q_layout!r}>"
-    kv_desc = f"tensordesc<{name}[{BLOCK_N},{D}],{kv_layout!r}>"
-    out_desc = f"tensordesc<{name}[{BLOCK_N // 2},{D}],{kv_layout!r}>"
-    row_desc = f"tensordesc<fp32[{BLOCK_M}],{row_layout!r}>"
+    q_desc, kv_desc = descriptor_type(name, (BLOCK_M, D), q_layout), descriptor_type(name, (BLOCK_N, D), kv_layout)
+    out_desc, row_desc = descriptor_type(name, (BLOCK_N // 2, D), kv_layout), descriptor_type("fp32", (BLOCK_M, ), row_layout)
     sig = dict(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, lse_desc=row_desc, delta_desc=row_desc,
                dk_desc=out_desc, dv_desc=out_desc, DkPart="*fp32", DvPart="*fp32", Items="*i32", Starts="*i32",
-               FullIdx="*i32", PartIdx="*i32",
-               Nq="i32", Nk="i32", qk_scale="fp32", sm_scale="fp32")
+               FullIdx="*i32", PartIdx="*i32", Nq="i32", Nk="i32", qk_scale="fp32", sm_scale="fp32")
     constexprs = dict(GROUPS=groups, SUB=1 if dense else block_q // BLOCK_M, MASK_BLOCK_Q=BLOCK_M if dense else block_q,
                       DENSE=dense, CAUSAL=causal, STAGES=STEP_BUFFERS, LOAD_WARP_REGS=LOAD_REGS,
                       COMPUTE_REGS=COMPUTE_REGS, num_warps=4)
-    sig.update({n: "constexpr" for n in constexprs})
-    names = list(sig)
-    src = GluonASTSource(_attn_bwd_dkdv_hopper_kernel, sig, {(names.index(n), ): v for n, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAX_REGS))
+    return compile_gluon_sm90(_attn_bwd_dkdv_hopper_kernel, sig, constexprs, MAX_REGS)

@@ -16,13 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ...mask_index import KernelIndex, MaskGeometry
+from ..launch import BoundLaunch
+from ..memory import new_output
 from .common import (ITEM_BLOCK, LOG2E, dot_precision, item_ranges, list_ranges, list_tile_start, load_unmasked_rows,
                      schedule, store_rows)
-from .configs import block_d, bwd_config, hopper_backward_enabled, interpreting, schedule_heads
-from .launch import BoundLaunch, cached_plan, plan_key
-from .memory import new_output
+from .configs import block_d, bwd_config, schedule_heads
 from .split import SplitPlan, chunk_rows, last_chunk, store_chunk_sum
-from .tma import descriptor_layout, make_descriptor, tma_enabled
+from .tma import descriptor_layout, make_descriptor
 
 
 @triton.jit
@@ -325,58 +326,51 @@ def _attn_bwd_dq_kernel(
         store_rows(DQ, offs_m, stride_dqm, offs_d, dq, ok)
 
 
-def _hopper_backward():
-    """`(dq_hopper, bwd_hopper)`, the Gluon dQ and dK/dV kernels' modules, where they may serve calls:
-    allowed (`configs.set_hopper_backward`), not under the interpreter (Gluon kernels do not run there),
-    and importable (a Triton with Gluon); otherwise None."""
-    if not hopper_backward_enabled() or interpreting():
-        return None
-    try:
-        from . import bwd_hopper, dq_hopper
-    except (ImportError, AttributeError):
-        return None
-    return dq_hopper, bwd_hopper
+def _config(q, k, index, geometry, causal: bool):
+    """The backward's tiles for this call (both passes' tiles come from one config)."""
+    D, Nq, Nk = q.shape[-1], q.shape[2], k.shape[2]
+    dense = index is None
+    cfg = bwd_config(D, q.dtype, None if dense else geometry.block_q, None if dense else geometry.block_k, causal,
+                     False if dense else geometry.long_lists)
+    if min(Nq, Nk) == 1:
+        # Triton makes a length of 1 a constant, which bounds the loops by one tile: nothing to pipeline, and
+        # Triton 3.6's ptxas (CUDA 12.8) crashes on such two-stage loops (dense causal, D 72-128; tuning log,
+        # step 32)
+        cfg = cfg._replace(num_stages=1, dq_stages=1)
+    return cfg
 
 
-class _BwdPlan:
-    """What one call signature of `attn_bwd` fixes: tiles, grids, the launches and their non-tensor
-    arguments. A call then only allocates the gradients (and scratch), builds descriptors and launches."""
+class DqPlan:
+    """The dQ pass of one call signature: tiles, grid, the launch and its non-tensor arguments. A call then
+    only allocates dQ (and scratch), builds descriptors and launches; it also stores delta = rowsum(dO * O),
+    which the dK/dV pass reads."""
 
-    def __init__(self, do, q, k, v, out, index, mask_geometry, causal: bool, scale: float):
+    def __init__(self, do, q, k, v, out, index: KernelIndex | None, geometry: MaskGeometry | None, causal: bool,
+                 scale: float):
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
-        dense = len(index) == 0
-        Bm, Hm, Mq, Mk, block_q, block_k, long_lists = mask_geometry
-        cfg = bwd_config(D, q.dtype, None if dense else block_q, None if dense else block_k, causal, bool(long_lists))
-        if min(Nq, Nk) == 1:
-            # Triton makes a length of 1 a constant, which bounds the loops by one tile: nothing to pipeline, and
-            # Triton 3.6's ptxas (CUDA 12.8) crashes on such two-stage loops (dense causal, D 72-128; NOTES step 32)
-            cfg = cfg._replace(num_stages=1, dq_stages=1)
-        if dense:
-            self.rows = self.cols = SplitPlan(q.device)
-            rows = cols = [self.rows.dummy] * 10
-        else:
-            rows, cols = index[:10], index[10:]  # KernelIndex.rows(), .cols()
-            self.rows = SplitPlan(q.device, (rows[4], rows[8], rows[9]), B, Hq, Bm, Hm, block_q, D, parts=1)
-            self.cols = SplitPlan(q.device, (cols[4], cols[8], cols[9]), B, Hkv, Bm, Hm, block_k, D, parts=2)
-        # (full offsets, full indices, partial offsets, partial indices, items, chunks, slots, lead, ...)
-        row_args = (rows[1], rows[3], rows[4], rows[7])  # the dQ kernel's: indices, items, lead
-        col_args = (*cols[:5], cols[7])  # the dK/dV kernel's: offsets too (grouped heads' lists)
+        dense = index is None
+        cfg = _config(q, k, index, geometry, causal)
         BLOCK_D = block_d(D)
-        precision = dot_precision(q.dtype)
-        self.q_shape, self.k_shape, self.lse_shape = q.shape, k.shape, (B, Hq, Nq)
-        self.dtype, self.device = q.dtype, q.device
-        q_strides, k_strides = (Hq * Nq * D, Nq * D, D), (Hkv * Nk * D, Nk * D, D)  # of the new dq, dk, dv
-
-        q_bq, q_bk = (cfg.q_block_m, cfg.q_block_n) if dense else (block_q, block_k)
-        q_items = triton.cdiv(Nq, cfg.q_block_m) if dense else rows[4].shape[2] * (block_q // cfg.q_block_m)
+        if dense:
+            self.rows = SplitPlan(q.device)
+            lists = [self.rows.dummy] * 4
+            block_q, block_k = cfg.q_block_m, cfg.q_block_n
+            items = triton.cdiv(Nq, cfg.q_block_m)
+        else:
+            self.rows = SplitPlan(q.device, index.row_plan, B, Hq, geometry, D, parts=1)
+            lists = [index.row_full.indices, index.row_partial.indices, index.row_plan.items, index.row_plan.lead]
+            block_q, block_k = geometry.block_q, geometry.block_k
+            items = index.row_plan.items.shape[2] * (block_q // cfg.q_block_m)
+        self.q_shape, self.dtype, self.device = q.shape, q.dtype, q.device
+        q_strides = (Hq * Nq * D, Nq * D, D)  # of the new dq
         self.k_layout, self.v_layout = (descriptor_layout(t, cfg.q_block_n, BLOCK_D) if cfg.tma else None
                                         for t in (k, v))
-        self.dq_tma = self.k_layout is not None and self.v_layout is not None
-        self.dq = BoundLaunch(
-            _attn_bwd_dq_kernel, q_items * B * Hq,
+        self.tma = self.k_layout is not None and self.v_layout is not None
+        self.launch = BoundLaunch(
+            _attn_bwd_dq_kernel, items * B * Hq,
             (
-                *row_args,
+                *lists,
                 *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *do.stride()[:3], *q_strides,
                 Hq, B * Hq, Hq // Hkv, Nq, Nk, *self.rows.item_strides,
                 *self.rows.copy_strides, self.rows.copies,
@@ -384,79 +378,75 @@ class _BwdPlan:
             ),
             dict(
                 HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n,
-                MASK_BLOCK_Q=q_bq, MASK_BLOCK_K=q_bk,
-                CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision, TMA=self.dq_tma,
+                MASK_BLOCK_Q=block_q, MASK_BLOCK_K=block_k,
+                CAUSAL=causal, DENSE=dense, DOT_PRECISION=dot_precision(q.dtype), TMA=self.tma,
             ),
             cfg.dq_warps or cfg.num_warps, cfg.dq_stages or cfg.num_stages, cfg.dq_maxnreg,
         )
 
-        hopper = _hopper_backward()
-        self.dq_hopper = self.dkdv_hopper = None  # the Gluon kernels' plans, where they serve this call
-        if hopper is not None:
-            dq_kernel, dkdv_kernel = hopper
-            if dq_kernel.supported(do, q, k, v, out, index, mask_geometry):
-                self.dq_hopper = dq_kernel.DqHopperPlan(q, k, index, mask_geometry, causal, scale)
-            if dkdv_kernel.supported(do, q, k, v, index, mask_geometry):
-                self.dkdv_hopper = dkdv_kernel.DkdvHopperPlan(q, k, index, mask_geometry, causal, scale)
-        kv_bq, kv_bk = (cfg.kv_block_m, cfg.kv_block_n) if dense else (block_q, block_k)
-        kv_items = triton.cdiv(Nk, cfg.kv_block_n) if dense else cols[4].shape[2] * (block_k // cfg.kv_block_n)
+    def __call__(self, q, k, v, out, do, lse, delta):
+        """dQ; also writes `delta` (float32 `(B, Hq, Nq)`)."""
+        dq = new_output(self.q_shape, self.dtype, self.device)
+        part, _, _ = self.rows.scratch()
+        if self.tma:
+            k, v = make_descriptor(k, self.k_layout), make_descriptor(v, self.v_layout)
+        self.launch(q, k, v, out, do, lse, delta, dq, part, self.rows.counters())
+        return dq
+
+
+class DkdvPlan:
+    """The dK/dV pass of one call signature, like `DqPlan`; it reads the delta that the dQ pass stored."""
+
+    def __init__(self, do, q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, causal: bool,
+                 scale: float):
+        B, Hq, Nq, D = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        dense = index is None
+        cfg = _config(q, k, index, geometry, causal)
+        BLOCK_D = block_d(D)
+        if dense:
+            self.cols = SplitPlan(q.device)
+            lists = [self.cols.dummy] * 6
+            block_q, block_k = cfg.kv_block_m, cfg.kv_block_n
+            items = triton.cdiv(Nk, cfg.kv_block_n)
+            mask_strides = (0, 0)
+        else:
+            self.cols = SplitPlan(q.device, index.col_plan, B, Hkv, geometry, D, along="cols", parts=2)
+            # offsets too: the lists of grouped heads are found by their offsets
+            lists = [*index.col_full[1:], *index.col_partial[1:], index.col_plan.items, index.col_plan.lead]
+            block_q, block_k = geometry.block_q, geometry.block_k
+            items = index.col_plan.items.shape[2] * (block_k // cfg.kv_block_n)
+            g = geometry
+            mask_strides = (g.heads * g.blocks_k if g.batch > 1 else 0, g.blocks_k if g.heads > 1 else 0)
+        self.k_shape, self.dtype, self.device = k.shape, q.dtype, q.device
+        k_strides = (Hkv * Nk * D, Nk * D, D)  # of the new dk, dv
         self.q_layout, self.do_layout = (descriptor_layout(t, cfg.kv_block_m, BLOCK_D) if cfg.tma else None
                                          for t in (q, do))
-        self.kv_tma = self.q_layout is not None and self.do_layout is not None
-        self.dkdv = BoundLaunch(
-            _attn_bwd_dkdv_kernel, kv_items * B * Hkv,
+        self.tma = self.q_layout is not None and self.do_layout is not None
+        self.launch = BoundLaunch(
+            _attn_bwd_dkdv_kernel, items * B * Hkv,
             (
-                *col_args,
+                *lists,
                 *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *k_strides, *k_strides,
                 Hq, Hkv, B * Hkv, Hq // Hkv, Nq, Nk,
-                Hm * Mk if Bm > 1 else 0, Mk if Hm > 1 else 0, *self.cols.item_strides,
+                *mask_strides, *self.cols.item_strides,
                 *self.cols.copy_strides, self.cols.copies,
                 scale * LOG2E, scale, schedule_heads(2 * Nq * D * q.element_size() * (Hq // Hkv), B * Hkv),
             ),
             dict(
                 HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n,
-                MASK_BLOCK_Q=kv_bq, MASK_BLOCK_K=kv_bk,
-                CAUSAL=causal, DENSE=dense, DOT_PRECISION=precision, TMA=self.kv_tma,
+                MASK_BLOCK_Q=block_q, MASK_BLOCK_K=block_k,
+                CAUSAL=causal, DENSE=dense, DOT_PRECISION=dot_precision(q.dtype), TMA=self.tma,
             ),
             cfg.num_warps, cfg.num_stages, cfg.maxnreg,
         )
 
-    def __call__(self, do, q, k, v, out, lse):
-        delta = new_output(self.lse_shape, torch.float32, self.device)  # written by the dQ launch, read by dK/dV
-        if self.dq_hopper is not None:
-            dq = self.dq_hopper(q, k, v, out, do, lse, delta)
-        else:
-            dq = new_output(self.q_shape, self.dtype, self.device)
-            part, _, _ = self.rows.scratch()
-            k_in, v_in = ((make_descriptor(k, self.k_layout), make_descriptor(v, self.v_layout)) if self.dq_tma
-                          else (k, v))
-            self.dq(q, k_in, v_in, out, do, lse, delta, dq, part, self.rows.counters())
-
-        if self.dkdv_hopper is not None:
-            dk, dv = self.dkdv_hopper(q, k, v, do, lse, delta)
-            return dq, dk, dv
+    def __call__(self, q, k, v, do, lse, delta):
+        """`(dk, dv)`."""
         dk = new_output(self.k_shape, self.dtype, self.device)
         dv = new_output(self.k_shape, self.dtype, self.device)
         part_k, part_v, _ = self.cols.scratch()
-        q_in, do_in = (make_descriptor(q, self.q_layout), make_descriptor(do, self.do_layout)) if self.kv_tma else (q, do)
-        self.dkdv(q_in, k, v, do_in, lse, delta, dk, dv, part_k, part_v, self.cols.counters())
-        return dq, dk, dv
-
-
-def attn_bwd(do, q, k, v, out, lse, index, mask_geometry, causal: bool, scale: float, plans: dict | None = None):
-    """Launch the backward kernels.
-
-    Args:
-        do, q, out: `(B, Hq, Nq, D)`; k, v: `(B, Hkv, Nk, D)`; last dimension contiguous.
-        lse: float32 `(B, Hq, Nq)` from the forward.
-        index: `KernelIndex.rows() + KernelIndex.cols()` (20 tensors), or `[]` for dense.
-        mask_geometry: `(Bm, Hm, Mq, Mk, block_q, block_k, long_lists)` of the mask (ignored for dense).
-        plans: where to keep this call's launch plan for the next call with the same signature (see
-            `attn_fwd`), or None.
-
-    Returns:
-        `(dq, dk, dv)` shaped and typed like q, k and v.
-    """
-    key = plan_key((do, q, k, v, out, lse), "bwd", causal, scale, tma_enabled(), hopper_backward_enabled())
-    plan = cached_plan(plans, key, lambda: _BwdPlan(do, q, k, v, out, index, mask_geometry, causal, scale))
-    return plan(do, q, k, v, out, lse)
+        if self.tma:
+            q, do = make_descriptor(q, self.q_layout), make_descriptor(do, self.do_layout)
+        self.launch(q, k, v, do, lse, delta, dk, dv, part_k, part_v, self.cols.counters())
+        return dk, dv

@@ -1,0 +1,113 @@
+"""What the Hopper kernels (`gluon/fwd.py`, `gluon/dq.py`, `gluon/dkdv.py`) share: Gluon names that changed
+between Triton versions, device-side helpers (list tiles, K/V loads, buffer releases), which GPUs, tensors and
+shapes they run on, and their prepared launches. Their host-side work items are `kernels/schedule.py`'s.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..launch import BoundLaunch
+from ...mask_index import MaskGeometry
+from ..schedule import ROW_BLOCK
+
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+WARPS = 4  # per compute partition (a warpgroup); the launch's num_warps
+
+# Names that changed after Triton 3.6: a barrier among the warps of one partition, a TMA load and store.
+partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+
+@gluon.jit
+def list_tile_start(Idx, j, SUB: gl.constexpr, MASK_BLOCK: gl.constexpr, BLOCK: gl.constexpr, DENSE: gl.constexpr):
+    """First row of tile j of a list: tile j % SUB of mask block Idx[j // SUB], or tile j itself when dense
+    (the dense items' lists count tiles)."""
+    if DENSE:
+        start = j * BLOCK
+    else:
+        start = gl.load(Idx + j // SUB) * MASK_BLOCK + (j % SUB) * BLOCK
+    return start
+
+
+@gluon.jit
+def load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, row, t):
+    """K and V rows [row, row + BLOCK_N) into the next buffers of the rings, once those are free."""
+    K_STAGES: gl.constexpr = k_smem.type.shape[0]
+    V_STAGES: gl.constexpr = v_smem.type.shape[0]
+    sk = t % K_STAGES
+    # Barriers start with phase 1 complete: the first wait on a free buffer passes at once.
+    mbarrier.wait(k_empty.index(sk), ((t // K_STAGES) & 1) ^ 1)
+    mbarrier.expect(k_ready.index(sk), k_desc.block_type.nbytes)
+    tma_load(k_desc, [row, 0], k_ready.index(sk), k_smem.index(sk))
+    sv = t % V_STAGES
+    mbarrier.wait(v_empty.index(sv), ((t // V_STAGES) & 1) ^ 1)
+    mbarrier.expect(v_ready.index(sv), v_desc.block_type.nbytes)
+    tma_load(v_desc, [row, 0], v_ready.index(sv), v_smem.index(sv))
+
+
+@gluon.jit
+def release(bar, pred=True):
+    """Free a buffer once every warp of this warpgroup is past its last read (the arrive is one thread's)."""
+    partition_barrier()
+    mbarrier.arrive(bar, count=1, pred=pred)
+
+
+@gluon.jit
+def release_after_store(bar):
+    """Free a buffer that this warpgroup's TMA stores read from, once they have read it."""
+    tma.store_wait(0)
+    release(bar)
+
+
+_SM90: dict = {}  # device -> whether it is an sm_90 GPU, asked once per device
+
+
+def runs_on(*tensors) -> bool:
+    """Whether the tensors are on an sm_90 GPU (H100, H200), contiguous and 16-byte aligned (TMA)."""
+    device = tensors[0].device
+    if not tensors[0].is_cuda:
+        return False
+    sm90 = _SM90.get(device)
+    if sm90 is None:
+        sm90 = _SM90[device] = torch.cuda.get_device_capability(device) == (9, 0)
+    return sm90 and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def shapes_fit(q_shape, k_shape, dtype, geometry: MaskGeometry | None, head_dims=(128, )) -> bool:
+    """What every Hopper kernel needs of a call, the GPU aside: 16-bit inputs, a head dim in `head_dims`,
+    both lengths multiples of ROW_BLOCK, int32 row numbers, and for a mask blocks that are multiples of
+    ROW_BLOCK and divide the lengths (no block ends in a sequence tail)."""
+    B, Hq, Nq, D = q_shape
+    Nk = k_shape[2]
+    if dtype not in GL_DTYPES or D not in head_dims or Nq % ROW_BLOCK or Nk % ROW_BLOCK:
+        return False
+    if B * Hq * Nq >= 2**31 or k_shape[0] * k_shape[1] * Nk >= 2**31:
+        return False
+    if geometry is not None:  # a mask (None: the dense path)
+        block_q, block_k = geometry.block_q, geometry.block_k
+        if block_q % ROW_BLOCK or block_k % ROW_BLOCK or Nq % block_q or Nk % block_k:
+            return False
+    return True
+
+
+def row_descriptor(t, rows: int, layout):
+    """A TMA descriptor of contiguous t as a (rows of D) matrix, read or written `rows` rows at a time."""
+    D = t.shape[-1]
+    return TensorDescriptor(t, [t.numel() // D, D], [D, 1], [rows, D], layout)
+
+
+def bound_launch(kernel, grid: int, tail: tuple, constexprs: dict, maxnreg: int) -> BoundLaunch:
+    """The prepared launch of a Hopper kernel (`launch.BoundLaunch`): a few microseconds of host time per
+    call where `kernel[grid](...)` took tens per kernel, which eager calls of short lists waited on. The
+    kernels take num_warps as their last constexpr."""
+    return BoundLaunch(kernel, grid, tail, {**constexprs, "num_warps": WARPS}, WARPS, 3, maxnreg)
+
+
+def num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -1,0 +1,334 @@
+"""Host-side work of the Hopper (Gluon) kernels (`kernels/schedule.py`, torch only) and the Triton merges
+that follow them (`kernels/gluon/merge.py`, under the interpreter): the items each kernel walks, the order
+they start in, the cutting of long lists, their placement on resident programs, and the merges of chunks."""
+
+import os
+
+import pytest
+import torch
+
+from sparse_flash import masks
+from sparse_flash.kernels import schedule, settings
+
+
+def test_work_items_cover_every_tile_once_heavy_lists_first():
+    """Records (first Q row, first K/V row, list start, list end) for GQA and a per-head mask of 256-token
+    blocks: every (batch, head, 128-row tile) once, with its head's K/V rows and its mask row's list."""
+    B, Hq, Hkv, N = 2, 4, 2, 4096
+    mask = masks.random(N, 256, density=0.05, seed=1, num_heads=Hq) | masks.global_(N, 256)
+    index = mask.kernel_index(False)
+    offsets = index.row_full.offsets
+    items = schedule.row_items(B, Hq, Hkv, N, N, False, index, mask.kernel_geometry(False), "cpu")
+    assert items.dtype == torch.int32 and items.shape == (B * Hq * N // 128, 6)
+    seen = set()
+    for q_row, kv_row, lo, hi, plo, phi in items.tolist():
+        bh, start = divmod(q_row, N)
+        b, h = divmod(bh, Hq)
+        assert start % 128 == 0 and kv_row == (b * Hkv + h // 2) * N
+        r = h * (N // 256) + start // 256  # mask row: one batch entry, per-head layouts
+        assert (lo, hi) == (int(offsets[r]), int(offsets[r + 1])) and plo == phi  # no partial blocks
+        seen.add((b, h, start))
+    assert len(seen) == items.shape[0]
+    length = (items[:, 3] - items[:, 2]).float()
+    heavy = length > schedule.HEAVY_FACTOR * length.mean()
+    assert heavy.any() and not (heavy[1:] & ~heavy[:-1]).any()  # heavy items come first
+
+
+def test_dense_items_walk_every_key_tile():
+    items = schedule.row_items(1, 2, 2, 512, 768, False, None, None, "cpu")
+    assert items[:, 2].eq(0).all() and items[:, 3].eq(768 // 128).all() and items[:, 4].eq(items[:, 5]).all()
+
+
+@pytest.mark.parametrize("Nk", [1024, 512])
+def test_dense_causal_items_end_on_the_diagonal_longest_first(Nk):
+    """Query tile i: key tiles [0, i) full and tile i on the diagonal (none past the keys' end)."""
+    Nq = 1024
+    items = schedule.row_items(1, 2, 2, Nq, Nk, True, None, None, "cpu")
+    key_tiles = Nk // 128
+    for q_row, kv_row, lo, hi, plo, phi in items.tolist():
+        i = (q_row % Nq) // 128
+        assert (lo, hi, plo, phi) == (0, min(i, key_tiles), min(i, key_tiles), min(i + 1, key_tiles))
+    length = items[:, 3] - items[:, 2] + items[:, 5] - items[:, 4]
+    assert (length[:-1] >= length[1:]).all()
+
+
+def test_sparse_causal_items_take_the_full_and_partial_lists():
+    N = 2048
+    mask = masks.butterfly(N, 256)
+    index = mask.kernel_index(True)
+    items = schedule.row_items(1, 2, 1, N, N, True, index, mask.kernel_geometry(True), "cpu")
+    full_off, part_off = index.row_full.offsets, index.row_partial.offsets
+    assert int(part_off[-1]) > 0  # diagonal blocks
+    for q_row, kv_row, lo, hi, plo, phi in items.tolist():
+        r = (q_row % N) // 256
+        assert (lo, hi, plo, phi) == (int(full_off[r]), int(full_off[r + 1]), int(part_off[r]), int(part_off[r + 1]))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_split_items_cover_each_list_once_in_chunks_with_their_own_scratch(causal, monkeypatch):
+    """A mask whose work plan cuts lists into chunks (`SPARSE_FLASH_HOPPER_SPLIT=1`): each chunk is an item
+    of its own whose ranges, together, walk its tile's full and partial lists once; chunks of one tile write
+    distinct scratch rows inside the split plan's scratch; unsplit tiles write their output rows; one merge
+    record per split tile and (batch, head) names its first slot and number of chunks."""
+    from sparse_flash import mask_index
+    from sparse_flash.kernels.triton.split import SplitPlan
+
+    monkeypatch.setattr(mask_index, "SPLIT_MIN_CHUNK", 2)  # cut every list longer than 2 blocks
+    monkeypatch.setattr(mask_index, "SPLIT_FACTOR", 0)
+    monkeypatch.setattr(mask_index, "SPLIT_MAX_CHUNKS", 3)
+    B, Hq, Hkv, N, block = 2, 4, 2, 2048, 256
+    mask = masks.bigbird(N, block, seed=0)
+    index, geometry = mask.kernel_index(causal), mask.kernel_geometry(causal)
+    assert index.row_plan.split.shape[0] > 0
+    split = SplitPlan(torch.device("cpu"), index.row_plan, B, Hq, geometry, 128, with_lse=True)
+    items, merges = schedule.split_row_items(B, Hq, Hkv, N, N, index, geometry, split.copy_strides, split.copies,
+                                             "cpu", 128)
+    assert items.shape[1] == 8
+    full_off, part_off = index.row_full.offsets, index.row_partial.offsets
+    walked = {}  # (q_row) -> full and partial positions walked
+    scratch_rows, tile_scratch = [], {}
+    for q_row, kv_row, lo, hi, plo, phi, scratch, _ in items.tolist():
+        bh, start = divmod(q_row, N)
+        b, h = divmod(bh, Hq)
+        assert kv_row == (b * Hkv + h // 2) * N
+        seen = walked.setdefault(q_row, [set(), set(), 0])
+        assert not seen[0] & set(range(lo, hi)) and not seen[1] & set(range(plo, phi))
+        seen[0] |= set(range(lo, hi))
+        seen[1] |= set(range(plo, phi))
+        seen[2] += 1
+        if scratch >= 0:
+            scratch_rows.append(scratch)
+            tile_scratch.setdefault(q_row, set()).add(scratch)
+            assert 0 <= scratch and scratch + 128 <= split.rows
+    assert len(walked) == B * Hq * N // 128  # every (batch, head, 128-row tile)
+    for q_row, (full, part, chunks) in walked.items():
+        r = (q_row % N) // block
+        assert full == set(range(int(full_off[r]), int(full_off[r + 1])))
+        assert part == set(range(int(part_off[r]), int(part_off[r + 1])))
+    assert len(set(scratch_rows)) == len(scratch_rows)  # no two chunks share scratch
+    split_tiles = {q for q, (_, _, n) in walked.items() if n > 1}
+    assert split_tiles and sorted(merges[:, 0].tolist()) == sorted(split_tiles)
+    for q_row, first, num_chunks, copy, tile in merges.tolist():
+        assert num_chunks == walked[q_row][2] and first >= 0 and tile == (q_row % N) % block // 128
+        # the rows `split.store_chunk_merge` reads are the ones the tile's chunks write
+        reads = {((first + c) * split.copies + copy) * block + tile * 128 for c in range(num_chunks)}
+        assert reads == tile_scratch[q_row]
+    assert (items[:, 6] >= 0).int().diff().le(0).all()  # chunks first
+
+def _tiles(items, sub=1):
+    return (items[:, 3] - items[:, 2] + items[:, 5] - items[:, 4]).long() * sub
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("programs", [7, 132])
+def test_programs_take_each_item_once_with_balanced_loads(causal, programs):
+    """`schedule.assign_programs`: every item exactly once, each program's items in their order in the item list
+    (heavy lists first), and the most loaded program within one run's cost of the mean load (a run: the
+    consecutive items placed together), where item i on program i % programs can be far above it."""
+    B, Hq, N = 2, 4, 4096
+    mask = masks.random(N, 128, density=0.08, seed=3, num_heads=Hq) | masks.global_(N, 128)
+    items = schedule.row_items(B, Hq, Hq, N, N, causal, mask.kernel_index(causal), mask.kernel_geometry(causal),
+                               "cpu")
+    placed, starts = schedule.assign_programs(items, programs, 1)
+    assert starts.dtype == torch.int32 and starts.shape == (programs + 1, ) and starts[0] == 0
+    assert starts[-1] == items.shape[0] and (starts[1:] >= starts[:-1]).all()
+    position = {tuple(r): i for i, r in enumerate(items.tolist())}
+    assert sorted(position[tuple(r)] for r in placed.tolist()) == list(range(items.shape[0]))
+    cost = _tiles(placed) + schedule.ITEM_COST
+    loads = torch.stack([cost[starts[p]:starts[p + 1]].sum() for p in range(programs)]).double()
+    for p in range(programs):  # each program's items keep the list's order
+        mine = [position[tuple(r)] for r in placed[starts[p]:starts[p + 1]].tolist()]
+        assert mine == sorted(mine)
+    run = -(-items.shape[0] // (schedule.BUNDLES_PER_PROGRAM * programs))  # items per run placed
+    assert loads.max() <= loads.mean() + run * cost.max()
+    if run == 1:  # single items placed: never worse than taking them in turn
+        static = torch.stack([(_tiles(items) + schedule.ITEM_COST)[p::programs].sum() for p in range(programs)])
+        assert loads.max() <= static.max()
+
+
+def test_programs_split_lists_weighted_by_their_key_tiles():
+    """Lists count mask blocks of SUB key tiles each; with balancing off, item i goes to program i % P."""
+    items = torch.tensor([[0, 0, 0, n, 0, 0] for n in (8, 1, 1, 1, 1, 1)], dtype=torch.int32)
+    placed, starts = schedule.assign_programs(items, 2, 2)
+    assert starts.tolist() == [0, 1, 6]  # 8 blocks x 2 tiles + 1 against 5 x (2 + 1)
+    with settings.override(hopper_balance=False):
+        placed, starts = schedule.assign_programs(items, 2, 2)
+    assert starts.tolist() == [0, 3, 6] and placed[:3, 3].tolist() == [8, 1, 1]
+
+def test_merge_combines_the_chunks_of_each_split_tile_by_their_log_sum_exp():
+    """`merge.merge_split_rows` (a Triton kernel; under the interpreter on the CPU): for each merge record, the
+    chunks' normalised outputs in the scratch rows, weighted by exp(lse_chunk - lse), into Out and Lse;
+    a row empty in some chunks takes the others, a row empty in all gets 0 and -inf. Outputs NaN-poisoned."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or the Triton interpreter")
+    from sparse_flash.kernels.gluon.merge import merge_split_rows
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    D, block_q, copies, slots = 128, 256, 3, 5
+    gen = torch.Generator().manual_seed(0)
+    part = torch.randn(slots * copies * block_q, D, generator=gen)
+    lse_part = torch.randn(slots * copies * block_q, generator=gen) * 3
+    lse_part[7::11] = float("-inf")  # rows empty in some chunks
+    records = [(0, 0, 3, 1, 0), (128, 0, 3, 1, 1), (512, 3, 2, 2, 1)]  # (out row, first slot, chunks, copy, tile)
+    for slot in range(slots):  # row 5 of record 0's tile: empty in every chunk
+        lse_part[(slot * copies + 1) * block_q + 5] = float("-inf")
+    out = torch.full((1024, D), float("nan"), dtype=torch.float16)
+    lse = torch.full((1024, ), float("nan"))
+    merges = torch.tensor(records, dtype=torch.int32)
+    args = [t.to(device) for t in (out, lse, part, lse_part, merges)]
+    merge_split_rows(*args, copies, block_q, 128)
+    out, lse = args[0].cpu().float(), args[1].cpu()
+    for out_row, first, chunks, copy, tile in records:
+        rows = [((first + c) * copies + copy) * block_q + tile * 128 + torch.arange(128) for c in range(chunks)]
+        lses = torch.stack([lse_part[r] for r in rows])  # (chunks, 128)
+        want_lse = torch.logsumexp(lses, 0)
+        weights = torch.exp(lses - want_lse.clamp(min=-1e30)).nan_to_num(0.0)  # (chunks, 128)
+        want = (weights[:, :, None] * torch.stack([part[r] for r in rows])).sum(0)
+        got_rows = slice(out_row, out_row + 128)
+        torch.testing.assert_close(lse[got_rows], want_lse)
+        torch.testing.assert_close(out[got_rows], want, atol=2e-3, rtol=2e-3)
+    assert lse[5] == float("-inf") and out[5].eq(0).all()
+    written = torch.zeros(1024, dtype=torch.bool)
+    for out_row, *_ in records:
+        written[out_row:out_row + 128] = True
+    assert out[~written].isnan().all() and not out[written].isnan().any()
+
+def _query_tile_kinds(allowed, key_tile):
+    """For each 64-row query tile: 'full' (every query sees every key of the 128-key tile), 'partial' (some)
+    or None, from a dense (Nq, Nk) boolean of allowed pairs."""
+    keys = allowed[:, key_tile * 128:(key_tile + 1) * 128]
+    kinds = []
+    for m in range(allowed.shape[0] // 64):
+        tile = keys[m * 64:(m + 1) * 64]
+        kinds.append("full" if tile.all() else "partial" if tile.any() else None)
+    return kinds
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(512, 512), (512, 768), (768, 512)], ids=str)
+def test_dense_items_walk_the_query_tiles_that_see_each_key_tile(causal, shape):
+    """Dense path: one item per (batch, KV head, 128-key tile) with the right K/V and Q rows; its full list
+    holds the 64-row query tiles that see every key of the tile, its partial list (the causal diagonal)
+    those that see some of them (top-left aligned, key <= query, as the other kernels)."""
+    Nq, Nk = shape
+    B, Hq, Hkv = 2, 4, 2
+    items = schedule.column_items(B, Hq, Hkv, Nq, Nk, causal, None, None, "cpu", 128, 64)
+    assert items.dtype == torch.int32 and items.shape == (B * Hkv * Nk // 128, 6)
+    allowed = torch.ones(Nq, Nk, dtype=torch.bool)
+    if causal:
+        allowed = torch.arange(Nk)[None, :] <= torch.arange(Nq)[:, None]
+    seen = set()
+    for kv_row, q_row0, lo, hi, plo, phi in items.tolist():
+        bh, start = divmod(kv_row, Nk)
+        b, hk = divmod(bh, Hkv)
+        assert start % 128 == 0 and q_row0 == (b * Hq + hk * 2) * Nq
+        kinds = _query_tile_kinds(allowed, start // 128)
+        assert list(range(lo, hi)) == [m for m, kind in enumerate(kinds) if kind == "full"]
+        assert list(range(plo, phi)) == [m for m, kind in enumerate(kinds) if kind == "partial"]
+        seen.add((b, hk, start))
+    assert len(seen) == items.shape[0]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sparse_items_take_each_key_blocks_column_lists(causal):
+    """Sparse path: each item's ranges are its mask column's full and partial lists (per-head masks with MHA,
+    256-token query blocks); walking them reaches exactly the allowed (query block, key block) pairs."""
+    B, H, N = 2, 3, 1024
+    mask = masks.random(N, (256, 128), density=0.3, seed=5, num_heads=H)
+    index = mask.kernel_index(causal)
+    items = schedule.column_items(B, H, H, N, N, causal, index, mask.kernel_geometry(causal), "cpu", 128, 64)
+    layout = mask.layout.bool()[0]  # (H, Mq, Mk)
+    full_idx, part_idx = index.col_full.indices.tolist(), index.col_partial.indices.tolist()
+    for kv_row, q_row0, lo, hi, plo, phi in items.tolist():
+        bh, start = divmod(kv_row, N)
+        b, h = divmod(bh, H)
+        assert q_row0 == (b * H + h) * N
+        kb = start // 128
+        walked = full_idx[lo:hi] + part_idx[plo:phi]
+        want = [qb for qb in range(N // 256) if layout[h, qb, kb] and (not causal or qb * 256 + 255 >= kb * 128)]
+        assert sorted(walked) == want
+        if causal:  # partial blocks are those on the diagonal
+            assert all(qb * 256 < kb * 128 + 127 for qb in part_idx[plo:phi])
+
+def _items_with_long_lists(causal):
+    """dK/dV items of BigBird with two global blocks at 4,096 tokens (B=1, H=4), and its column lists."""
+    mask = masks.bigbird(4096, 128, num_global_blocks=2, seed=1)
+    return schedule.column_items(1, 4, 4, 4096, 4096, causal, mask.kernel_index(causal), mask.kernel_geometry(causal),
+                                 "cpu", 128, 64)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("programs", [64, 128])
+def test_long_lists_are_cut_into_chunks_that_cover_them_once(causal, programs):
+    """`split_long_items`: the chunks of a cut item walk its full list exactly once in order and its partial
+    list with the last chunk; no chunk is longer than a program's mean load; slots are 0, 1, ... in item
+    order and each merge record names its item's first row, first slot and chunk count; items that are not
+    cut keep their ranges and slot -1."""
+    items = _items_with_long_lists(causal)
+    cut_items, merges = schedule.split_long_items(items, programs, 2)
+    assert cut_items.dtype == torch.int32 and cut_items.shape[1] == 7 and merges.shape[0] > 0
+    length = (items[:, 3] - items[:, 2] + items[:, 5] - items[:, 4]).long()
+    limit = -(-int(float((length * 2 + schedule.ITEM_COST).sum()) / programs) // 2)
+    by_row = {}
+    for rec in cut_items.tolist():
+        by_row.setdefault(rec[0], []).append(rec)
+    assert sorted(by_row) == sorted(items[:, 0].tolist())
+    slots = [rec[6] for rec in cut_items.tolist() if rec[6] >= 0]
+    assert slots == list(range(len(slots)))
+    merged = {row: (first, n) for row, first, n in merges.tolist()}
+    for rec in items.tolist():
+        chunks = by_row[rec[0]]
+        if len(chunks) == 1 and chunks[0][6] < 0:
+            assert chunks[0][:6] == rec and rec[0] not in merged
+            continue
+        assert merged[rec[0]] == (chunks[0][6], len(chunks))
+        assert [c[6] for c in chunks] == list(range(chunks[0][6], chunks[0][6] + len(chunks)))
+        assert all(c[1] == rec[1] for c in chunks)
+        walked = [j for c in chunks for j in range(c[2], c[3])]
+        assert walked == list(range(rec[2], rec[3])) and all(c[3] - c[2] <= limit for c in chunks)
+        assert [(c[4], c[5]) for c in chunks[:-1]] == [(rec[5], rec[5])] * (len(chunks) - 1)
+        assert (chunks[-1][4], chunks[-1][5]) == (rec[4], rec[5])
+
+
+def test_lists_of_even_length_are_not_cut():
+    """Dense and local masks have no list much longer than the others: no chunk, no merge."""
+    for items in (schedule.column_items(2, 4, 4, 2048, 2048, False, None, None, "cpu", 128, 64),
+                  _items_with_long_lists(False)[4:8]):
+        cut_items, merges = schedule.split_long_items(items, 132, 2)
+        assert merges.shape[0] == 0 and torch.equal(cut_items[:, :6], items) and (cut_items[:, 6] == -1).all()
+
+
+def test_each_chunk_is_placed_as_a_run_of_its_own():
+    """`assign_programs` places runs of consecutive items (here 8 per run); the chunks of a cut list are
+    consecutive, so each must be a run of its own, or they would all land on one program and cutting would
+    not spread the list."""
+    # 2,000 one-entry lists and two of 1,000 entries, on 16 programs: runs of 8 items
+    items = torch.tensor([[128 * i, 0, i, i + 1, 0, 0] for i in range(1000)] + [[-1, 0, 0, 1000, 0, 0]]
+                         + [[128 * i, 0, i, i + 1, 0, 0] for i in range(1000, 2000)] + [[-2, 0, 0, 1000, 0, 0]])
+    cut_items, merges = schedule.split_long_items(items, 16, 2)
+    placed, starts = schedule.assign_programs(cut_items, 16, 2)
+    program_of_slot = {}
+    for p in range(16):
+        for slot in placed[starts[p]:starts[p + 1], 6].tolist():
+            program_of_slot[slot] = p
+    assert merges.shape[0] == 2 and min(merges[:, 2].tolist()) > 1
+    for _, first, chunks in merges.tolist():
+        assert len({program_of_slot[s] for s in range(first, first + chunks)}) > 1
+
+
+def test_chunk_sum_adds_the_chunks_of_each_tile_in_order():
+    """`merge.ChunkSum` (under the interpreter on the CPU): each merge record's tile of the output is the
+    sum of its chunks' scratch slots, rounded once; other rows are left as they were."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
+    from sparse_flash.kernels.gluon import merge
+
+    merges = torch.tensor([[256, 0, 3], [0, 3, 2]], dtype=torch.int32)
+    summed = merge.ChunkSum(merges, 128, 128)
+    part = torch.randn(summed.slots, 128, 128)
+    out = torch.full((4 * 128, 128), float("nan"), dtype=torch.float16)
+    summed(out, part)
+    want = torch.full_like(out, float("nan"))
+    want[256:384] = (part[0] + part[1] + part[2]).half()
+    want[0:128] = (part[3] + part[4]).half()
+    torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
