@@ -43,7 +43,8 @@ from ..schedule import assign_programs, column_items, split_long_items
 from ..triton.common import LOG2E
 from .merge import ChunkSum
 from .pipeline import (GL_DTYPES, bound_launch, list_tile_start, num_sms, partition_barrier, release,
-                       release_after_store, row_descriptor, runs_on, shapes_fit, tma_load, tma_store)
+                       release_after_store, ring_barriers, row_descriptor, runs_on, shapes_fit, tma_load,
+                       tma_store)
 
 BLOCK_N = 128  # keys per item (64 per compute warpgroup)
 BLOCK_M = 64  # query rows per step
@@ -217,16 +218,8 @@ def _attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delt
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], delta_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BN, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BN, HEAD_D], v_desc.layout)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    step_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    step_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):  # a buffer is free once both compute warpgroups release it
-        mbarrier.init(kv_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(step_ready.index(i), count=1)
-        mbarrier.init(step_empty.index(i), count=2)
+    kv_ready, kv_empty = ring_barriers(2)
+    step_ready, step_empty = ring_barriers(STAGES)
     gl.warp_specialize([
         (_bwd_compute_partition, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_empty,
                                   step_ready, step_empty, dk_desc, dv_desc, DkPart, DvPart, Items, Starts, PartIdx,

@@ -36,7 +36,8 @@ from ..schedule import ROW_BLOCK, assign_programs, row_items, split_long_items
 from ..triton.common import LOG2E
 from .merge import ChunkSum
 from .pipeline import (GL_DTYPES, bound_launch, list_tile_start, load_kv, num_sms, partition_barrier, release,
-                       release_after_store, row_descriptor, runs_on, shapes_fit, tma_load, tma_store)
+                       release_after_store, ring_barriers, row_descriptor, runs_on, shapes_fit, tma_load,
+                       tma_store)
 
 BLOCK_N = 64  # keys per step
 KV_BUFFERS = 3  # K and V tiles in flight each; with two Q and two dO buffers, 224 KB of shared memory
@@ -190,20 +191,9 @@ def _attn_bwd_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, Out, Ls
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, BM, HEAD_D], do_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [KV_STAGES, BN, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [KV_STAGES, BN, HEAD_D], v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):  # a buffer is free once both compute warpgroups release it
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)
-    for i in gl.static_range(KV_STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=2)
+    q_ready, q_empty = ring_barriers(2)
+    k_ready, k_empty = ring_barriers(KV_STAGES)
+    v_ready, v_empty = ring_barriers(KV_STAGES)
     gl.warp_specialize([
         (_dq_compute_partition, (q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                  v_empty, dq_desc, Out, Lse, Delta, DqPart, Items, Starts, PartIdx, Nq, qk_scale,

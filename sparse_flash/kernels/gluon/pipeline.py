@@ -52,6 +52,18 @@ def load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, 
 
 
 @gluon.jit
+def ring_barriers(STAGES: gl.constexpr):
+    """`(ready, empty)`: the mbarriers of a ring of STAGES shared buffers. A buffer is ready once its TMA copy
+    lands (one arrive, with the bytes expected), and empty once both compute warpgroups release it."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    return ready, empty
+
+
+@gluon.jit
 def release(bar, pred=True):
     """Free a buffer once every warp of this warpgroup is past its last read (the arrive is one thread's)."""
     partition_barrier()
