@@ -231,6 +231,7 @@ def split_every_list():
 
 @needs_triton
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+@settings(max_examples=max(1, settings().max_examples * 2 // 5))  # every list split: the slowest draws of the suite
 @given(p=problems())
 @example(p=EDGE_CASES[0])
 @example(p=EDGE_CASES[3])
