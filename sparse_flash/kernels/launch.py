@@ -50,7 +50,7 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
     registers per thread (0: the compiler's choice).
 
     Returns the compiled kernel that ran, or None where the cached direct launch is off (interpreter,
-    launch hooks, `set_fast_launch(False)`).
+    launch hooks, `settings.fast_launch` off).
     """
     if settings.current().fast_launch and not settings.interpreting():
         # What Triton specialises a runtime argument on: a tensor's dtype and 16-byte alignment, an int's

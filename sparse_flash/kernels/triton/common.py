@@ -8,7 +8,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634  # scores are kept in log2 units so that the kernels can use exp2
 
-# Field offsets of a work item record (`layout.ITEM_FIELDS`; tests/test_layout.py checks that they agree).
+# Field offsets of a work item record (`mask_index.ITEM_FIELDS`; tests/test_layout.py checks that they agree).
 ITEM_WIDTH = tl.constexpr(10)
 ITEM_BLOCK = tl.constexpr(0)
 ITEM_CHUNK = tl.constexpr(1)
