@@ -488,6 +488,10 @@ def attention_forward(
         raise ValueError(f"attention_mask reached the attention as a {type(attention_mask).__name__} of shape "
                          f"{tuple(getattr(attention_mask, 'shape', ()))}: sparse_flash takes 2-D padding masks, "
                          "which its mask function plans from; a prepared 4-D element mask is not expressible")
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):  # as SDPA under autocast: q, k, v in the autocast dtype
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
     out = plan.run(query, key, value, scaling)
     return out.transpose(1, 2).contiguous(), None
 
