@@ -234,7 +234,8 @@ def test_padding_that_is_not_exact_is_refused(spec, keep, error):
 # ---------------------------------------------------------------------------------------------- KV cache
 
 
-@pytest.mark.parametrize("spec", [None, LOCAL], ids=["dense", "local"])
+@pytest.mark.parametrize("spec", [None, LOCAL, {"pattern": "butterfly", "block_size": 32, "backend": "torch"}],
+                         ids=["dense", "local", "butterfly"])
 def test_cache_chunks_and_decoding_match_one_forward(spec):
     """A prefill, a chunk (queries at the last positions of more keys) and decoding steps give the rows of one
     forward over the whole sequence (a pattern whose rows do not depend on the length)."""
@@ -289,6 +290,21 @@ def test_one_call_plan_per_forward_serves_every_layer(monkeypatch):
     with torch.no_grad():
         ours(tokens(1, 128))
     assert len(seen) == 2 and seen[0] is seen[1]
+
+
+def test_compiles_fullgraph_after_prepare():
+    """prepare() checks the config and builds the mask outside the graph; the compiled model needs nothing else."""
+    _, ours = pair("llama", dict(LOCAL))
+    ids = tokens(1, 256)
+    with torch.no_grad():
+        eager = ours(ids).logits
+        ours.config.sparse_flash = dict(LOCAL)  # a value no eager call has checked
+        compiled = torch.compile(ours, backend="eager", fullgraph=True)
+        with pytest.raises(Exception, match=r"prepare\(config, seq_len, device\)"):
+            compiled(ids)
+        torch._dynamo.reset()
+        prepare(ours.config, 256)
+        torch.testing.assert_close(compiled(ids).logits, eager, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -383,10 +399,15 @@ def test_cross_attention_is_dense_only():
     with torch.no_grad():
         expected = sdpa(ids, encoder_hidden_states=memory).logits
         torch.testing.assert_close(ours(ids, encoder_hidden_states=memory).logits, expected, rtol=1e-5, atol=1e-5)
+        one = ids[:, :1]  # one query and no encoder mask: still cross attention, not a decoding step
+        torch.testing.assert_close(ours(one, encoder_hidden_states=memory).logits,
+                                   sdpa(one, encoder_hidden_states=memory).logits, rtol=1e-5, atol=1e-5)
         ours.config.sparse_flash = LOCAL
         with pytest.raises(ValueError, match=r"config.sparse_flash sets a pattern but this layer attends 64 queries to "
                                              r"96 other keys \(cross attention\)"):
             ours(ids, encoder_hidden_states=memory, encoder_attention_mask=torch.ones(1, 96))
+        with pytest.raises(ValueError, match=r"attends 1 queries to 96 other keys"):
+            ours(one, encoder_hidden_states=memory)
 
 
 # ---------------------------------------------------------------------------------------------- GPU

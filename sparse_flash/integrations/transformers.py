@@ -14,13 +14,15 @@ BlockMask, keys and query rows of the attention calls. Every layer runs that pla
   pattern and, in causal models, the keys at or before its position (bottom-right alignment, as in the model's own
   masks). Decoding (Nq = 1) runs its one mask row; a prefill chunk (1 < Nq < L) prepends dummy query rows whose
   mask rows are empty, so that the kernels' top-left causal rule is exact, and drops them from the output.
-  A pattern is rebuilt for each L (cached), so a pattern whose early rows change with L (bigbird's random
-  blocks) gives cached tokens the rows of the length they were computed at: generation with a cache then
-  differs from a forward over the whole sequence; position-only patterns (local, butterfly, causal, dense...) agree.
+  A pattern is rebuilt for each L (cached), so one whose early rows change with L (random, bigbird, fixed and
+  strided do) gives cached tokens the rows of the length they were computed at: generation with a cache then differs
+  from one forward over the whole sequence; dense, causal, local, butterfly, global and longformer agree.
 - Padding (2-D `attention_mask`): padded keys are masked. A per-token mask is exact when, in each row of the
   batch, the kept keys up to the last kept one fill whole key blocks (a padded tail of any length is fine: the
   call ends at the last kept key); with no pattern (dense) any contiguous run of kept keys is exact (left and
   right padding). Anything else is refused with a ValueError naming `attention_mask` and the block size.
+- torch.compile (fullgraph too): call `prepare(config, seq_len, device)` for each length first, so that the config
+  is checked and the mask built outside the graph; padding masks are read on the host, so compiled calls take none.
 - Refused: `output_attentions=True`, attention dropout > 0, sliding windows (`config.sliding_window`,
   `config.layer_types`), softcapping, attention sinks, position biases, packed sequences and other mask
   overlays, prepared 4-D masks, sliding-window caches, and a pattern on cross-attention (dense works there).
@@ -51,6 +53,7 @@ _GEOMETRY_ARGS = ("seq_len", "block_size", "seq_len_k", "device")
 _SPEC_KEYS = ("pattern", "block_size", "backend")
 _FIELD = f"config.{CONFIG_FIELD}"
 _PATTERN_MASKS: OrderedDict[tuple, BlockMask] = OrderedDict()
+_CHECKED_SPECS: dict[int, tuple[object, "_Spec"]] = {}  # id(config.sparse_flash) -> (that value, its spec)
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -70,10 +73,25 @@ _DENSE_SPEC = _Spec(None, (128, 128), "auto", {}, ("dense",))
 
 
 def _read_spec(config) -> _Spec:
-    """The spec in `config.sparse_flash`; dense when the attribute is absent or None."""
+    """The spec in `config.sparse_flash`; dense when the attribute is absent or None. Checked eagerly; inside
+    torch.compile the spec that the last eager check (a forward, or `prepare`) made of the same value is used."""
     raw = getattr(config, CONFIG_FIELD, None) if config is not None else None
     if raw is None:
         return _DENSE_SPEC
+    if torch.compiler.is_compiling():
+        seen = _CHECKED_SPECS.get(id(raw))
+        if seen is None or seen[0] is not raw:
+            raise RuntimeError(f"{_FIELD} was never checked outside torch.compile: call sparse_flash.integrations."
+                               "transformers.prepare(config, seq_len, device) for each length before compiling")
+        return seen[1]
+    spec = _check_spec(raw)
+    _CHECKED_SPECS[id(raw)] = (raw, spec)
+    if len(_CHECKED_SPECS) > MASK_CACHE_SIZE:
+        _CHECKED_SPECS.pop(next(iter(_CHECKED_SPECS)))
+    return spec
+
+
+def _check_spec(raw) -> _Spec:
     if callable(raw):
         raw = {"pattern": raw}
     if not isinstance(raw, dict):
@@ -299,7 +317,6 @@ def plan_call(config, *, q_length: int, kv_length: int, q_offset: int = 0, kv_of
         plan.update(causal=causal and mode != "row")  # one query at the last key: no causal rule left
     pattern = None if cross else _pattern_mask(spec, keys, device)
     block = pattern.block_size if pattern is not None else spec.block_size
-    layout = None if pattern is None else _row_layout(pattern, mode, q_offset, rows_total)
     groups = []
     for start, end, keep, index in _key_runs(padding_mask, keys, device):
         if end == 0:
@@ -313,7 +330,7 @@ def plan_call(config, *, q_length: int, kv_length: int, q_offset: int = 0, kv_of
         elif mode == "full" and keep is None and end == keys and (index is None or pattern.shape[0] == 1):
             groups.append(_Group(index, 0, 0, end, pattern))  # the cached mask itself: its index lists are built
         else:
-            sub = layout[..., : -(-end // block[1])]
+            sub = _row_layout(pattern, mode, q_offset, rows_total)[..., : -(-end // block[1])]
             if sub.shape[0] > 1 and index is not None:  # a per-batch pattern: the group's rows
                 sub = sub.index_select(0, index.to(sub.device))
             if keep is not None:
@@ -460,7 +477,7 @@ def attention_forward(
 
     `attention_mask` is the `CallPlan` that the mask function made for this forward; None (a model that builds
     no mask) plans here from the shapes: self-attention when the lengths agree, one decoding query at the last
-    key, or dense cross attention.
+    key, or (bidirectional, other lengths) dense cross attention.
     """
     config = getattr(module, "config", None)
     if kwargs.get("output_attentions") or getattr(config, "output_attentions", False):
@@ -482,8 +499,8 @@ def attention_forward(
         if causal and Nq not in (1, Nk):
             raise ValueError(f"no attention_mask reached this causal layer with {Nq} queries and {Nk} keys, so the "
                              "queries' positions are unknown: build the mask through transformers' mask functions")
-        plan = plan_call(config, q_length=Nq, kv_length=Nk, q_offset=Nk - Nq if causal or Nq == 1 else 0,
-                         causal=bool(causal), device=query.device)
+        plan = plan_call(config, q_length=Nq, kv_length=Nk, q_offset=Nk - Nq if causal else 0, causal=bool(causal),
+                         device=query.device)
     else:
         raise ValueError(f"attention_mask reached the attention as a {type(attention_mask).__name__} of shape "
                          f"{tuple(getattr(attention_mask, 'shape', ()))}: sparse_flash takes 2-D padding masks, "
