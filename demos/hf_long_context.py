@@ -42,7 +42,8 @@ CPU_SMOKE = dict(seq_len=256, batch_size=2, steps=6, warmup=1, layers=2, width=6
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU (under a minute)")
     p.add_argument("--runs", default="sdpa,block_sparse", help=f"comma-separated, from {RUNS}")
     p.add_argument("--pattern", default="butterfly", choices=sorted(PATTERNS))
@@ -140,8 +141,9 @@ def train(args, run: str, device) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| attention | pattern | density | steps | samples/s | tokens/s | peak memory GiB | copy loss start -> end |",
-             "|---|---|---|---|---|---|---|---|"]
+    header = ("attention", "pattern", "density", "steps", "samples/s", "tokens/s", "peak memory GiB",
+              "copy loss start -> end")
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for r in rows:
         memory = "-" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.2f}"
         lines.append(f"| {r['attention']} | {r['pattern']} | {r['mask_density']:.3f} | {r['steps']} | "

@@ -20,7 +20,7 @@ from sparse_flash import masks  # noqa: E402
 from sparse_flash.integrations.transformers import CallPlan, plan_call, prepare, register  # noqa: E402
 from sparse_flash.testing import Comparison, max_error  # noqa: E402
 
-from conftest import HAS_CUDA, triton_usable  # noqa: E402
+from conftest import DEVICE, HAS_CUDA, triton_usable  # noqa: E402
 
 NAME = register()
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,18 +93,18 @@ def run(model, ids, dtype, attention_mask=None):
     return {"logits": logits.detach(), "grads": flat}
 
 
-def assert_2x(ours: dict, baseline: dict, reference: dict):
-    """The 2x rule: our error against the float64 reference is at most twice the baseline's (same dtype), plus a
-    floor of 1e-5 of the largest reference value."""
+def assert_2x(ours: dict, baseline: dict, reference: dict, dtype=torch.float32):
+    """The 2x rule: our error against the float64 reference is at most twice the baseline's (same dtype), plus the
+    floor of sparse_flash.testing (1e-5 in float32, half an ulp in 16 bits, of the largest reference value)."""
     result = Comparison()
     for name, ref in reference.items():
         result.errors[name] = max_error(ours[name], ref)
         result.baseline[name] = max_error(baseline[name], ref)
-        result.floors[name] = 1e-5 * max(float(ref.abs().max()), 1.0)
+        result.floors[name] = max(1e-5, torch.finfo(dtype).eps / 2) * max(float(ref.abs().max()), 1.0)
     assert not result.failures(), result.failures()
 
 
-def check_against_sdpa(kind, spec, length, *, batch=1, keep=None, dtype=torch.float32, **changes):
+def check_against_sdpa(kind, spec, length, *, batch=1, keep=None, dtype=torch.float32, device="cpu", **changes):
     sdpa, ours = pair(kind, spec, **changes)
     ids = tokens(batch, length)
     causal = MODELS[kind][2]
@@ -112,13 +112,12 @@ def check_against_sdpa(kind, spec, length, *, batch=1, keep=None, dtype=torch.fl
         ref_mask = None
     else:
         ref_mask = element_mask(ours.config, length, causal, keep)
-    device = "cuda" if dtype == torch.bfloat16 else "cpu"
     sdpa, ours, ids = sdpa.to(device), ours.to(device), ids.to(device)
     ref_mask = None if ref_mask is None else ref_mask.to(device)
     keep = None if keep is None else keep.to(device)
     reference = run(sdpa, ids, torch.float64, ref_mask)
     baseline = run(sdpa, ids, dtype, ref_mask)
-    assert_2x(run(ours, ids, dtype, keep), baseline, reference)  # every row: padded rows are defined too
+    assert_2x(run(ours, ids, dtype, keep), baseline, reference, dtype)  # every row: padded rows are defined too
 
 
 # ---------------------------------------------------------------------------------------------- register
@@ -163,12 +162,12 @@ def test_pattern_matches_sdpa_with_the_materialised_mask(kind, spec):
     check_against_sdpa(kind, spec, 300, batch=2)
 
 
-@pytest.mark.skipif(not triton_usable(), reason="needs triton (interpreter on CPU)")
-@pytest.mark.parametrize("kind, spec", [("llama", None), ("bert", {**BIGBIRD, "num_heads": None})], ids=["llama-dense",
-                                                                                                       "bert-bigbird"])
+@pytest.mark.skipif(not triton_usable(), reason="needs triton (the interpreter on the CPU)")
+@pytest.mark.parametrize("kind, spec", [("llama", None), ("bert", {**BIGBIRD, "num_heads": None})],
+                         ids=["llama-dense", "bert-bigbird"])
 def test_triton_backend_matches_sdpa(kind, spec):
     spec = {"pattern": "dense", "block_size": 64} if spec is None else spec
-    check_against_sdpa(kind, {**spec, "backend": "triton"}, 256)
+    check_against_sdpa(kind, {**spec, "backend": "triton"}, 256, device=DEVICE)
 
 
 def test_autocast_runs_in_its_dtype_like_sdpa():
@@ -181,7 +180,7 @@ def test_autocast_runs_in_its_dtype_like_sdpa():
         with torch.autocast("cpu", torch.bfloat16):
             baseline, mine = ({"logits": m(ids).logits} for m in (sdpa, ours))
     assert mine["logits"].dtype == baseline["logits"].dtype == torch.bfloat16
-    assert_2x(mine, baseline, reference)
+    assert_2x(mine, baseline, reference, torch.bfloat16)
 
 
 def test_callable_pattern_matches_the_named_pattern():
@@ -221,8 +220,8 @@ def test_padding_matches_sdpa(kind, spec, keep):
 
 
 @pytest.mark.parametrize("spec, keep, error", [
-    (BIGBIRD, keep_mask(2, 256, left=(37, 0)), r"attention_mask cannot be expressed exactly with the config.sparse_flash "
-                                               r"pattern: key block 0 \(keys 0..63\)"),
+    (BIGBIRD, keep_mask(2, 256, left=(37, 0)),
+     r"attention_mask cannot be expressed exactly with the config.sparse_flash pattern: key block 0 \(keys 0..63\)"),
     (None, torch.tensor([[1] * 100 + [0] * 5 + [1] * 151]), "not one contiguous run"),
 ], ids=["pattern-left-padding-inside-a-block", "dense-hole"])
 def test_padding_that_is_not_exact_is_refused(spec, keep, error):
@@ -234,18 +233,26 @@ def test_padding_that_is_not_exact_is_refused(spec, keep, error):
 # ---------------------------------------------------------------------------------------------- KV cache
 
 
-@pytest.mark.parametrize("spec", [None, LOCAL, {"pattern": "butterfly", "block_size": 32, "backend": "torch"}],
-                         ids=["dense", "local", "butterfly"])
-def test_cache_chunks_and_decoding_match_one_forward(spec):
+GPU = pytest.mark.gpu
+INTERPRETER = pytest.mark.skipif(HAS_CUDA or not triton_usable(), reason="the Triton interpreter runs on CPU machines")
+
+
+@pytest.mark.parametrize("spec, device, end", [
+    (None, "cpu", 260), (LOCAL, "cpu", 260),
+    ({"pattern": "butterfly", "block_size": 32, "backend": "torch"}, "cpu", 260),
+    pytest.param({**LOCAL, "backend": "triton"}, "cpu", 232, marks=INTERPRETER),
+    pytest.param(None, "cuda", 260, marks=GPU), pytest.param({**LOCAL, "backend": "auto"}, "cuda", 260, marks=GPU),
+], ids=["dense", "local", "butterfly", "local-interpreter", "dense-gpu", "local-gpu"])
+def test_cache_chunks_and_decoding_match_one_forward(spec, device, end):
     """A prefill, a chunk (queries at the last positions of more keys) and decoding steps give the rows of one
     forward over the whole sequence (a pattern whose rows do not depend on the length)."""
     _, ours = pair("llama", spec)
-    ids = tokens(2, 260)
+    ours, ids = ours.to(device), tokens(2, end).to(device)
     with torch.no_grad():
         full = ours(ids).logits
         cache = transformers.DynamicCache(config=ours.config)
         steps = [ours(ids[:, :100], cache=cache).logits, ours(ids[:, 100:230], cache=cache).logits]
-        steps += [ours(ids[:, i: i + 1], cache=cache).logits for i in range(230, 260)]
+        steps += [ours(ids[:, i: i + 1], cache=cache).logits for i in range(230, end)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
@@ -349,12 +356,14 @@ def test_cpu_smoke_demo_runs():
     ({"pattern": "longformer", "block_size": 64, "global_block_indices": [8]},
      r"config.sparse_flash = .* does not fit 256 tokens \(4 blocks of 64\)"),
     ({"pattern": "local", "backend": "cuda"}, r"config.sparse_flash\['backend'\] must be one of"),
-    ({"pattern": "random", "density": 0.5, "num_heads": 3}, r"mask of 3 heads .* set config.sparse_flash\['num_heads'\]"),
+    ({"pattern": "random", "density": 0.5, "num_heads": 3},
+     r"mask of 3 heads .* set config.sparse_flash\['num_heads'\]"),
     ({"pattern": "random", "density": 0.5, "seed": torch.Generator()}, r"config.sparse_flash\['seed'\] must be an int"),
     ({"pattern": lambda n, device: masks.local(n // 2, 64)}, r"callable\) must return a mask of lengths \(256, 256\)"),
     ("bigbird", r"config.sparse_flash must be a dict"),
 ], ids=["unknown-pattern", "unknown-parameter", "geometry-parameter", "missing-parameter", "block-not-16",
-        "block-zero", "pattern-needs-more-blocks", "backend", "heads", "generator-seed", "callable-lengths", "not-a-dict"])
+        "block-zero", "pattern-needs-more-blocks", "backend", "heads", "generator-seed", "callable-lengths",
+        "not-a-dict"])
 def test_bad_config_names_the_field(spec, error):
     _, ours = pair("llama", spec)
     with pytest.raises((ValueError, TypeError), match=error):
@@ -413,17 +422,20 @@ def test_cross_attention_is_dense_only():
 # ---------------------------------------------------------------------------------------------- GPU
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("spec", [None, {"pattern": "bigbird", "block_size": 128, "num_heads": 4},
-                                  {"pattern": "butterfly", "block_size": 64}], ids=["dense", "bigbird", "butterfly"])
-def test_gpu_bf16_matches_sdpa(spec):
-    check_against_sdpa("llama", spec, 2048, batch=2, dtype=torch.bfloat16, hidden_size=256, num_attention_heads=4,
-                       num_key_value_heads=2, intermediate_size=512)
+@GPU
+@pytest.mark.parametrize("spec, keep", [
+    (None, None), ({"pattern": "bigbird", "block_size": 128, "num_heads": 4}, None),
+    ({"pattern": "butterfly", "block_size": 64}, None), ({"pattern": "butterfly", "block_size": 64},
+                                                         keep_mask(2, 2048, right=(0, 1000))),
+], ids=["dense", "bigbird", "butterfly", "butterfly-right-padding"])
+def test_gpu_bf16_matches_sdpa(spec, keep):
+    check_against_sdpa("llama", spec, 2048, batch=2, keep=keep, dtype=torch.bfloat16, device="cuda", hidden_size=256,
+                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=512)
 
 
-@pytest.mark.gpu
+@GPU
 def test_gpu_generate_dense_matches_sdpa():
     sdpa, ours = (m.to("cuda") for m in pair("llama", None))
-    ids = tokens(2, 300).cuda()
-    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False, pad_token_id=0)
+    ids, keep = tokens(2, 300).cuda(), keep_mask(2, 300, left=(0, 45)).cuda()
+    kwargs = dict(attention_mask=keep, max_new_tokens=16, do_sample=False, pad_token_id=0)
     assert torch.equal(ours.generate(ids, **kwargs), sdpa.generate(ids, **kwargs))

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import numbers
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -160,7 +159,8 @@ def _pattern_mask(spec: _Spec, seq_len: int, device: torch.device) -> BlockMask 
         return mask
     if torch.compiler.is_compiling():
         raise RuntimeError(f"no {_FIELD} mask is cached for {seq_len} tokens on {device}: call sparse_flash."
-                           f"integrations.transformers.prepare(config, {seq_len}, {str(device)!r}) before torch.compile")
+                           f"integrations.transformers.prepare(config, {seq_len}, {str(device)!r}) before "
+                           "torch.compile")
     mask = _build_pattern(spec, seq_len, device)
     _PATTERN_MASKS[key] = mask
     if len(_PATTERN_MASKS) > MASK_CACHE_SIZE:
@@ -373,7 +373,8 @@ def _key_runs(padding_mask: torch.Tensor | None, keys: int, device):
     if padding_mask is None:
         return [(0, keys, None, None)]
     if padding_mask.dim() != 2:
-        raise ValueError(f"attention_mask must be a 2-D padding mask (batch, keys), got shape {tuple(padding_mask.shape)}")
+        raise ValueError(f"attention_mask must be a 2-D padding mask (batch, keys), got shape "
+                         f"{tuple(padding_mask.shape)}")
     if torch.compiler.is_compiling():
         raise RuntimeError("sparse_flash reads a padding attention_mask on the host: pass attention_mask=None under "
                            "torch.compile, or run the model eagerly")
