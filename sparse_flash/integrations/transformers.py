@@ -422,6 +422,13 @@ def _padding_error(keep: torch.Tensor, bk: int, *, dense: bool) -> str:
             f"of {bk} tokens, or run rows of different lengths separately")
 
 
+def _sliding_error(window) -> str:
+    return (f"this layer uses a sliding window of {window} tokens (config.sliding_window, config.layer_types), an "
+            "element-level band sparse_flash cannot express: set config.sliding_window = None or make every "
+            f"config.layer_types entry 'full_attention', and use the 'local' pattern in {_FIELD} for a windowed block "
+            "pattern")
+
+
 def _mask_function(
     batch_size: int,
     q_length: int,
@@ -443,11 +450,8 @@ def _mask_function(
     sizes = dict(q_length=q_length, kv_length=kv_length)
     if mask_function is causal_mask_function or mask_function is bidirectional_mask_function:
         causal = mask_function is causal_mask_function
-    elif local_size is not None or kwargs.get("sliding_window") is not None:
-        return CallPlan(**sizes, error=f"this layer uses a sliding window of {local_size} tokens "
-                        "(config.sliding_window, config.layer_types), an element-level band sparse_flash cannot "
-                        f"express: set config.sliding_window = None or make every config.layer_types entry "
-                        f"'full_attention', and use the 'local' pattern in {_FIELD} for a windowed block pattern")
+    elif local_size is not None or getattr(config, "sliding_window", None) is not None:
+        return CallPlan(**sizes, error=_sliding_error(local_size if local_size is not None else config.sliding_window))
     else:
         name = getattr(mask_function, "__qualname__", repr(mask_function))
         return CallPlan(**sizes, error=f"the model combines its mask with an element-level rule ({name}: packed "
@@ -487,8 +491,10 @@ def attention_forward(
     if dropout:
         raise ValueError(f"attention dropout {dropout} (config.attention_dropout, attention_probs_dropout_prob in "
                          "BERT-style configs): sparse_flash does not drop attention probabilities; set it to 0.0")
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError(_sliding_error(kwargs["sliding_window"]))
     for name, field in (("softcap", "config.attn_logit_softcapping"), ("s_aux", "attention sinks"),
-                        ("position_bias", "a relative position bias"), ("sliding_window", "config.sliding_window")):
+                        ("position_bias", "a relative position bias")):
         if kwargs.get(name) is not None:
             raise ValueError(f"this layer passes {name}={kwargs[name]!r} ({field}), which sparse_flash cannot "
                              "apply exactly; use a model (or config) without it")
