@@ -162,15 +162,8 @@ def _dispatch(q, k, v, mask, causal, scale, return_lse, backend):
     impl = _resolve_backend(backend, q)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     causal, return_lse = bool(causal), bool(return_lse)
-    if mask is _DENSE:
-        if impl != "triton":  # the other backends take the all-ones mask itself
-            from .masks import dense
-
-            mask = dense(q.shape[2], 128, seq_len_k=k.shape[2], device=q.device)
-        else:
-            mask = None
-    else:
-        mask = mask.to(q.device)
+    # Every backend takes mask=None as the all-ones mask (no mask is built: inside torch.compile it could not be)
+    mask = None if mask is _DENSE else mask.to(q.device)
     if impl == "triton":
         from .kernels import attention_triton
 

@@ -53,7 +53,7 @@ def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: BlockMask,
+    mask: BlockMask | None,
     *,
     causal: bool = False,
     scale: float | None = None,
@@ -63,7 +63,8 @@ def attention_reference(
 
     Args:
         q: `(B, Hq, Nq, D)`; k, v: `(B, Hkv, Nk, D)` with `Hq % Hkv == 0`.
-        mask: BlockMask of matching lengths; `causal` adds `k_idx <= q_idx` (top-left aligned).
+        mask: BlockMask of matching lengths, or None for the all-ones mask; `causal` adds `k_idx <= q_idx`
+            (top-left aligned).
         scale: softmax scale, default `1 / sqrt(D)`.
         upcast: compute in float32 (float64 inputs stay float64); False computes in the input dtype, which
             gives the error of "the same math done by PyTorch in that dtype".
@@ -82,9 +83,10 @@ def attention_reference(
     kc = kc.repeat_interleave(groups, dim=1)
     vc = vc.repeat_interleave(groups, dim=1)
     kv_bad = (k_bad | v_bad).repeat_interleave(groups, dim=1)
-    allowed = mask.to(q.device).to_dense()
+    Nk = k.shape[2]
+    allowed = torch.ones(1, 1, Nq, Nk, dtype=torch.bool, device=q.device) if mask is None else \
+        mask.to(q.device).to_dense()
     if causal:
-        Nk = k.shape[2]
         allowed = allowed & torch.ones(Nq, Nk, dtype=torch.bool, device=q.device).tril()
     s = torch.matmul(qc, kc.transpose(-1, -2)) * scale
     s = poison_scores(s, allowed, q_bad[..., :, None], kv_bad[..., None, :])

@@ -38,14 +38,41 @@ def _row_chunks(counts: torch.Tensor, longest: int, block_elements: int):
     return chunks, order
 
 
+def _dense_attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The all-ones mask: every key for each query, in chunks of query rows that bound the score memory (no
+    index lists, so no mask to build, also inside torch.compile)."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    (qc, q_bad), (kc, k_bad), (vc, v_bad) = (split_non_finite(t.to(compute)) for t in (q, k, v))
+    kc, vc = kc.repeat_interleave(Hq // Hkv, dim=1), vc.repeat_interleave(Hq // Hkv, dim=1)
+    kv_bad = (k_bad | v_bad).repeat_interleave(Hq // Hkv, dim=1)[:, :, None, :]  # (B, Hq, 1, Nk)
+    rows = max(1, _CHUNK_ELEMENTS // (B * Hq * Nk))
+    keys = torch.arange(Nk, device=q.device)
+    outs, lses = [], []
+    for lo in range(0, Nq, rows):
+        hi = min(lo + rows, Nq)
+        s = torch.matmul(qc[:, :, lo:hi], kc.transpose(-1, -2)) * scale  # (B, Hq, rows, Nk)
+        allowed = (keys[None, :] <= torch.arange(lo, hi, device=q.device)[:, None]) if causal else \
+            torch.ones(hi - lo, Nk, dtype=torch.bool, device=q.device)
+        p, lse = _softmax_rows(poison_scores(s, allowed, q_bad[:, :, lo:hi, None], kv_bad))
+        outs.append(torch.matmul(p, vc))
+        lses.append(lse)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2).to(lse_dtype)
+
+
 def attention_torch(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, *, causal: bool, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | None, *, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-sparse attention over the nonzero blocks of `mask`; returns `(out, lse)` like the reference.
+    """Block-sparse attention over the nonzero blocks of `mask` (None: the all-ones mask); returns `(out, lse)`
+    like the reference.
 
     Non-finite inputs follow the reference's rule (see `reference.poison_scores`): they reach exactly the rows
     that attend them, never a row through a padded slot or a masked pair.
     """
+    if mask is None:
+        return _dense_attention(q, k, v, causal, scale)
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     groups = Hq // Hkv

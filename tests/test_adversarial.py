@@ -330,3 +330,18 @@ def test_plot_writes_exactly_the_name_given(tmp_path):
     path = tmp_path / "noext"
     masks.local(64, 16, window=1).plot(str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_flash_attention_on_the_torch_backends_builds_no_mask(backend, causal):
+    """The all-ones mask reaches every backend as None: equal to the dense mask's result, and the torch backend
+    compiles fullgraph (no mask is built inside the graph)."""
+    q, k, v = _inputs(torch.float32, n=80)
+    out = sparse_flash.flash_attention(q, k, v, causal=causal, backend=backend)
+    expected = sparse_flash.block_sparse_attention(q, k, v, masks.dense(80, 16), causal=causal, backend=backend)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+    if backend == "torch":
+        compiled = torch.compile(lambda q, k, v: sparse_flash.flash_attention(q, k, v, causal=causal, backend="torch"),
+                                 fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(compiled(q, k, v), out, atol=1e-6, rtol=1e-5)
