@@ -13,6 +13,7 @@ import torch
 
 from .kernels import settings
 from .mask import BlockMask
+from .masks._common import is_bool
 
 BACKENDS = ("auto", "reference", "torch", "triton")
 HEAD_DIM_RANGE = (8, 256)
@@ -96,20 +97,14 @@ def _validate(q, k, v, mask, causal, scale, return_lse) -> None:
     if q.is_meta or k.is_meta or v.is_meta:
         raise ValueError("q, k and v must hold real values: meta tensors are not supported (torch.compile's fake "
                          "tensors are)")
-    _check_flag(causal, "causal")
-    _check_flag(return_lse, "return_lse")
+    for name, flag in (("causal", causal), ("return_lse", return_lse)):
+        if not is_bool(flag):  # Python or NumPy bools
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale}")
-
-
-def _check_flag(value, name: str) -> None:
-    """A Python bool or a NumPy bool (which is no `bool` subclass)."""
-    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
-    if not isinstance(value, bool) and not numpy_bool:
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 def block_sparse_attention(
