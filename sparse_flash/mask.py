@@ -14,7 +14,8 @@ from typing import NamedTuple
 
 import torch
 
-from .mask_index import LONG_LIST_BLOCKS, BlockIndex, KernelIndex, MaskGeometry, build_index
+from .mask_index import (LONG_LIST_BLOCKS, BlockIndex, KernelIndex, MaskGeometry, MaskIndex, build_index,
+                         build_topk_index, candidates, topk_counts, topk_sizes)
 
 __all__ = ["BlockMask", "Tiling"]
 
@@ -138,13 +139,13 @@ def _check_layout(layout) -> torch.Tensor:
     return layout
 
 
-def _check_length(value, name: str, blocks: int, block: int) -> int:
+def _check_length(value, name: str, blocks: int, block: int, where: str = "the layout has") -> int:
     if not _is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     value, needed = int(value), -(-int(value) // block)
     if needed != blocks:
         raise ValueError(f"{name}={value} with block size {block} needs ceil({value}/{block}) = {needed} blocks, "
-                         f"but the layout has {blocks}")
+                         f"but {where} {blocks}")
     return value
 
 
@@ -166,6 +167,90 @@ def _check_tiling(tiling, block_size: tuple[int, int], shape) -> Tiling | None:
         raise ValueError(f"tiling {tiling!r} needs square blocks of {size} tokens and {tiles} x {tiles} blocks, "
                          f"got block_size {block_size} and {tuple(shape[-2:])} blocks")
     return Tiling(grid, tile)
+
+
+def _check_flag(value, name: str) -> bool:
+    from .masks._common import as_bool  # masks import this module
+
+    return as_bool(value, name)
+
+
+def _check_scores(scores, block_size, seq_len_q, seq_len_k):
+    """Block scores `(B, H, Mq, Mk)` and their geometry `(scores, (block_q, block_k), seq_len_q, seq_len_k)`,
+    or a clear error (nothing read from the device)."""
+    if not isinstance(scores, torch.Tensor):
+        raise TypeError(f"scores must be a torch.Tensor, got {type(scores).__name__}")
+    if not scores.is_floating_point():
+        raise TypeError(f"scores must be a floating-point tensor, got dtype {scores.dtype}")
+    if scores.dim() != 4:
+        raise ValueError(f"scores must have shape (B, H, Mq, Mk) (B or H may be 1), got shape {tuple(scores.shape)}")
+    if min(scores.shape) < 1:
+        raise ValueError(f"scores must have at least one batch, head and block per side, got shape "
+                         f"{tuple(scores.shape)}")
+    if scores.is_meta:
+        raise ValueError("scores must hold real values (a cpu or cuda tensor), got a tensor on the meta device")
+    bq, bk = _as_pair(block_size)
+    Mq, Mk = scores.shape[-2:]
+    seq_len_q = _check_length(Mq * bq if seq_len_q is None else seq_len_q, "seq_len_q", Mq, bq, "scores.shape[2] =")
+    seq_len_k = _check_length(Mk * bk if seq_len_k is None else seq_len_k, "seq_len_k", Mk, bk, "scores.shape[3] =")
+    return scores.detach(), (bq, bk), seq_len_q, seq_len_k
+
+
+def _check_k(k, heads: int, Mk: int) -> tuple[int, ...]:
+    """`k` as host ints: `(k,)`, or one per head (a CUDA tensor is read: one wait for the device)."""
+    if _is_int(k):
+        ks = (int(k),)
+    elif isinstance(k, torch.Tensor) or (isinstance(k, (tuple, list)) and all(_is_int(x) for x in k)):
+        if isinstance(k, torch.Tensor) and (k.is_floating_point() or k.is_complex() or k.dtype == torch.bool):
+            raise TypeError(f"k given per head must be an integer tensor, got dtype {k.dtype}")
+        shape = tuple(k.shape) if isinstance(k, torch.Tensor) else (len(k),)
+        if shape != (heads,):
+            raise ValueError(f"k given per head must have shape (H,) = ({heads},), one per head of scores, got "
+                             f"shape {shape}")
+        ks = tuple(int(x) for x in (k.tolist() if isinstance(k, torch.Tensor) else k))
+    else:
+        raise TypeError(f"k must be an int, or an int tensor or sequence of ints of shape (H,), got "
+                        f"{type(k).__name__} {k!r}")
+    for h, value in enumerate(ks):
+        if not 1 <= value <= Mk:
+            head = f" for head {h}" if len(ks) > 1 else ""
+            raise ValueError(f"k must be between 1 and Mk = {Mk} (the key blocks of a row), got {value}{head}")
+    return ks
+
+
+def _check_finite(scores: torch.Tensor) -> None:
+    """Refuse NaN and infinite scores: one read from the device, skipped where it cannot happen (inside
+    torch.compile, during CUDA-graph capture)."""
+    if torch.compiler.is_compiling() or (scores.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    bad = int((~torch.isfinite(scores)).sum())
+    if bad:
+        raise ValueError(f"scores must be finite (NaN and infinities have no rank), got {bad} non-finite values "
+                         f"among {scores.numel()}")
+
+
+def _choose_topk(scores: torch.Tensor, counts: torch.Tensor, width: int, causal: bool,
+                 geometry: tuple[int, ...]) -> torch.Tensor:
+    """int64 `(B, H, Mq, width)`: each row's `counts[h, i]` best key blocks, ascending, then Mk (padding).
+
+    One stable sort by descending score, so ties go to the lower key block. With `causal` the last candidate
+    (the diagonal) is kept first and the rest chosen among the others; blocks past it are never chosen.
+    """
+    B, H, Mq, Mk = scores.shape
+    s = torch.where(torch.isnan(scores), float("-inf"), scores)  # only with check_finite=False
+    slot = torch.arange(width, device=scores.device)
+    if causal:
+        last = candidates(True, geometry, scores.device) - 1  # (Mq,): the diagonal block of each row
+        # Everything but the other candidates ranks last; among -inf ties the stable sort keeps the candidates
+        # (the lower indices) first.
+        s = torch.where(torch.arange(Mk, device=scores.device) < last[:, None], s, float("-inf"))
+        order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., : width - 1]
+        chosen = torch.where(slot[: width - 1] < counts[:, :, None] - 1, order, Mk)
+        chosen = torch.cat([chosen, last.expand(B, H, Mq)[..., None]], dim=-1)
+    else:
+        order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :width]
+        chosen = torch.where(slot < counts[:, :, None], order, Mk)
+    return torch.sort(chosen, dim=-1).values
 
 
 def _rebuild(layout, block_size, seq_len_q, seq_len_k, name, tiling):
@@ -208,15 +293,22 @@ class BlockMask:
         seq_len_k = _check_length(Mk * bk if seq_len_k is None else seq_len_k, "seq_len_k", Mk, bk)
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__}")
+        tiling = _check_tiling(tiling, (bq, bk), layout.shape)
+        # owned: later writes to `layout` do not reach it
+        self._own(layout.clone(memory_format=torch.contiguous_format), (bq, bk), seq_len_q, seq_len_k, name, tiling)
+
+    def _own(self, layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int, name: str,
+             tiling: Tiling | None, index: MaskIndex | None = None) -> None:
+        """Set the mask's values, checked already (`layout`: a contiguous bool tensor that nobody else writes),
+        and its index lists: `index`, or built from the layout."""
         values = dict(
-            _layout=layout.clone(memory_format=torch.contiguous_format),  # owned: later writes to `layout` do not reach it
-            block_size=(bq, bk), seq_len_q=seq_len_q, seq_len_k=seq_len_k, name=name,
-            tiling=_check_tiling(tiling, (bq, bk), layout.shape),
+            _layout=layout, block_size=block_size, seq_len_q=seq_len_q, seq_len_k=seq_len_k, name=name, tiling=tiling,
             _copies={}, _hash=None,  # caches derived from the values above
         )
         for key, value in values.items():
             object.__setattr__(self, key, value)
-        index = build_index(self._layout, self.block_size, seq_len_q, seq_len_k)
+        if index is None:
+            index = build_index(layout, block_size, seq_len_q, seq_len_k)
         object.__setattr__(self, "_index", index)
         object.__setattr__(self, "nnz", index.nnz)
 
@@ -264,6 +356,115 @@ class BlockMask:
             3
         """
         return cls(layout, block_size, seq_len_q, seq_len_k, name, tiling=tiling)
+
+    @classmethod
+    def from_topk(cls, scores: torch.Tensor, k, *, causal: bool = False, block_size, seq_len_q: int | None = None,
+                  seq_len_k: int | None = None, check_finite: bool = True, name: str | None = None) -> "BlockMask":
+        """Keep each query block's `k` best key blocks by `scores`: a mask chosen from the data (MoBA, NSA-style
+        block selection), built on the scores' device without waiting for it.
+
+        Args:
+            scores: float `(B, H, Mq, Mk)` (B or H may be 1), e.g. block-mean query . key affinities. Never
+                differentiated: the choice passes no gradient.
+            k: blocks kept per query block, an int in `[1, Mk]`, or one per head: an int tensor or a sequence of
+                `H` ints (read on the host: a CUDA tensor costs one wait for the device).
+            causal: choose only among the key blocks holding a causal pair (`j * block_k <= last query of
+                block i`), and always keep the last of them (the diagonal). A row with fewer candidates than
+                `k` keeps them all. Use the mask with `causal=True` attention.
+            block_size: int, or `(block_q, block_k)`, in tokens.
+            seq_len_q, seq_len_k: real lengths (default `Mq * block_q`, `Mk * block_k`), as in `from_layout`.
+            check_finite: refuse NaN and infinite scores. The check reads one bool from the device (a wait);
+                it is skipped inside torch.compile and CUDA-graph capture. With False, a NaN ranks as -inf.
+            name: shown by `repr` (default `top-k`).
+
+        Ties go to the lower key block index (a stable sort: equal scores keep key order). Every row keeps
+        `min(k, candidates)` blocks, known before the scores are read, so every size of the index lists is
+        known on the host: they are built with static shapes (`mask_index.build_topk_index`), inside
+        torch.compile too. Which kept blocks need an element mask is not known without the data: a row's last
+        kept blocks are put in the partial lists when they may (see `build_topk_index`; exact, and the same
+        lists as `from_layout` for square blocks without sequence tails). A non-causal top-k mask used with
+        `causal=True` attention builds those lists on first use, which waits for the device.
+
+        Returns:
+            BlockMask with layout `(B, H, Mq, Mk)`.
+
+        Example:
+            >>> scores = torch.randn(1, 4, 8, 8)
+            >>> BlockMask.from_topk(scores, 2, causal=True, block_size=64).nnz  # rows 0 keeps 1 block, the rest 2
+            60
+        """
+        scores, (bq, bk), seq_len_q, seq_len_k = _check_scores(scores, block_size, seq_len_q, seq_len_k)
+        B, H, Mq, Mk = scores.shape
+        causal, check_finite = _check_flag(causal, "causal"), _check_flag(check_finite, "check_finite")
+        ks = _check_k(k, H, Mk)
+        if check_finite:
+            _check_finite(scores)
+        geometry = (Mq, Mk, bq, bk, seq_len_q, seq_len_k)
+        counts = topk_counts(ks, causal, geometry, scores.device)  # (len(ks), Mq)
+        selected = _choose_topk(scores, counts, topk_sizes(ks, causal, B, H, geometry).longest_row, causal, geometry)
+        layout = torch.zeros(B, H, Mq, Mk + 1, dtype=torch.bool, device=scores.device)
+        layout = layout.scatter_(-1, selected, True)[..., :Mk].contiguous()  # column Mk takes the padding
+        index = build_topk_index(selected, counts, ks, causal, (bq, bk), seq_len_q, seq_len_k, layout)
+        if name is None:
+            name = (f"top-{ks[0]}" if len(ks) == 1 else "top-k per head") + (" causal" if causal else "")
+        return cls._from_index(layout, index, (bq, bk), seq_len_q, seq_len_k, name)
+
+    @classmethod
+    def from_scores(cls, scores: torch.Tensor, threshold: float, *, causal: bool = False, block_size,
+                    seq_len_q: int | None = None, seq_len_k: int | None = None, name: str | None = None) -> "BlockMask":
+        """Keep the key blocks whose score is above `threshold`, and always each row's diagonal block.
+
+        Args:
+            scores: float `(B, H, Mq, Mk)` (B or H may be 1), finite; never differentiated.
+            threshold: a finite float; a block is kept where `score > threshold`.
+            causal: keep only blocks holding a causal pair (`j * block_k <= last query of block i`).
+            block_size, seq_len_q, seq_len_k, name: as in `from_topk`.
+
+        The diagonal block of row i, kept whatever its score, is the one holding key position `last query of
+        block i` (the last block when the keys are shorter): with `causal`, the last candidate. How many blocks
+        a row keeps depends on the scores, so building the index lists waits for the device (as `from_layout`).
+
+        Example:
+            >>> scores = torch.eye(4)[None, None] - 0.5
+            >>> BlockMask.from_scores(scores, 0.0, block_size=64).nnz
+            4
+        """
+        scores, (bq, bk), seq_len_q, seq_len_k = _check_scores(scores, block_size, seq_len_q, seq_len_k)
+        causal = _check_flag(causal, "causal")
+        if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not math.isfinite(threshold):
+            raise TypeError(f"threshold must be a finite float, got {type(threshold).__name__} {threshold!r}")
+        _check_finite(scores)
+        B, H, Mq, Mk = scores.shape
+        cand = candidates(True, (Mq, Mk, bq, bk, seq_len_q, seq_len_k), scores.device)
+        j = torch.arange(Mk, device=scores.device)
+        keep = scores.detach() > threshold
+        if causal:
+            keep = keep & (j < cand[:, None])
+        keep = keep | (j == cand[:, None] - 1)  # the diagonal block
+        return cls(keep, (bq, bk), seq_len_q, seq_len_k, name or f"scores > {threshold:g}")
+
+    @classmethod
+    def _from_index(cls, layout: torch.Tensor, index: MaskIndex, block_size, seq_len_q: int, seq_len_k: int,
+                    name: str = "custom") -> "BlockMask":
+        """A mask owning `layout` (not copied: the caller made it and never writes it) whose index lists are
+        built already (`mask_index.build_topk_index`). Checks what reads nothing from the device: the layout's
+        dtype and shape, the lengths, and that the index's lists fit the layout."""
+        if not isinstance(layout, torch.Tensor) or layout.dtype != torch.bool or layout.dim() != 4:
+            raise TypeError(f"_from_index takes a 4-D bool layout, got {type(layout).__name__} "
+                            f"{getattr(layout, 'dtype', '')} {tuple(getattr(layout, 'shape', ()))}")
+        layout = _check_layout(layout)
+        bq, bk = _as_pair(block_size)
+        Mq, Mk = layout.shape[-2:]
+        seq_len_q = _check_length(seq_len_q, "seq_len_q", Mq, bq)
+        seq_len_k = _check_length(seq_len_k, "seq_len_k", Mk, bk)
+        for flag in dict.keys(index.rows):  # the flags built already
+            shapes = (tuple(index.rows[flag].counts.shape), tuple(index.cols[flag].counts.shape))
+            if shapes != (tuple(layout.shape[:3]), (*layout.shape[:2], Mk)) or not 0 <= index.nnz <= layout.numel():
+                raise ValueError(f"_from_index: the index lists (row counts {shapes[0]}, column counts {shapes[1]}, "
+                                 f"{index.nnz} blocks) do not fit a layout of shape {tuple(layout.shape)}")
+        mask = cls.__new__(cls)
+        mask._own(layout.contiguous(), (bq, bk), seq_len_q, seq_len_k, name, None, index)
+        return mask
 
     # ------------------------------------------------------------------ properties
     @property

@@ -13,13 +13,14 @@ This module holds the one scheduling policy of the lists (the `SPLIT_*`, `HEAVY_
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["BlockIndex", "KernelIndex", "MaskGeometry", "MaskIndex", "WorkPlan", "build_index"]
+__all__ = ["BlockIndex", "KernelIndex", "MaskGeometry", "MaskIndex", "WorkPlan", "build_index", "build_topk_index"]
 
 # The int32 fields of one work item (`WorkPlan.items`): everything a program needs to start walking its share of
 # a list, read in one round trip. [lo, hi) ranges index the full and the partial lists; `*_first` is the first
@@ -122,6 +123,13 @@ def _unbacked(*tensor_dims) -> None:
             mark_unbacked(t, dim)
 
 
+def _bin_counts(values: torch.Tensor, bins: int) -> torch.Tensor:
+    """int64 `(bins,)`: how often each of `0 .. bins - 1` occurs in `values` (`torch.bincount` with `minlength`,
+    which on a GPU waits for the device to read the largest value)."""
+    counts = torch.zeros(bins, dtype=torch.int64, device=values.device)
+    return counts.scatter_add_(0, values.long(), torch.ones_like(values, dtype=torch.int64))
+
+
 FULL, PARTIAL, DEAD = 0, 1, 2  # what a nonzero block is for one causal flag: no element mask needed, one
 # needed (causal diagonal, sequence tail), or no allowed pair at all (above the causal diagonal)
 
@@ -136,7 +144,7 @@ def _class_lists(keys: torch.Tensor, values: torch.Tensor, cls: torch.Tensor, si
     """
     n_full, n_part = sizes
     lists = math.prod(shape)
-    full_count, part_count = torch.bincount(cls * lists + keys, minlength=3 * lists)[: 2 * lists].view(2, lists)
+    full_count, part_count = _bin_counts(cls * lists + keys, 3 * lists)[: 2 * lists].view(2, lists)
     # A stable sort keeps the (list, value) order within each class: full entries, then partial, then dead.
     sorted_values = values[torch.argsort(cls, stable=True)].to(torch.int32)
     if n_full + n_part == values.numel():
@@ -190,31 +198,44 @@ def _plan_work(counts: torch.Tensor, chunk: int, mean: float, full: BlockIndex,
     n = torch.where(flat > chunk, torch.clamp((flat + chunk - 1) // chunk, max=SPLIT_MAX_CHUNKS), 1)  # chunks per list
     is_split = n > 1
     # The sizes below, fetched from the device together: items, the most items of one (b, h), split lists, slots
-    num_items, width, num_split, num_slots, longest = torch.stack(
+    *sizes, longest = torch.stack(
         [n.sum(), n.view(B * H, M).sum(1).max(), is_split.sum(), (n * is_split).sum(), flat.max()]).tolist()
+    return _plan_items(counts, n, sizes, mean, full, part), longest
+
+
+def _plan_items(counts: torch.Tensor, n: torch.Tensor, sizes: list[int], mean: float, full: BlockIndex,
+                part: BlockIndex) -> WorkPlan:
+    """The work plan of lists of `counts` (B, H, M) blocks cut into `n` (B * H * M,) chunks each, given its
+    sizes on the host: `(items, the most items of one (b, h), split lists, scratch slots)`. Nothing here waits
+    for the device."""
+    B, H, M = counts.shape
+    num_items, width, num_split, num_slots = sizes
+    flat = counts.reshape(-1).long()
+    is_split = n > 1
     lists = torch.repeat_interleave(torch.arange(flat.numel(), device=flat.device), n, output_size=num_items)
     starts = torch.cumsum(n, 0) - n
     chunk_id = torch.arange(lists.numel(), device=flat.device) - starts[lists]
     length = flat[lists] // n[lists]  # every chunk of a list has this length or one more
     bh = lists // M
     by_head = torch.argsort(bh * (1 << 32) - length, stable=True)  # by (b, h), longest first within
-    per_head = torch.bincount(bh, minlength=B * H)
+    per_head = _bin_counts(bh, B * H)
     rank = torch.arange(lists.numel(), device=flat.device) - (torch.cumsum(per_head, 0) - per_head)[bh[by_head]]
     heavy_bh = torch.where(length > HEAVY_FACTOR * mean, bh, B * H)  # light items count in a bin past the end
-    lead = torch.bincount(heavy_bh, minlength=B * H + 1)[: B * H].max().reshape(1).to(torch.int32)
+    lead = _bin_counts(heavy_bh, B * H + 1)[: B * H].max().reshape(1).to(torch.int32)
     split = torch.argsort((~is_split).to(torch.uint8), stable=True)[:num_split]  # the split lists, in order
     slots = torch.full_like(flat, -1)
     slots[split] = torch.cumsum(n[split], 0) - n[split]
     fields = [lists % M, chunk_id, n[lists], torch.where(n[lists] > 1, slots[lists] + chunk_id, -1),
               *_item_ranges(lists, chunk_id, n[lists], full, part)]
     items = torch.zeros((B * H, width, len(ITEM_FIELDS)), dtype=torch.int32, device=flat.device)
-    items[..., [ITEM_FIELDS.index("block"), ITEM_FIELDS.index("slot")]] = -1  # padding: no block, no slot
+    for field in ("block", "slot"):  # padding: no block, no slot (one fill each: a list index would be copied to
+        items[..., ITEM_FIELDS.index(field)] = -1  # the device, which waits for it)
     items[bh[by_head], rank] = torch.stack(fields, 1)[by_head].to(torch.int32)
     slot_list = torch.repeat_interleave(split, n[split], output_size=num_slots).to(torch.int32)
     plan = WorkPlan(items.reshape(B, H, -1, len(ITEM_FIELDS)), n.to(torch.int32), slots.to(torch.int32), lead,
                     split.to(torch.int32), slot_list)
     _unbacked((plan.items, 2), (plan.split, 0), (plan.slot_list, 0))
-    return plan, longest
+    return plan
 
 
 def _causal_blocks(Mq: int, Mk: int, bq: int, bk: int, seq_len_q: int) -> int:
@@ -254,6 +275,31 @@ class MaskIndex:
     longest_row: dict
 
 
+def _flag_index(row, col, i, j, by_col, cls, sizes: tuple[int, int], shape, longest: int | None = None):
+    """The live row and column lists, the `KernelIndex` and the longest row of one causal flag.
+
+    `row`, `col`, `i`, `j`: the layout's nonzero blocks sorted by (row list, key block) (`by_col` sorts them by
+    (column list, query block)); `cls` their class for this flag and `sizes` the numbers of FULL and PARTIAL
+    ones. `longest`: None to read the sizes of the work plans from the device and split long lists; the longest
+    row, when the host knows it, to split nothing and read nothing.
+    """
+    B, H, Mq, Mk = shape
+    rows_live, row_full, row_part = _class_lists(row, j, cls, sizes, (B, H, Mq))
+    cols_live, col_full, col_part = _class_lists(col[by_col], i[by_col], cls[by_col], sizes, (B, H, Mk))
+    total = sum(sizes)  # live blocks: the total length of the row lists, and of the column lists
+    row_mean, col_mean = total / (B * H * Mq), total / (B * H * Mk)
+    if longest is None:
+        row_plan, longest = _plan_work(rows_live.counts, _chunk_size(total, B * H * Mq), row_mean, row_full, row_part)
+        col_plan, _ = _plan_work(cols_live.counts, _chunk_size(total, B * H * Mk), col_mean, col_full, col_part)
+    else:
+        row_plan, col_plan = (_plan_items(live.counts, torch.ones(live.counts.numel(), dtype=torch.int64,
+                                                                  device=live.counts.device),
+                                          [live.counts.numel(), live.counts.shape[-1], 0, 0], mean, full, part)
+                              for live, mean, full, part in ((rows_live, row_mean, row_full, row_part),
+                                                             (cols_live, col_mean, col_full, col_part)))
+    return rows_live, cols_live, KernelIndex(row_full, row_part, col_full, col_part, row_plan, col_plan), longest
+
+
 def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int) -> MaskIndex:
     """Every index list of a bool layout `(B, H, Mq, Mk)`, from one pass over it; the rest costs O(nnz).
 
@@ -283,18 +329,178 @@ def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: in
     sizes = torch.stack([(c == k).sum() for c in classes.values() for k in (FULL, PARTIAL)]).tolist()
     covers_causal = False
     for causal, cls in classes.items():
-        n_full, n_part = sizes[2 * causal:2 * causal + 2]
-        rows_live, row_full, row_part = _class_lists(row, j, cls, (n_full, n_part), (B, H, Mq))
-        cols_live, col_full, col_part = _class_lists(col[by_col], i[by_col], cls[by_col], (n_full, n_part),
-                                                     (B, H, Mk))
-        rows[causal], cols[causal] = rows_live, cols_live
-        total = n_full + n_part  # live blocks: the total length of the row lists, and of the column lists
-        row_chunk, col_chunk = _chunk_size(total, B * H * Mq), _chunk_size(total, B * H * Mk)
+        flag_sizes = tuple(sizes[2 * causal:2 * causal + 2])
+        rows[causal], cols[causal], kernel[causal], longest_row[causal] = _flag_index(
+            row, col, i, j, by_col, cls, flag_sizes, (B, H, Mq, Mk))
+        total = sum(flag_sizes)
         long_lists[causal] = total >= LONG_LIST_BLOCKS * B * H * Mq
         if causal:
             covers_causal = total == B * H * _causal_blocks(Mq, Mk, bq, bk, seq_len_q)
-        row_plan, longest_row[causal] = _plan_work(rows_live.counts, row_chunk, total / (B * H * Mq), row_full,
-                                                   row_part)
-        col_plan, _ = _plan_work(cols_live.counts, col_chunk, total / (B * H * Mk), col_full, col_part)
-        kernel[causal] = KernelIndex(row_full, row_part, col_full, col_part, row_plan, col_plan)
     return MaskIndex(nnz, nnz == layout.numel(), covers_causal, rows, cols, kernel, long_lists, longest_row)
+
+
+# ---------------------------------------------------------------------------------------------- top-k masks
+# A mask that keeps a known number of key blocks in every row (`BlockMask.from_topk`) has every size of its lists
+# known on the host: its lists are built below with static shapes, without waiting for the device.
+
+
+def _causal_candidates(i: int, Mk: int, bq: int, bk: int, seq_len_q: int) -> int:
+    """Key blocks holding a causal pair with query block `i`: those starting at or before its last query."""
+    return min(Mk, (min((i + 1) * bq, seq_len_q) - 1) // bk + 1)
+
+
+def _first_partial(i: int, causal: bool, geometry: tuple[int, ...]) -> int:
+    """The first key block of row `i` that an attention call with this `causal` flag may need to mask
+    element-wise (Mk: none): every live block from it on does (a key tail, the causal diagonal), none before;
+    in the last row of a query tail, every block does."""
+    Mq, Mk, bq, bk, seq_len_q, seq_len_k = geometry
+    if i == Mq - 1 and Mq * bq > seq_len_q:
+        return 0
+    first = Mk - 1 if Mk * bk > seq_len_k else Mk
+    return min(first, (i * bq + 1) // bk) if causal else first  # the first j with k_last(j) > q_first(i)
+
+
+class TopkSizes(NamedTuple):
+    """What the host knows of a top-k mask's lists before any of them exists (`topk_sizes`).
+
+    Attributes:
+        nnz: nonzero blocks of the layout.
+        flags: the causal flags whose lists are built without reading the device (both for a causal top-k
+            mask; only False for a non-causal one, whose causal lists depend on which blocks were chosen).
+        partial: per flag in `flags`, the blocks put in the partial lists.
+        longest_row: the most blocks of one row.
+        covers_causal: whether every block holding a causal pair is kept; None when that depends on the choice.
+    """
+
+    nnz: int
+    flags: tuple[bool, ...]
+    partial: dict
+    longest_row: int
+    covers_causal: bool | None
+
+
+@functools.lru_cache(maxsize=64)
+def topk_sizes(ks: tuple[int, ...], causal: bool, batch: int, heads: int, geometry: tuple[int, ...]) -> TopkSizes:
+    """The sizes of the lists of a top-k mask: `ks` blocks kept per row (one per head, or one for all heads),
+    `geometry` `(Mq, Mk, block_q, block_k, seq_len_q, seq_len_k)`. Python ints only (cached per geometry): no
+    tensor, so that torch.compile traces through it as constants."""
+    Mq, Mk, bq, bk, seq_len_q, _ = geometry
+    cand = [_causal_candidates(i, Mk, bq, bk, seq_len_q) if causal else Mk for i in range(Mq)]
+    flags = (False, True) if causal else (False,)
+    spans = {flag: [max(0, c - _first_partial(i, flag, geometry)) for i, c in enumerate(cand)] for flag in flags}
+    per_k = heads // len(ks) * batch  # the rows of each entry of ks, per query block
+    nnz = per_k * sum(min(k, c) for k in ks for c in cand)
+    partial = {flag: per_k * sum(min(k, c, p) for k in ks for c, p in zip(cand, spans[flag])) for flag in flags}
+    longest_causal = _causal_candidates(Mq - 1, Mk, bq, bk, seq_len_q)  # the most causal candidates of a row
+    if causal or min(ks) == Mk:
+        covers = min(ks) >= longest_causal  # every row keeps all its causal candidates
+    else:
+        covers = False if longest_causal > min(ks) else None
+    return TopkSizes(nnz, flags, partial, min(max(ks), max(cand)), covers)
+
+
+def candidates(causal: bool, geometry: tuple[int, ...], device) -> torch.Tensor:
+    """int64 `(Mq,)` on `device`: the key blocks a top-k row chooses from, Mk, or with `causal` those holding a
+    causal pair (`_causal_candidates`): they are always blocks `0 .. candidates - 1`."""
+    Mq, Mk, bq, bk, seq_len_q, _ = geometry
+    i = torch.arange(Mq, device=device)
+    if not causal:
+        return torch.full_like(i, Mk)
+    return torch.clamp((torch.clamp((i + 1) * bq, max=seq_len_q) - 1) // bk + 1, max=Mk)
+
+
+def topk_counts(ks: tuple[int, ...], causal: bool, geometry: tuple[int, ...], device) -> torch.Tensor:
+    """int64 `(len(ks), Mq)` on `device`: the blocks a top-k mask keeps in each row, `min(k, candidates)`
+    (the candidates of a causal row: the key blocks holding a causal pair). A per-head `ks` is copied to the
+    device without waiting for it."""
+    cand = candidates(causal, geometry, device)
+    if len(set(ks)) == 1:
+        return torch.clamp(cand, max=ks[0]).expand(len(ks), -1)
+    k = torch.as_tensor(ks, dtype=torch.int64).to(device, non_blocking=True)
+    return torch.minimum(k[:, None], cand[None, :])
+
+
+def _partial_counts(counts: torch.Tensor, causal_mask: bool, flag: bool, geometry: tuple[int, ...]) -> torch.Tensor:
+    """int64 like `counts`: how many of each row's kept blocks (its last ones) go to the partial list of an
+    attention call with causal flag `flag` (device arithmetic; `_first_partial` on the host)."""
+    Mq, Mk, bq, bk, seq_len_q, seq_len_k = geometry
+    cand = candidates(causal_mask, geometry, counts.device)
+    i = torch.arange(Mq, device=counts.device)
+    first = torch.full_like(i, Mk - 1 if Mk * bk > seq_len_k else Mk)
+    if flag:
+        first = torch.minimum(first, (i * bq + 1) // bk)
+    if Mq * bq > seq_len_q:
+        first = torch.where(i == Mq - 1, 0, first)
+    return torch.minimum(counts, torch.clamp(cand - first, min=0))
+
+
+class _BuiltOnUse(dict):
+    """Per-causal-flag values of which some are built when first asked for: `fill(flag)` stores that flag in
+    every such dict of the index."""
+
+    def __init__(self, values: dict, fill):
+        super().__init__(values)
+        self._fill = fill
+
+    def __missing__(self, flag):
+        self._fill(flag)
+        return dict.__getitem__(self, flag)
+
+
+def build_topk_index(selected: torch.Tensor, counts: torch.Tensor, ks: tuple[int, ...], causal: bool,
+                     block_size: tuple[int, int], seq_len_q: int, seq_len_k: int, layout: torch.Tensor) -> MaskIndex:
+    """The index lists of a top-k mask, with static shapes: nothing here waits for the device.
+
+    Args:
+        selected: int64 `(B, H, Mq, W)`: row (b, h, i) keeps the key blocks `selected[b, h, i, :counts[h, i]]`,
+            ascending (the rest of the row is ignored).
+        counts: `topk_counts(ks, causal, ...)`, `(len(ks), Mq)` on the device.
+        ks: blocks kept per row, one per head or one for all heads (host ints).
+        causal: the mask keeps only blocks holding a causal pair (a causal top-k).
+        layout: the mask's bool layout `(B, H, Mq, Mk)` (for the lists of a flag built on first use).
+
+    Every size follows from `ks` and the geometry (`topk_sizes`), except which kept blocks need an element mask
+    (a key tail, the causal diagonal): the lists put the last `min(count, span)` kept blocks of a row in the
+    partial list, where `span` is the number of the row's candidates that may need one (they are its last
+    candidates). That holds every block that needs a mask, and may hold full blocks too (exact: their element
+    mask allows every pair) when a row did not keep all of its `span`: with rectangular blocks, or with a key
+    tail. Square blocks without tails give exactly the lists of `build_index`.
+
+    Lists are never split (each list is one work item; long columns, such as a block every row keeps, are
+    walked by one program). A non-causal top-k mask builds its causal lists (and, where it depends on the
+    choice, `covers_causal`) with `build_index`, which waits for the device: the lists on first use, the flag
+    at once.
+    """
+    B, H, Mq, W = selected.shape
+    Mk = layout.shape[-1]
+    geometry = (Mq, Mk, *block_size, seq_len_q, seq_len_k)
+    sizes = topk_sizes(ks, causal, B, H, geometry)
+    L = B * H * Mq
+    n_rows = counts.expand(B, H, Mq).reshape(L)
+    row = torch.repeat_interleave(torch.arange(L, device=selected.device), n_rows, output_size=sizes.nnz)
+    t = torch.arange(sizes.nnz, device=selected.device) - (torch.cumsum(n_rows, 0) - n_rows)[row]  # place in row
+    j = selected.reshape(L, W)[row, t]
+    bh, i = row // Mq, row % Mq
+    col = bh * Mk + j
+    by_col = torch.argsort(col * Mq + i)  # the same entries sorted by (b, h, j, i)
+    rows, cols, kernel, long_lists, longest_row = {}, {}, {}, {}, {}
+    for flag in sizes.flags:
+        partial = _partial_counts(counts, causal, flag, geometry).expand(B, H, Mq).reshape(L)
+        cls = torch.where(t >= (n_rows - partial)[row], PARTIAL, FULL)
+        flag_sizes = (sizes.nnz - sizes.partial[flag], sizes.partial[flag])
+        rows[flag], cols[flag], kernel[flag], longest_row[flag] = _flag_index(
+            row, col, i, j, by_col, cls, flag_sizes, (B, H, Mq, Mk), sizes.longest_row)
+        long_lists[flag] = sizes.nnz >= LONG_LIST_BLOCKS * B * H * Mq
+    covers = sizes.covers_causal
+    if covers is None:  # a non-causal choice that may hold every causal block: count the causal ones it kept
+        q_last = torch.clamp((i + 1) * block_size[0], max=seq_len_q) - 1
+        covers = int((j * block_size[1] <= q_last).sum()) == B * H * _causal_blocks(Mq, Mk, *block_size, seq_len_q)
+    if not causal:  # the causal lists: on first use
+        def fill(flag):
+            built = build_index(layout, block_size, seq_len_q, seq_len_k)
+            for mine, theirs in zip(lazy, (built.rows, built.cols, built.kernel, built.long_lists, built.longest_row)):
+                dict.__setitem__(mine, flag, theirs[flag])
+
+        lazy = tuple(_BuiltOnUse(v, fill) for v in (rows, cols, kernel, long_lists, longest_row))
+        rows, cols, kernel, long_lists, longest_row = lazy
+    return MaskIndex(sizes.nnz, sizes.nnz == layout.numel(), covers, rows, cols, kernel, long_lists, longest_row)
