@@ -379,24 +379,33 @@ class TopkSizes(NamedTuple):
     covers_causal: bool | None
 
 
-@functools.lru_cache(maxsize=64)
 def topk_sizes(ks: tuple[int, ...], causal: bool, batch: int, heads: int, geometry: tuple[int, ...]) -> TopkSizes:
     """The sizes of the lists of a top-k mask: `ks` blocks kept per row (one per head, or one for all heads),
-    `geometry` `(Mq, Mk, block_q, block_k, seq_len_q, seq_len_k)`. Python ints only (cached per geometry): no
-    tensor, so that torch.compile traces through it as constants."""
+    `geometry` `(Mq, Mk, block_q, block_k, seq_len_q, seq_len_k)`. Python ints only, no tensor: torch.compile
+    traces it as constants; eagerly it is cached per geometry."""
+    if torch.compiler.is_compiling():  # dynamo would skip the cache (and warn)
+        return _topk_sizes(ks, causal, batch, heads, geometry)
+    return _cached_topk_sizes(ks, causal, batch, heads, geometry)
+
+
+def _topk_sizes(ks: tuple[int, ...], causal: bool, batch: int, heads: int, geometry: tuple[int, ...]) -> TopkSizes:
     Mq, Mk, bq, bk, seq_len_q, _ = geometry
     cand = [_causal_candidates(i, Mk, bq, bk, seq_len_q) if causal else Mk for i in range(Mq)]
     flags = (False, True) if causal else (False,)
     spans = {flag: [max(0, c - _first_partial(i, flag, geometry)) for i, c in enumerate(cand)] for flag in flags}
-    per_k = heads // len(ks) * batch  # the rows of each entry of ks, per query block
-    nnz = per_k * sum(min(k, c) for k in ks for c in cand)
-    partial = {flag: per_k * sum(min(k, c, p) for k in ks for c, p in zip(cand, spans[flag])) for flag in flags}
+    rows_per_k = {k: ks.count(k) * heads // len(ks) * batch for k in set(ks)}  # rows of each value of k, per block
+    nnz = sum(rows * sum(min(k, c) for c in cand) for k, rows in rows_per_k.items())
+    partial = {flag: sum(rows * sum(min(k, c, s) for c, s in zip(cand, spans[flag])) for k, rows in rows_per_k.items())
+               for flag in flags}
     longest_causal = _causal_candidates(Mq - 1, Mk, bq, bk, seq_len_q)  # the most causal candidates of a row
     if causal or min(ks) == Mk:
         covers = min(ks) >= longest_causal  # every row keeps all its causal candidates
     else:
         covers = False if longest_causal > min(ks) else None
     return TopkSizes(nnz, flags, partial, min(max(ks), max(cand)), covers)
+
+
+_cached_topk_sizes = functools.lru_cache(maxsize=64)(_topk_sizes)
 
 
 def candidates(causal: bool, geometry: tuple[int, ...], device) -> torch.Tensor:

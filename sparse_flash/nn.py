@@ -1,8 +1,9 @@
-"""`BlockSparseAttention`: a multi-head attention layer for `(batch, seq, embed)` inputs.
+"""Multi-head attention layers for `(batch, seq, embed)` inputs.
 
-A drop-in for `torch.nn.MultiheadAttention(batch_first=True)` whose attention runs through
-`block_sparse_attention`, with grouped-query heads, cross-attention input sizes and masks given as a
-`BlockMask` or as a pattern name rebuilt for each sequence length.
+`BlockSparseAttention`: a drop-in for `torch.nn.MultiheadAttention(batch_first=True)` whose attention runs
+through `block_sparse_attention`, with grouped-query heads, cross-attention input sizes and masks given as a
+`BlockMask` or as a pattern name rebuilt for each sequence length. `MoBAAttention`: the same layer choosing
+its key blocks per call from the data (MoBA).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from .api import BACKENDS, HEAD_DIM_RANGE, block_sparse_attention, flash_attenti
 from .mask import BlockMask
 from .masks._common import GridError, as_bool, block_pair, is_bool, positive_int
 
-__all__ = ["BlockSparseAttention"]
+__all__ = ["BlockSparseAttention", "MoBAAttention"]
 
 # Arguments of a pattern constructor that the layer fills in itself.
 _GEOMETRY_ARGS = ("seq_len", "block_size", "seq_len_k", "device")
@@ -305,10 +306,17 @@ class BlockSparseAttention(nn.Module):
             mask = self.mask
         if mask is not None:
             self._check_lengths(mask, n_q, n_k, "the mask")
+        return self._attend(*self._heads(query, key, value), mask)
 
+    def _heads(self, query, key, value) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projected inputs: q `(B, num_heads, Nq, D)`, k and v `(B, num_kv_heads, Nk, D)`."""
         q = rearrange(self.q_proj(query), "b n (h d) -> b h n d", h=self.num_heads)
         k = rearrange(self.k_proj(key), "b n (h d) -> b h n d", h=self.num_kv_heads)
         v = rearrange(self.v_proj(value), "b n (h d) -> b h n d", h=self.num_kv_heads)
+        return q, k, v
+
+    def _attend(self, q, k, v, mask: BlockMask | None) -> torch.Tensor:
+        """Attention of the heads under `mask` (None: dense), then the output projection and dropout."""
         if mask is None:
             out = flash_attention(q, k, v, causal=self.causal, backend=self.backend)
         else:
@@ -324,3 +332,83 @@ class BlockSparseAttention(nn.Module):
             f"mask={mask!r}{params}, block_size={self.block_size}, causal={self.causal}, "
             f"dropout={self.dropout.p}, backend={self.backend!r}"
         )
+
+
+def _block_means(x: torch.Tensor, block: int) -> torch.Tensor:
+    """float32 `(B, H, ceil(N / block), D)`: the mean of each block of `block` rows of `x` `(B, H, N, D)` (the
+    last block's mean over its real rows)."""
+    B, H, N, D = x.shape
+    M = -(-N // block)
+    sums = torch.nn.functional.pad(x.float(), (0, 0, 0, M * block - N)).view(B, H, M, block, D).sum(3)
+    rows = torch.clamp(N - torch.arange(M, device=x.device) * block, max=block)
+    return sums / rows[:, None]
+
+
+class MoBAAttention(BlockSparseAttention):
+    """Multi-head attention that chooses, per call, the key blocks each query block attends to: MoBA (Lu et al.,
+    2025, "MoBA: Mixture of Block Attention for Long-Context LLMs"), on the block-sparse kernels.
+
+    The gate of key block j for query block i is, per head, `mean(q over block i) . mean(k over block j)`: the
+    mean over the block's queries of MoBA's per-token gate `q . mean(k over block j)` (MoBA chooses per query
+    token; a block mask chooses per query block). Each query block keeps its `top_k` best key blocks
+    (`BlockMask.from_topk`: ties go to the lower block, and no gradient flows through the choice); with
+    `causal`, only blocks holding a causal pair compete and the diagonal block is always kept, counting among
+    the `top_k`, as in MoBA. The chosen mask then runs `block_sparse_attention` with the layer's `causal` flag.
+
+    Args:
+        embed_dim, num_heads: as in `BlockSparseAttention`.
+        block_size: int, or `(block_q, block_k)`: the blocks that are chosen, in tokens.
+        top_k: key blocks kept per query block, an int from 1 (capped at the key blocks of a call).
+        causal: bool, default True (self-attention in a decoder).
+        num_kv_heads, kdim, vdim, dropout, bias, backend, device, dtype: as in `BlockSparseAttention`.
+
+    The whole call, choice included, traces with `torch.compile(fullgraph=True)`, and builds the mask's index
+    lists without waiting for the GPU; there is nothing to `prepare`.
+
+    Example:
+        >>> from sparse_flash.nn import MoBAAttention
+        >>> attn = MoBAAttention(256, 4, block_size=64, top_k=3)
+        >>> attn(torch.randn(2, 500, 256)).shape
+        torch.Size([2, 500, 256])
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, block_size, top_k: int, *, causal: bool = True,
+                 num_kv_heads: int | None = None, kdim: int | None = None, vdim: int | None = None,
+                 dropout: float = 0.0, bias: bool = True, backend: str = "auto", device=None, dtype=None):
+        pair, top_k = block_pair(block_size), positive_int(top_k, "top_k")
+        super().__init__(embed_dim, num_heads, num_kv_heads=num_kv_heads, kdim=kdim, vdim=vdim, mask=None,
+                         block_size=block_size, causal=causal, dropout=dropout, bias=bias, backend=backend,
+                         device=device, dtype=dtype)
+        self.block_pair, self.top_k = pair, top_k
+
+    def prepare(self, seq_len_q: int, seq_len_k: int | None = None, device=None) -> None:
+        """Nothing to build ahead: the layer chooses its mask in each call (kept for layers used alike)."""
+        return None
+
+    def select(self, q: torch.Tensor, k: torch.Tensor) -> BlockMask:
+        """The mask of a call with heads q `(B, num_heads, Nq, D)` and k `(B, num_kv_heads, Nk, D)`: each query
+        block's `top_k` key blocks by gate score, `(B, num_heads, Mq, Mk)`."""
+        bq, bk = self.block_pair
+        with torch.no_grad():
+            keys = _block_means(k, bk).repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+            scores = _block_means(q, bq) @ keys.transpose(-1, -2)  # (B, H, Mq, Mk)
+        # The scores come from q and k: a non-finite one reaches the output through attention anyway (the
+        # reference's rule), so the choice reads nothing from the device to check them.
+        return BlockMask.from_topk(scores, min(self.top_k, scores.shape[-1]), causal=self.causal,
+                                   block_size=self.block_pair, seq_len_q=q.shape[2], seq_len_k=k.shape[2],
+                                   check_finite=False, name="moba")
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None) -> torch.Tensor:
+        """Attend from `query` `(B, Nq, embed_dim)` to `key` `(B, Nk, kdim)` (default `query`) and `value`
+        `(B, Nk, vdim)` (default `key`) through the key blocks chosen for this call; returns `(B, Nq, embed_dim)`."""
+        key = query if key is None else key
+        value = key if value is None else value
+        self._check_inputs(query, key, value)
+        q, k, v = self._heads(query, key, value)
+        return self._attend(q, k, v, self.select(q, k))
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"block_size={self.block_size}, top_k={self.top_k}, causal={self.causal}, dropout={self.dropout.p}, "
+                f"backend={self.backend!r}")

@@ -9,9 +9,11 @@ import contextlib
 import glob
 import json
 import os
+import traceback
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
@@ -54,6 +56,42 @@ def fresh_plans():
         yield
     finally:
         forget_plans()
+
+
+class DeviceWaits(TorchDispatchMode):
+    """Counts what makes the host wait for the device's results on a GPU, also when the test runs on the CPU:
+    operators whose output size depends on the data (nonzero, boolean indexing, repeat_interleave without its
+    size, and `ops`), and reads of tensor values on the host (`tolist`, `item`, `int`, ...), except in the
+    functions named in `host`, which work on host tensors by design.
+
+    Use: `with DeviceWaits(monkeypatch) as counter: ...`, then `monkeypatch.undo()` and read `counter.waits`.
+    """
+
+    READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
+    SIZED_BY_DATA = (torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default,
+                     torch.ops.aten.repeat_interleave.Tensor)
+    BOOL_INDEXED = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default)
+
+    def __init__(self, monkeypatch, host=("_causal_blocks",), ops=()):
+        super().__init__()
+        self.waits, self.host, self.ops = 0, frozenset(host), (*self.SIZED_BY_DATA, *ops)
+        for name in self.READS:
+            monkeypatch.setattr(torch.Tensor, name, self._counted(getattr(torch.Tensor, name)))
+
+    def _counted(self, read):
+        def counted(t, *args):
+            if not any(frame.name in self.host for frame in traceback.extract_stack()):
+                self.waits += 1
+            return read(t, *args)
+        return counted
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        bool_index = func in self.BOOL_INDEXED and any(t is not None and t.dtype == torch.bool for t in args[1])
+        sized = func is torch.ops.aten.repeat_interleave.Tensor and kwargs.get("output_size") is not None
+        if bool_index or (func in self.ops and not sized):
+            self.waits += 1
+        return func(*args, **kwargs)
 
 
 @pytest.fixture(autouse=True)

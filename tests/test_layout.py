@@ -1,13 +1,12 @@
 """BlockMask: construction, index lists, algebra, devices, repr and plots."""
 
 import math
-import traceback
 
 import pytest
 import torch
+from conftest import DeviceWaits
 from hypothesis import given
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from sparse_flash import BlockMask, masks
 from sparse_flash.mask_index import HEAVY_FACTOR, ITEM_FIELDS, LONG_LIST_BLOCKS
@@ -166,41 +165,6 @@ def test_item_fields_agree_with_the_kernels():
         assert getattr(common, f"ITEM_{name.upper()}") == i
 
 
-class _DeviceWaits(TorchDispatchMode):
-    """Counts what makes the host wait for the device's results on a GPU: operators whose output size
-    depends on the data (nonzero, boolean indexing, repeat_interleave without its size), and reads of tensor
-    values on the host (`tolist`, `item`, `int`, ...), except in `_causal_blocks`, which works on host
-    tensors by design."""
-
-    READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
-
-    def __init__(self, monkeypatch):
-        super().__init__()
-        self.waits = 0
-        for name in self.READS:
-            monkeypatch.setattr(torch.Tensor, name, self._counted(getattr(torch.Tensor, name)))
-
-    def _counted(self, read):
-        def counted(t, *args):
-            if not any(frame.name == "_causal_blocks" for frame in traceback.extract_stack()):
-                self.waits += 1
-            return read(t, *args)
-        return counted
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        bool_index = func is torch.ops.aten.index.Tensor and any(
-            t is not None and t.dtype == torch.bool for t in args[1])
-        sized = func is torch.ops.aten.repeat_interleave.Tensor and kwargs.get("output_size") is not None
-        if bool_index or (func in _SIZED_BY_DATA and not sized):
-            self.waits += 1
-        return func(*args, **kwargs)
-
-
-_SIZED_BY_DATA = (torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default,
-                  torch.ops.aten.repeat_interleave.Tensor)
-
-
 @pytest.mark.parametrize("layout_kind", ["random", "bigbird"])
 def test_index_build_waits_on_the_device_six_times(layout_kind, monkeypatch):
     """The layout's nonzero blocks, the class sizes of both causal flags, and one read per work plan (rows
@@ -210,7 +174,7 @@ def test_index_build_waits_on_the_device_six_times(layout_kind, monkeypatch):
         layout = torch.rand(2, 3, 41, 41, generator=torch.Generator().manual_seed(0)) < 0.3
     else:
         layout = masks.bigbird(n, 128, num_global_blocks=2, seed=0).layout  # split lists
-    with _DeviceWaits(monkeypatch) as counter:
+    with DeviceWaits(monkeypatch) as counter:
         m = BlockMask.from_layout(layout, 128, seq_len_q=n, seq_len_k=n)
     monkeypatch.undo()
     assert counter.waits == 6

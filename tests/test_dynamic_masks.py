@@ -1,0 +1,466 @@
+"""Masks chosen from the data: BlockMask.from_topk and from_scores, their static-shape index lists, every
+backend on them (forward and backward), the waits for the device, bad input, and the MoBA layer."""
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import DEVICE, DeviceWaits, triton_usable
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from test_layout import check_work_items, lists_from_index
+
+import sparse_flash
+from sparse_flash import BlockMask
+from sparse_flash.mask_index import HEAVY_FACTOR
+from sparse_flash.nn import MoBAAttention
+from sparse_flash.testing import compare_to_reference, make_qkv
+
+BACKENDS = ["reference", "torch"] + (["triton"] if triton_usable() else [])
+FEWER = max(1, settings().max_examples * 2 // 5)  # attention draws under the Triton interpreter are the slow ones
+
+
+@dataclass(frozen=True)
+class TopK:
+    """A from_topk problem: scores of shape (B, H, Mq, Mk) drawn from `seed`, `k` an int or one per head."""
+
+    B: int
+    H: int
+    Mq: int
+    Mk: int
+    block_q: int
+    block_k: int
+    Nq: int
+    Nk: int
+    k: int | tuple
+    causal: bool
+    ties: bool  # scores from a few values (many ties) rather than a continuous draw
+    seed: int
+
+    def scores(self, device="cpu"):
+        gen = torch.Generator().manual_seed(self.seed)
+        shape = (self.B, self.H, self.Mq, self.Mk)
+        s = torch.randint(0, 3, shape, generator=gen).float() if self.ties else torch.randn(shape, generator=gen)
+        return s.to(device)
+
+    def mask(self, scores=None, **kwargs):
+        return BlockMask.from_topk(self.scores() if scores is None else scores, self.k, causal=self.causal,
+                                   block_size=(self.block_q, self.block_k), seq_len_q=self.Nq, seq_len_k=self.Nk,
+                                   **kwargs)
+
+    @property
+    def exact(self) -> bool:
+        """Square blocks and no sequence tails: the static partial lists are exactly build_index's."""
+        return self.block_q == self.block_k and self.Nq == self.Mq * self.block_q and self.Nk == self.Mk * self.block_k
+
+
+@st.composite
+def topk_problems(draw, block_sizes=(16, 32, 48), max_blocks=8):
+    B, H = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 3]))
+    bq, bk = draw(st.sampled_from(block_sizes)), draw(st.sampled_from(block_sizes))
+    Mq, Mk = draw(st.integers(1, max_blocks)), draw(st.integers(1, max_blocks))
+    if draw(st.booleans()):  # square blocks without tails, the exact case, half of the time
+        bk, Nq, Nk = bq, Mq * bq, Mk * bq
+    else:
+        Nq = draw(st.integers((Mq - 1) * bq + 1, Mq * bq))
+        Nk = draw(st.integers((Mk - 1) * bk + 1, Mk * bk))
+    per_head = H > 1 and draw(st.booleans())
+    k = tuple(draw(st.lists(st.integers(1, Mk), min_size=H, max_size=H))) if per_head else draw(st.integers(1, Mk))
+    return TopK(B, H, Mq, Mk, bq, bk, Nq, Nk, k, draw(st.booleans()), draw(st.booleans()), draw(st.integers(0, 999)))
+
+
+EDGES = [
+    TopK(1, 1, 1, 1, 16, 16, 16, 16, 1, True, False, 0),  # one block
+    TopK(1, 3, 5, 5, 32, 32, 160, 160, 5, True, True, 1),  # k = Mk: the causal mask itself (covers_causal)
+    TopK(2, 1, 6, 6, 16, 16, 96, 96, 6, False, True, 2),  # k = Mk, not causal: the dense mask
+    TopK(1, 2, 2, 7, 32, 16, 40, 100, 4, False, False, 3),  # queries shorter than keys: covers_causal read
+    TopK(1, 3, 6, 6, 48, 16, 280, 90, (1, 3, 6), True, True, 4),  # per head, rectangular blocks, tails
+]
+
+
+def plain_topk(p: TopK, scores: torch.Tensor) -> torch.Tensor:
+    """The layout from_topk must choose, row by row in Python: the k best candidates (higher score first, then
+    lower key block); with `causal`, the candidates hold a causal pair and the last of them is always kept."""
+    ks = p.k if isinstance(p.k, tuple) else (p.k,) * p.H
+    layout = torch.zeros(p.B, p.H, p.Mq, p.Mk, dtype=torch.bool)
+    s = scores.cpu().tolist()
+    for b in range(p.B):
+        for h in range(p.H):
+            for i in range(p.Mq):
+                last_query = min((i + 1) * p.block_q, p.Nq) - 1
+                cands = [j for j in range(p.Mk) if not p.causal or j * p.block_k <= last_query]
+                n = min(ks[h], len(cands))
+                forced = cands[-1:] if p.causal else []
+                rest = sorted((j for j in cands if j not in forced), key=lambda j: (-s[b][h][i][j], j))
+                for j in forced + rest[: n - len(forced)]:
+                    layout[b, h, i, j] = True
+    return layout
+
+
+@given(p=topk_problems())
+@example(p=EDGES[0])
+@example(p=EDGES[1])
+@example(p=EDGES[2])
+@example(p=EDGES[3])
+@example(p=EDGES[4])
+def test_topk_layout_is_a_plain_topk(p):
+    scores = p.scores()
+    m = p.mask(scores)
+    assert m.shape == (p.B, p.H, p.Mq, p.Mk) and (m.seq_len_q, m.seq_len_k) == (p.Nq, p.Nk)
+    assert torch.equal(m.layout, plain_topk(p, scores))
+    if not p.ties:  # without ties the choice is torch.topk's among the (other) candidates
+        for b, h, i in [(0, p.H - 1, p.Mq - 1), (p.B - 1, 0, 0)]:
+            kh = p.k[h] if isinstance(p.k, tuple) else p.k
+            row = scores[b, h, i].clone()
+            if p.causal:
+                last = int(m.layout[b, h, i].nonzero().max())  # the diagonal: the last kept block
+                row[last + 1:] = -math.inf
+                row[last] = math.inf
+            n = min(kh, int(torch.isfinite(row).sum()) + (1 if p.causal else 0))
+            assert set(torch.topk(row, n).indices.tolist()) == set(m.layout[b, h, i].nonzero().flatten().tolist())
+
+
+def _lists(index):
+    return lists_from_index(index)
+
+
+@given(p=topk_problems())
+@example(p=EDGES[1])
+@example(p=EDGES[3])
+@example(p=EDGES[4])
+def test_topk_index_agrees_with_build_index(p):
+    """The static lists hold what build_index's hold: the same live rows and columns, the same sizes; every
+    block needing an element mask is partial, and in the exact case (square blocks, no tails) the full and
+    partial lists and the work plans are build_index's (when its plan splits nothing)."""
+    m = p.mask()
+    ref = BlockMask.from_layout(m.layout.clone(), (p.block_q, p.block_k), seq_len_q=p.Nq, seq_len_k=p.Nk)
+    assert (m.nnz, m.is_dense, m.covers_causal) == (ref.nnz, ref.is_dense, ref.covers_causal)
+    for causal in (False, True):
+        assert m.longest_row(causal) == ref.longest_row(causal)
+        assert m.has_long_lists(causal) == ref.has_long_lists(causal)
+        for ours, theirs in ((m.row_index(causal), ref.row_index(causal)), (m.col_index(causal), ref.col_index(causal))):
+            for a, b in zip(ours, theirs):
+                assert torch.equal(a, b)
+        mine, want = m.kernel_index(causal), ref.kernel_index(causal)
+        for full, part, ref_full, ref_part in ((mine.row_full, mine.row_partial, want.row_full, want.row_partial),
+                                               (mine.col_full, mine.col_partial, want.col_full, want.col_partial)):
+            for f, q, rf, rq in zip(_lists(full), _lists(part), _lists(ref_full), _lists(ref_part)):
+                assert set(f) <= set(rf) and set(q) >= set(rq) and sorted(f + q) == sorted(rf + rq)
+            if p.exact or (not p.causal and causal):  # the non-causal mask's causal lists are build_index's
+                for a, b in zip((*full, *part), (*ref_full, *ref_part)):
+                    assert torch.equal(a, b)
+        check_work_items(mine.row_full, mine.row_partial, mine.row_plan)
+        check_work_items(mine.col_full, mine.col_partial, mine.col_plan)
+        static = p.causal or not causal  # built without reading the device: nothing is split
+        for plan, theirs, live in ((mine.row_plan, want.row_plan, m.row_index(causal)),
+                                   (mine.col_plan, want.col_plan, m.col_index(causal))):
+            if static:
+                assert plan.chunks.eq(1).all() and plan.split.numel() == 0 and plan.slot_list.numel() == 0
+                mean = live.counts.sum().item() / live.counts.numel()  # lead: ranks holding a heavy item
+                assert plan.lead.item() == int((live.counts > HEAVY_FACTOR * mean).sum(-1).max())
+            if (p.exact or not static) and theirs.split.numel() == 0:
+                for a, b in zip(plan, theirs):
+                    assert torch.equal(a, b)
+
+
+@given(p=topk_problems(block_sizes=(16, 32), max_blocks=5), backend=st.sampled_from(BACKENDS))
+@settings(max_examples=FEWER)
+@example(p=EDGES[1], backend=BACKENDS[-1])
+@example(p=EDGES[4], backend=BACKENDS[-1])
+def test_attention_with_topk_mask_matches_reference(p, backend):
+    """Forward and gradients of q, k, v on every backend against the float64 reference with the mask
+    materialised (2x rule); the non-causal masks with causal=True too (their causal lists built on use)."""
+    q, k, v = make_qkv(p.B, p.H, 1, p.Nq, p.Nk, 16, dtype=torch.float32, device=DEVICE, seed=p.seed)
+    mask = p.mask(p.scores(DEVICE))
+    for causal in {p.causal, True}:
+        result = compare_to_reference(q, k, v, mask, causal=causal, backend=backend)
+        assert not result.failures(), f"{p}, causal={causal}: {result.failures()}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scores_get_no_gradient(backend):
+    p = EDGES[4]
+    scores = p.scores(DEVICE).requires_grad_()
+    mask = p.mask(scores)
+    q, k, v = make_qkv(p.B, p.H, p.H, p.Nq, p.Nk, 16, dtype=torch.float32, device=DEVICE, seed=0)
+    sparse_flash.block_sparse_attention(q, k, v, mask, causal=True, backend=backend).square().sum().backward()
+    assert scores.grad is None and not mask.layout.requires_grad
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in (q, k, v))
+
+
+# ---------------------------------------------------------------------------------------------- device waits
+SYNCING_OPS = (torch.ops.aten.bincount.default, torch.ops.aten._local_scalar_dense.default,
+               torch.ops.aten.unique_dim.default, torch.ops.aten._unique2.default)
+
+
+@pytest.mark.parametrize("p", [EDGES[4], TopK(2, 3, 9, 9, 32, 32, 280, 260, 3, False, False, 5),
+                               TopK(1, 2, 8, 8, 64, 64, 512, 512, (2, 5), True, False, 6)],
+                         ids=["per-head-causal-tails", "non-causal-tails", "square"])
+def test_from_topk_never_waits_for_the_device(p, monkeypatch):
+    """No value read on the host and no operator sized by the data (bincount, unique included): every size
+    comes from k and the geometry. The finiteness check is the one read, skipped with check_finite=False."""
+    scores = p.scores()
+    with DeviceWaits(monkeypatch, ops=SYNCING_OPS) as counter:
+        m = p.mask(scores, check_finite=False)
+        m.kernel_records(p.causal)
+    monkeypatch.undo()
+    assert counter.waits == 0
+    assert torch.equal(m.layout, plain_topk(p, scores))
+    with DeviceWaits(monkeypatch) as counter:
+        p.mask(scores)
+    monkeypatch.undo()
+    assert counter.waits == 1  # check_finite: one read
+
+
+def test_non_causal_topk_waits_only_where_the_causal_lists_are_used(monkeypatch):
+    """A non-causal choice says nothing of its causal lists: they are build_index's, built on first use (its
+    six waits); and whether the mask covers every causal block is read at once only when it can (queries
+    shorter than keys and k at least a row's causal candidates)."""
+    p = TopK(1, 2, 6, 6, 32, 32, 192, 192, 2, False, False, 7)
+    with DeviceWaits(monkeypatch, ops=SYNCING_OPS) as counter:
+        m = p.mask(check_finite=False)
+    monkeypatch.undo()
+    assert counter.waits == 0 and m.covers_causal is False
+    with DeviceWaits(monkeypatch) as counter:
+        m.kernel_index(True)
+        m.row_index(True)  # built once for every list of the flag
+    monkeypatch.undo()
+    assert counter.waits == 6
+    with DeviceWaits(monkeypatch) as counter:
+        short = EDGES[3].mask(check_finite=False)
+    monkeypatch.undo()
+    assert counter.waits == 1 and short.covers_causal == BlockMask.from_layout(
+        short.layout.clone(), (32, 16), seq_len_q=40, seq_len_k=100).covers_causal
+
+
+def test_from_scores_keeps_blocks_above_the_threshold_and_the_diagonal():
+    scores = torch.tensor([[0.9, 0.1, 0.8, 0.0], [0.2, 0.1, 0.3, 0.7], [0.1, 0.9, 0.2, 0.6]])[None, None]
+    m = BlockMask.from_scores(scores, 0.5, block_size=16)
+    assert m.layout[0, 0].int().tolist() == [[1, 0, 1, 0], [0, 1, 0, 1], [0, 1, 1, 1]]
+    causal = BlockMask.from_scores(scores, 0.5, causal=True, block_size=(32, 16), seq_len_q=90, seq_len_k=64)
+    # query block i's last query is min(32 i + 31, 89): key blocks up to 1, 3 and 3 hold a causal pair
+    assert causal.layout[0, 0].int().tolist() == [[1, 1, 0, 0], [0, 0, 0, 1], [0, 1, 0, 1]]
+    assert "scores > 0.5" in repr(causal)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_from_scores_attention_matches_reference(backend):
+    scores = torch.randn(2, 2, 4, 3, generator=torch.Generator().manual_seed(0))
+    mask = BlockMask.from_scores(scores.to(DEVICE), 0.3, causal=True, block_size=(32, 48), seq_len_q=100,
+                                 seq_len_k=130)
+    q, k, v = make_qkv(2, 2, 2, 100, 130, 16, dtype=torch.float32, device=DEVICE, seed=1)
+    result = compare_to_reference(q, k, v, mask, causal=True, backend=backend)
+    assert not result.failures(), result.failures()
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+GOOD = dict(block_size=16, seq_len_q=64, seq_len_k=64)
+
+
+@pytest.mark.parametrize("scores, k, kwargs, error, match", [
+    (torch.randn(1, 1, 4, 4), 0, {}, ValueError, r"k must be between 1 and Mk = 4 .*got 0"),
+    (torch.randn(1, 1, 4, 4), 5, {}, ValueError, r"k must be between 1 and Mk = 4 .*got 5"),
+    (torch.randn(1, 2, 4, 4), (1, 9), {}, ValueError, r"got 9 for head 1"),
+    (torch.randn(1, 2, 4, 4), torch.tensor([1, 2, 3]), {}, ValueError, r"shape \(H,\) = \(2,\).*got shape \(3,\)"),
+    (torch.randn(1, 2, 4, 4), torch.tensor([[1, 2]]), {}, ValueError, r"shape \(H,\) = \(2,\).*got shape \(1, 2\)"),
+    (torch.randn(1, 2, 4, 4), torch.tensor([1.0, 2.0]), {}, TypeError, r"integer tensor, got dtype torch.float32"),
+    (torch.randn(1, 1, 4, 4), 2.0, {}, TypeError, r"k must be an int.*got float 2.0"),
+    (torch.randn(1, 1, 4, 4), True, {}, TypeError, r"k must be an int.*got bool True"),
+    (torch.randn(4, 4), 1, {}, ValueError, r"scores must have shape \(B, H, Mq, Mk\).*got shape \(4, 4\)"),
+    (torch.randn(1, 1, 1, 4, 4), 1, {}, ValueError, r"got shape \(1, 1, 1, 4, 4\)"),
+    (torch.randint(0, 3, (1, 1, 4, 4)), 1, {}, TypeError, r"floating-point tensor, got dtype torch.int64"),
+    ([[0.0]], 1, {}, TypeError, r"scores must be a torch.Tensor, got list"),
+    (torch.tensor([[[[0.0, math.nan], [1.0, 2.0]]]]), 1, dict(seq_len_q=32, seq_len_k=32), ValueError,
+     r"scores must be finite .*got 1 non-finite"),
+    (torch.tensor([[[[0.0, math.inf], [1.0, 2.0]]]]), 1, dict(seq_len_q=32, seq_len_k=32), ValueError,
+     r"scores must be finite"),
+    (torch.randn(1, 1, 4, 4), 1, dict(seq_len_q=100), ValueError,
+     r"seq_len_q=100 with block size 16 needs ceil\(100/16\) = 7 blocks, but scores.shape\[2\] = 4"),
+    (torch.randn(1, 1, 4, 4), 1, dict(block_size=(16, 32)), ValueError,
+     r"seq_len_k=64 with block size 32 needs ceil\(64/32\) = 2 blocks, but scores.shape\[3\] = 4"),
+    (torch.randn(1, 1, 4, 4), 1, dict(block_size=0), ValueError, r"block_size must be positive"),
+    (torch.randn(1, 1, 4, 4), 1, dict(causal=1), TypeError, r"causal must be a bool, got int 1"),
+    (torch.randn(1, 1, 0, 4), 1, dict(seq_len_q=None), ValueError, r"at least one batch, head and block"),
+], ids=["k0", "k-too-big", "k-per-head-too-big", "k-per-head-shape", "k-per-head-rank", "k-float-tensor",
+        "k-float", "k-bool", "rank-2", "rank-5", "int-scores", "list-scores", "nan", "inf", "seq-len-q",
+        "block-size-k", "block-size-0", "causal-int", "empty"])
+def test_from_topk_refuses_bad_input(scores, k, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        BlockMask.from_topk(scores, k, **{**GOOD, **kwargs})
+
+
+@pytest.mark.parametrize("threshold, kwargs, error, match", [
+    (math.nan, {}, TypeError, r"threshold must be a finite float, got float nan"),
+    ("0.5", {}, TypeError, r"threshold must be a finite float, got str"),
+    (0.5, dict(scores=torch.full((1, 1, 4, 4), math.nan)), ValueError, r"scores must be finite .*16 non-finite"),
+    (0.5, dict(scores=torch.randn(3, 4)), ValueError, r"scores must have shape \(B, H, Mq, Mk\)"),
+    (0.5, dict(seq_len_k=10), ValueError, r"seq_len_k=10 .* but scores.shape\[3\] = 4"),
+])
+def test_from_scores_refuses_bad_input(threshold, kwargs, error, match):
+    scores = kwargs.pop("scores", torch.randn(1, 1, 4, 4))
+    with pytest.raises(error, match=match):
+        BlockMask.from_scores(scores, threshold, **{**GOOD, **kwargs})
+
+
+def test_unchecked_scores_still_give_a_valid_mask():
+    """check_finite=False: a NaN ranks as -inf; rows keep their counts and the diagonal whatever the values."""
+    scores = torch.tensor([[[[math.nan, 1.0, math.inf, -math.inf], [math.nan] * 4, [0.0] * 4, [1.0] * 4]]])
+    m = BlockMask.from_topk(scores, 2, causal=True, block_size=16, check_finite=False)
+    assert m.layout[0, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1]]
+    m = BlockMask.from_topk(scores, 2, block_size=16, check_finite=False)
+    assert m.layout[0, 0].int().tolist() == [[0, 1, 1, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0]]
+
+
+def test_topk_masks_are_values():
+    p = EDGES[4]
+    m = p.mask()
+    with pytest.raises(RuntimeError, match="read-only"):
+        m.layout[0, 0, 0, 0] = True
+    assert m == BlockMask.from_layout(m.layout.clone(), (48, 16), seq_len_q=280, seq_len_k=90)
+    import copy
+    import pickle
+
+    again = pickle.loads(pickle.dumps(m))
+    assert again == m and again.nnz == m.nnz and copy.deepcopy(m) == m
+    assert "top-k per head causal" in repr(m) and "top-2" in repr(TopK(1, 1, 2, 2, 16, 16, 32, 32, 2, False,
+                                                                        False, 0).mask())
+
+
+# ---------------------------------------------------------------------------------------------- MoBA layer
+def moba_reference(layer: MoBAAttention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's computation written out densely in float64: block means, gate scores, the chosen key blocks
+    (plain_topk) as an element mask with the causal rule, masked softmax. Returns (output, chosen layout)."""
+    B, N, E = x.shape
+    H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    bq, bk = layer.block_pair
+    x = x.double()
+
+    def project(proj, heads):
+        return torch.nn.functional.linear(x, proj.weight.double(), None if proj.bias is None else proj.bias.double()
+                                          ).view(B, N, heads, D).transpose(1, 2)
+
+    q, k, v = project(layer.q_proj, H), project(layer.k_proj, Hkv), project(layer.v_proj, Hkv)
+    k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+    Mq, Mk = -(-N // bq), -(-N // bk)
+    q_mean = torch.stack([q[:, :, i * bq:(i + 1) * bq].mean(2) for i in range(Mq)], 2)
+    k_mean = torch.stack([k[:, :, j * bk:(j + 1) * bk].mean(2) for j in range(Mk)], 2)
+    scores = q_mean @ k_mean.transpose(-1, -2)
+    layout = plain_topk(TopK(B, H, Mq, Mk, bq, bk, N, N, min(layer.top_k, Mk), layer.causal, False, 0), scores)
+    allowed = layout.repeat_interleave(bq, 2).repeat_interleave(bk, 3)[:, :, :N, :N].to(x.device)
+    if layer.causal:
+        allowed = allowed & torch.ones(N, N, dtype=torch.bool, device=x.device).tril()
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+    p = torch.softmax(s.masked_fill(~allowed, -math.inf), -1)
+    out = (p @ v).transpose(1, 2).reshape(B, N, E)
+    return torch.nn.functional.linear(out, layer.out_proj.weight.double(), layer.out_proj.bias.double()), layout
+
+
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("N, block_size, top_k, kv_heads", [(150, 32, 2, 2), (96, (32, 16), 3, 1), (40, 16, 9, 2)],
+                         ids=["tail", "rect-gqa", "k-past-Mk"])
+def test_moba_layer_matches_dense_reference(N, block_size, top_k, kv_heads, causal, backend):
+    torch.manual_seed(0)
+    layer = MoBAAttention(64, 4, block_size, top_k, num_kv_heads=kv_heads, causal=causal, backend=backend).to(DEVICE)
+    x = torch.randn(2, N, 64, device=DEVICE, requires_grad=True)
+    out = layer(x)
+    want, layout = moba_reference(layer, x)
+    assert torch.equal(layer.select(*layer._heads(x, x, x)[:2]).layout.cpu(), layout)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-4)
+    out.square().sum().backward()
+    grads = [x.grad, layer.q_proj.weight.grad, layer.k_proj.weight.grad, layer.v_proj.weight.grad]
+    assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
+
+
+def test_moba_layer_checks_and_repr():
+    layer = MoBAAttention(64, 4, 32, 3)
+    assert "top_k=3" in repr(layer) and "causal=True" in repr(layer) and layer.prepare(100) is None
+    for kwargs, error, match in [(dict(top_k=0), ValueError, "top_k must be at least 1"),
+                                 (dict(top_k=2.5), TypeError, "top_k must be an int"),
+                                 (dict(block_size=(16,)), TypeError, "block_size must be an int or a pair"),
+                                 (dict(causal="yes"), TypeError, "causal must be a bool")]:
+        with pytest.raises(error, match=match):
+            MoBAAttention(**{**dict(embed_dim=64, num_heads=4, block_size=32, top_k=3), **kwargs})
+
+
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+def test_moba_layer_compiles_fullgraph(backend):
+    """from_topk traces: the whole layer (choice, mask, attention) in one graph, forward and backward."""
+    torch.manual_seed(0)
+    layer = MoBAAttention(64, 4, 32, 2, backend=backend).to(DEVICE)
+    x = torch.randn(2, 150, 64, device=DEVICE)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="inductor" if DEVICE == "cuda" else "aot_eager")
+    outs = []
+    for fn in (layer, compiled):
+        xi = x.clone().requires_grad_()
+        y = fn(xi)
+        y.square().sum().backward()
+        outs.append((y, xi.grad))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_from_topk_on_the_gpu_never_synchronises(causal):
+    """CUDA's own record of synchronising calls (torch.cuda.set_sync_debug_mode), at 65,536 tokens."""
+    scores = torch.randn(1, 16, 512, 512, device="cuda")
+    BlockMask.from_topk(scores, 8, causal=causal, block_size=128, check_finite=False)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        m = BlockMask.from_topk(scores, 8, causal=causal, block_size=128, check_finite=False)
+        m.kernel_records(causal)
+        BlockMask.from_topk(scores, (4,) * 8 + (8,) * 8, causal=causal, block_size=128, check_finite=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(m.layout.cpu(), BlockMask.from_topk(scores.cpu(), 8, causal=causal, block_size=128).layout)
+
+
+@pytest.mark.gpu
+def test_topk_choice_and_attention_replay_from_a_cuda_graph():
+    """from_topk and the attention's forward and backward captured together (Triton kernels; the Hopper ones
+    schedule their work on the host per mask): replays on new scores and inputs give the eager results."""
+    from sparse_flash.kernels import settings as kernel_settings
+
+    B, H, N, D, bs = 1, 4, 4096, 64, 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    scores = torch.randn(B, H, N // bs, N // bs, device="cuda", generator=gen)
+    q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_()
+
+    def step():
+        mask = BlockMask.from_topk(scores, 4, causal=True, block_size=bs, check_finite=False)
+        out = sparse_flash.block_sparse_attention(q, k, v, mask, causal=True, backend="triton")
+        out.backward(do)
+        return out, mask
+
+    with kernel_settings.override(hopper_forward=False, hopper_backward=False):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        q.grad = k.grad = v.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out, static_mask = step()
+        for seed in (1, 2):
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            with torch.no_grad():
+                for t in (scores, q, k, v, do):
+                    t.copy_(torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=g))
+            graph.replay()
+            torch.cuda.synchronize()
+            replayed = [static_out.clone(), q.grad.clone(), k.grad.clone(), v.grad.clone()]
+            q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+            mask = BlockMask.from_topk(scores, 4, causal=True, block_size=bs)
+            assert torch.equal(static_mask.layout, mask.layout)
+            out = sparse_flash.block_sparse_attention(q2, k2, v2, mask, causal=True, backend="triton")
+            out.backward(do)
+            for got, want in zip(replayed, [out, q2.grad, k2.grad, v2.grad]):
+                torch.testing.assert_close(got, want.detach(), atol=0, rtol=0)
