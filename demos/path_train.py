@@ -98,6 +98,7 @@ class Control:
     log_every: int = 25
     ckpt_every_seconds: float = 60.0
     compile: str = "off"  # off, or a torch.compile backend (inductor, aot_eager, eager)
+    cuda_graphs: bool = False  # inductor's "reduce-overhead" mode: each compiled step replays a CUDA graph
     backend: str = "auto"
     resume: bool = False
     init_from: str | None = None
@@ -372,6 +373,15 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float, device: tor
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=ADAM_BETAS, fused=device.type == "cuda")
+
+
+def compiled(model: nn.Module, control: Control) -> nn.Module:
+    """`model` under torch.compile with `control`'s backend (itself when "off"); with `cuda_graphs`, inductor's
+    reduce-overhead mode, which replays each compiled graph from a CUDA graph (no launch cost per kernel)."""
+    if control.compile == "off":
+        return model
+    mode = "reduce-overhead" if control.cuda_graphs else None
+    return torch.compile(model, backend=control.compile, mode=mode)
 
 
 def autocast(device: torch.device):
@@ -667,9 +677,7 @@ class Trainer:
             device_ids = [self.dist.local_rank] if self.device.type == "cuda" else None
             model = nn.parallel.DistributedDataParallel(
                 model, device_ids=device_ids, find_unused_parameters=self.spec.train.pretrain_steps > 0)
-        if self.control.compile != "off":
-            model = torch.compile(model, backend=self.control.compile)
-        return model
+        return compiled(model, self.control)
 
     # ------------------------------------------------------------------ schedule
     @property
