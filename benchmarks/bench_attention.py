@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -313,6 +314,37 @@ def summarize(rows: list[dict]) -> dict:
     return s
 
 
+def git_commit() -> str | None:
+    """The commit measured: $SPARSE_FLASH_COMMIT when set (a copy of the tree run on a machine whose checkout
+    is not the one the tree came from), else git's HEAD, with "+dirty" when sparse_flash/ or benchmarks/ have
+    uncommitted changes; None outside git."""
+    if os.environ.get("SPARSE_FLASH_COMMIT"):
+        return os.environ["SPARSE_FLASH_COMMIT"]
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "sparse_flash", "benchmarks"], cwd=root,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = head.stdout.strip() if head.returncode == 0 else ""
+    return (commit + ("+dirty" if dirty.stdout.strip() else "")) or None
+
+
+def environment() -> dict:
+    """What every result file records: date, GPU (None without CUDA), versions, commit, command line, host."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"date": datetime.date.today().isoformat(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
+            "commit": git_commit(), "command": " ".join(sys.argv), "host": host_info()}
+
+
 def host_info() -> dict:
     """The host that small, host-bound rows depend on: CPU model, cores, and load when the run started."""
     model = platform.processor() or "unknown"
@@ -411,14 +443,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_attention needs a CUDA GPU", file=sys.stderr)
         return 2
-    import triton
-
-    gpu = torch.cuda.get_device_name()
-    date = datetime.date.today().isoformat()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"date": date, "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
-            "cuda": torch.version.cuda, "block_size": BLOCK, "host": host_info()}
+    meta = {**environment(), "block_size": BLOCK}
     shapes = QUICK_SHAPES if args.quick else SHAPES
     mask_names = QUICK_MASKS if args.quick else MASKS
     log_file = open(out / "bench.jsonl", "w")
