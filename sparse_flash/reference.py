@@ -49,6 +49,16 @@ def poison_scores(s: torch.Tensor, allowed: torch.Tensor, q_bad: torch.Tensor, k
     return s.masked_fill(allowed & (q_bad | kv_bad), float("nan"))
 
 
+def allowed_pairs(mask: BlockMask | None, causal: bool, Nq: int, Nk: int, device) -> torch.Tensor:
+    """bool `(B|1, H|1, Nq, Nk)`: the (query, key) pairs that `mask` (None: all) and `causal` (top-left
+    aligned: `k_idx <= q_idx`) allow."""
+    allowed = torch.ones(1, 1, Nq, Nk, dtype=torch.bool, device=device) if mask is None else \
+        mask.to(device).to_dense()
+    if causal:
+        allowed = allowed & torch.ones(Nq, Nk, dtype=torch.bool, device=device).tril()
+    return allowed
+
+
 def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -83,11 +93,7 @@ def attention_reference(
     kc = kc.repeat_interleave(groups, dim=1)
     vc = vc.repeat_interleave(groups, dim=1)
     kv_bad = (k_bad | v_bad).repeat_interleave(groups, dim=1)
-    Nk = k.shape[2]
-    allowed = torch.ones(1, 1, Nq, Nk, dtype=torch.bool, device=q.device) if mask is None else \
-        mask.to(q.device).to_dense()
-    if causal:
-        allowed = allowed & torch.ones(Nq, Nk, dtype=torch.bool, device=q.device).tril()
+    allowed = allowed_pairs(mask, causal, Nq, k.shape[2], q.device)
     s = torch.matmul(qc, kc.transpose(-1, -2)) * scale
     s = poison_scores(s, allowed, q_bad[..., :, None], kv_bad[..., None, :])
     p, lse = _softmax_rows(s)
