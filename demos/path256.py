@@ -171,8 +171,6 @@ def build_parser() -> Parser:
     add("--compare-steps", type=positive(int), help="steps of path256's short dense comparison run")
     add("--compile", nargs="?", const="inductor", choices=COMPILE_CHOICES,
         help="torch.compile the model (bare flag: inductor; auto: inductor on GPU, off on CPU)")
-    add("--cuda-graphs", action="store_true",
-        help="with --compile inductor on the GPU: replay each compiled step from a CUDA graph (reduce-overhead)")
     add("--backend", choices=sparse_flash.api.BACKENDS, default="auto", help="attention backend")
     add("--device", help="torch device (default: cuda when available, else cpu)")
     group = parser.add_argument_group("pieces, output and modes")
@@ -230,8 +228,6 @@ def check_args(args) -> None:
                           f"{args.resolution}; the model needs 8 px or more")
     if args.pool > 1 and not args.bench and not generator_takes_pool():  # --bench reads no images
         raise ConfigError("--pool needs demos/pathfinder.py's load_or_generate(..., pool=...), not in this checkout")
-    if args.cuda_graphs and args.compile not in ("auto", "inductor"):
-        raise ConfigError(f"--cuda-graphs needs --compile inductor (or auto on the GPU), got --compile {args.compile}")
     if args.eval_seed == args.seed:
         raise ConfigError(f"--eval-seed must differ from --seed ({args.seed}): held-out images must be new images")
     if args.eval_only:
@@ -321,11 +317,8 @@ def make_control(args, device: torch.device, started: float) -> Control:
     compile_backend = args.compile
     if compile_backend == "auto":
         compile_backend = "inductor" if device.type == "cuda" else "off"
-    if args.cuda_graphs and device.type != "cuda":
-        raise ConfigError(f"--cuda-graphs needs a CUDA device, got {device}")
     return Control(time_budget=args.time_budget, stop_after=args.stop_after, eval_every=args.eval_every,
                    log_every=args.log_every, ckpt_every_seconds=args.ckpt_every_seconds, compile=compile_backend,
-                   cuda_graphs=args.cuda_graphs,
                    backend=args.backend, resume=args.resume, init_from=args.init_from, concurrent=args.concurrent,
                    started=started)
 

@@ -98,7 +98,6 @@ class Control:
     log_every: int = 25
     ckpt_every_seconds: float = 60.0
     compile: str = "off"  # off, or a torch.compile backend (inductor, aot_eager, eager)
-    cuda_graphs: bool = False  # inductor's "reduce-overhead" mode: each compiled step replays a CUDA graph
     backend: str = "auto"
     resume: bool = False
     init_from: str | None = None
@@ -376,12 +375,8 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float, device: tor
 
 
 def compiled(model: nn.Module, control: Control) -> nn.Module:
-    """`model` under torch.compile with `control`'s backend (itself when "off"); with `cuda_graphs`, inductor's
-    reduce-overhead mode, which replays each compiled graph from a CUDA graph (no launch cost per kernel)."""
-    if control.compile == "off":
-        return model
-    mode = "reduce-overhead" if control.cuda_graphs else None
-    return torch.compile(model, backend=control.compile, mode=mode)
+    """`model` under torch.compile with `control`'s backend (itself when "off")."""
+    return model if control.compile == "off" else torch.compile(model, backend=control.compile)
 
 
 def autocast(device: torch.device):

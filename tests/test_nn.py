@@ -349,6 +349,8 @@ def test_inductor_fullgraph_on_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="launch plans allocate persistent buffers (placeholders, split counters) on "
+                   "first use, inside inductor's CUDA-graph pool, which refuses untracked live allocations")
 def test_inductor_reduce_overhead_trains_with_masks_of_different_sizes():
     """torch.compile's CUDA graphs (mode "reduce-overhead") take the masks' index lists as inputs; their sizes
     differ between masks, and forward and backward replayed from graphs match eager."""
