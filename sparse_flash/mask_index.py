@@ -57,8 +57,7 @@ class WorkPlan(NamedTuple):
     Attributes:
         items: int32 `(B|1, H|1, W, len(ITEM_FIELDS))`: what program rank w walks: its (block, chunk), the
             list's number of chunks, its scratch slot and its ranges of the full and partial lists
-            (`ITEM_FIELDS`); block -1 pads heads with fewer items (their ranges are empty). A view of a
-            rank-major `(W, B|1, H|1, fields)` tensor: read it through its strides.
+            (`ITEM_FIELDS`); block -1 pads heads with fewer items (their ranges are empty).
         chunks: int32 `(B|1 * H|1 * M,)`: number of chunks of each list (1: not split).
         slots: int32 `(B|1 * H|1 * M,)`: first scratch slot of a split list (-1: not split).
         lead: int32 `(1,)`: the number of leading ranks that hold a heavy item in some head.
@@ -228,15 +227,13 @@ def _plan_items(counts: torch.Tensor, n: torch.Tensor, sizes: list[int], mean: f
     slots[split] = torch.cumsum(n[split], 0) - n[split]
     fields = [lists % M, chunk_id, n[lists], torch.where(n[lists] > 1, slots[lists] + chunk_id, -1),
               *_item_ranges(lists, chunk_id, n[lists], full, part)]
-    # Stored rank-major, (W, B*H, fields), and handed out as the (B, H, W, fields) view: the one size that
-    # differs between masks (W) then appears in no stride, which torch.compile's CUDA graphs require of an input.
-    items = torch.zeros((width, B * H, len(ITEM_FIELDS)), dtype=torch.int32, device=flat.device)
+    items = torch.zeros((B * H, width, len(ITEM_FIELDS)), dtype=torch.int32, device=flat.device)
     for field in ("block", "slot"):  # padding: no block, no slot (one fill each: a list index would be copied to
         items[..., ITEM_FIELDS.index(field)] = -1  # the device, which waits for it)
-    items[rank, bh[by_head]] = torch.stack(fields, 1)[by_head].to(torch.int32)
+    items[bh[by_head], rank] = torch.stack(fields, 1)[by_head].to(torch.int32)
     slot_list = torch.repeat_interleave(split, n[split], output_size=num_slots).to(torch.int32)
-    items = items.view(-1, B, H, len(ITEM_FIELDS)).permute(1, 2, 0, 3)
-    plan = WorkPlan(items, n.to(torch.int32), slots.to(torch.int32), lead, split.to(torch.int32), slot_list)
+    plan = WorkPlan(items.reshape(B, H, -1, len(ITEM_FIELDS)), n.to(torch.int32), slots.to(torch.int32), lead,
+                    split.to(torch.int32), slot_list)
     _unbacked((plan.items, 2), (plan.split, 0), (plan.slot_list, 0))
     return plan
 

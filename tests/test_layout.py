@@ -156,27 +156,11 @@ def test_work_items_of_split_lists(causal):
     check_work_items(kidx.col_full, kidx.col_partial, kidx.col_plan)
 
 
-def test_work_item_strides_do_not_depend_on_the_mask(monkeypatch):
-    """The number of work items per head (W) differs between masks of one geometry (here through split lists);
-    it appears in no stride of `WorkPlan.items` (torch.compile's CUDA graphs guard on input strides, and W is
-    a size torch.compile never specialises)."""
-    from sparse_flash import mask_index
-
-    monkeypatch.setattr(mask_index, "SPLIT_MIN_CHUNK", 2)  # split every list longer than two blocks
-    monkeypatch.setattr(mask_index, "SPLIT_FACTOR", 0)
-    widths, strides = set(), set()
-    for seed, density in enumerate([0.05, 0.5, 0.9]):
-        mask = masks.random(2048, 64, density=density, seed=seed, num_heads=3)
-        for plan in (mask.kernel_index(True).row_plan, mask.kernel_index(True).col_plan):
-            widths.add(plan.items.shape[2])
-            strides.add(plan.items.stride())
-    assert len(widths) > 1 and len(strides) == 1
-
-
 def test_item_fields_agree_with_the_kernels():
     pytest.importorskip("triton")
     from sparse_flash.kernels.triton import common
 
+    assert common.ITEM_WIDTH == len(ITEM_FIELDS)
     for i, name in enumerate(ITEM_FIELDS):
         assert getattr(common, f"ITEM_{name.upper()}") == i
 

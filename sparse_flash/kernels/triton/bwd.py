@@ -98,7 +98,7 @@ def _attn_bwd_dkdv_kernel(
     stride_db, stride_dh, stride_dm,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    Hq, Hkv, BH, groups, Nq, Nk, mask_stride_b, mask_stride_h, item_stride_b, item_stride_h, item_stride_r,
+    Hq, Hkv, BH, groups, Nq, Nk, mask_stride_b, mask_stride_h, item_stride_b, item_stride_h,
     copy_stride_b, copy_stride_h, copies, qk_scale, sm_scale, head_group,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
@@ -107,8 +107,8 @@ def _attn_bwd_dkdv_kernel(
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     # Columns are ordered by the lists of the group's first query head.
     b, hk, tile, item, valid = schedule(tl.program_id(0), tl.num_programs(0), Hkv, BH, ColItems, ColLead,
-                                        item_stride_b, item_stride_h, item_stride_r, groups, tl.cdiv(Nk, BLOCK_N),
-                                        head_group, MASK_BLOCK_K, BLOCK_N, DENSE, False)
+                                        item_stride_b, item_stride_h, groups, tl.cdiv(Nk, BLOCK_N), head_group,
+                                        MASK_BLOCK_K, BLOCK_N, DENSE, False)
     start_n = tile * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
@@ -257,7 +257,7 @@ def _attn_bwd_dq_kernel(
     stride_ob, stride_oh, stride_om,
     stride_db, stride_dh, stride_dm,
     stride_dqb, stride_dqh, stride_dqm,
-    Hq, BH, groups, Nq, Nk, item_stride_b, item_stride_h, item_stride_r,
+    Hq, BH, groups, Nq, Nk, item_stride_b, item_stride_h,
     copy_stride_b, copy_stride_h, copies, qk_scale, sm_scale, head_group,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
@@ -265,8 +265,8 @@ def _attn_bwd_dq_kernel(
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     b, h, tile, item, valid = schedule(tl.program_id(0), tl.num_programs(0), Hq, BH, RowItems, RowLead,
-                                       item_stride_b, item_stride_h, item_stride_r, 1, tl.cdiv(Nq, BLOCK_M), head_group,
-                                       MASK_BLOCK_Q, BLOCK_M, DENSE, CAUSAL)
+                                       item_stride_b, item_stride_h, 1, tl.cdiv(Nq, BLOCK_M), head_group, MASK_BLOCK_Q,
+                                       BLOCK_M, DENSE, CAUSAL)
     pid_bh = b * Hq + h
     start_m = tile * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)

@@ -9,6 +9,7 @@ import triton.language as tl
 LOG2E = 1.4426950408889634  # scores are kept in log2 units so that the kernels can use exp2
 
 # Field offsets of a work item record (`mask_index.ITEM_FIELDS`; tests/test_layout.py checks that they agree).
+ITEM_WIDTH = tl.constexpr(10)
 ITEM_BLOCK = tl.constexpr(0)
 ITEM_CHUNK = tl.constexpr(1)
 ITEM_CHUNKS = tl.constexpr(2)
@@ -37,8 +38,7 @@ def store_rows(Ptr, offs_r, stride_r, offs_d, x, mask):
 
 
 @triton.jit
-def schedule(pid, programs, H, BH, Items, Lead, item_stride_b, item_stride_h, item_stride_r, head_scale, num_tiles,
-             head_group,
+def schedule(pid, programs, H, BH, Items, Lead, item_stride_b, item_stride_h, head_scale, num_tiles, head_group,
              MASK_BLOCK: tl.constexpr, BLOCK: tl.constexpr, DENSE: tl.constexpr, REVERSE: tl.constexpr):
     """Map program `pid` of a launch's `programs` to (batch, head, tile, work item record, valid).
 
@@ -72,7 +72,7 @@ def schedule(pid, programs, H, BH, Items, Lead, item_stride_b, item_stride_h, it
         bh = tl.where(in_lead, pid % BH, first + r % tl.maximum(size, 1))
         rank = tl.where(in_lead, pid // BH, lead + r // tl.maximum(size, 1))
         item = Items + (bh // H) * item_stride_b + (bh % H) * head_scale * item_stride_h
-        item += (rank // SUB) * item_stride_r
+        item += (rank // SUB) * ITEM_WIDTH
         block = tl.load(item + ITEM_BLOCK)
         valid = block >= 0
         tile = tl.maximum(block, 0) * SUB + rank % SUB

@@ -105,7 +105,7 @@ def _attn_fwd_kernel(
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
-    Hq, BH, groups, Nq, Nk, item_stride_b, item_stride_h, item_stride_r,
+    Hq, BH, groups, Nq, Nk, item_stride_b, item_stride_h,
     copy_stride_b, copy_stride_h, copies, qk_scale, head_group,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
@@ -114,8 +114,8 @@ def _attn_fwd_kernel(
     """One program per query tile of one (batch, head), or per chunk of a split row."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     b, h, tile, item, valid = schedule(tl.program_id(0), tl.num_programs(0), Hq, BH, RowItems, RowLead, item_stride_b,
-                                       item_stride_h, item_stride_r, 1, tl.cdiv(Nq, BLOCK_M), head_group,
-                                       MASK_BLOCK_Q, BLOCK_M, DENSE, CAUSAL)
+                                       item_stride_h, 1, tl.cdiv(Nq, BLOCK_M), head_group, MASK_BLOCK_Q, BLOCK_M, DENSE,
+                                       CAUSAL)
     start_m = tile * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)

@@ -48,8 +48,8 @@ class SplitPlan:
         self.device = device
         self.dummy = placeholder(device, torch.int32)
         self.num_split = 0 if split is None else split.shape[0]
-        self.item_strides = (0, 0, 0) if items is None else (
-            items.stride(0) if mask_batch > 1 else 0, items.stride(1) if mask_heads > 1 else 0, items.stride(2))
+        self.item_strides = (0, 0) if items is None else (
+            items.stride(0) if mask_batch > 1 else 0, items.stride(1) if mask_heads > 1 else 0)
         # copy index of (b, h) = b * copy_stride_b + h * copy_stride_h: one copy per (batch, head) sharing
         # the mask's layout
         self.head_copies = heads if mask_heads == 1 else 1
