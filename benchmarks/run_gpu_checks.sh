@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a CUDA machine, in one go: the test-suite (bf16 included, errors recorded per dtype, memory at
-# 65,536 tokens), then the benchmark. Everything lands in $OUT/results.tgz; a short summary prints last.
+# 65,536 tokens), then the benchmark. Everything lands in $OUT/results.tgz, failures also in $OUT/failures.txt
+# as they happen (a run cut by its time limit still names them); a short summary prints last.
 #   OUT=out bash benchmarks/run_gpu_checks.sh [--quick] [--no-tests] [--no-bench]
 #   (TESTS=files to test, KEXPR=a pytest -k expression, WORKERS, TEST_TIMEOUT and BENCH_TIMEOUT seconds)
 set -uo pipefail
@@ -10,6 +11,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu}
 export SPARSE_FLASH_ERROR_LOG=$RES/errors.json SPARSE_FLASH_MEMORY_LOG=$RES/memory.json
+export SPARSE_FLASH_FAILURE_LOG=$OUT/failures.txt  # each failure as it comes, beside the archive
 quick="" tests=1 bench=1
 for a in "$@"; do
   case $a in --quick) quick=--quick ;; --no-tests) tests=0 ;; --no-bench) bench=0 ;; esac
@@ -32,6 +34,7 @@ if [ $bench = 1 ]; then
   echo "bench exit code $?" >> "$RES/bench.log"
 fi
 tar czf "$OUT/results.tgz" -C "$RES" .
-[ -f "$RES/pytest.log" ] && grep -E "passed|failed|error|FAILED|exit code" "$RES/pytest.log" | tail -15
+[ -f "$RES/pytest.log" ] && grep -E "passed|failed|error|exit code" "$RES/pytest.log" | tail -3
+[ -f "$OUT/failures.txt" ] && { grep -c "^FAILED" "$OUT/failures.txt"; grep "^FAILED" "$OUT/failures.txt" | head -20; }
 [ -f "$RES/bench.log" ] && tail -40 "$RES/bench.log"
 exit 0

@@ -107,6 +107,18 @@ def _poison_kernel_outputs():
         yield
 
 
+def pytest_runtest_logreport(report):
+    """With SPARSE_FLASH_FAILURE_LOG=path, append each failure as it is reported (its test id, then its last
+    lines), so that a run killed by a time limit still says what failed and why (pytest's own summary comes
+    only at the end; under xdist this runs in the controller, once per report)."""
+    path = os.environ.get("SPARSE_FLASH_FAILURE_LOG")
+    if not path or not report.failed or hasattr(report, "wasxfail"):
+        return
+    text = str(report.longrepr).strip().splitlines()
+    with open(path, "a") as f:
+        f.write(f"FAILED {report.nodeid} ({report.when})\n" + "".join(f"    {line}\n" for line in text[-12:]))
+
+
 def pytest_sessionfinish(session, exitstatus):
     """With SPARSE_FLASH_ERROR_LOG=path, write the max errors per backend and dtype seen in this run
     (under pytest-xdist each worker writes path.<worker> and the controller merges them)."""
