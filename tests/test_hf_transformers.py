@@ -7,6 +7,7 @@ sparse pattern is compared with SDPA given the materialised mask (the pattern, t
 """
 
 import copy
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -234,6 +235,9 @@ def test_padding_that_is_not_exact_is_refused(spec, keep, error):
 
 
 GPU = pytest.mark.gpu
+# The keyword that takes the KV cache: `past_key_values` up to transformers 5.2x, then `cache`.
+CACHE_KW = "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters else \
+    "past_key_values"
 INTERPRETER = pytest.mark.skipif(HAS_CUDA or not triton_usable(), reason="the Triton interpreter runs on CPU machines")
 
 
@@ -251,8 +255,8 @@ def test_cache_chunks_and_decoding_match_one_forward(spec, device, end):
     with torch.no_grad():
         full = ours(ids).logits
         cache = transformers.DynamicCache(config=ours.config)
-        steps = [ours(ids[:, :100], cache=cache).logits, ours(ids[:, 100:230], cache=cache).logits]
-        steps += [ours(ids[:, i: i + 1], cache=cache).logits for i in range(230, end)]
+        steps = [ours(ids[:, :100], **{CACHE_KW: cache}).logits, ours(ids[:, 100:230], **{CACHE_KW: cache}).logits]
+        steps += [ours(ids[:, i: i + 1], **{CACHE_KW: cache}).logits for i in range(230, end)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
