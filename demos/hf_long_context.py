@@ -13,8 +13,8 @@ Usage:
     python demos/hf_long_context.py                                # GPU: 32,768 tokens, 300 steps per run
     python demos/hf_long_context.py --pattern bigbird --seq-len 65536 --runs block_sparse
 
-Results go to --out (default demos/results/hf_long_context/): `results.json` and `results.md`; `--out ''` writes
-nothing. Exit status 2 with one line on stderr for a bad flag.
+Results go to --out (default demos/results/hf_long_context/ on the GPU, the git-ignored demos/runs/hf_long_context/
+with --cpu-smoke): `results.json` and `results.md`; `--out ''` writes nothing. Exit status 2 with one line on stderr for a bad flag.
 """
 
 from __future__ import annotations
@@ -51,8 +51,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         flag = "--" + name.replace("_", "-")
         p.add_argument(flag, type=type(value), default=None, help=f"default {value} (--cpu-smoke: {CPU_SMOKE[name]})")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="demos/results/hf_long_context", help="results folder; '' writes nothing")
+    p.add_argument("--out", default=None, help="results folder (default demos/results/hf_long_context, with "
+                   "--cpu-smoke demos/runs/hf_long_context); '' writes nothing")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = "demos/runs/hf_long_context" if args.cpu_smoke else "demos/results/hf_long_context"
     defaults = CPU_SMOKE if args.cpu_smoke else GPU_DEFAULTS
     for name, value in defaults.items():
         if getattr(args, name) is None:
