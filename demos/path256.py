@@ -365,7 +365,7 @@ def run_training(args, device: torch.device, dist: Dist, log: RunLog, started: f
     specs = plan_runs(args)
     for spec in specs:  # checkpoints that cannot serve fail now, before the data is made
         if args.resume:
-            check_resume(spec, read_checkpoint(spec.checkpoint_path, "--resume"))
+            check_resume(spec, read_checkpoint(spec.checkpoint_path, "--resume"), dist.world)
         elif args.init_from:
             check_init(spec, read_checkpoint(args.init_from, "--init-from"), args.init_from)
     data = load_data(data_config(args), args.cache_dir, args.workers, device, dist, log)

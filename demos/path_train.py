@@ -511,17 +511,31 @@ def _plain(value):
 SCHEDULE_KEYS = ("steps", "train_seconds")  # a resumed run may extend its schedule
 
 
-def check_resume(spec: RunSpec, checkpoint: dict) -> list[str]:
+def check_resume(spec: RunSpec, checkpoint: dict, world: int = 1) -> list[str]:
     """ConfigError unless `checkpoint` is this run's (same model, masks, data and training but for the
-    schedule's length); returns the schedule changes."""
+    schedule's length); returns the changes: the schedule's, and the split of the global batch over processes.
+
+    A run resumes on any number of processes (`world`, torchrun ranks) that keeps its global batch, `--batch-size`
+    x processes (each step then reads the same images; the sampler splits them by rank): 2 processes of 128 go on
+    as 1 of 256.
+    """
     mine = config_dicts(spec)
     problems = []
     for key, values in mine.items():
-        problems += differences(checkpoint.get(key, {}), values, SCHEDULE_KEYS if key == "train_config" else ())
+        ignore = (*SCHEDULE_KEYS, "batch_size") if key == "train_config" else ()
+        problems += differences(checkpoint.get(key, {}), values, ignore)
+    theirs_world = checkpoint.get("world", 1)
+    theirs_global = checkpoint["train_config"]["batch_size"] * theirs_world
+    if theirs_global != spec.train.batch_size * world:
+        problems.append(f"global batch {theirs_global} ({checkpoint['train_config']['batch_size']} x {theirs_world} "
+                        f"processes) vs {spec.train.batch_size * world} ({spec.train.batch_size} x {world})")
     if problems:
         raise ConfigError(f"--resume: {spec.checkpoint_path} was trained with other settings "
                           f"({'; '.join(problems)}); pass the same flags or a new --out")
-    return differences(checkpoint["train_config"], mine["train_config"])
+    changes = differences(checkpoint["train_config"], mine["train_config"], ("batch_size",))
+    if theirs_world != world:
+        changes.append(f"global batch {theirs_global} split over {world} processes instead of {theirs_world}")
+    return changes
 
 
 def check_init(spec: RunSpec, checkpoint: dict, path) -> ModelConfig:
@@ -646,13 +660,14 @@ class Trainer:
         path = self.spec.checkpoint_path
         if self.control.resume:
             checkpoint = read_checkpoint(path, "--resume")
-            extended = check_resume(self.spec, checkpoint)
+            extended = check_resume(self.spec, checkpoint, self.dist.world)
             if extended:
-                self.log(f"[{self.spec.name}] resuming with a changed schedule: {'; '.join(extended)}")
+                self.log(f"[{self.spec.name}] resuming with changes: {'; '.join(extended)}")
             self.model.load_state_dict(checkpoint["model"])
             self.optimizer.load_state_dict(checkpoint["optimizer"])
             self.state = TrainState(**checkpoint["state"])
-            self.metrics = {**checkpoint["metrics"], **config_dicts(self.spec), "concurrent": self.control.concurrent}
+            self.metrics = {**checkpoint["metrics"], **config_dicts(self.spec), "concurrent": self.control.concurrent,
+                            "world": self.dist.world}
             set_rng_state(checkpoint["rng"], self.device)
             self.log(f"[{self.spec.name}] resumed from {path} at step {self.state.step} "
                      f"({self.state.seconds:.0f} s of training so far)")
@@ -826,7 +841,8 @@ class Trainer:
         write_json(self.spec.metrics_path, self.metrics)
         checkpoint = {
             "format": CHECKPOINT_FORMAT, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            **config_dicts(self.spec), "state": asdict(self.state), "rng": rng_state(self.device),
+            **config_dicts(self.spec), "world": self.dist.world, "state": asdict(self.state),
+            "rng": rng_state(self.device),
             "metrics": json.loads(json.dumps(self.metrics, default=str)),
         }
         save_atomically(self.spec.checkpoint_path, lambda p: torch.save(checkpoint, p))
