@@ -188,19 +188,16 @@ def _item_ranges(lists, chunk_id, n, full: BlockIndex, part: BlockIndex) -> list
     return [full_lo, full_hi, part_lo, part_hi, first(full, full_lo, full_hi), first(part, part_lo, part_hi)]
 
 
-def _plan_work(counts: torch.Tensor, chunk: int, mean: float, full: BlockIndex,
-               part: BlockIndex) -> tuple[WorkPlan, int]:
-    """Programs for lists of `counts` (B, H, M) blocks (`mean` long on average; `full` and `part` are the
-    lists' full and partial blocks): lists longer than `chunk` split, longest first. Also returns the length
-    of the longest list."""
+def _plan_chunks(counts: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """How lists of `counts` (B, H, M) blocks split (lists longer than `chunk`): `(n, sizes)`, the chunks of each
+    list `(B * H * M,)` and, still on the device, int64 `(5,)`: the work plan's sizes (items, the most items of
+    one (b, h), split lists, scratch slots) and the longest list. The caller reads the sizes of every plan at
+    once."""
     B, H, M = counts.shape
     flat = counts.reshape(-1).long()
     n = torch.where(flat > chunk, torch.clamp((flat + chunk - 1) // chunk, max=SPLIT_MAX_CHUNKS), 1)  # chunks per list
     is_split = n > 1
-    # The sizes below, fetched from the device together: items, the most items of one (b, h), split lists, slots
-    *sizes, longest = torch.stack(
-        [n.sum(), n.view(B * H, M).sum(1).max(), is_split.sum(), (n * is_split).sum(), flat.max()]).tolist()
-    return _plan_items(counts, n, sizes, mean, full, part), longest
+    return n, torch.stack([n.sum(), n.view(B * H, M).sum(1).max(), is_split.sum(), (n * is_split).sum(), flat.max()])
 
 
 def _plan_items(counts: torch.Tensor, n: torch.Tensor, sizes: list[int], mean: float, full: BlockIndex,
@@ -275,37 +272,48 @@ class MaskIndex:
     longest_row: dict
 
 
-def _flag_index(row, col, i, j, by_col, cls, sizes: tuple[int, int], shape, longest: int | None = None):
-    """The live row and column lists, the `KernelIndex` and the longest row of one causal flag.
+class _Side(NamedTuple):
+    """The lists of one side (rows or columns) of one causal flag, before its work plan: live, full and
+    partial `BlockIndex`, and the mean list length."""
+
+    live: BlockIndex
+    full: BlockIndex
+    part: BlockIndex
+    mean: float
+
+
+def _flag_sides(row, col, i, j, by_col, cls, sizes: tuple[int, int], shape) -> tuple[_Side, _Side]:
+    """The row and column lists of one causal flag.
 
     `row`, `col`, `i`, `j`: the layout's nonzero blocks sorted by (row list, key block) (`by_col` sorts them by
     (column list, query block)); `cls` their class for this flag and `sizes` the numbers of FULL and PARTIAL
-    ones. `longest`: None to read the sizes of the work plans from the device and split long lists; the longest
-    row, when the host knows it, to split nothing and read nothing.
+    ones.
     """
     B, H, Mq, Mk = shape
-    rows_live, row_full, row_part = _class_lists(row, j, cls, sizes, (B, H, Mq))
-    cols_live, col_full, col_part = _class_lists(col[by_col], i[by_col], cls[by_col], sizes, (B, H, Mk))
     total = sum(sizes)  # live blocks: the total length of the row lists, and of the column lists
-    row_mean, col_mean = total / (B * H * Mq), total / (B * H * Mk)
-    if longest is None:
-        row_plan, longest = _plan_work(rows_live.counts, _chunk_size(total, B * H * Mq), row_mean, row_full, row_part)
-        col_plan, _ = _plan_work(cols_live.counts, _chunk_size(total, B * H * Mk), col_mean, col_full, col_part)
-    else:
-        row_plan, col_plan = (_plan_items(live.counts, torch.ones(live.counts.numel(), dtype=torch.int64,
-                                                                  device=live.counts.device),
-                                          [live.counts.numel(), live.counts.shape[-1], 0, 0], mean, full, part)
-                              for live, mean, full, part in ((rows_live, row_mean, row_full, row_part),
-                                                             (cols_live, col_mean, col_full, col_part)))
-    return rows_live, cols_live, KernelIndex(row_full, row_part, col_full, col_part, row_plan, col_plan), longest
+    rows = _Side(*_class_lists(row, j, cls, sizes, (B, H, Mq)), total / (B * H * Mq))
+    cols = _Side(*_class_lists(col[by_col], i[by_col], cls[by_col], sizes, (B, H, Mk)), total / (B * H * Mk))
+    return rows, cols
+
+
+def _unsplit_plan(side: _Side) -> WorkPlan:
+    """The work plan of lists that no program splits (every size known on the host)."""
+    counts = side.live.counts
+    ones = torch.ones(counts.numel(), dtype=torch.int64, device=counts.device)
+    return _plan_items(counts, ones, [counts.numel(), counts.shape[-1], 0, 0], side.mean, side.full, side.part)
+
+
+def _kernel_index(rows: _Side, cols: _Side, row_plan: WorkPlan, col_plan: WorkPlan) -> KernelIndex:
+    return KernelIndex(rows.full, rows.part, cols.full, cols.part, row_plan, col_plan)
 
 
 def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int) -> MaskIndex:
     """Every index list of a bool layout `(B, H, Mq, Mk)`, from one pass over it; the rest costs O(nnz).
 
     Built eagerly (when a mask is made) so that attention calls inside `torch.compile` only read them. On a GPU
-    the host waits for the device six times: for the nonzero blocks, for the class sizes of both causal flags,
-    and once per work plan; every other size is known on the host.
+    the host waits for the device three times: for the nonzero blocks, for the class sizes of both causal flags,
+    and for the sizes of the four work plans (rows and columns of each flag); every other size is known on the
+    host.
     """
     B, H, Mq, Mk = layout.shape
     bq, bk = block_size
@@ -328,14 +336,26 @@ def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: in
     # The class sizes of both flags, fetched from the device at once: (full, partial) per flag
     sizes = torch.stack([(c == k).sum() for c in classes.values() for k in (FULL, PARTIAL)]).tolist()
     covers_causal = False
+    sides, chunks = {}, {}
     for causal, cls in classes.items():
         flag_sizes = tuple(sizes[2 * causal:2 * causal + 2])
-        rows[causal], cols[causal], kernel[causal], longest_row[causal] = _flag_index(
-            row, col, i, j, by_col, cls, flag_sizes, (B, H, Mq, Mk))
+        sides[causal] = _flag_sides(row, col, i, j, by_col, cls, flag_sizes, (B, H, Mq, Mk))
         total = sum(flag_sizes)
+        for is_col, (side, lists) in enumerate(zip(sides[causal], (B * H * Mq, B * H * Mk))):
+            chunks[causal, bool(is_col)] = _plan_chunks(side.live.counts, _chunk_size(total, lists))
         long_lists[causal] = total >= LONG_LIST_BLOCKS * B * H * Mq
         if causal:
             covers_causal = total == B * H * _causal_blocks(Mq, Mk, bq, bk, seq_len_q)
+    # The sizes of the four work plans, fetched from the device together
+    plan_sizes = dict(zip(chunks, torch.stack([s for _, s in chunks.values()]).tolist()))
+    for causal, (row_side, col_side) in sides.items():
+        plans = []
+        for is_col, side in enumerate((row_side, col_side)):
+            n = chunks[causal, bool(is_col)][0]
+            *plan_size, longest = plan_sizes[causal, bool(is_col)]
+            plans.append(_plan_items(side.live.counts, n, plan_size, side.mean, side.full, side.part))
+        rows[causal], cols[causal], longest_row[causal] = row_side.live, col_side.live, plan_sizes[causal, False][-1]
+        kernel[causal] = _kernel_index(row_side, col_side, *plans)
     return MaskIndex(nnz, nnz == layout.numel(), covers_causal, rows, cols, kernel, long_lists, longest_row)
 
 
@@ -497,8 +517,9 @@ def build_topk_index(selected: torch.Tensor, counts: torch.Tensor, ks: tuple[int
         partial = _partial_counts(counts, causal, flag, geometry).expand(B, H, Mq).reshape(L)
         cls = torch.where(t >= (n_rows - partial)[row], PARTIAL, FULL)
         flag_sizes = (sizes.nnz - sizes.partial[flag], sizes.partial[flag])
-        rows[flag], cols[flag], kernel[flag], longest_row[flag] = _flag_index(
-            row, col, i, j, by_col, cls, flag_sizes, (B, H, Mq, Mk), sizes.longest_row)
+        row_side, col_side = _flag_sides(row, col, i, j, by_col, cls, flag_sizes, (B, H, Mq, Mk))
+        rows[flag], cols[flag], longest_row[flag] = row_side.live, col_side.live, sizes.longest_row
+        kernel[flag] = _kernel_index(row_side, col_side, _unsplit_plan(row_side), _unsplit_plan(col_side))
         long_lists[flag] = sizes.nnz >= LONG_LIST_BLOCKS * B * H * Mq
     covers = sizes.covers_causal
     if covers is None:  # a non-causal choice that may hold every causal block: count the causal ones it kept

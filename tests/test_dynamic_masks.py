@@ -215,7 +215,7 @@ def test_from_topk_never_waits_for_the_device(p, monkeypatch):
 
 def test_non_causal_topk_waits_only_where_the_causal_lists_are_used(monkeypatch):
     """A non-causal choice says nothing of its causal lists: they are build_index's, built on first use (its
-    six waits); and whether the mask covers every causal block is read at once only when it can (queries
+    three waits); and whether the mask covers every causal block is read at once only when it can (queries
     shorter than keys and k at least a row's causal candidates)."""
     p = TopK(1, 2, 6, 6, 32, 32, 192, 192, 2, False, False, 7)
     with DeviceWaits(monkeypatch, ops=SYNCING_OPS) as counter:
@@ -226,7 +226,7 @@ def test_non_causal_topk_waits_only_where_the_causal_lists_are_used(monkeypatch)
         m.kernel_index(True)
         m.row_index(True)  # built once for every list of the flag
     monkeypatch.undo()
-    assert counter.waits == 6
+    assert counter.waits == 3
     with DeviceWaits(monkeypatch) as counter:
         short = EDGES[3].mask(check_finite=False)
     monkeypatch.undo()
