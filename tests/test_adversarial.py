@@ -248,8 +248,6 @@ def _rows_attending(mask, causal, keys):
 @pytest.mark.parametrize("where", ["k", "v", "q"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_non_finite_inputs_reach_exactly_the_rows_that_use_them(backend, causal, where, value):
-    if backend == "triton" and causal and where == "v":
-        pytest.xfail("triton kernels: a non-finite v reaches the earlier rows of its causal diagonal tile")
     n = 80  # a sequence tail: the last block is partial
     mask = masks.local(n, 16, window=1) | masks.random(n, 16, density=0.2, seed=3)
     q, k, v = _inputs(torch.float32, n=n)
@@ -266,11 +264,28 @@ def test_non_finite_inputs_reach_exactly_the_rows_that_use_them(backend, causal,
     torch.testing.assert_close(out[:, :, keep], expected[:, :, keep], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="the Hopper kernels (16-bit, D=128) let a non-finite v reach the earlier "
+                   "rows of its causal diagonal tile (their warpgroups share the V tile in shared memory)")
+def test_non_finite_v_on_the_hopper_kernels_reaches_exactly_the_rows_that_attend_it():
+    n, position = 1024, 300  # rows 256-299 share the diagonal tile of key 300 and do not attend it
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    poisoned = v.clone()
+    poisoned[0, :, position, 5] = float("nan")
+    mask = masks.dense(n, 128, device="cuda")
+    out = sparse_flash.block_sparse_attention(q, k, poisoned, mask, causal=True)
+    expected = sparse_flash.block_sparse_attention(q, k, v, mask, causal=True)
+    bad = (~torch.isfinite(out[0])).any(-1).any(0).nonzero().flatten()
+    assert bad.tolist() == list(range(position, n))
+    torch.testing.assert_close(out[:, :, :position], expected[:, :, :position], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_non_finite_inputs_leave_other_gradients_exact(backend):
     n = 64
     mask = masks.local(n, 16, window=0)  # diagonal blocks only: keys of block 1 serve rows of block 1
-    q, k, v = _inputs(torch.float64, n=n)
+    q, k, v = _inputs(torch.float32 if backend == "triton" else torch.float64, n=n)  # the kernels take no float64
     dout = torch.randn_like(q)
 
     def grads(poison):

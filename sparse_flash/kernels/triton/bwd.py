@@ -66,6 +66,8 @@ def _dkdv_tile(
     dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
     dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M) dP^T
     dst = pt * (dpt - delta[None, :])  # (BLOCK_N, BLOCK_M) dS^T
+    if MASKED and CAUSAL:  # a pair left out stays 0 even where dP or delta is not finite (never 0 x NaN)
+        dst = tl.where(offs_m[None, :] >= offs_n[:, None], dst, 0.0)
     dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
     return dk, dv
 
@@ -225,6 +227,8 @@ def _dq_tile(
         p = tl.where(valid, p, 0.0)
     dp = tl.dot(do, vt, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
     ds = p * (dp - delta[:, None])  # (BLOCK_M, BLOCK_N)
+    if MASKED:  # a pair left out stays 0 even where dP or delta is not finite (never 0 x NaN)
+        ds = tl.where(valid, ds, 0.0)
     dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D)
     return dq
 

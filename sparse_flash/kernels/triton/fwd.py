@@ -62,6 +62,14 @@ def _fwd_tile(
         if CAUSAL:
             valid = valid & (cols[None, :] <= offs_m[:, None])
         qk = tl.where(valid, qk, float("-inf"))
+    if MASKED and CAUSAL:
+        # A non-finite value at key j reaches exactly the rows that attend j: the product P V would carry it
+        # (0 x NaN) into the earlier rows of the diagonal tile, so those keys' values enter the product as 0
+        # and the rows that do attend them are marked below.
+        v_ok = (v == v) & (tl.abs(v) < float("inf"))  # (BLOCK_N, BLOCK_D)
+        v_bad = tl.max(tl.where(v_ok, 0, 1), 1) > 0  # (BLOCK_N,) keys with a non-finite value
+        hit = tl.max(tl.where(valid & v_bad[None, :], 1, 0), 1) > 0  # (BLOCK_M,) rows attending such a key
+        v = tl.where(v_ok, v, tl.zeros_like(v))  # keeps v's dtype for the dot
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # (BLOCK_M,) running max, log2 units (qk_scale > 0)
     if MASKED:
         # A row with no allowed key so far keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
@@ -75,6 +83,8 @@ def _fwd_tile(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # P V into acc
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if MASKED and CAUSAL:
+        acc = tl.where(hit[:, None], float("nan"), acc)
     return acc, l_i, m_new
 
 
