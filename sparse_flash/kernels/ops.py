@@ -34,7 +34,13 @@ def unflatten(flat: list[torch.Tensor], geometry: list[int]) -> tuple[KernelInde
     return KernelIndex(*parts), MaskGeometry(*sizes, bool(long_lists))
 
 
-@torch.library.custom_op("sparse_flash::attn_fwd", mutates_args=())
+# Inductor's CUDA graphs (torch.compile modes "reduce-overhead" and "max-autotune") run these ops outside the
+# graphs they capture around them: the launch plans allocate persistent buffers on first use, which a graph's
+# memory pool refuses, and the index lists' sizes differ between masks. (torch.cuda.graph captures them whole.)
+_OP_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("sparse_flash::attn_fwd", mutates_args=(), tags=_OP_TAGS)
 def attn_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: list[torch.Tensor], geometry: list[int],
     causal: bool, scale: float,
@@ -48,7 +54,7 @@ def _(q, k, v, index, geometry, causal, scale):
     return q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32)  # contiguous, like the launcher
 
 
-@torch.library.custom_op("sparse_flash::attn_bwd", mutates_args=())
+@torch.library.custom_op("sparse_flash::attn_bwd", mutates_args=(), tags=_OP_TAGS)
 def attn_bwd_op(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     index: list[torch.Tensor], geometry: list[int], causal: bool, scale: float,
