@@ -78,11 +78,11 @@ def _read_spec(config) -> _Spec:
     if raw is None:
         return _DENSE_SPEC
     if torch.compiler.is_compiling():
-        seen = _CHECKED_SPECS.get(id(raw))
-        if seen is None or seen[0] is not raw:
-            raise RuntimeError(f"{_FIELD} was never checked outside torch.compile: call sparse_flash.integrations."
-                               "transformers.prepare(config, seq_len, device) for each length before compiling")
-        return seen[1]
+        for checked, spec in _CHECKED_SPECS.values():  # by identity; id() does not trace on every torch
+            if checked is raw:
+                return spec
+        raise RuntimeError(f"{_FIELD} was never checked outside torch.compile: call sparse_flash.integrations."
+                           "transformers.prepare(config, seq_len, device) for each length before compiling")
     spec = _check_spec(raw)
     _CHECKED_SPECS[id(raw)] = (raw, spec)
     if len(_CHECKED_SPECS) > MASK_CACHE_SIZE:

@@ -95,12 +95,13 @@ def seed_value(seed) -> int | torch.Generator:
     return int(seed)
 
 
-def generator(seed, device) -> torch.Generator:
-    """A generator seeded explicitly, on the device the mask is built on (no global RNG state)."""
+def generator(seed) -> torch.Generator:
+    """A generator seeded explicitly (no global RNG state). An int seed draws on the CPU, whatever device the mask
+    is built on, so that one seed gives one mask on every device; a user's generator is used as given."""
     seed = seed_value(seed)
     if isinstance(seed, torch.Generator):
         return seed
-    gen = torch.Generator(device=device)
+    gen = torch.Generator(device="cpu")
     gen.manual_seed(seed)
     return gen
 

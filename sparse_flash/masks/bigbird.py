@@ -36,10 +36,10 @@ def bigbird(
         num_sliding_window_blocks: width of the sliding window in blocks, odd (3 means +-1).
         num_global_blocks: leading global blocks, from 0 (more than the mask has: all of them).
         causal: unidirectional variant (a bool).
-        seed: an int seed in [0, 2**64 - 1] or a `torch.Generator`.
+        seed: an int seed in [0, 2**64 - 1] (one mask on every device: drawn on the CPU) or a `torch.Generator`.
         num_heads: draw the random part independently per head, from 1.
         seq_len_k: key length (cross attention); defaults to `seq_len`.
-        device: where the layout is drawn and lives.
+        device: where the layout lives.
 
     Returns:
         BlockMask `(1, num_heads or 1, Mq, Mk)`.
@@ -62,7 +62,7 @@ def bigbird(
     i, j = block_coords(geo, device)
     allowed = causal_blocks(geo, device) if causal else torch.ones_like(i * j, dtype=torch.bool)
 
-    gen = generator(seed, device if device is not None else "cpu")
+    gen = generator(seed)
     scores = torch.rand(heads, geo.num_blocks_q, geo.num_blocks_k, generator=gen, device=gen.device).to(device)
     scores = scores.masked_fill(~allowed, -1.0)  # disallowed keys sort last and are dropped below
     layout = torch.zeros_like(scores, dtype=torch.bool)

@@ -20,7 +20,7 @@ def random(
 ) -> BlockMask:
     """Each block on independently with probability `density`.
 
-    Reproducible: the same seed on the same device gives the same mask. With `num_heads` each head draws
+    Reproducible: one int seed gives one mask on every device (drawn on the CPU, then moved). With `num_heads` each head draws
     its own layout. Rows may come out empty; such queries output 0 (add `masks.local(..., window=0)` to
     keep the diagonal).
 
@@ -31,7 +31,7 @@ def random(
         seed: an int seed in [0, 2**64 - 1] or a `torch.Generator` (never the global RNG).
         num_heads: draw one independent layout per head, from 1; default one layout shared by all heads.
         seq_len_k: key length (cross attention); defaults to `seq_len`.
-        device: where the layout is drawn and lives.
+        device: where the layout lives.
 
     Returns:
         BlockMask `(1, num_heads or 1, Mq, Mk)`.
@@ -48,7 +48,7 @@ def random(
     seed = seed_value(seed)
     heads = optional_heads(num_heads)
     geo = geometry(seq_len, block_size, seq_len_k, heads=heads)
-    gen = generator(seed, device if device is not None else "cpu")
+    gen = generator(seed)
     draws = torch.rand(heads, geo.num_blocks_q, geo.num_blocks_k, generator=gen, device=gen.device)
     name = f"random(density={density:g}, seed={seed if isinstance(seed, int) else 'gen'})"
     return make((draws < density).to(device), geo, name)
