@@ -189,6 +189,10 @@ def render(records: list[dict]) -> str:
         ]
         for r in stages:
             protocol = "" if r.get("lra_protocol") else " (not LRA's 160K/20K)"
+            if not r.get("finished", True):
+                levers = r["levers"]
+                protocol += (f", stopped at {r['wall_minutes'] * 60:.0f} s of a {levers['train_seconds']:g}-s schedule"
+                             if levers.get("train_seconds") else f", stopped at step {r['steps']} of {levers['steps']}")
             checkpoint = f"[{Path(r['checkpoint']).name}]({r['checkpoint']})" if r.get("checkpoint") else "-"
             lines.append(
                 f"| {r['task']} | {r['difficulty']} | {r['mask']} ({_pct(r['density'])}) | {r['layers']} x "

@@ -214,7 +214,10 @@ def _plan_items(counts: torch.Tensor, n: torch.Tensor, sizes: list[int], mean: f
     chunk_id = torch.arange(lists.numel(), device=flat.device) - starts[lists]
     length = flat[lists] // n[lists]  # every chunk of a list has this length or one more
     bh = lists // M
-    by_head = torch.argsort(bh * (1 << 32) - length, stable=True)  # by (b, h), longest first within
+    # by (b, h), longest first within: two stable sorts of small keys (inductor has narrowed a composite
+    # int64 key such as bh * 2**32 - length to int32 on the GPU, which scrambled the order)
+    longest_first = torch.argsort(-length, stable=True)
+    by_head = longest_first[torch.argsort(bh[longest_first], stable=True)]
     per_head = _bin_counts(bh, B * H)
     rank = torch.arange(lists.numel(), device=flat.device) - (torch.cumsum(per_head, 0) - per_head)[bh[by_head]]
     heavy_bh = torch.where(length > HEAVY_FACTOR * mean, bh, B * H)  # light items count in a bin past the end
