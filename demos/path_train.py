@@ -413,14 +413,25 @@ def pretrain_step(net, model: PixelTransformer, optimizer, pixels, lr: float, ge
     return loss.detach(), (logits.argmax(dim=-1) == targets).sum(), targets.numel()
 
 
+EVAL_PROGRESS_SECONDS = 30.0  # an evaluation longer than this prints how far it is (a long eval is never silent)
+
+
 @torch.no_grad()
 def evaluate(model, images, labels, batch_size: int, device: torch.device, dist: Dist) -> dict:
     """Mean loss, accuracy and the count of correct answers on held-out images; each rank takes every
-    world-th batch."""
+    world-th batch. Rank 0 prints its progress every `EVAL_PROGRESS_SECONDS`."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, device=device, dtype=torch.float64)  # loss sum, correct, count
-    for start in range(dist.rank * batch_size, len(labels), batch_size * dist.world):
+    started = last_print = time.monotonic()
+    starts = range(dist.rank * batch_size, len(labels), batch_size * dist.world)
+    for done, start in enumerate(starts):
+        now = time.monotonic()
+        if dist.rank == 0 and done and now - last_print >= EVAL_PROGRESS_SECONDS:
+            last_print = now
+            left = (now - started) / done * (len(starts) - done)
+            print(f"evaluating: {done * batch_size * dist.world:,}/{len(labels):,} held-out images, "
+                  f"{now - started:.0f} s, ~{left:.0f} s left", flush=True)
         index = torch.arange(start, min(start + batch_size, len(labels)), device=images.device)
         pixels, y = to_device(images, labels, index, device)
         with autocast(device):

@@ -456,3 +456,18 @@ def test_smoke_preset_pipeline_on_real_images(tmp_path, capsys):
     assert path256.main(argv) == 0
     out = capsys.readouterr().out
     assert "max |out diff|" in out and "smoke preset passed: the loss fell." in out and "neighborhood" in out
+
+
+def test_a_long_evaluation_prints_its_progress(monkeypatch, capsys):
+    """An evaluation that takes longer than EVAL_PROGRESS_SECONDS says how far it is, so a log is never silent."""
+
+    class Constant(torch.nn.Module):
+        def forward(self, pixels):
+            return torch.stack([torch.zeros(len(pixels)), torch.ones(len(pixels))], 1)
+
+    monkeypatch.setattr(path_train, "EVAL_PROGRESS_SECONDS", 0.0)
+    images, labels = torch.zeros(10, 4, dtype=torch.uint8), torch.tensor([1, 0] * 5)
+    result = path_train.evaluate(Constant(), images, labels, 4, torch.device("cpu"), path_train.Dist())
+    assert (result["correct"], result["count"]) == (5, 10)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("evaluating:")]
+    assert lines == ["evaluating: 4/10 held-out images, 0 s, ~0 s left", "evaluating: 8/10 held-out images, 0 s, ~0 s left"]
