@@ -57,7 +57,7 @@ import sparse_flash
 from path_model import (
     HEADS, MASK_NAMES, ORDERS, TILED_MASKS, ConfigError, MaskConfig, ModelConfig, PixelTransformer,
     attention_flops, build_mask, default_tile, describe_masks, layer_masks, mask_specs, parse_pair, parse_pos,
-    step_flops,
+    step_flops, transfer_state,
 )
 from path_train import (
     EVAL_SEED_OFFSET, Control, Data, DataConfig, Dist, RunLog, RunSpec, TrainConfig, Trainer, autocast,
@@ -383,22 +383,52 @@ def run_training(args, device: torch.device, dist: Dist, log: RunLog, started: f
 # ----------------------------------------------------------------------------------------------------
 
 
-def eval_only(args, device: torch.device, dist: Dist, log: RunLog) -> dict:
-    """Evaluate `--init-from` on freshly generated held-out images of its own task; print accuracy and count."""
-    checkpoint = read_checkpoint(args.init_from, "--init-from")
-    model_cfg, mask_cfg, data_cfg, train_cfg = checkpoint_configs(checkpoint)
-    data_cfg = replace(
-        data_cfg,
-        n_eval=args.n_eval if "n_eval" in args.explicit else data_cfg.n_eval,
-        eval_seed=args.eval_seed if "eval_seed" in args.explicit else data_cfg.eval_seed,
-    )
+EVAL_TRANSFER_FLAGS = ("resolution", "pool", "difficulty", "tile")  # --eval-only on another task than training's
+EVAL_MODEL_FLAGS = ("layers", "width", "heads", "mlp_ratio", "pos", "order", "mask", "block_size", "window",
+                    "global_blocks", "head", "dropout", "n_train", "lr", "weight_decay", "warmup", "steps",
+                    "train_seconds", "pretrain_steps", "augment", "compare_steps")  # the checkpoint's own
+
+
+def eval_configs(args, checkpoint: dict) -> tuple[ModelConfig, MaskConfig, DataConfig]:
+    """The checkpoint's model, mask and data configs, moved to the task that `EVAL_TRANSFER_FLAGS` name (another
+    resolution, pooling, difficulty or tile: positions are in image units, masks are rebuilt for the new side)."""
+    model_cfg, mask_cfg, data_cfg, _ = checkpoint_configs(checkpoint)
+    ignored = [f"--{name.replace('_', '-')}" for name in EVAL_MODEL_FLAGS if name in args.explicit]
+    if ignored:
+        raise ConfigError(f"--eval-only takes the model, mask and training flags from the checkpoint; drop "
+                          f"{', '.join(ignored)} (it may change {', '.join('--' + f for f in EVAL_TRANSFER_FLAGS)})")
+    given = {name: getattr(args, name) for name in ("resolution", "pool", "difficulty", "n_eval", "eval_seed")
+             if name in args.explicit}
+    data_cfg = replace(data_cfg, **given)
     if data_cfg.eval_seed == data_cfg.seed:
         raise ConfigError(f"--eval-seed {data_cfg.eval_seed} is the checkpoint's training seed: pick another")
+    if data_cfg.resolution % data_cfg.pool:
+        raise ConfigError(f"--pool {data_cfg.pool} must divide the resolution {data_cfg.resolution}")
     if data_cfg.pool > 1 and not generator_takes_pool():
-        raise ConfigError("the checkpoint reads pooled images: this checkout's pathfinder.py has no pool")
+        raise ConfigError("pooled images need demos/pathfinder.py's load_or_generate(..., pool=...), not in this checkout")
+    side = data_cfg.resolution // data_cfg.pool
+    tile = model_cfg.tile
+    if "tile" in args.explicit:
+        if model_cfg.order != "tile":
+            raise ConfigError(f"--tile applies to a model in tile order; the checkpoint's order is {model_cfg.order}")
+        tile = parse_pair(args.tile, "--tile")
+    if model_cfg.order == "tile":
+        if min(tile) < 1 or side % tile[0] or side % tile[1]:
+            raise ConfigError(f"tile {tile[0]}x{tile[1]} must divide the image side {side} (resolution "
+                              f"{data_cfg.resolution} / pool {data_cfg.pool}): pass --tile")
+        mask_cfg = replace(mask_cfg, block_size=tile[0] * tile[1])
+    return replace(model_cfg, side=side, tile=tuple(tile)), mask_cfg, data_cfg
+
+
+def eval_only(args, device: torch.device, dist: Dist, log: RunLog) -> dict:
+    """Evaluate `--init-from` on freshly generated held-out images of its own task, or of the task the
+    `EVAL_TRANSFER_FLAGS` name; print accuracy and count."""
+    checkpoint = read_checkpoint(args.init_from, "--init-from")
+    train_cfg = checkpoint_configs(checkpoint)[3]
+    model_cfg, mask_cfg, data_cfg = eval_configs(args, checkpoint)
     model = PixelTransformer(model_cfg, layer_masks(mask_cfg, model_cfg, device), args.backend).to(device)
     try:
-        model.load_state_dict(checkpoint["model"])
+        model.load_state_dict(transfer_state(checkpoint["model"], model))
     except RuntimeError as error:
         raise ConfigError(f"--init-from {args.init_from}: weights do not fit its own config ({str(error)[:160]})")
     data = load_data(data_cfg, args.cache_dir, args.workers, device, dist, log, splits=("eval",))

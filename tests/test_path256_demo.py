@@ -328,6 +328,22 @@ def test_eval_only_reports_accuracy_with_its_count(tmp_path, fake_data, capsys):
     assert report["count"] == 12 and 0 <= report["correct"] <= 12
 
 
+def test_eval_only_on_another_task_rebuilds_model_and_masks(tmp_path, fake_data, capsys):
+    """A tile-order 8-px model evaluated at 16 px (32-px images pooled 2x) with a 4x4 tile: the transfer path."""
+    flags = run_flags(tmp_path, steps=2)
+    flags[flags.index("--mask") + 1] = "neighborhood"
+    assert path256.main(flags + ["--order", "tile", "--tile", "4x4"]) == 0
+    ckpt = str(tmp_path / "out" / "path32_neighborhood_ckpt.pt")
+    base = ["--eval-only", "--init-from", ckpt, "--n-eval", "12", "--device", "cpu", "--backend", "torch",
+            "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "eval")]
+    capsys.readouterr()
+    assert path256.main(base + ["--pool", "2", "--tile", "8x2"]) == 0
+    out = capsys.readouterr().out
+    assert "Pathfinder-32 pooled 2x (16 px)" in out and "of 12 images" in out
+    assert "must divide the image side 16" in error_of(capsys, base + ["--pool", "2", "--tile", "3x3"])
+    assert "drop --width, --mask" in error_of(capsys, base + ["--width", "32", "--mask", "dense"])
+
+
 def test_compile_on_cpu_with_the_smallest_model(tmp_path, fake_data):
     assert path256.main(run_flags(tmp_path, "--compile", "aot_eager", steps=2)) == 0
     assert json.loads((tmp_path / "out" / "path32_sparse.json").read_text())["evals"][-1]["step"] == 2
