@@ -3,7 +3,8 @@
 # 65,536 tokens), then the benchmark. Everything lands in $OUT/results.tgz, failures also in $OUT/failures.txt
 # as they happen (a run cut by its time limit still names them); a short summary prints last.
 #   OUT=out bash benchmarks/run_gpu_checks.sh [--quick] [--no-tests] [--no-bench]
-#   (TESTS=files to test, KEXPR=a pytest -k expression, WORKERS, TEST_TIMEOUT and BENCH_TIMEOUT seconds)
+#   (TESTS=files to test, KEXPR=a pytest -k expression, WORKERS, TEST_TIMEOUT and BENCH_TIMEOUT seconds,
+#   SPARSE_FLASH_SHARD=i/n: the i-th of n shards of the test files, for a suite split over several calls)
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 RES=$(mktemp -d)
@@ -12,6 +13,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu}
 export SPARSE_FLASH_ERROR_LOG=$RES/errors.json SPARSE_FLASH_MEMORY_LOG=$RES/memory.json
 export SPARSE_FLASH_FAILURE_LOG=$OUT/failures.txt  # each failure as it comes, beside the archive
+export SPARSE_FLASH_DURATION_LOG=$OUT/durations.txt  # each test's seconds as it ends (a cut run still shows them)
 quick="" tests=1 bench=1
 for a in "$@"; do
   case $a in --quick) quick=--quick ;; --no-tests) tests=0 ;; --no-bench) bench=0 ;; esac
@@ -36,5 +38,6 @@ fi
 tar czf "$OUT/results.tgz" -C "$RES" .
 [ -f "$RES/pytest.log" ] && grep -E "passed|failed|error|exit code" "$RES/pytest.log" | tail -3
 [ -f "$OUT/failures.txt" ] && { grep -c "^FAILED" "$OUT/failures.txt"; grep "^FAILED" "$OUT/failures.txt" | head -20; }
+[ -f "$OUT/durations.txt" ] && { echo "slowest tests (s):"; sort -rn "$OUT/durations.txt" | head -8; }
 [ -f "$RES/bench.log" ] && tail -40 "$RES/bench.log"
 exit 0

@@ -38,11 +38,31 @@ def triton_usable() -> bool:
     return HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+_IN_WORKER = False  # a pytest-xdist worker (the controller alone writes the logs below)
+
+
+def pytest_configure(config):
+    global _IN_WORKER
+    _IN_WORKER = hasattr(config, "workerinput")
+
+
 def pytest_collection_modifyitems(config, items):
+    """Skip GPU tests without a GPU; with SPARSE_FLASH_SHARD=i/n keep the i-th of n shards (by test file, so a
+    file's fixtures are set up in one shard), for a suite split over several time-limited calls."""
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+    shard = os.environ.get("SPARSE_FLASH_SHARD")
+    if shard:
+        index, count = (int(x) for x in shard.split("/"))
+        if not 1 <= index <= count:
+            raise pytest.UsageError(f"SPARSE_FLASH_SHARD must be i/n with 1 <= i <= n, got {shard!r}")
+        files = sorted({item.nodeid.split("::")[0] for item in items})
+        mine = set(files[index - 1 :: count])
+        deselected = [item for item in items if item.nodeid.split("::")[0] not in mine]
+        items[:] = [item for item in items if item.nodeid.split("::")[0] in mine]
+        config.hook.pytest_deselected(items=deselected)
 
 
 @contextlib.contextmanager
@@ -110,7 +130,14 @@ def _poison_kernel_outputs():
 def pytest_runtest_logreport(report):
     """With SPARSE_FLASH_FAILURE_LOG=path, append each failure as it is reported (its test id, then its last
     lines), so that a run killed by a time limit still says what failed and why (pytest's own summary comes
-    only at the end; under xdist this runs in the controller, once per report)."""
+    only at the end); with SPARSE_FLASH_DURATION_LOG=path, each test's seconds as it ends. Under xdist the
+    controller writes them, once per report."""
+    if _IN_WORKER:
+        return
+    durations = os.environ.get("SPARSE_FLASH_DURATION_LOG")
+    if durations and report.when == "call":
+        with open(durations, "a") as f:
+            f.write(f"{report.duration:8.1f} {report.nodeid}\n")
     path = os.environ.get("SPARSE_FLASH_FAILURE_LOG")
     if not path or not report.failed or hasattr(report, "wasxfail"):
         return
