@@ -27,7 +27,8 @@ if [ $tests = 1 ]; then
   workers=$(python -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}" || echo "")
   kexpr=()
   [ -n "${KEXPR:-}" ] && kexpr=(-k "$KEXPR")  # a -k expression with spaces stays one argument
-  timeout "${TEST_TIMEOUT:-360}" python -m pytest -q $workers -p no:cacheprovider --durations=15 "${kexpr[@]}" ${TESTS:-tests/} > "$RES/pytest.log" 2>&1
+  # a test past 150 s dumps every thread's stack into the log (a hang names itself)
+  timeout "${TEST_TIMEOUT:-360}" python -m pytest -q $workers -p no:cacheprovider --durations=15 -o faulthandler_timeout=150 "${kexpr[@]}" ${TESTS:-tests/} > "$RES/pytest.log" 2>&1
   echo "pytest exit code $?" >> "$RES/pytest.log"
   pkill -f "python -m pytest" 2>/dev/null; sleep 1  # workers left by a timeout must not share the GPU with the benchmark
 fi
