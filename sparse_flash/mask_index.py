@@ -170,72 +170,162 @@ HEAVY_FACTOR = 2  # items longer than this many times the mean list length start
 LONG_LIST_BLOCKS = 16  # rows averaging this many live blocks or more count as long (kernels pick wider tiles)
 
 
-def _item_ranges(lists, chunk_id, n, full: BlockIndex, part: BlockIndex) -> list[torch.Tensor]:
-    """Per item: its ranges of the full and partial lists (chunk c of n takes positions [c·L//n, (c+1)·L//n)
-    of a list's L blocks, full blocks first) and the first block of each range."""
-    n_full = full.counts.reshape(-1)[lists].long()
-    length = n_full + part.counts.reshape(-1)[lists].long()
-    start, end = chunk_id * length // n, (chunk_id + 1) * length // n
-    full_off, part_off = full.offsets[lists].long(), part.offsets[lists].long()
-    full_lo, full_hi = full_off + torch.clamp(start, max=n_full), full_off + torch.clamp(end, max=n_full)
-    part_lo, part_hi = part_off + torch.clamp(start - n_full, min=0), part_off + torch.clamp(end - n_full, min=0)
+class _PlanInput(NamedTuple):
+    """One work plan to build: the lists' live counts `(B, H, M)`, their split threshold in blocks (`_chunk_size`)
+    and mean length, and their full and partial `BlockIndex`."""
 
-    def first(index, lo, hi):
-        if index.indices.numel() == 0:
-            return torch.zeros_like(lo)
-        return torch.where(hi > lo, index.indices[torch.clamp(lo, max=index.indices.numel() - 1)].long(), 0)
-
-    return [full_lo, full_hi, part_lo, part_hi, first(full, full_lo, full_hi), first(part, part_lo, part_hi)]
+    counts: torch.Tensor
+    chunk: int
+    mean: float
+    full: BlockIndex
+    part: BlockIndex
 
 
-def _plan_chunks(counts: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """How lists of `counts` (B, H, M) blocks split (lists longer than `chunk`): `(n, sizes)`, the chunks of each
-    list `(B * H * M,)` and, still on the device, int64 `(5,)`: the work plan's sizes (items, the most items of
-    one (b, h), split lists, scratch slots) and the longest list. The caller reads the sizes of every plan at
-    once."""
-    B, H, M = counts.shape
-    flat = counts.reshape(-1).long()
+class _PlanBatch(NamedTuple):
+    """The lists of several work plans side by side, plan p's at `[base[p], base[p + 1])`: per list its plan,
+    its length and its chunks (int64 `(L,)` each), and the host numbers of the layout."""
+
+    plans: tuple[_PlanInput, ...]
+    base: tuple[int, ...]  # host: the first list of each plan, and the total
+    which: list[torch.Tensor]  # per plan p >= 1, bool `(L,)`: the list belongs to plan p or a later one
+    flat: torch.Tensor
+    n: torch.Tensor
+
+
+def _per_list(batch: _PlanBatch, values) -> torch.Tensor:
+    """`values[plan of each list]`, `(L,)`, by `where` on host numbers (a table copied to the device would wait
+    for it, and its host memory would be read again by every replay of a captured CUDA graph)."""
+    out = torch.full_like(batch.flat, values[0], dtype=torch.float32 if isinstance(values[0], float) else torch.int64)
+    for later, value in zip(batch.which, values[1:]):
+        out = torch.where(later, value, out)
+    return out
+
+
+def _plan_batch(plans: list[_PlanInput], split: bool = True) -> _PlanBatch:
+    """The lists of several work plans side by side, each cut into chunks when longer than its plan's `chunk`
+    (with `split=False` none is: every size is then known on the host)."""
+    base = [0]
+    for plan in plans:
+        base.append(base[-1] + plan.counts.numel())
+    flat = torch.cat([plan.counts.reshape(-1) for plan in plans]).long()
+    g = torch.arange(base[-1], device=flat.device)
+    batch = _PlanBatch(tuple(plans), tuple(base), [g >= b for b in base[1:-1]], flat, torch.ones_like(flat))
+    if not split:
+        return batch
+    chunk = _per_list(batch, [plan.chunk for plan in plans])
     n = torch.where(flat > chunk, torch.clamp((flat + chunk - 1) // chunk, max=SPLIT_MAX_CHUNKS), 1)  # chunks per list
-    is_split = n > 1
-    return n, torch.stack([n.sum(), n.view(B * H, M).sum(1).max(), is_split.sum(), (n * is_split).sum(), flat.max()])
+    return batch._replace(n=n)
 
 
-def _plan_items(counts: torch.Tensor, n: torch.Tensor, sizes: list[int], mean: float, full: BlockIndex,
-                part: BlockIndex) -> WorkPlan:
-    """The work plan of lists of `counts` (B, H, M) blocks cut into `n` (B * H * M,) chunks each, given its
-    sizes on the host: `(items, the most items of one (b, h), split lists, scratch slots)`. Nothing here waits
-    for the device."""
-    B, H, M = counts.shape
-    num_items, width, num_split, num_slots = sizes
-    flat = counts.reshape(-1).long()
+def _plan_sizes(batch: _PlanBatch) -> torch.Tensor:
+    """Still on the device, int64 `(P, 5)`: each plan's sizes (items, the most items of one (b, h), split lists,
+    scratch slots) and its longest list. The caller reads the sizes of every plan at once."""
+    P, (B, H) = len(batch.plans), batch.plans[0].counts.shape[:2]
+    flat, n = batch.flat, batch.n
+    plan_of = _per_list(batch, list(range(P)))
+    local = torch.arange(batch.base[-1], device=flat.device) - _per_list(batch, batch.base[:-1])
+    head = plan_of * (B * H) + local // _per_list(batch, [plan.counts.shape[-1] for plan in batch.plans])
     is_split = n > 1
-    lists = torch.repeat_interleave(torch.arange(flat.numel(), device=flat.device), n, output_size=num_items)
+
+    def by_plan(values, reduce="sum"):
+        return torch.zeros(P, dtype=torch.int64, device=flat.device).scatter_reduce_(0, plan_of, values, reduce)
+
+    per_head = torch.zeros(P * B * H, dtype=torch.int64, device=flat.device).scatter_add_(0, head, n)
+    return torch.stack([by_plan(n), per_head.view(P, B * H).amax(1), by_plan(is_split.long()),
+                        by_plan(n * is_split), by_plan(flat, "amax")], 1)
+
+
+def _plan_items(batch: _PlanBatch, sizes: list[list[int]]) -> list[WorkPlan]:
+    """The work plans of a batch (`_plan_batch`), given each plan's sizes on the host (`_plan_sizes`): `(items,
+    the most items of one (b, h), split lists, scratch slots)`. Nothing here waits for the device.
+
+    Every plan follows one policy: items ordered by (b, h), longest first within; the first `lead` ranks of
+    every head hold its heavy items (longer than HEAVY_FACTOR x the plan's mean list length); chunk c of n takes
+    positions [c·L//n, (c+1)·L//n) of a list's L blocks, full blocks first.
+    """
+    plans, base, flat, n = batch.plans, batch.base, batch.flat, batch.n
+    P = len(plans)
+    B, H = plans[0].counts.shape[:2]
+    device = flat.device
+    num_items, widths, num_split, num_slots = (list(column) for column in zip(*[size[:4] for size in sizes]))
+    item_base, slot_base = [0], [0]
+    for p in range(P):
+        item_base.append(item_base[-1] + num_items[p])
+        slot_base.append(slot_base[-1] + num_slots[p])
+    lists = torch.repeat_interleave(torch.arange(base[-1], device=device), n, output_size=item_base[-1])
     starts = torch.cumsum(n, 0) - n
-    chunk_id = torch.arange(lists.numel(), device=flat.device) - starts[lists]
-    length = flat[lists] // n[lists]  # every chunk of a list has this length or one more
-    bh = lists // M
-    # by (b, h), longest first within: two stable sorts of small keys (inductor has narrowed a composite
+    chunk_id = torch.arange(lists.numel(), device=device) - starts[lists]
+    n_item = n[lists]
+    length = flat[lists] // n_item  # every chunk of a list has this length or one more
+    local = (torch.arange(base[-1], device=device) - _per_list(batch, base[:-1]))[lists]  # list number in its plan
+    M = _per_list(batch, [plan.counts.shape[-1] for plan in plans])[lists]
+    plan_of = _per_list(batch, list(range(P)))
+    head = plan_of[lists] * (B * H) + local // M  # (plan, b, h)
+    # by (plan, b, h), longest first within: two stable sorts of small keys (inductor has narrowed a composite
     # int64 key such as bh * 2**32 - length to int32 on the GPU, which scrambled the order)
     longest_first = torch.argsort(-length, stable=True)
-    by_head = longest_first[torch.argsort(bh[longest_first], stable=True)]
-    per_head = _bin_counts(bh, B * H)
-    rank = torch.arange(lists.numel(), device=flat.device) - (torch.cumsum(per_head, 0) - per_head)[bh[by_head]]
-    heavy_bh = torch.where(length > HEAVY_FACTOR * mean, bh, B * H)  # light items count in a bin past the end
-    lead = _bin_counts(heavy_bh, B * H + 1)[: B * H].max().reshape(1).to(torch.int32)
-    split = torch.argsort((~is_split).to(torch.uint8), stable=True)[:num_split]  # the split lists, in order
+    by_head = longest_first[torch.argsort(head[longest_first], stable=True)]
+    per_head = _bin_counts(head, P * B * H)
+    rank = torch.arange(lists.numel(), device=device) - (torch.cumsum(per_head, 0) - per_head)[head[by_head]]
+    threshold = _per_list(batch, [HEAVY_FACTOR * plan.mean for plan in plans])[lists]
+    heavy = torch.where(length > threshold, head, P * B * H)  # light items count in a bin past the end
+    lead = _bin_counts(heavy, P * B * H + 1)[: P * B * H].view(P, B * H).amax(1).to(torch.int32)
+    is_split = n > 1
+    split = torch.argsort((~is_split).to(torch.uint8), stable=True)[: sum(num_split)]  # the split lists, in order
+    first_slot = torch.cumsum(n[split], 0) - n[split] - _per_list(batch, slot_base[:-1])[split]  # in its plan
     slots = torch.full_like(flat, -1)
-    slots[split] = torch.cumsum(n[split], 0) - n[split]
-    fields = [lists % M, chunk_id, n[lists], torch.where(n[lists] > 1, slots[lists] + chunk_id, -1),
-              *_item_ranges(lists, chunk_id, n[lists], full, part)]
-    items = torch.zeros((B * H, width, len(ITEM_FIELDS)), dtype=torch.int32, device=flat.device)
+    slots[split] = first_slot
+    slot = torch.where(n_item > 1, slots[lists] + chunk_id, -1)
+    fields = [local % M, chunk_id, n_item, slot, *_item_ranges(batch, lists, chunk_id, n_item)]
+    width = max(widths)
+    items = torch.zeros((P * B * H, width, len(ITEM_FIELDS)), dtype=torch.int32, device=device)
     for field in ("block", "slot"):  # padding: no block, no slot (one fill each: a list index would be copied to
         items[..., ITEM_FIELDS.index(field)] = -1  # the device, which waits for it)
-    items[bh[by_head], rank] = torch.stack(fields, 1)[by_head].to(torch.int32)
-    slot_list = torch.repeat_interleave(split, n[split], output_size=num_slots).to(torch.int32)
-    plan = WorkPlan(items.reshape(B, H, -1, len(ITEM_FIELDS)), n.to(torch.int32), slots.to(torch.int32), lead,
-                    split.to(torch.int32), slot_list)
-    _unbacked((plan.items, 2), (plan.split, 0), (plan.slot_list, 0))
-    return plan
+    items[head[by_head], rank] = torch.stack(fields, 1)[by_head].to(torch.int32)
+    local_split = (split - _per_list(batch, base[:-1])[split]).to(torch.int32)
+    slot_list = torch.repeat_interleave(local_split, n[split], output_size=slot_base[-1])
+    chunks, slots = n.to(torch.int32), slots.to(torch.int32)
+    out = []
+    split_base = [sum(num_split[:p]) for p in range(P + 1)]
+    for p in range(P):  # separate tensors, none a view of another (torch.compile guards on how inputs alias)
+        plan = WorkPlan(items[p * B * H:(p + 1) * B * H, : widths[p]].reshape(B, H, widths[p], -1).clone(),
+                        chunks[base[p]:base[p + 1]].clone(), slots[base[p]:base[p + 1]].clone(), lead[p:p + 1].clone(),
+                        local_split[split_base[p]:split_base[p + 1]].clone(),
+                        slot_list[slot_base[p]:slot_base[p + 1]].clone())
+        _unbacked((plan.items, 2), (plan.split, 0), (plan.slot_list, 0))
+        out.append(plan)
+    return out
+
+
+def _item_ranges(batch: _PlanBatch, lists, chunk_id, n) -> list[torch.Tensor]:
+    """Per item: its ranges of its plan's full and partial lists (chunk c of n takes positions [c·L//n,
+    (c+1)·L//n) of a list's L blocks, full blocks first) and the first block of each range."""
+    ranges = []
+    length = None
+    for kind in ("full", "part"):
+        index = [getattr(plan, kind) for plan in batch.plans]
+        counts = torch.cat([i.counts.reshape(-1) for i in index])[lists].long()
+        offsets = torch.cat([i.offsets[:-1] for i in index])[lists].long()
+        ranges.append((index, counts, offsets))
+    n_full = ranges[0][1]
+    length = n_full + ranges[1][1]
+    start, end = chunk_id * length // n, (chunk_id + 1) * length // n
+    bounds = [(torch.clamp(start, max=n_full), torch.clamp(end, max=n_full)),
+              (torch.clamp(start - n_full, min=0), torch.clamp(end - n_full, min=0))]
+    out, firsts = [], []
+    for (index, _, offsets), (lo, hi) in zip(ranges, bounds):
+        lo, hi = offsets + lo, offsets + hi
+        out += [lo, hi]
+        entries = torch.cat([i.indices for i in index])
+        if entries.numel() == 0:
+            firsts.append(torch.zeros_like(lo))
+            continue
+        shift = [0]
+        for i in index[:-1]:
+            shift.append(shift[-1] + i.indices.numel())
+        at = torch.clamp(lo + _per_list(batch, shift)[lists], max=entries.numel() - 1)
+        firsts.append(torch.where(hi > lo, entries[at].long(), 0))
+    return out + firsts
 
 
 def _causal_blocks(Mq: int, Mk: int, bq: int, bk: int, seq_len_q: int) -> int:
@@ -299,11 +389,11 @@ def _flag_sides(row, col, i, j, by_col, cls, sizes: tuple[int, int], shape) -> t
     return rows, cols
 
 
-def _unsplit_plan(side: _Side) -> WorkPlan:
-    """The work plan of lists that no program splits (every size known on the host)."""
-    counts = side.live.counts
-    ones = torch.ones(counts.numel(), dtype=torch.int64, device=counts.device)
-    return _plan_items(counts, ones, [counts.numel(), counts.shape[-1], 0, 0], side.mean, side.full, side.part)
+def _unsplit_plans(sides: list[_Side]) -> list[WorkPlan]:
+    """The work plans of lists that no program splits, one per side (every size known on the host)."""
+    inputs = [_PlanInput(side.live.counts, 0, side.mean, side.full, side.part) for side in sides]
+    sizes = [[side.live.counts.numel(), side.live.counts.shape[-1], 0, 0] for side in sides]
+    return _plan_items(_plan_batch(inputs, split=False), sizes)
 
 
 def _kernel_index(rows: _Side, cols: _Side, row_plan: WorkPlan, col_plan: WorkPlan) -> KernelIndex:
@@ -339,26 +429,23 @@ def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: in
     # The class sizes of both flags, fetched from the device at once: (full, partial) per flag
     sizes = torch.stack([(c == k).sum() for c in classes.values() for k in (FULL, PARTIAL)]).tolist()
     covers_causal = False
-    sides, chunks = {}, {}
+    sides, inputs = {}, []
     for causal, cls in classes.items():
         flag_sizes = tuple(sizes[2 * causal:2 * causal + 2])
         sides[causal] = _flag_sides(row, col, i, j, by_col, cls, flag_sizes, (B, H, Mq, Mk))
         total = sum(flag_sizes)
-        for is_col, (side, lists) in enumerate(zip(sides[causal], (B * H * Mq, B * H * Mk))):
-            chunks[causal, bool(is_col)] = _plan_chunks(side.live.counts, _chunk_size(total, lists))
+        for side, lists in zip(sides[causal], (B * H * Mq, B * H * Mk)):
+            inputs.append(_PlanInput(side.live.counts, _chunk_size(total, lists), side.mean, side.full, side.part))
         long_lists[causal] = total >= LONG_LIST_BLOCKS * B * H * Mq
         if causal:
             covers_causal = total == B * H * _causal_blocks(Mq, Mk, bq, bk, seq_len_q)
-    # The sizes of the four work plans, fetched from the device together
-    plan_sizes = dict(zip(chunks, torch.stack([s for _, s in chunks.values()]).tolist()))
+    # The four work plans (rows and columns of each flag) in one batch, their sizes fetched from the device together
+    batch = _plan_batch(inputs)
+    plan_sizes = _plan_sizes(batch).tolist()
+    plans = _plan_items(batch, plan_sizes)
     for causal, (row_side, col_side) in sides.items():
-        plans = []
-        for is_col, side in enumerate((row_side, col_side)):
-            n = chunks[causal, bool(is_col)][0]
-            *plan_size, longest = plan_sizes[causal, bool(is_col)]
-            plans.append(_plan_items(side.live.counts, n, plan_size, side.mean, side.full, side.part))
-        rows[causal], cols[causal], longest_row[causal] = row_side.live, col_side.live, plan_sizes[causal, False][-1]
-        kernel[causal] = _kernel_index(row_side, col_side, *plans)
+        rows[causal], cols[causal], longest_row[causal] = row_side.live, col_side.live, plan_sizes[2 * causal][-1]
+        kernel[causal] = _kernel_index(row_side, col_side, *plans[2 * causal:2 * causal + 2])
     return MaskIndex(nnz, nnz == layout.numel(), covers_causal, rows, cols, kernel, long_lists, longest_row)
 
 
@@ -515,15 +602,17 @@ def build_topk_index(selected: torch.Tensor, counts: torch.Tensor, ks: tuple[int
     bh, i = row // Mq, row % Mq
     col = bh * Mk + j
     by_col = torch.argsort(col * Mq + i)  # the same entries sorted by (b, h, j, i)
-    rows, cols, kernel, long_lists, longest_row = {}, {}, {}, {}, {}
+    rows, cols, kernel, long_lists, longest_row, sides = {}, {}, {}, {}, {}, {}
     for flag in sizes.flags:
         partial = _partial_counts(counts, causal, flag, geometry).expand(B, H, Mq).reshape(L)
         cls = torch.where(t >= (n_rows - partial)[row], PARTIAL, FULL)
         flag_sizes = (sizes.nnz - sizes.partial[flag], sizes.partial[flag])
-        row_side, col_side = _flag_sides(row, col, i, j, by_col, cls, flag_sizes, (B, H, Mq, Mk))
-        rows[flag], cols[flag], longest_row[flag] = row_side.live, col_side.live, sizes.longest_row
-        kernel[flag] = _kernel_index(row_side, col_side, _unsplit_plan(row_side), _unsplit_plan(col_side))
+        sides[flag] = _flag_sides(row, col, i, j, by_col, cls, flag_sizes, (B, H, Mq, Mk))
+        rows[flag], cols[flag], longest_row[flag] = sides[flag][0].live, sides[flag][1].live, sizes.longest_row
         long_lists[flag] = sizes.nnz >= LONG_LIST_BLOCKS * B * H * Mq
+    plans = _unsplit_plans([side for pair in sides.values() for side in pair])  # every flag's plans in one batch
+    for (flag, (row_side, col_side)), row_plan, col_plan in zip(sides.items(), plans[::2], plans[1::2]):
+        kernel[flag] = _kernel_index(row_side, col_side, row_plan, col_plan)
     covers = sizes.covers_causal
     if covers is None:  # a non-causal choice that may hold every causal block: count the causal ones it kept
         q_last = torch.clamp((i + 1) * block_size[0], max=seq_len_q) - 1

@@ -156,6 +156,15 @@ def test_work_items_of_split_lists(causal):
     check_work_items(kidx.col_full, kidx.col_partial, kidx.col_plan)
 
 
+@given(m=layouts())
+def test_index_tensors_share_no_storage(m):
+    """The work plans of both flags are built in one batch, then cut apart: no list or plan tensor is a view of
+    another (torch.compile guards on how its inputs alias, and these sizes differ from mask to mask)."""
+    tensors = [t for causal in (False, True) for part in m.kernel_index(causal) for t in part if t.numel()]
+    storages = [t.untyped_storage().data_ptr() for t in tensors]
+    assert len(set(storages)) == len(storages)
+
+
 def test_item_fields_agree_with_the_kernels():
     pytest.importorskip("triton")
     from sparse_flash.kernels.triton import common
