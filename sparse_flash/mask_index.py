@@ -134,33 +134,49 @@ FULL, PARTIAL, DEAD = 0, 1, 2  # what a nonzero block is for one causal flag: no
 # needed (causal diagonal, sequence tail), or no allowed pair at all (above the causal diagonal)
 
 
-def _class_lists(keys: torch.Tensor, values: torch.Tensor, cls: torch.Tensor, sizes: tuple[int, int],
-                 shape: tuple[int, int, int]) -> tuple[BlockIndex, BlockIndex, BlockIndex]:
-    """The live, full and partial index lists of entries sorted by (list, value).
+def _class_lists(keys: torch.Tensor, values: torch.Tensor, cls: torch.Tensor, sizes: list[tuple[int, int]],
+                 shapes: list[tuple[int, int, int]]) -> list[tuple[BlockIndex, BlockIndex, BlockIndex]]:
+    """The live, full and partial index lists of several sets of lists side by side.
 
-    `keys` numbers each entry's list (`(b * H + h) * M + i` for `shape` (B, H, M)), `values` holds its block
-    index and `cls` its class (FULL, PARTIAL or DEAD); `sizes` are the numbers of FULL and PARTIAL entries,
+    Set s holds the lists `base[s] ..` of `shapes[s]` (B, H, M); `keys` numbers each entry's list within all sets
+    (set s's base plus `(b * H + h) * M + i`), `values` holds its block index and `cls` its class (FULL, PARTIAL
+    or DEAD); entries are sorted by (key, value). `sizes` are the numbers of FULL and PARTIAL entries of each set,
     known on the host, so that nothing here waits for the device.
     """
-    n_full, n_part = sizes
-    lists = math.prod(shape)
+    device = keys.device
+    base = [0]
+    for shape in shapes:
+        base.append(base[-1] + math.prod(shape))
+    lists = base[-1]
     full_count, part_count = _bin_counts(cls * lists + keys, 3 * lists)[: 2 * lists].view(2, lists)
-    # A stable sort keeps the (list, value) order within each class: full entries, then partial, then dead.
-    sorted_values = values[torch.argsort(cls, stable=True)].to(torch.int32)
+    # A stable sort keeps the (key, value) order within each class: every set's full entries (set by set, as the
+    # keys are), then every set's partial ones, then the dead ones.
+    sorted_values = values[torch.argsort(cls, stable=True)]
+    n_full, n_part = sum(f for f, _ in sizes), sum(p for _, p in sizes)
     if n_full + n_part == values.numel():
-        live = values.to(torch.int32)
+        live = values
     else:
-        live = values[torch.argsort((cls == DEAD).to(torch.uint8), stable=True)[: n_full + n_part]].to(torch.int32)
-    # Separate tensors, none a view of another: torch.compile guards on how its inputs alias, and the slices'
-    # offsets differ from mask to mask.
-    lists_of = []
-    for count, indices in ((full_count + part_count, live), (full_count, sorted_values[:n_full].clone()),
-                           (part_count, sorted_values[n_full:n_full + n_part].clone())):
-        offsets = torch.zeros(lists + 1, dtype=torch.int32, device=keys.device)
-        torch.cumsum(count, dim=0, out=offsets[1:])
-        _unbacked((indices, 0))
-        lists_of.append(BlockIndex(count.to(torch.int32).reshape(shape), offsets, indices))
-    return tuple(lists_of)
+        live = values[torch.argsort((cls == DEAD).to(torch.uint8), stable=True)[: n_full + n_part]]
+    starts = {"live": [0], "full": [0], "part": [n_full]}  # where each set's entries start in `live`, `sorted_values`
+    for f, p in sizes:
+        starts["live"].append(starts["live"][-1] + f + p)
+        starts["full"].append(starts["full"][-1] + f)
+        starts["part"].append(starts["part"][-1] + p)
+    out = []
+    for kind, count, entries in (("live", full_count + part_count, live), ("full", full_count, sorted_values),
+                                 ("part", part_count, sorted_values)):
+        ends = torch.zeros(lists + 1, dtype=torch.int32, device=device)
+        torch.cumsum(count, dim=0, out=ends[1:])
+        per_set = []
+        for s, shape in enumerate(shapes):  # separate tensors, none a view of another (torch.compile guards on
+            # how its inputs alias, and the slices' offsets differ from mask to mask)
+            indices = entries[starts[kind][s]:starts[kind][s + 1]].to(torch.int32, copy=True)
+            offsets = ends[base[s]:base[s + 1] + 1] - ends[base[s]]
+            _unbacked((indices, 0))
+            per_set.append(BlockIndex(count[base[s]:base[s + 1]].to(torch.int32, copy=True).reshape(shape), offsets,
+                                      indices))
+        out.append(per_set)
+    return list(zip(*out))
 
 
 SPLIT_MIN_CHUNK = 32  # lists up to this many blocks are never split
@@ -190,6 +206,9 @@ class _PlanBatch(NamedTuple):
     which: list[torch.Tensor]  # per plan p >= 1, bool `(L,)`: the list belongs to plan p or a later one
     flat: torch.Tensor
     n: torch.Tensor
+    plan: torch.Tensor  # the plan of each list
+    local: torch.Tensor  # its number within its plan
+    M: torch.Tensor  # its plan's lists per (b, h)
 
 
 def _per_list(batch: _PlanBatch, values) -> torch.Tensor:
@@ -209,7 +228,9 @@ def _plan_batch(plans: list[_PlanInput], split: bool = True) -> _PlanBatch:
         base.append(base[-1] + plan.counts.numel())
     flat = torch.cat([plan.counts.reshape(-1) for plan in plans]).long()
     g = torch.arange(base[-1], device=flat.device)
-    batch = _PlanBatch(tuple(plans), tuple(base), [g >= b for b in base[1:-1]], flat, torch.ones_like(flat))
+    batch = _PlanBatch(tuple(plans), tuple(base), [g >= b for b in base[1:-1]], flat, torch.ones_like(flat), g, g, g)
+    batch = batch._replace(plan=_per_list(batch, list(range(len(plans)))), local=g - _per_list(batch, base[:-1]),
+                           M=_per_list(batch, [plan.counts.shape[-1] for plan in plans]))
     if not split:
         return batch
     chunk = _per_list(batch, [plan.chunk for plan in plans])
@@ -221,10 +242,8 @@ def _plan_sizes(batch: _PlanBatch) -> torch.Tensor:
     """Still on the device, int64 `(P, 5)`: each plan's sizes (items, the most items of one (b, h), split lists,
     scratch slots) and its longest list. The caller reads the sizes of every plan at once."""
     P, (B, H) = len(batch.plans), batch.plans[0].counts.shape[:2]
-    flat, n = batch.flat, batch.n
-    plan_of = _per_list(batch, list(range(P)))
-    local = torch.arange(batch.base[-1], device=flat.device) - _per_list(batch, batch.base[:-1])
-    head = plan_of * (B * H) + local // _per_list(batch, [plan.counts.shape[-1] for plan in batch.plans])
+    flat, n, plan_of = batch.flat, batch.n, batch.plan
+    head = plan_of * (B * H) + batch.local // batch.M
     is_split = n > 1
 
     def by_plan(values, reduce="sum"):
@@ -257,10 +276,8 @@ def _plan_items(batch: _PlanBatch, sizes: list[list[int]]) -> list[WorkPlan]:
     chunk_id = torch.arange(lists.numel(), device=device) - starts[lists]
     n_item = n[lists]
     length = flat[lists] // n_item  # every chunk of a list has this length or one more
-    local = (torch.arange(base[-1], device=device) - _per_list(batch, base[:-1]))[lists]  # list number in its plan
-    M = _per_list(batch, [plan.counts.shape[-1] for plan in plans])[lists]
-    plan_of = _per_list(batch, list(range(P)))
-    head = plan_of[lists] * (B * H) + local // M  # (plan, b, h)
+    local, M = batch.local[lists], batch.M[lists]  # the list's number in its plan, its plan's lists per (b, h)
+    head = batch.plan[lists] * (B * H) + local // M  # (plan, b, h)
     # by (plan, b, h), longest first within: two stable sorts of small keys (inductor has narrowed a composite
     # int64 key such as bh * 2**32 - length to int32 on the GPU, which scrambled the order)
     longest_first = torch.argsort(-length, stable=True)
@@ -282,7 +299,7 @@ def _plan_items(batch: _PlanBatch, sizes: list[list[int]]) -> list[WorkPlan]:
     for field in ("block", "slot"):  # padding: no block, no slot (one fill each: a list index would be copied to
         items[..., ITEM_FIELDS.index(field)] = -1  # the device, which waits for it)
     items[head[by_head], rank] = torch.stack(fields, 1)[by_head].to(torch.int32)
-    local_split = (split - _per_list(batch, base[:-1])[split]).to(torch.int32)
+    local_split = batch.local[split].to(torch.int32)
     slot_list = torch.repeat_interleave(local_split, n[split], output_size=slot_base[-1])
     chunks, slots = n.to(torch.int32), slots.to(torch.int32)
     out = []
@@ -375,18 +392,31 @@ class _Side(NamedTuple):
     mean: float
 
 
-def _flag_sides(row, col, i, j, by_col, cls, sizes: tuple[int, int], shape) -> tuple[_Side, _Side]:
-    """The row and column lists of one causal flag.
+def _sides(row, col, i, j, by_col, classes: dict, sizes: dict, shape) -> dict:
+    """The row and column lists of every causal flag in `classes`, built in one batch: `{flag: (rows, cols)}`,
+    each a `_Side`.
 
     `row`, `col`, `i`, `j`: the layout's nonzero blocks sorted by (row list, key block) (`by_col` sorts them by
-    (column list, query block)); `cls` their class for this flag and `sizes` the numbers of FULL and PARTIAL
-    ones.
+    (column list, query block)); `classes[flag]` their class for that flag and `sizes[flag]` the numbers of FULL
+    and PARTIAL ones.
     """
     B, H, Mq, Mk = shape
-    total = sum(sizes)  # live blocks: the total length of the row lists, and of the column lists
-    rows = _Side(*_class_lists(row, j, cls, sizes, (B, H, Mq)), total / (B * H * Mq))
-    cols = _Side(*_class_lists(col[by_col], i[by_col], cls[by_col], sizes, (B, H, Mk)), total / (B * H * Mk))
-    return rows, cols
+    Lq, Lk = B * H * Mq, B * H * Mk
+    col, i = col[by_col], i[by_col]
+    keys, values, cls, shapes, set_sizes = [], [], [], [], []
+    for flag, flag_cls in classes.items():
+        offset = len(keys) // 2 * (Lq + Lk)
+        keys += [row + offset if offset else row, col + (offset + Lq)]
+        values += [j, i]
+        cls += [flag_cls, flag_cls[by_col]]
+        shapes += [(B, H, Mq), (B, H, Mk)]
+        set_sizes += [sizes[flag]] * 2
+    built = _class_lists(torch.cat(keys), torch.cat(values), torch.cat(cls), set_sizes, shapes)
+    out = {}
+    for n, flag in enumerate(classes):
+        total = sum(sizes[flag])  # live blocks: the total length of the row lists, and of the column lists
+        out[flag] = (_Side(*built[2 * n], total / Lq), _Side(*built[2 * n + 1], total / Lk))
+    return out
 
 
 def _unsplit_plans(sides: list[_Side]) -> list[WorkPlan]:
@@ -429,11 +459,10 @@ def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: in
     # The class sizes of both flags, fetched from the device at once: (full, partial) per flag
     sizes = torch.stack([(c == k).sum() for c in classes.values() for k in (FULL, PARTIAL)]).tolist()
     covers_causal = False
-    sides, inputs = {}, []
-    for causal, cls in classes.items():
-        flag_sizes = tuple(sizes[2 * causal:2 * causal + 2])
-        sides[causal] = _flag_sides(row, col, i, j, by_col, cls, flag_sizes, (B, H, Mq, Mk))
-        total = sum(flag_sizes)
+    flag_sizes = {causal: tuple(sizes[2 * causal:2 * causal + 2]) for causal in classes}
+    sides, inputs = _sides(row, col, i, j, by_col, classes, flag_sizes, (B, H, Mq, Mk)), []
+    for causal in classes:
+        total = sum(flag_sizes[causal])
         for side, lists in zip(sides[causal], (B * H * Mq, B * H * Mk)):
             inputs.append(_PlanInput(side.live.counts, _chunk_size(total, lists), side.mean, side.full, side.part))
         long_lists[causal] = total >= LONG_LIST_BLOCKS * B * H * Mq
@@ -602,12 +631,13 @@ def build_topk_index(selected: torch.Tensor, counts: torch.Tensor, ks: tuple[int
     bh, i = row // Mq, row % Mq
     col = bh * Mk + j
     by_col = torch.argsort(col * Mq + i)  # the same entries sorted by (b, h, j, i)
-    rows, cols, kernel, long_lists, longest_row, sides = {}, {}, {}, {}, {}, {}
+    rows, cols, kernel, long_lists, longest_row, classes = {}, {}, {}, {}, {}, {}
     for flag in sizes.flags:
         partial = _partial_counts(counts, causal, flag, geometry).expand(B, H, Mq).reshape(L)
-        cls = torch.where(t >= (n_rows - partial)[row], PARTIAL, FULL)
-        flag_sizes = (sizes.nnz - sizes.partial[flag], sizes.partial[flag])
-        sides[flag] = _flag_sides(row, col, i, j, by_col, cls, flag_sizes, (B, H, Mq, Mk))
+        classes[flag] = torch.where(t >= (n_rows - partial)[row], PARTIAL, FULL)
+    flag_sizes = {flag: (sizes.nnz - sizes.partial[flag], sizes.partial[flag]) for flag in sizes.flags}
+    sides = _sides(row, col, i, j, by_col, classes, flag_sizes, (B, H, Mq, Mk))
+    for flag in sizes.flags:
         rows[flag], cols[flag], longest_row[flag] = sides[flag][0].live, sides[flag][1].live, sizes.longest_row
         long_lists[flag] = sizes.nnz >= LONG_LIST_BLOCKS * B * H * Mq
     plans = _unsplit_plans([side for pair in sides.values() for side in pair])  # every flag's plans in one batch
