@@ -13,7 +13,7 @@ import torch
 
 from .kernels import settings
 from .mask import BlockMask
-from .masks._common import is_bool
+from .checks import is_bool
 
 BACKENDS = ("auto", "reference", "torch", "triton")
 HEAD_DIM_RANGE = (8, 256)

@@ -25,7 +25,8 @@ import torch
 
 from . import __version__, masks
 from .api import triton_unavailable_reason
-from .masks._common import geometry, positive_int
+from .checks import positive_int
+from .masks._common import geometry
 
 PROG = "sparse-flash"
 DEMOS = {"path256": "demos/path256.py"}

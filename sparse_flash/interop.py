@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .mask import BlockMask, _as_pair
+from .checks import as_bool, as_pair, block_pair, positive_int
+from .mask import BlockMask
 from .mask_index import BlockIndex
-from .masks._common import as_bool, block_pair, positive_int
 
 
 def _flex_module():
@@ -95,7 +95,7 @@ def from_flex(flex_mask, name: str = "from flex") -> BlockMask:
             f"flex_mask must be a torch.nn.attention.flex_attention.BlockMask, got {type(flex_mask).__name__}"
         )
     seq_q, seq_k = flex_mask.seq_lengths
-    bq, bk = _as_pair(tuple(flex_mask.BLOCK_SIZE))
+    bq, bk = as_pair(tuple(flex_mask.BLOCK_SIZE))
     Mq, Mk = -(-seq_q // bq), -(-seq_k // bk)
     layout = _scatter_layout(flex_mask.kv_num_blocks[..., :Mq], flex_mask.kv_indices[..., :Mq, :], Mk)
     if flex_mask.full_kv_num_blocks is not None:

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from .checks import is_int, as_bool, as_pair
 from .mask_index import (LONG_LIST_BLOCKS, BlockIndex, KernelIndex, MaskGeometry, MaskIndex, build_index,
                          build_topk_index, candidates, topk_counts, topk_sizes)
 
@@ -21,24 +22,6 @@ __all__ = ["BlockMask", "Tiling"]
 
 _GRID_MAX_BLOCKS = 64  # repr draws an ASCII grid up to this many blocks per side
 _GRID_MAX_LAYOUTS = 4  # ... and for at most this many (batch, head) layouts
-
-
-def _is_int(value) -> bool:
-    """A Python or NumPy integer, never a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _as_pair(block_size, name: str = "block_size") -> tuple[int, int]:
-    """`block_size` (an int or a pair of ints, Python or NumPy) as `(block_q, block_k)`."""
-    if _is_int(block_size):
-        pair = (int(block_size), int(block_size))
-    elif isinstance(block_size, (tuple, list)) and len(block_size) == 2 and all(_is_int(b) for b in block_size):
-        pair = (int(block_size[0]), int(block_size[1]))
-    else:
-        raise TypeError(f"{name} must be an int or a pair of ints (block_q, block_k), got {block_size!r}")
-    if min(pair) < 1:
-        raise ValueError(f"{name} must be positive, got {block_size!r}")
-    return pair
 
 
 class Tiling(NamedTuple):
@@ -140,7 +123,7 @@ def _check_layout(layout) -> torch.Tensor:
 
 
 def _check_length(value, name: str, blocks: int, block: int, where: str = "the layout has") -> int:
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     value, needed = int(value), -(-int(value) // block)
     if needed != blocks:
@@ -170,8 +153,6 @@ def _check_tiling(tiling, block_size: tuple[int, int], shape) -> Tiling | None:
 
 
 def _check_flag(value, name: str) -> bool:
-    from .masks._common import as_bool  # masks import this module
-
     return as_bool(value, name)
 
 
@@ -189,7 +170,7 @@ def _check_scores(scores, block_size, seq_len_q, seq_len_k):
                          f"{tuple(scores.shape)}")
     if scores.is_meta:
         raise ValueError("scores must hold real values (a cpu or cuda tensor), got a tensor on the meta device")
-    bq, bk = _as_pair(block_size)
+    bq, bk = as_pair(block_size)
     Mq, Mk = scores.shape[-2:]
     seq_len_q = _check_length(Mq * bq if seq_len_q is None else seq_len_q, "seq_len_q", Mq, bq, "scores.shape[2] =")
     seq_len_k = _check_length(Mk * bk if seq_len_k is None else seq_len_k, "seq_len_k", Mk, bk, "scores.shape[3] =")
@@ -198,9 +179,9 @@ def _check_scores(scores, block_size, seq_len_q, seq_len_k):
 
 def _check_k(k, heads: int, Mk: int) -> tuple[int, ...]:
     """`k` as host ints: `(k,)`, or one per head (a CUDA tensor is read: one wait for the device)."""
-    if _is_int(k):
+    if is_int(k):
         ks = (int(k),)
-    elif isinstance(k, torch.Tensor) or (isinstance(k, (tuple, list)) and all(_is_int(x) for x in k)):
+    elif isinstance(k, torch.Tensor) or (isinstance(k, (tuple, list)) and all(is_int(x) for x in k)):
         if isinstance(k, torch.Tensor) and (k.is_floating_point() or k.is_complex() or k.dtype == torch.bool):
             raise TypeError(f"k given per head must be an integer tensor, got dtype {k.dtype}")
         shape = tuple(k.shape) if isinstance(k, torch.Tensor) else (len(k),)
@@ -287,7 +268,7 @@ class BlockMask:
                  name: str = "custom", *, tiling: Tiling | None = None):
         """Validate and own a layout; arguments as in `BlockMask.from_layout`."""
         layout = _check_layout(layout)
-        bq, bk = _as_pair(block_size)
+        bq, bk = as_pair(block_size)
         Mq, Mk = layout.shape[-2:]
         seq_len_q = _check_length(Mq * bq if seq_len_q is None else seq_len_q, "seq_len_q", Mq, bq)
         seq_len_k = _check_length(Mk * bk if seq_len_k is None else seq_len_k, "seq_len_k", Mk, bk)
@@ -453,7 +434,7 @@ class BlockMask:
             raise TypeError(f"_from_index takes a 4-D bool layout, got {type(layout).__name__} "
                             f"{getattr(layout, 'dtype', '')} {tuple(getattr(layout, 'shape', ()))}")
         layout = _check_layout(layout)
-        bq, bk = _as_pair(block_size)
+        bq, bk = as_pair(block_size)
         Mq, Mk = layout.shape[-2:]
         seq_len_q = _check_length(seq_len_q, "seq_len_q", Mq, bq)
         seq_len_k = _check_length(seq_len_k, "seq_len_k", Mk, bk)

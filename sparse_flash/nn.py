@@ -19,7 +19,8 @@ from torch import nn
 from . import masks
 from .api import BACKENDS, HEAD_DIM_RANGE, block_sparse_attention, flash_attention
 from .mask import BlockMask
-from .masks._common import GridError, as_bool, block_pair, is_bool, positive_int
+from .checks import as_bool, block_pair, is_bool, positive_int
+from .masks._common import GridError
 
 __all__ = ["BlockSparseAttention", "MoBAAttention"]
 

@@ -41,7 +41,8 @@ import torch
 from .. import masks
 from ..api import BACKENDS, block_sparse_attention, flash_attention
 from ..mask import BlockMask
-from ..masks._common import GridError, block_pair
+from ..checks import block_pair
+from ..masks._common import GridError
 
 __all__ = ["CONFIG_FIELD", "DEFAULT_NAME", "CallPlan", "attention_forward", "plan_call", "prepare", "register"]
 

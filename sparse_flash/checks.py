@@ -1,0 +1,110 @@
+"""Argument checks shared by the whole package: one kind of value is refused in one way everywhere.
+
+Ints may be Python or NumPy ints but never bools; bools may be Python or NumPy bools; every message names the
+argument, what was expected and what came. `BlockMask`, the mask constructors, `nn`, `cli` and `interop` check
+their arguments with these (torch only, no import of the rest of the package).
+"""
+
+from __future__ import annotations
+
+import numbers
+import sys
+
+import torch
+
+MAX_INT = 2**63 - 1  # every int argument: it must fit the int64 arithmetic the layouts are built with
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
+
+
+def is_bool(value) -> bool:
+    """True for Python and NumPy bools (NumPy is not imported for it)."""
+    numpy = sys.modules.get("numpy")
+    return isinstance(value, bool) or (numpy is not None and isinstance(value, numpy.bool_))
+
+
+def as_bool(value, name: str) -> bool:
+    if not is_bool(value):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def positive_int(value, name: str, minimum: int = 1, maximum: int = MAX_INT) -> int:
+    """`value` as an int in `[minimum, maximum]`: Python or NumPy ints, never bools or floats."""
+    if is_bool(value) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    if value > maximum:
+        raise ValueError(f"{name} must be at most {maximum}, got {value}")
+    return value
+
+
+def optional_heads(num_heads) -> int:
+    return 1 if num_heads is None else positive_int(num_heads, "num_heads")
+
+
+def probability(value, name: str) -> float:
+    """A float in [0, 1] (NaN and infinities refused)."""
+    if is_bool(value) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float in [0, 1], got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not 0.0 <= value <= 1.0:  # also false for NaN
+        raise ValueError(f"{name} must be a float in [0, 1], got {value}")
+    return value
+
+
+def odd_int(value, name: str) -> int:
+    value = positive_int(value, name)
+    if value % 2 == 0:
+        raise ValueError(f"{name} must be odd (a window centred on the diagonal: 3 means +-1), got {value}")
+    return value
+
+
+def block_indices(values, name: str, *, distinct: bool = True) -> list[int]:
+    """A sequence of block indices (ints >= 0, `distinct` ones unless told): lists, tuples, NumPy arrays and
+    int tensors."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of block indices such as (0, 16), got {type(values).__name__} "
+                        f"{values!r}")
+    if hasattr(values, "tolist"):  # NumPy arrays and tensors hold their ints as 0-d objects
+        values = values.tolist()
+    indices = [positive_int(v, f"{name}[{k}]", minimum=0) for k, v in enumerate(values)]
+    if distinct and len(set(indices)) != len(indices):
+        raise ValueError(f"{name} must not repeat a block, got {indices}")
+    return indices
+
+
+def seed_value(seed) -> int | torch.Generator:
+    if isinstance(seed, torch.Generator):
+        return seed
+    expected = "seed must be an int in [0, 2**64 - 1] or a torch.Generator, got"
+    if is_bool(seed) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"{expected} {type(seed).__name__} {seed!r}")
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"{expected} {seed}")
+    return int(seed)
+
+
+def is_int(value) -> bool:
+    """A Python or NumPy integer, never a bool."""
+    return isinstance(value, numbers.Integral) and not is_bool(value)
+
+
+def as_pair(block_size, name: str = "block_size") -> tuple[int, int]:
+    """`block_size` (an int or a pair of ints, Python or NumPy) as `(block_q, block_k)`, each at least 1."""
+    if is_int(block_size):
+        pair = (int(block_size), int(block_size))
+    elif isinstance(block_size, (tuple, list)) and len(block_size) == 2 and all(is_int(b) for b in block_size):
+        pair = (int(block_size[0]), int(block_size[1]))
+    else:
+        raise TypeError(f"{name} must be an int or a pair of ints (block_q, block_k), got {block_size!r}")
+    if min(pair) < 1:
+        raise ValueError(f"{name} must be positive, got {block_size!r}")
+    return pair
+
+
+def block_pair(block_size) -> tuple[int, int]:
+    """`block_size` as `(block_q, block_k)`, each an int in [1, MAX_INT]."""
+    bq, bk = as_pair(block_size)
+    return positive_int(bq, "block_size"), positive_int(bk, "block_size")
