@@ -61,6 +61,19 @@ SWITCHES = {"tma": ("tma", ("fwd", "bwd")), "hopper": ("hopper_forward", ("fwd",
 BASE_PACKAGE = "sparse_flash_base"  # the name a saved package copy is imported under
 
 
+def parse_row(text: str) -> tuple:
+    """`B,Hq,Hkv,N,D,MASK,CAUSAL` (MASK a benchmark mask name or local<w>, CAUSAL true or false) as a row."""
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        if len(parts) != 7 or parts[6].lower() not in ("true", "false"):
+            raise ValueError
+        B, Hq, Hkv, N, D = (int(p) for p in parts[:5])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a row is B,Hq,Hkv,N,D,MASK,CAUSAL such as 1,16,16,16384,64,dense,true; "
+                                         f"got {text!r}") from None
+    return (B, Hq, Hkv, N, D, parts[5], parts[6].lower() == "true")
+
+
 def row_mask(name: str, N: int, device="cuda"):
     """The benchmark's mask of that name, or for `local<w>` a local mask of window w (block 128)."""
     if name.startswith("local") and name[5:].isdigit():
@@ -241,6 +254,9 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--rows", help="only rows whose (B, Hq, Hkv, N, D, mask, causal) text contains one of these "
                         "('|'-separated)")
+    parser.add_argument("--row", action="append", type=parse_row, default=[], metavar="B,Hq,Hkv,N,D,MASK,CAUSAL",
+                        help="a row outside the benchmark's, e.g. 1,16,16,16384,64,dense,true (repeatable; with "
+                        "--row only those rows run)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of (base, new, new, base) timings per row")
     parser.add_argument("--out", default="ab.json")
     args = parser.parse_args()
@@ -249,7 +265,8 @@ def main():
     from triton.testing import do_bench
 
     versions, supported = versions_of(args)
-    chosen = [r for r in ROWS if args.rows is None or any(part in str(r) for part in args.rows.split("|"))]
+    rows = args.row or ROWS
+    chosen = [r for r in rows if args.rows is None or any(part in str(r) for part in args.rows.split("|"))]
     results = []
     for row in chosen:
         results += run_row(versions, row, getattr(torch, args.dtype), args.repeats, do_bench, supported=supported)

@@ -73,3 +73,12 @@ def test_markdown_shows_both_timings():
     assert "0.80x" in line and "1.25x (0.080 / 0.100 ms)" in line
     dense = next(x for x in text.splitlines() if x.startswith("| 4,16,16,16384,128 | bfloat16 | dense | 1.000 | fwd |"))
     assert dense.rstrip().endswith("| |")  # no graph column for long rows
+
+
+def test_ab_rows_outside_the_benchmark_parse_or_say_what_a_row_is():
+    ab = pytest.importorskip("ab_kernels")
+    assert ab.parse_row("1,16,16,16384,64,dense,True") == (1, 16, 16, 16384, 64, "dense", True)
+    assert ab.parse_row(" 4, 8, 2, 4096, 96, local16, false") == (4, 8, 2, 4096, 96, "local16", False)
+    for bad in ("1,2,3", "1,16,16,16384,64,dense,yes", "a,16,16,16384,64,dense,true"):
+        with pytest.raises(ab.argparse.ArgumentTypeError, match="B,Hq,Hkv,N,D,MASK,CAUSAL"):
+            ab.parse_row(bad)
