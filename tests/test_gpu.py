@@ -255,7 +255,8 @@ def test_hopper_forward_split_lists_match_reference(causal, monkeypatch):
 
 
 def test_seeded_masks_are_one_mask_on_every_device():
-    """An int seed draws on the CPU, so a model gets the same random blocks on the GPU as on the CPU."""
+    """An int seed draws from an integer hash of (seed, position), so a model gets the same random blocks on the
+    GPU as on the CPU."""
     for build in (lambda device: masks.random(4096, 128, density=0.2, seed=7, num_heads=4, device=device),
                   lambda device: masks.bigbird(4096, 128, num_heads=4, seed=7, device=device)):
         on_gpu, on_cpu = build("cuda"), build("cpu")

@@ -96,6 +96,42 @@ def test_causal_blocks_hold_an_allowed_pair(nq, nk, bq, bk):
     assert torch.equal(m.layout, expected.layout)
 
 
+def _python_hash(seed: int, position: int) -> int:
+    """hash_draws written again in plain Python ints: the definition the tensors must follow on every device."""
+    M = 0xFFFFFFFF
+
+    def fmix(x):
+        x ^= x >> 16
+        x = (x * 0x85EBCA6B) & M
+        x ^= x >> 13
+        x = (x * 0xC2B2AE35) & M
+        return x ^ (x >> 16)
+
+    words = []
+    for salt in (0x243F6A88, 0x85A308D3):
+        x = ((seed & M) ^ salt) + (seed >> 32) * 0x9E3779B1
+        for _ in range(2):
+            x = fmix(x & M)
+        words.append(x)
+    return fmix((fmix((position * 0x9E3779B1 + words[0]) & M) + words[1]) & M)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7, 2**32, 2**64 - 1])
+def test_seeded_draws_are_an_integer_hash_of_seed_and_position(seed):
+    """Random blocks come from integer arithmetic alone (no device generator), so one seed is one mask on every
+    device; the draws are uniform and independent of the next seed's."""
+    from sparse_flash.masks._common import hash_draws, uniform_draws
+
+    positions = [0, 1, 2, 1000, 2**20 + 3]
+    drawn = hash_draws(seed, (2**20 + 4,)).tolist()
+    assert [drawn[p] for p in positions] == [_python_hash(seed, p) for p in positions]
+    u = uniform_draws(seed, (1 << 18,))
+    assert u.dtype == torch.float32 and 0 <= float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.005 and abs(float(u.std()) - 12 ** -0.5) < 0.005
+    other = uniform_draws(seed + 1 if seed < 2**64 - 1 else 0, (1 << 18,))
+    assert abs(float(torch.corrcoef(torch.stack([u, other]))[0, 1])) < 0.01
+
+
 def test_random_seeded_reproducible_and_per_head_independent():
     a = masks.random(4096, 64, density=0.3, seed=7, num_heads=6)
     b = masks.random(4096, 64, density=0.3, seed=7, num_heads=6)

@@ -314,9 +314,10 @@ def test_new_mask_of_another_layout_does_not_recompile():
     model = TinyModel().to(DEVICE)
     x = torch.randn(2, 100, 64, device=DEVICE)
     compiled, counter = compile_counted(model)
-    for seed, density in enumerate([0.5, 0.2, 0.8, 0.05]):
+    for seed, density in enumerate([0.5, 0.2, 0.6, 0.05]):  # none holds every causal block (another kernel path)
         mask = masks.random(100, 32, density=density, seed=seed, device=DEVICE)
         mask = mask | masks.local(100, 32, window=0, device=DEVICE)
+        assert not mask.covers_causal
         for ours, eager in zip(forward_backward(compiled, x, mask=mask), forward_backward(model, x, mask=mask)):
             torch.testing.assert_close(ours, eager, atol=1e-5, rtol=1e-4)
     assert counter.frame_count == 1

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -21,15 +22,60 @@ class GridError(ValueError):
     valid for longer sequences, so the `nn` layer checks it per length instead of at construction."""
 
 
-def generator(seed) -> torch.Generator:
-    """A generator seeded explicitly (no global RNG state). An int seed draws on the CPU, whatever device the mask
-    is built on, so that one seed gives one mask on every device; a user's generator is used as given."""
-    seed = seed_value(seed)
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """`x * c mod 2**32` for int64 `x` in [0, 2**32) and a 32-bit constant, without int64 overflow."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser: every input bit flips each output bit with probability about 1/2."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _seed_words(seed: int) -> tuple[int, int]:
+    """Two 32-bit constants from a 64-bit seed, mixed on the host (Python ints: no device work)."""
+    words = []
+    for salt in (0x243F6A88, 0x85A308D3):
+        x = ((seed & _MASK32) ^ salt) + (seed >> 32) * 0x9E3779B1
+        for _ in range(2):
+            x &= _MASK32
+            x ^= x >> 16
+            x = (x * 0x85EBCA6B) & _MASK32
+            x ^= x >> 13
+            x = (x * 0xC2B2AE35) & _MASK32
+            x ^= x >> 16
+        words.append(x)
+    return words[0], words[1]
+
+
+def hash_draws(seed: int, shape: tuple[int, ...], device=None) -> torch.Tensor:
+    """int64 `shape` of 32-bit pseudo-random values, a hash of (seed, position): integer arithmetic only, so the
+    same numbers on every device, with no generator state (a Weyl sequence offset by the seed, then two rounds of
+    MurmurHash3's finaliser, the second keyed by the seed again, so that no two seeds give shifted copies).
+
+    Example:
+        >>> hash_draws(0, (2, 3)).shape
+        torch.Size([2, 3])
+    """
+    first, second = _seed_words(seed)
+    position = torch.arange(math.prod(shape), dtype=torch.int64, device=device)
+    x = _fmix32((position * 0x9E3779B1 + first) & _MASK32)  # position < 2**31: no overflow
+    return _fmix32((x + second) & _MASK32).reshape(shape)
+
+
+def uniform_draws(seed, shape: tuple[int, ...], device=None) -> torch.Tensor:
+    """float32 `shape` in [0, 1): from `hash_draws` for an int seed (24 bits each; one mask on every device), or
+    `torch.rand` with a user's `torch.Generator` (on its device), moved to `device`."""
     if isinstance(seed, torch.Generator):
-        return seed
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(seed)
-    return gen
+        return torch.rand(shape, generator=seed, device=seed.device).to(device)
+    return (hash_draws(seed, shape, device) >> 8).to(torch.float32) * 2.0**-24
 
 
 class Geometry(NamedTuple):

@@ -6,7 +6,8 @@ import torch
 
 from ..mask import BlockMask
 from ._common import (
-    as_bool, block_coords, causal_blocks, generator, geometry, make, odd_int, optional_heads, positive_int, seed_value
+    as_bool, block_coords, causal_blocks, geometry, hash_draws, make, odd_int, optional_heads, positive_int, seed_value,
+    uniform_draws,
 )
 
 
@@ -36,7 +37,7 @@ def bigbird(
         num_sliding_window_blocks: width of the sliding window in blocks, odd (3 means +-1).
         num_global_blocks: leading global blocks, from 0 (more than the mask has: all of them).
         causal: unidirectional variant (a bool).
-        seed: an int seed in [0, 2**64 - 1] (one mask on every device: drawn on the CPU) or a `torch.Generator`.
+        seed: an int seed in [0, 2**64 - 1] (one mask on every device: a hash of the seed and the block's position) or a `torch.Generator`.
         num_heads: draw the random part independently per head, from 1.
         seq_len_k: key length (cross attention); defaults to `seq_len`.
         device: where the layout lives.
@@ -62,9 +63,12 @@ def bigbird(
     i, j = block_coords(geo, device)
     allowed = causal_blocks(geo, device) if causal else torch.ones_like(i * j, dtype=torch.bool)
 
-    gen = generator(seed)
-    scores = torch.rand(heads, geo.num_blocks_q, geo.num_blocks_k, generator=gen, device=gen.device).to(device)
-    scores = scores.masked_fill(~allowed, -1.0)  # disallowed keys sort last and are dropped below
+    shape = (heads, geo.num_blocks_q, geo.num_blocks_k)
+    if isinstance(seed, torch.Generator):
+        scores = uniform_draws(seed, shape, device)
+    else:  # distinct integer scores (draw, then key block): no tie, so every device keeps the same blocks
+        scores = hash_draws(seed, shape, device) * geo.num_blocks_k + j
+    scores = scores.masked_fill(~allowed, -1)  # disallowed keys sort last and are dropped below
     layout = torch.zeros_like(scores, dtype=torch.bool)
     if r:
         top = scores.topk(min(r, geo.num_blocks_k), dim=-1).indices

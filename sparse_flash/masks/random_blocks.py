@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..mask import BlockMask
-from ._common import generator, geometry, make, optional_heads, probability, seed_value
+from ._common import geometry, make, optional_heads, probability, seed_value, uniform_draws
 
 
 def random(
@@ -20,7 +20,7 @@ def random(
 ) -> BlockMask:
     """Each block on independently with probability `density`.
 
-    Reproducible: one int seed gives one mask on every device (drawn on the CPU, then moved). With `num_heads` each head draws
+    Reproducible: one int seed gives one mask on every device (a hash of the seed and the block's position). With `num_heads` each head draws
     its own layout. Rows may come out empty; such queries output 0 (add `masks.local(..., window=0)` to
     keep the diagonal).
 
@@ -48,7 +48,6 @@ def random(
     seed = seed_value(seed)
     heads = optional_heads(num_heads)
     geo = geometry(seq_len, block_size, seq_len_k, heads=heads)
-    gen = generator(seed)
-    draws = torch.rand(heads, geo.num_blocks_q, geo.num_blocks_k, generator=gen, device=gen.device)
+    draws = uniform_draws(seed, (heads, geo.num_blocks_q, geo.num_blocks_k), device)
     name = f"random(density={density:g}, seed={seed if isinstance(seed, int) else 'gen'})"
-    return make((draws < density).to(device), geo, name)
+    return make(draws < density, geo, name)
