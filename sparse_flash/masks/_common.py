@@ -26,17 +26,20 @@ _MASK32 = 0xFFFFFFFF
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """`x * c mod 2**32` for int64 `x` in [0, 2**32) and a 32-bit constant, without int64 overflow."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+    """`x * c mod 2**32` for int64 `x` in [0, 2**32) and a 32-bit constant, without int64 overflow (reuses `x`'s
+    products in place: these run over every block of the layout)."""
+    high = x.mul(c >> 16).bitwise_and_(0xFFFF).bitwise_left_shift_(16)
+    return x.mul(c & 0xFFFF).add_(high).bitwise_and_(_MASK32)
 
 
 def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finaliser: every input bit flips each output bit with probability about 1/2."""
-    x = x ^ (x >> 16)
+    """MurmurHash3's 32-bit finaliser, in place on a fresh int64 tensor of values in [0, 2**32): every input bit
+    flips each output bit with probability about 1/2."""
+    x.bitwise_xor_(x >> 16)
     x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
+    x.bitwise_xor_(x >> 13)
     x = _mul32(x, 0xC2B2AE35)
-    return x ^ (x >> 16)
+    return x.bitwise_xor_(x >> 16)
 
 
 def _seed_words(seed: int) -> tuple[int, int]:
@@ -65,9 +68,9 @@ def hash_draws(seed: int, shape: tuple[int, ...], device=None) -> torch.Tensor:
         torch.Size([2, 3])
     """
     first, second = _seed_words(seed)
-    position = torch.arange(math.prod(shape), dtype=torch.int64, device=device)
-    x = _fmix32((position * 0x9E3779B1 + first) & _MASK32)  # position < 2**31: no overflow
-    return _fmix32((x + second) & _MASK32).reshape(shape)
+    x = torch.arange(math.prod(shape), dtype=torch.int64, device=device)
+    x = _fmix32(x.mul_(0x9E3779B1).add_(first).bitwise_and_(_MASK32))  # positions < 2**31: no overflow
+    return _fmix32(x.add_(second).bitwise_and_(_MASK32)).reshape(shape)
 
 
 def uniform_draws(seed, shape: tuple[int, ...], device=None) -> torch.Tensor:
