@@ -440,8 +440,8 @@ def eval_only(args, device: torch.device, dist: Dist, log: RunLog) -> dict:
     log(f"held-out accuracy {result['acc']:.2%} ({result['correct']:,} of {result['count']:,} images; {task} "
         f"{data_cfg.difficulty}, seed {data_cfg.eval_seed}, never trained on) of {args.init_from} at step "
         f"{checkpoint['state']['step']}, in {seconds:.1f} s")
-    report = {"checkpoint": str(args.init_from), "task": task, "difficulty": data_cfg.difficulty,
-              "eval_seed": data_cfg.eval_seed, **result, "seconds": seconds, "environment": environment(device, dist)}
+    report = {"checkpoint": str(args.init_from), "step": checkpoint["state"]["step"], "task": task,
+              "difficulty": data_cfg.difficulty, "eval_seed": data_cfg.eval_seed, **result, "seconds": seconds, "environment": environment(device, dist)}
     if dist.is_main:
         write_json(Path(args.out) / "eval_only.json", report)
     return report

@@ -7,6 +7,7 @@ records of task "bench". The README's demo section is generated from the records
 
 Usage:
     python demos/results_table.py add RUN_DIR [--stage path32hard]   # record a finished run (export its checkpoint)
+    python demos/results_table.py add RUN_DIR --eval-report eval_only.json  # ... with a larger held-out evaluation
     python demos/results_table.py readme                             # regenerate README.md's section
     python demos/results_table.py show                               # print the table
 """
@@ -134,10 +135,30 @@ def export_checkpoint(source: Path, stage: str) -> Path:
     return target
 
 
-def add_run(run_dir: Path, stage: str | None = None, results: Path = RESULTS) -> list[dict]:
+def apply_eval_report(record: dict, report: dict, checkpoint: Path) -> dict:
+    """The record with its held-out numbers taken from an `--eval-only` report of the same checkpoint (fresh
+    images, e.g. 20,000 where training evaluated 2,000); the training-time evaluation stays as `training_eval`."""
+    step = read_checkpoint(checkpoint, "record")["state"]["step"]
+    if report.get("step") != step:
+        raise SystemExit(f"results_table.py: error: --eval-report evaluated {report['checkpoint']} at step "
+                         f"{report.get('step')}, not {checkpoint.name} at step {step}")
+    training_eval = {key: record[key] for key in ("n_eval", "held_out_acc", "held_out_correct", "eval_seed")}
+    return dict(record, n_eval=report["count"], held_out_acc=report["acc"], held_out_correct=report["correct"],
+                eval_seed=report["eval_seed"], training_eval=training_eval,
+                lra_protocol=record["n_train"] == 160_000 and report["count"] == 20_000)
+
+
+def add_run(run_dir: Path, stage: str | None = None, results: Path = RESULTS,
+            eval_report: Path | None = None) -> list[dict]:
     """Record every run in `run_dir` (its `<preset>_<run>.json` beside a checkpoint); with `stage`, export the
-    checkpoint to demos/checkpoints/<stage>.pt and copy the curves to demos/results/<stage>_curves.png."""
-    records = []
+    checkpoint to demos/checkpoints/<stage>.pt and copy the curves to demos/results/<stage>_curves.png; with
+    `eval_report` (an `--eval-only` report of the run's checkpoint), take the held-out numbers from it.
+    An `--init-from` checkpoint that an earlier record exported names that record's stage (`init_stage`)."""
+    report = json.loads(eval_report.read_text()) if eval_report else None
+    earlier = json.loads(results.read_text()) if results.exists() else []
+    stages = {path: r["stage"] for r in earlier if r.get("stage")
+              for path in (r.get("checkpoint"), r.get("source_checkpoint")) if path}
+    records, reported = [], False
     for metrics_path in sorted(run_dir.glob("*.json")):
         checkpoint = metrics_path.with_name(metrics_path.stem + "_ckpt.pt")
         if not checkpoint.exists():
@@ -145,6 +166,8 @@ def add_run(run_dir: Path, stage: str | None = None, results: Path = RESULTS) ->
         metrics = json.loads(metrics_path.read_text())
         if not metrics.get("evals"):
             continue
+        source = repo_relative(checkpoint)
+        run_checkpoint = checkpoint
         curves = run_dir / f"{metrics['preset']}_curves.png"
         if stage:
             checkpoint = export_checkpoint(checkpoint, stage)
@@ -153,9 +176,18 @@ def add_run(run_dir: Path, stage: str | None = None, results: Path = RESULTS) ->
                 target.write_bytes(curves.read_bytes())
                 curves = target
         record = make_record(metrics, repo_relative(checkpoint), repo_relative(curves) if curves.exists() else None)
+        record["source_checkpoint"] = source
+        init = record["levers"]["init_from"]
+        if init and stages.get(init):
+            record["levers"]["init_stage"] = stages[init]
+        if report is not None and Path(report["checkpoint"]).name == run_checkpoint.name:
+            record, reported = apply_eval_report(record, report, run_checkpoint), True
         if stage:
             record["stage"] = stage
         records.append(record)
+    if report is not None and not reported:
+        raise SystemExit(f"results_table.py: error: --eval-report evaluated {report['checkpoint']}, no checkpoint "
+                         f"of {run_dir}")
     if not records:
         raise SystemExit(f"results_table.py: error: no finished run (metrics JSON with evaluations beside a "
                          f"checkpoint) in {run_dir}")
@@ -193,11 +225,15 @@ def render(records: list[dict]) -> str:
                 levers = r["levers"]
                 protocol += (f", stopped at {r['wall_minutes'] * 60:.0f} s of a {levers['train_seconds']:g}-s schedule"
                              if levers.get("train_seconds") else f", stopped at step {r['steps']} of {levers['steps']}")
+            first = r.get("training_eval")
+            trained_on = (f"; in training {_pct(first['held_out_acc'])} of {_num(first['n_eval'])}" if first else "")
+            if r["levers"].get("init_stage"):
+                protocol += f", from {r['levers']['init_stage']}"
             checkpoint = f"[{Path(r['checkpoint']).name}]({r['checkpoint']})" if r.get("checkpoint") else "-"
             lines.append(
                 f"| {r['task']} | {r['difficulty']} | {r['mask']} ({_pct(r['density'])}) | {r['layers']} x "
                 f"{r['width']}, {_num(r['params'])} params | {_num(r['n_train'])} x {r['passes']:g}{protocol} | "
-                f"**{_pct(r['held_out_acc'])}** ({_num(r['held_out_correct'])}/{_num(r['n_eval'])}) | "
+                f"**{_pct(r['held_out_acc'])}** ({_num(r['held_out_correct'])}/{_num(r['n_eval'])}){trained_on} | "
                 f"{_num(r['gpu_minutes'], 1)} | {_num(r['samples_per_s'])} | {_num(r['peak_memory_gib'], 2)} | "
                 f"{checkpoint} | {(r.get('date') or '-')[:10]}, {(r.get('commit') or '-')[:8]} |")
         lines += ["", "Reproduce a number: `python demos/path256.py --eval-only --init-from <checkpoint>`."]
@@ -316,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     add.add_argument("run_dir", type=Path)
     add.add_argument("--stage", help="export the checkpoint to demos/checkpoints/STAGE.pt and the curves beside "
                                      "results.json")
+    add.add_argument("--eval-report", type=Path, help="an --eval-only report (eval_only.json) of the run's "
+                                                      "checkpoint: its held-out numbers replace the training-time ones")
     readme = commands.add_parser("readme", help="regenerate README.md's demo results section")
     readme.add_argument("--readme", type=Path, default=README)
     commands.add_parser("show", help="print the section's markdown")
@@ -323,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "add":
         if not args.run_dir.is_dir():
             parser.error(f"no such folder: {args.run_dir}")
-        for record in add_run(args.run_dir, args.stage, args.results):
+        if args.eval_report and not args.eval_report.is_file():
+            parser.error(f"no such file: {args.eval_report}")
+        for record in add_run(args.run_dir, args.stage, args.results, args.eval_report):
             print(f"recorded {record['run']}: {record['task']} {record['difficulty']}, held-out "
                   f"{_pct(record['held_out_acc'])} of {record['n_eval']:,} -> {args.results}")
     elif args.command == "readme":

@@ -487,3 +487,34 @@ def test_a_long_evaluation_prints_its_progress(monkeypatch, capsys):
     assert (result["correct"], result["count"]) == (5, 10)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("evaluating:")]
     assert lines == ["evaluating: 4/10 held-out images, 0 s, ~0 s left", "evaluating: 8/10 held-out images, 0 s, ~0 s left"]
+
+
+def test_record_takes_a_larger_evaluation_from_an_eval_only_report(tmp_path, fake_data, monkeypatch):
+    monkeypatch.setattr(results_table, "CHECKPOINTS", tmp_path / "checkpoints")
+    results = tmp_path / "results.json"
+    assert path256.main(run_flags(tmp_path, steps=2)) == 0
+    ckpt = tmp_path / "out" / "path32_sparse_ckpt.pt"
+    assert path256.main(["--eval-only", "--init-from", str(ckpt), "--n-eval", "12", "--eval-seed", "7", "--device",
+                         "cpu", "--out", str(tmp_path / "eval"), "--cache-dir", str(tmp_path / "cache"),
+                         "--backend", "torch"]) == 0
+    report_path = tmp_path / "eval" / "eval_only.json"
+    report = json.loads(report_path.read_text())
+    assert report["step"] == 2
+    assert results_table.main(["--results", str(results), "add", str(tmp_path / "out"), "--stage", "first",
+                               "--eval-report", str(report_path)]) == 0
+    record = json.loads(results.read_text())[0]
+    assert (record["n_eval"], record["held_out_correct"], record["eval_seed"]) == (12, report["correct"], 7)
+    assert record["training_eval"]["eval_seed"] == 1_000_000 and record["training_eval"]["n_eval"] != 12
+    assert record["source_checkpoint"].endswith("path32_sparse_ckpt.pt")
+    # a run started from the recorded checkpoint names the stage it came from
+    assert path256.main(run_flags(tmp_path, "--init-from", str(tmp_path / "checkpoints" / "first.pt"), steps=2,
+                                  out="second")) == 0
+    assert results_table.main(["--results", str(results), "add", str(tmp_path / "second")]) == 0
+    assert json.loads(results.read_text())[1]["levers"]["init_stage"] == "first"
+    # a report of another step or another checkpoint is refused
+    report_path.write_text(json.dumps(dict(report, step=1)))
+    with pytest.raises(SystemExit, match="at step 1, not path32_sparse_ckpt.pt at step 2"):
+        results_table.add_run(tmp_path / "out", None, results, report_path)
+    report_path.write_text(json.dumps(dict(report, checkpoint="elsewhere/other_ckpt.pt")))
+    with pytest.raises(SystemExit, match="no checkpoint of"):
+        results_table.add_run(tmp_path / "out", None, results, report_path)
