@@ -97,11 +97,11 @@ def _dq_step(q, do, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, lse,
     s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
     release(v_empty.index(sv))  # V is read only by dP
     p = gl.exp2(s * qk_scale - lse[:, None])  # (BM, BN)
-    if MASKED:
+    ds = p * (dp - delta[:, None])  # (BM, BN) dS
+    if MASKED:  # a pair left out has dS = 0 even where dP or delta is not finite (never 0 x NaN)
         rows = q_tok + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))  # (BM,)
         cols = key0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))  # (BN,)
-        p = gl.where(cols[None, :] <= rows[:, None], p, 0.0)
-    ds = p * (dp - delta[:, None])  # (BM, BN) dS
+        ds = gl.where(cols[None, :] <= rows[:, None], ds, 0.0)
     dq = warpgroup_mma(gl.convert_layout(ds.to(q.dtype), p_layout), k_smem.index(sk), dq, is_async=True)
     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
     release(k_empty.index(sk))

@@ -61,11 +61,12 @@ MAX_REGS = 168  # registers per thread of the whole program (12 warps: 8 compute
 
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                    v_empty, Items, Starts, FullIdx, PartIdx, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr,
-                    DENSE: gl.constexpr, WIDTH: gl.constexpr):
+                    v_empty, Items, Starts, FullIdx, PartIdx, Nq, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr,
+                    DENSE: gl.constexpr, CAUSAL: gl.constexpr, WIDTH: gl.constexpr):
     """The load warp: for each of this program's items, Q into a free Q buffer, then every K and V tile of
-    the item's full list and then of its partial list into the next free buffers of the K and V rings.
-    Waits only for buffers to be freed."""
+    the item's full list and then of its partial list (those holding an allowed pair, `_partial_tiles`) into
+    the next free buffers of the K and V rings. Waits only for buffers to be freed."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     t = 0  # K/V tiles issued so far (ring positions)
     c = 0  # items issued so far (Q buffer position)
@@ -81,11 +82,29 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_e
             start = list_tile_start(FullIdx, j, SUB, MASK_BLOCK_K, BLOCK_N, DENSE)
             load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, kv_row + start, t)
             t += 1
-        for j in range(gl.load(rec + 4) * SUB, gl.load(rec + 5) * SUB):
+        plo = gl.load(rec + 4)
+        n_part = _partial_tiles(PartIdx, plo, gl.load(rec + 5), q_row % Nq + BLOCK_M - 1, SUB, MASK_BLOCK_K, BLOCK_N,
+                                DENSE, CAUSAL)
+        for j in range(plo * SUB, plo * SUB + n_part):
             start = list_tile_start(PartIdx, j, SUB, MASK_BLOCK_K, BLOCK_N, DENSE)
             load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, kv_row + start, t)
             t += 1
         c += 1
+
+
+@gluon.jit
+def _partial_tiles(PartIdx, plo, phi, q_last, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr,
+                   DENSE: gl.constexpr, CAUSAL: gl.constexpr):
+    """How many tiles of the item's partial list [plo, phi) the item walks: with CAUSAL, those starting at or
+    before its last query `q_last` (the tiles after the diagonal one allow no pair: they are skipped, which
+    also keeps a non-finite value there out of the item's rows, never 0 x NaN); all of them otherwise."""
+    n = (phi - plo) * SUB
+    if CAUSAL:
+        live = 0
+        for j in range(plo * SUB, phi * SUB):
+            live += (list_tile_start(PartIdx, j, SUB, MASK_BLOCK_K, BLOCK_N, DENSE) <= q_last).to(gl.int32)
+        n = live
+    return n
 
 
 @gluon.jit
@@ -136,6 +155,52 @@ def _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows: gl.constexpr, p_layout:
 
 
 @gluon.jit
+def _diagonal_pv(acc, alpha, p, v_smem, v_ready, t, V, v_row, key0, q_tok, o_layout: gl.constexpr,
+                 p_layout: gl.constexpr, HEAD_D: gl.constexpr):
+    """Rescale O and add P V of the causal diagonal tile (V tile number t of the ring, keys from `key0`, rows
+    `v_row ..` of V), exactly under the rule for non-finite inputs.
+
+    The tile's product runs on the tensor cores into its own accumulator. Where it holds a non-finite value,
+    which a NaN or infinity in V would also put into rows that do not attend its key (a left-out pair has
+    P = 0, and 0 x NaN is NaN), the tile is summed again on the CUDA cores over the allowed pairs only
+    (`_diagonal_exact`): only inputs with such values pay for it."""
+    V_STAGES: gl.constexpr = v_smem.type.shape[0]
+    BLOCK_M: gl.constexpr = acc.type.shape[0]
+    sv = t % V_STAGES
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p16 = p.to(v_smem.dtype)
+    mbarrier.wait(v_ready.index(sv), (t // V_STAGES) & 1)
+    tile = warpgroup_mma(gl.convert_layout(p16, p_layout), v_smem.index(sv),
+                         gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout), use_acc=False, is_async=True)
+    tile = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
+    finite = (tile == tile) & (gl.abs(tile) < float("inf"))
+    if gl.max(gl.max(gl.where(finite, 0, 1), 1), 0) > 0:
+        acc = _diagonal_exact(acc, p16, V, v_row, key0, q_tok, o_layout, HEAD_D)
+    else:
+        acc = acc + tile
+    return acc
+
+
+@gluon.jit
+def _diagonal_exact(acc, p16, V, v_row, key0, q_tok, o_layout: gl.constexpr, HEAD_D: gl.constexpr):
+    """`acc` plus P V of a causal diagonal tile over its allowed pairs only (key <= query), one key at a time
+    from V in global memory: (BLOCK_M, HEAD_D) float32. A non-finite value at key j reaches the rows that
+    attend j and no other."""
+    BLOCK_M: gl.constexpr = p16.type.shape[0]
+    BLOCK_N: gl.constexpr = p16.type.shape[1]
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    rows = q_tok + gl.arange(0, BLOCK_M, layout=o_rows)  # (BLOCK_M,)
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, p16.type.layout))  # (BLOCK_N,)
+    offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))  # (HEAD_D,)
+    for j in range(BLOCK_N):
+        # column j of P: one nonzero per row, so the 16-bit sum is exact
+        p_j = gl.convert_layout(gl.sum(gl.where(cols[None, :] == j, p16, 0.0), 1), o_rows).to(gl.float32)
+        v_j = gl.load(V + (v_row + j).to(gl.int64) * HEAD_D + offs_d).to(gl.float32)  # (HEAD_D,)
+        acc += gl.where((key0 + j <= rows)[:, None], p_j[:, None] * v_j[None, :], 0.0)
+    return acc
+
+
+@gluon.jit
 def _store_lse(L, row, m_i, l_safe, empty, offs_m):
     """Rows [row, row + BLOCK_M) of the log-sum-exp L: natural log, -inf for an empty row."""
     gl.store(L + row + offs_m, gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453))
@@ -163,7 +228,7 @@ def _store_tile_tma(o_desc, o_smem, L, row, out, m_i, l_safe, empty, offs_m):
 
 @gluon.jit
 def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Lse,
-                       OutPart, LsePart, Items, Starts, PartIdx, Nq, qk_scale, SUB: gl.constexpr,
+                       OutPart, LsePart, V, Items, Starts, PartIdx, Nq, qk_scale, SUB: gl.constexpr,
                        MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr,
                        WIDTH: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
     """One compute warpgroup: the online softmax over each item's K/V tiles for its half of the item's
@@ -199,7 +264,8 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
         q_tok = q_row % Nq  # its position in the sequence
         n_full = (gl.load(rec + 3) - gl.load(rec + 2)) * SUB
         plo = gl.load(rec + 4)
-        n_tiles = n_full + (gl.load(rec + 5) - plo) * SUB
+        n_tiles = n_full + _partial_tiles(PartIdx, plo, gl.load(rec + 5), q_tok - HALF * BLOCK_M + 2 * BLOCK_M - 1, SUB,
+                                          MASK_BLOCK_K, BLOCK_N, DENSE, CAUSAL)
         qb = c % 2
         mbarrier.wait(q_ready.index(qb), (c // 2) & 1)
         q = q_smem.index(qb).slice(HALF * BLOCK_M, BLOCK_M)  # (BLOCK_M, HEAD_D) in shared memory
@@ -224,8 +290,18 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
                 t += 1
             qk = _mask_partial(qk, n_tiles - 1, n_full, plo, PartIdx, q_tok, SUB, MASK_BLOCK_K, DENSE, CAUSAL)
             p, alpha, m_i, l_i = _softmax(qk, m_i, l_i, qk_scale)
-            acc = _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            if CAUSAL:
+                if n_tiles > n_full:  # the last tile is a partial one: on the causal diagonal
+                    key0 = list_tile_start(PartIdx, plo * SUB + n_tiles - 1 - n_full, SUB, MASK_BLOCK_K, BLOCK_N,
+                                           DENSE)
+                    acc = _diagonal_pv(acc, alpha, p, v_smem, v_ready, t, V, gl.load(rec + 1) + key0, key0, q_tok,
+                                       o_layout, p_layout, HEAD_D)
+                else:
+                    acc = _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            else:
+                acc = _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             release(v_empty.index(t % V_STAGES))
             t += 1
         elif c > 0:
@@ -251,7 +327,7 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
 
 
 @gluon.jit
-def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, OutPart, LsePart, Items, Starts, FullIdx, PartIdx, Nq,
+def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, OutPart, LsePart, V, Items, Starts, FullIdx, PartIdx, Nq,
                             qk_scale, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr,
                             CAUSAL: gl.constexpr, SPLIT: gl.constexpr, K_STAGES: gl.constexpr,
                             V_STAGES: gl.constexpr, LOAD_WARP_REGS: gl.constexpr,
@@ -269,13 +345,13 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, OutPart, LsePar
     v_ready, v_empty = ring_barriers(V_STAGES)
     gl.warp_specialize([
         (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Lse,
-                              OutPart, LsePart, Items, Starts, PartIdx, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
+                              OutPart, LsePart, V, Items, Starts, PartIdx, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
                               CAUSAL, SPLIT, WIDTH, FIRST_HALF, num_warps)),  # query rows [0, 64) of each item
         (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Lse,
-                              OutPart, LsePart, Items, Starts, PartIdx, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
+                              OutPart, LsePart, V, Items, Starts, PartIdx, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
                               CAUSAL, SPLIT, WIDTH, SECOND_HALF, num_warps)),  # query rows [64, 128)
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                           v_empty, Items, Starts, FullIdx, PartIdx, SUB, MASK_BLOCK_K, DENSE, WIDTH)),
+                           v_empty, Items, Starts, FullIdx, PartIdx, Nq, SUB, MASK_BLOCK_K, DENSE, CAUSAL, WIDTH)),
     ], [num_warps, 1], [COMPUTE_REGS, LOAD_WARP_REGS])
 
 
@@ -333,7 +409,7 @@ class FwdPlan:
         part, _, lse_part = self.split.scratch()
         descs = [row_descriptor(t, rows, self.layout)
                  for t, rows in ((q, BLOCK), (k, BLOCK), (v, BLOCK), (out, BLOCK // 2))]  # out: per warpgroup
-        self.launch(*descs, lse, part, lse_part)
+        self.launch(*descs, lse, part, lse_part, v)  # v also as a pointer: `_diagonal_exact` reads it
         if self.merges is not None and self.merges.shape[0]:
             merge_split_rows(out, lse, part, lse_part, self.merges, self.split.copies, self.block_q, BLOCK)
         return out, lse
@@ -361,7 +437,7 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], GL_DTYPES[dtype])
     desc = descriptor_type(name, (BLOCK, D), layout)
     sig = dict(q_desc=desc, k_desc=desc, v_desc=desc, o_desc=descriptor_type(name, (BLOCK // 2, D), layout),
-               Lse="*fp32", OutPart="*fp32", LsePart="*fp32", Items="*i32", Starts="*i32", FullIdx="*i32",
+               Lse="*fp32", OutPart="*fp32", LsePart="*fp32", V=f"*{name}", Items="*i32", Starts="*i32", FullIdx="*i32",
                PartIdx="*i32", Nq="i32", qk_scale="fp32")
     return compile_gluon_sm90(_attn_fwd_hopper_kernel, sig, dict(_constexprs(block_k, dense, causal, split), num_warps=4),
                               MAX_REGS)
