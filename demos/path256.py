@@ -420,6 +420,15 @@ def eval_configs(args, checkpoint: dict) -> tuple[ModelConfig, MaskConfig, DataC
     return replace(model_cfg, side=side, tile=tuple(tile)), mask_cfg, data_cfg
 
 
+CPU_EVAL_TOKENS = 131_072  # tokens per evaluation batch on a CPU: about 2 GB per 65,536 (torch backend, no grad)
+
+
+def eval_batch_size(train_batch: int, tokens: int, device: torch.device) -> int:
+    """`--eval-only`'s batch when `--batch-size` is not given: the training batch on a GPU; on a CPU at most
+    `CPU_EVAL_TOKENS` tokens (2 images at 256 px, where the training batch of 32 would need ~50 GB)."""
+    return train_batch if device.type == "cuda" else max(1, min(train_batch, CPU_EVAL_TOKENS // tokens))
+
+
 def eval_only(args, device: torch.device, dist: Dist, log: RunLog) -> dict:
     """Evaluate `--init-from` on freshly generated held-out images of its own task, or of the task the
     `EVAL_TRANSFER_FLAGS` name; print accuracy and count."""
@@ -433,7 +442,8 @@ def eval_only(args, device: torch.device, dist: Dist, log: RunLog) -> dict:
         raise ConfigError(f"--init-from {args.init_from}: weights do not fit its own config ({str(error)[:160]})")
     data = load_data(data_cfg, args.cache_dir, args.workers, device, dist, log, splits=("eval",))
     started = time.perf_counter()
-    batch_size = args.batch_size if "batch_size" in args.explicit else train_cfg.batch_size
+    batch_size = args.batch_size if "batch_size" in args.explicit else eval_batch_size(
+        train_cfg.batch_size, model_cfg.side**2, device)
     result = evaluate(model, data.eval_images, data.eval_labels, batch_size, device, dist)
     seconds = time.perf_counter() - started
     task = results_table.task_name(data_cfg.resolution, data_cfg.pool)

@@ -518,3 +518,12 @@ def test_record_takes_a_larger_evaluation_from_an_eval_only_report(tmp_path, fak
     report_path.write_text(json.dumps(dict(report, checkpoint="elsewhere/other_ckpt.pt")))
     with pytest.raises(SystemExit, match="no checkpoint of"):
         results_table.add_run(tmp_path / "out", None, results, report_path)
+
+
+def test_eval_only_batch_fits_a_cpu():
+    """A 256-px checkpoint trained with batch 32 evaluates 2 images at a time on a CPU (32 would need ~50 GB)."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert path256.eval_batch_size(32, 65_536, cpu) == 2
+    assert path256.eval_batch_size(32, 65_536, cuda) == 32
+    assert path256.eval_batch_size(256, 1_024, cpu) == 128 and path256.eval_batch_size(8, 1_024, cpu) == 8
+    assert path256.eval_batch_size(4, 1_000_000, cpu) == 1
