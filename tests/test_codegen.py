@@ -62,7 +62,7 @@ def gluon_cases():
 
     from sparse_flash.kernels import dispatch
 
-    if dispatch._gluon_modules() is None:
+    if dispatch.gluon_modules() is None:
         return []
     return [(torch.bfloat16, False, False, 128, False), (torch.float16, True, False, 128, False),
             (torch.bfloat16, True, True, 128, False), (torch.float16, False, True, 256, False),
@@ -76,7 +76,7 @@ def gluon_bwd_cases():
 
     from sparse_flash.kernels import dispatch
 
-    if dispatch._gluon_modules() is None:
+    if dispatch.gluon_modules() is None:
         return []
     return [(torch.bfloat16, False, False, 128, 1), (torch.float16, True, False, 128, 1),
             (torch.bfloat16, True, True, 128, 1), (torch.float16, False, True, 256, 1),
@@ -90,7 +90,7 @@ def gluon_dq_cases():
 
     from sparse_flash.kernels import dispatch
 
-    if dispatch._gluon_modules() is None:
+    if dispatch.gluon_modules() is None:
         return []
     return [(torch.bfloat16, False, False, 128), (torch.float16, True, False, 128), (torch.bfloat16, True, True, 128),
             (torch.float16, False, True, 256)]
@@ -116,7 +116,7 @@ def main() -> int:
         try:
             from sparse_flash.kernels.gluon import merge
 
-            kernel = dispatch._gluon_modules().fwd.compile_sm90(dtype, dense, causal, block, split)
+            kernel = dispatch.gluon_modules().fwd.compile_sm90(dtype, dense, causal, block, split)
             shared = kernel.metadata.shared
             assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
             if split:  # and the launch that merges the chunks
@@ -128,7 +128,7 @@ def main() -> int:
     for dtype, dense, causal, block_q, groups in gluon_bwd_cases():
         name = f"hopper dkdv {dtype} dense={dense} causal={causal} block_q={block_q} groups={groups}"
         try:
-            shared = dispatch._gluon_modules().dkdv.compile_sm90(dtype, dense, causal, block_q, groups).metadata.shared
+            shared = dispatch.gluon_modules().dkdv.compile_sm90(dtype, dense, causal, block_q, groups).metadata.shared
             assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
             print(f"ok {name} ({shared} bytes of shared memory)")
         except Exception as e:
@@ -137,7 +137,7 @@ def main() -> int:
     for dtype, dense, causal, block_k in gluon_dq_cases():
         name = f"hopper dq {dtype} dense={dense} causal={causal} block_k={block_k}"
         try:
-            shared = dispatch._gluon_modules().dq.compile_sm90(dtype, dense, causal, block_k).metadata.shared
+            shared = dispatch.gluon_modules().dq.compile_sm90(dtype, dense, causal, block_k).metadata.shared
             assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
             print(f"ok {name} ({shared} bytes of shared memory)")
         except Exception as e:

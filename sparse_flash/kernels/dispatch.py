@@ -38,7 +38,7 @@ class Families(NamedTuple):
 
 
 @functools.cache
-def _gluon_modules():
+def gluon_modules():
     """The Gluon kernels' modules, or None where this Triton has no Gluon (or one older than their names)."""
     try:
         from .gluon import dkdv, dq, fwd
@@ -50,7 +50,7 @@ def _gluon_modules():
 def _gluon():
     """The Gluon modules where they may run at all: never under the interpreter (Gluon kernels do not run
     there), and only with a Triton that has them."""
-    return None if settings.interpreting() else _gluon_modules()
+    return None if settings.interpreting() else gluon_modules()
 
 
 def families(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, out=None, do=None) -> Families:
@@ -71,7 +71,7 @@ def families(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, 
 
 def _forward_plan(q, k, v, index, geometry, causal: bool, scale: float):
     if families(q, k, v, index, geometry).forward == "gluon":
-        return _gluon_modules().fwd.FwdPlan(q, k, v, index, geometry, causal, scale)
+        return gluon_modules().fwd.FwdPlan(q, k, v, index, geometry, causal, scale)
     return triton_fwd.FwdPlan(q, k, v, index, geometry, causal, scale)
 
 
@@ -99,7 +99,7 @@ class _BackwardPlan:
     """The two backward passes of one call signature, each by the family that serves it."""
 
     def __init__(self, do, q, k, v, out, index, geometry, causal: bool, scale: float):
-        chosen, gluon = families(q, k, v, index, geometry, out, do), _gluon_modules()
+        chosen, gluon = families(q, k, v, index, geometry, out, do), gluon_modules()
         self.families = chosen
         self.dq = (gluon.dq.DqPlan(q, k, index, geometry, causal, scale) if chosen.dq == "gluon" else
                    triton_bwd.DqPlan(do, q, k, v, out, index, geometry, causal, scale))
