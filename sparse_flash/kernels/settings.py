@@ -8,6 +8,7 @@ The environment is read here and nowhere else, once, when the kernels are first 
 | `hopper_backward` | `SPARSE_FLASH_HOPPER_BWD` | on | the Gluon dQ and dK/dV kernels where they serve a call (`gluon/dq.py`, `gluon/dkdv.py`) |
 | `hopper_split` | `SPARSE_FLASH_HOPPER_SPLIT` | on | the Gluon forward also takes masks whose work plan splits long lists |
 | `hopper_balance` | `SPARSE_FLASH_HOPPER_BALANCE` | on | Gluon work items placed on programs by load (off: in turn) |
+| `hopper_d64` | `SPARSE_FLASH_HOPPER_D64` | off | the Gluon kernels also at head dim 64 (off: 128 only; the forward measured 0.91-1.01x the Triton one at 64 before its TMA store, tuning log, step 41) |
 | `tma` | `SPARSE_FLASH_TMA` | on | the Triton kernels read K, V (and Q, dO) through tensor descriptors where the GPU allows |
 | `fast_launch` | `SPARSE_FLASH_FAST_LAUNCH` | on | launches bound once per plan, skipping Triton's per-call dispatch (`launch.py`) |
 | `poison` | - | off | every kernel output starts as NaN, so that an unwritten tile shows (tests) |
@@ -39,6 +40,7 @@ class Settings:
     hopper_backward: bool = True
     hopper_split: bool = True
     hopper_balance: bool = True
+    hopper_d64: bool = False
     tma: bool = True
     fast_launch: bool = True
     poison: bool = False
@@ -49,6 +51,7 @@ ENVIRONMENT = {  # field: the variable that sets it
     "hopper_backward": "SPARSE_FLASH_HOPPER_BWD",
     "hopper_split": "SPARSE_FLASH_HOPPER_SPLIT",
     "hopper_balance": "SPARSE_FLASH_HOPPER_BALANCE",
+    "hopper_d64": "SPARSE_FLASH_HOPPER_D64",
     "tma": "SPARSE_FLASH_TMA",
     "fast_launch": "SPARSE_FLASH_FAST_LAUNCH",
 }

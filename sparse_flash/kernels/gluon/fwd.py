@@ -53,7 +53,6 @@ K_BUFFERS, V_BUFFERS = 2, 3  # K and V tiles in flight per program: with two Q b
 ITEM_WIDTH = gl.constexpr(6)  # an item record (`schedule.row_items`)
 SPLIT_ITEM_WIDTH = gl.constexpr(8)  # with the scratch row of a chunk of a split list (`schedule.split_row_items`)
 FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)  # which query rows a compute warpgroup takes
-HEAD_DIMS = (128, )  # head dims served (the kernel compiles for 64 too; measured slower there, tuning log, step 41)
 LOAD_REGS = 24  # registers per thread of the load warp
 COMPUTE_REGS = 224  # registers per thread of the second compute warpgroup (the first gets what is left: 256)
 MAX_REGS = 168  # registers per thread of the whole program (12 warps: 8 compute, 4 for the load warp's group)
@@ -363,11 +362,11 @@ def supported(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None)
 def shape_supported(q_shape, k_shape, dtype, index: KernelIndex | None, geometry: MaskGeometry | None) -> bool:
     """The part of `supported` that does not ask the GPU: dtype, shapes and the mask's blocks and lists.
 
-    D in HEAD_DIMS (128) only: at D = 64 this kernel measured 0.91-1.01x the Triton kernel (tuning log, step
-    41). Masks whose work plan splits long lists (global rows, each chunk an item of its own, merged after the
-    kernel; tuning log, steps 43-44) come here unless `settings.hopper_split` is off.
+    D = 128, and 64 with `settings.hopper_d64` (`pipeline.head_dims`). Masks whose work plan splits long
+    lists (global rows, each chunk an item of its own, merged after the kernel; tuning log, steps 43-44) come
+    here unless `settings.hopper_split` is off.
     """
-    if not shapes_fit(q_shape, k_shape, dtype, geometry, HEAD_DIMS):
+    if not shapes_fit(q_shape, k_shape, dtype, geometry):
         return False
     return index is None or index.row_plan.split.shape[0] == 0 or settings.current().hopper_split
 

@@ -11,6 +11,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .. import settings
 from ..launch import BoundLaunch
 from ...mask_index import MaskGeometry
 from ..schedule import ROW_BLOCK
@@ -91,13 +92,19 @@ def runs_on(*tensors) -> bool:
     return sm90 and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def shapes_fit(q_shape, k_shape, dtype, geometry: MaskGeometry | None, head_dims=(128, )) -> bool:
-    """What every Hopper kernel needs of a call, the GPU aside: 16-bit inputs, a head dim in `head_dims`,
+def head_dims() -> tuple[int, ...]:
+    """The head dims the Hopper kernels serve: 128, and 64 with `settings.hopper_d64` (the kernels compile
+    there and use half their shared memory; whether they beat the Triton kernels at 64 is measured, not assumed)."""
+    return (64, 128) if settings.current().hopper_d64 else (128, )
+
+
+def shapes_fit(q_shape, k_shape, dtype, geometry: MaskGeometry | None) -> bool:
+    """What every Hopper kernel needs of a call, the GPU aside: 16-bit inputs, a head dim in `head_dims()`,
     both lengths multiples of ROW_BLOCK, int32 row numbers, and for a mask blocks that are multiples of
     ROW_BLOCK and divide the lengths (no block ends in a sequence tail)."""
     B, Hq, Nq, D = q_shape
     Nk = k_shape[2]
-    if dtype not in GL_DTYPES or D not in head_dims or Nq % ROW_BLOCK or Nk % ROW_BLOCK:
+    if dtype not in GL_DTYPES or D not in head_dims() or Nq % ROW_BLOCK or Nk % ROW_BLOCK:
         return False
     if B * Hq * Nq >= 2**31 or k_shape[0] * k_shape[1] * Nk >= 2**31:
         return False
