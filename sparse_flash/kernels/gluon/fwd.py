@@ -61,7 +61,7 @@ MAX_REGS = 168  # registers per thread of the whole program (12 warps: 8 compute
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                     v_empty, Items, Starts, FullIdx, PartIdx, Nq, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr,
-                    DENSE: gl.constexpr, CAUSAL: gl.constexpr, WIDTH: gl.constexpr):
+                    DENSE: gl.constexpr, DEAD_TILES: gl.constexpr, WIDTH: gl.constexpr):
     """The load warp: for each of this program's items, Q into a free Q buffer, then every K and V tile of
     the item's full list and then of its partial list (those holding an allowed pair, `_partial_tiles`) into
     the next free buffers of the K and V rings. Waits only for buffers to be freed."""
@@ -83,7 +83,7 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_e
             t += 1
         plo = gl.load(rec + 4)
         n_part = _partial_tiles(PartIdx, plo, gl.load(rec + 5), q_row % Nq + BLOCK_M - 1, SUB, MASK_BLOCK_K, BLOCK_N,
-                                DENSE, CAUSAL)
+                                DENSE, DEAD_TILES)
         for j in range(plo * SUB, plo * SUB + n_part):
             start = list_tile_start(PartIdx, j, SUB, MASK_BLOCK_K, BLOCK_N, DENSE)
             load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, kv_row + start, t)
@@ -93,12 +93,13 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_e
 
 @gluon.jit
 def _partial_tiles(PartIdx, plo, phi, q_last, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr,
-                   DENSE: gl.constexpr, CAUSAL: gl.constexpr):
-    """How many tiles of the item's partial list [plo, phi) the item walks: with CAUSAL, those starting at or
+                   DENSE: gl.constexpr, DEAD_TILES: gl.constexpr):
+    """How many tiles of the item's partial list [plo, phi) the item walks: with DEAD_TILES (causal, mask
+    blocks over 128 tokens: a partial block may reach past the item's last query), those starting at or
     before its last query `q_last` (the tiles after the diagonal one allow no pair: they are skipped, which
     also keeps a non-finite value there out of the item's rows, never 0 x NaN); all of them otherwise."""
     n = (phi - plo) * SUB
-    if CAUSAL:
+    if DEAD_TILES:
         live = 0
         for j in range(plo * SUB, phi * SUB):
             live += (list_tile_start(PartIdx, j, SUB, MASK_BLOCK_K, BLOCK_N, DENSE) <= q_last).to(gl.int32)
@@ -228,8 +229,8 @@ def _store_tile_tma(o_desc, o_smem, L, row, out, m_i, l_safe, empty, offs_m):
 @gluon.jit
 def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Lse,
                        OutPart, LsePart, V, Items, Starts, PartIdx, Nq, qk_scale, SUB: gl.constexpr,
-                       MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr,
-                       WIDTH: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
+                       MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, DEAD_TILES: gl.constexpr,
+                       SPLIT: gl.constexpr, WIDTH: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
     """One compute warpgroup: the online softmax over each item's K/V tiles for its half of the item's
     query rows, then O and the log-sum-exp (SPLIT: for a chunk of a split list, into its scratch rows).
 
@@ -264,7 +265,7 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
         n_full = (gl.load(rec + 3) - gl.load(rec + 2)) * SUB
         plo = gl.load(rec + 4)
         n_tiles = n_full + _partial_tiles(PartIdx, plo, gl.load(rec + 5), q_tok - HALF * BLOCK_M + 2 * BLOCK_M - 1, SUB,
-                                          MASK_BLOCK_K, BLOCK_N, DENSE, CAUSAL)
+                                          MASK_BLOCK_K, BLOCK_N, DENSE, DEAD_TILES)
         qb = c % 2
         mbarrier.wait(q_ready.index(qb), (c // 2) & 1)
         q = q_smem.index(qb).slice(HALF * BLOCK_M, BLOCK_M)  # (BLOCK_M, HEAD_D) in shared memory
@@ -326,10 +327,10 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
 
 
 @gluon.jit
-def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, OutPart, LsePart, V, Items, Starts, FullIdx, PartIdx, Nq,
-                            qk_scale, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr,
-                            CAUSAL: gl.constexpr, SPLIT: gl.constexpr, K_STAGES: gl.constexpr,
-                            V_STAGES: gl.constexpr, LOAD_WARP_REGS: gl.constexpr,
+def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, OutPart, LsePart, V, Items, Starts, FullIdx,
+                            PartIdx, Nq, qk_scale, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr,
+                            CAUSAL: gl.constexpr, DEAD_TILES: gl.constexpr, SPLIT: gl.constexpr,
+                            K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, LOAD_WARP_REGS: gl.constexpr,
                             COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
     """One resident program per SM; program p walks items [Starts[p], Starts[p + 1]) (`hopper.assign_programs`)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -345,12 +346,12 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, OutPart, LsePar
     gl.warp_specialize([
         (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Lse,
                               OutPart, LsePart, V, Items, Starts, PartIdx, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
-                              CAUSAL, SPLIT, WIDTH, FIRST_HALF, num_warps)),  # query rows [0, 64) of each item
+                              CAUSAL, DEAD_TILES, SPLIT, WIDTH, FIRST_HALF, num_warps)),  # rows [0, 64) of each item
         (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Lse,
                               OutPart, LsePart, V, Items, Starts, PartIdx, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
-                              CAUSAL, SPLIT, WIDTH, SECOND_HALF, num_warps)),  # query rows [64, 128)
+                              CAUSAL, DEAD_TILES, SPLIT, WIDTH, SECOND_HALF, num_warps)),  # query rows [64, 128)
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                           v_empty, Items, Starts, FullIdx, PartIdx, Nq, SUB, MASK_BLOCK_K, DENSE, CAUSAL, WIDTH)),
+                           v_empty, Items, Starts, FullIdx, PartIdx, Nq, SUB, MASK_BLOCK_K, DENSE, DEAD_TILES, WIDTH)),
     ], [num_warps, 1], [COMPUTE_REGS, LOAD_WARP_REGS])
 
 
@@ -399,7 +400,7 @@ class FwdPlan:
         self.items, self.starts = assign_programs(self.items, self.grid[0], block_k // BLOCK)
         self.launch = bound_launch(_attn_fwd_hopper_kernel, self.grid[0], (
             self.items, self.starts, self.full_idx, self.part_idx, Nq, scale * LOG2E),
-            _constexprs(block_k, dense, causal, split), MAX_REGS)
+            _constexprs(block_k, dense, causal, split, BLOCK if dense else geometry.block_q), MAX_REGS)
         self.out_shape, self.lse_shape, self.dtype, self.device = q.shape, (B, Hq, Nq), q.dtype, q.device
 
     def __call__(self, q, k, v):
@@ -414,9 +415,11 @@ class FwdPlan:
         return out, lse
 
 
-def _constexprs(block_k: int, dense: bool, causal: bool, split: bool) -> dict:
-    return dict(SUB=block_k // BLOCK, MASK_BLOCK_K=block_k, DENSE=dense, CAUSAL=causal, SPLIT=split,
-                K_STAGES=K_BUFFERS, V_STAGES=V_BUFFERS, LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS)
+def _constexprs(block_k: int, dense: bool, causal: bool, split: bool, block_q: int) -> dict:
+    dead_tiles = causal and max(block_q, block_k) > BLOCK  # a partial block may reach past an item's rows
+    return dict(SUB=block_k // BLOCK, MASK_BLOCK_K=block_k, DENSE=dense, CAUSAL=causal, DEAD_TILES=dead_tiles,
+                SPLIT=split, K_STAGES=K_BUFFERS, V_STAGES=V_BUFFERS, LOAD_WARP_REGS=LOAD_REGS,
+                COMPUTE_REGS=COMPUTE_REGS)
 
 
 def attn_fwd(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, causal: bool, scale: float,
@@ -428,7 +431,7 @@ def attn_fwd(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, 
 
 
 def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causal: bool = False, block_k: int = BLOCK,
-                 split: bool = False):
+                 split: bool = False, block_q: int | None = None):
     """The kernel compiled for sm_90a on any machine (no GPU needed), as the launcher would launch it at
     D = 128; for compile checks (tests/test_codegen.py)."""
     D = 128
@@ -438,5 +441,5 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
     sig = dict(q_desc=desc, k_desc=desc, v_desc=desc, o_desc=descriptor_type(name, (BLOCK // 2, D), layout),
                Lse="*fp32", OutPart="*fp32", LsePart="*fp32", V=f"*{name}", Items="*i32", Starts="*i32", FullIdx="*i32",
                PartIdx="*i32", Nq="i32", qk_scale="fp32")
-    return compile_gluon_sm90(_attn_fwd_hopper_kernel, sig, dict(_constexprs(block_k, dense, causal, split), num_warps=4),
-                              MAX_REGS)
+    constexprs = _constexprs(block_k, dense, causal, split, block_q or (BLOCK if dense else block_k))
+    return compile_gluon_sm90(_attn_fwd_hopper_kernel, sig, dict(constexprs, num_warps=4), MAX_REGS)
