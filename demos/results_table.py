@@ -142,9 +142,10 @@ def apply_eval_report(record: dict, report: dict, checkpoint: Path) -> dict:
     if report.get("step") != step:
         raise SystemExit(f"results_table.py: error: --eval-report evaluated {report['checkpoint']} at step "
                          f"{report.get('step')}, not {checkpoint.name} at step {step}")
-    training_eval = {key: record[key] for key in ("n_eval", "held_out_acc", "held_out_correct", "eval_seed")}
+    training_eval = {key: record[key] for key in ("n_eval", "held_out_acc", "held_out_correct", "eval_seed",
+                                                  "best_held_out_acc")}
     return dict(record, n_eval=report["count"], held_out_acc=report["acc"], held_out_correct=report["correct"],
-                eval_seed=report["eval_seed"], training_eval=training_eval,
+                eval_seed=report["eval_seed"], best_held_out_acc=report["acc"], training_eval=training_eval,
                 lra_protocol=record["n_train"] == 160_000 and report["count"] == 20_000)
 
 
