@@ -271,36 +271,49 @@ def _plan_items(batch: _PlanBatch, sizes: list[list[int]]) -> list[WorkPlan]:
     for p in range(P):
         item_base.append(item_base[-1] + num_items[p])
         slot_base.append(slot_base[-1] + num_slots[p])
-    lists = torch.repeat_interleave(torch.arange(base[-1], device=device), n, output_size=item_base[-1])
-    starts = torch.cumsum(n, 0) - n
-    chunk_id = torch.arange(lists.numel(), device=device) - starts[lists]
-    n_item = n[lists]
-    length = flat[lists] // n_item  # every chunk of a list has this length or one more
-    local, M = batch.local[lists], batch.M[lists]  # the list's number in its plan, its plan's lists per (b, h)
-    head = batch.plan[lists] * (B * H) + local // M  # (plan, b, h)
+    cut = sum(num_split) > 0  # some list is cut into chunks (else each item is a whole list, in list order)
+    if cut:
+        lists = torch.repeat_interleave(torch.arange(base[-1], device=device), n, output_size=item_base[-1])
+        starts = torch.cumsum(n, 0) - n
+        chunk_id = torch.arange(lists.numel(), device=device) - starts[lists]
+        n_item = n[lists]
+        length = flat[lists] // n_item  # every chunk of a list has this length or one more
+        local, M, plan_of = batch.local[lists], batch.M[lists], batch.plan[lists]
+    else:  # the gathers by item would copy each per-list value as it is
+        lists, chunk_id, n_item, length = None, torch.zeros_like(flat), n, flat
+        local, M, plan_of = batch.local, batch.M, batch.plan
+    # local: the list's number in its plan; M: its plan's lists per (b, h)
+    head = plan_of * (B * H) + local // M  # (plan, b, h)
     # by (plan, b, h), longest first within: two stable sorts of small keys (inductor has narrowed a composite
     # int64 key such as bh * 2**32 - length to int32 on the GPU, which scrambled the order)
     longest_first = torch.argsort(-length, stable=True)
     by_head = longest_first[torch.argsort(head[longest_first], stable=True)]
     per_head = _bin_counts(head, P * B * H)
-    rank = torch.arange(lists.numel(), device=device) - (torch.cumsum(per_head, 0) - per_head)[head[by_head]]
-    threshold = _per_list(batch, [HEAVY_FACTOR * plan.mean for plan in plans])[lists]
+    rank = torch.arange(head.numel(), device=device) - (torch.cumsum(per_head, 0) - per_head)[head[by_head]]
+    threshold = _per_list(batch, [HEAVY_FACTOR * plan.mean for plan in plans])
+    threshold = threshold[lists] if cut else threshold
     heavy = torch.where(length > threshold, head, P * B * H)  # light items count in a bin past the end
     lead = _bin_counts(heavy, P * B * H + 1)[: P * B * H].view(P, B * H).amax(1).to(torch.int32)
-    is_split = n > 1
-    split = torch.argsort((~is_split).to(torch.uint8), stable=True)[: sum(num_split)]  # the split lists, in order
-    first_slot = torch.cumsum(n[split], 0) - n[split] - _per_list(batch, slot_base[:-1])[split]  # in its plan
     slots = torch.full_like(flat, -1)
-    slots[split] = first_slot
-    slot = torch.where(n_item > 1, slots[lists] + chunk_id, -1)
+    if cut:
+        is_split = n > 1
+        split = torch.argsort((~is_split).to(torch.uint8), stable=True)[: sum(num_split)]  # the split lists, in order
+        first_slot = torch.cumsum(n[split], 0) - n[split] - _per_list(batch, slot_base[:-1])[split]  # in its plan
+        slots[split] = first_slot
+        slot = torch.where(n_item > 1, slots[lists] + chunk_id, -1)
+    else:
+        slot = slots
     fields = [local % M, chunk_id, n_item, slot, *_item_ranges(batch, lists, chunk_id, n_item)]
     width = max(widths)
     items = torch.zeros((P * B * H, width, len(ITEM_FIELDS)), dtype=torch.int32, device=device)
     for field in ("block", "slot"):  # padding: no block, no slot (one fill each: a list index would be copied to
         items[..., ITEM_FIELDS.index(field)] = -1  # the device, which waits for it)
     items[head[by_head], rank] = torch.stack(fields, 1)[by_head].to(torch.int32)
-    local_split = batch.local[split].to(torch.int32)
-    slot_list = torch.repeat_interleave(local_split, n[split], output_size=slot_base[-1])
+    if cut:
+        local_split = batch.local[split].to(torch.int32)
+        slot_list = torch.repeat_interleave(local_split, n[split], output_size=slot_base[-1])
+    else:  # no split list, no scratch slot
+        local_split = slot_list = torch.zeros(0, dtype=torch.int32, device=device)
     chunks, slots = n.to(torch.int32), slots.to(torch.int32)
     out = []
     split_base = [sum(num_split[:p]) for p in range(P + 1)]
@@ -316,19 +329,25 @@ def _plan_items(batch: _PlanBatch, sizes: list[list[int]]) -> list[WorkPlan]:
 
 def _item_ranges(batch: _PlanBatch, lists, chunk_id, n) -> list[torch.Tensor]:
     """Per item: its ranges of its plan's full and partial lists (chunk c of n takes positions [c·L//n,
-    (c+1)·L//n) of a list's L blocks, full blocks first) and the first block of each range."""
+    (c+1)·L//n) of a list's L blocks, full blocks first) and the first block of each range. `lists` None:
+    every item is a whole list, in list order."""
     ranges = []
-    length = None
     for kind in ("full", "part"):
         index = [getattr(plan, kind) for plan in batch.plans]
-        counts = torch.cat([i.counts.reshape(-1) for i in index])[lists].long()
-        offsets = torch.cat([i.offsets[:-1] for i in index])[lists].long()
-        ranges.append((index, counts, offsets))
-    n_full = ranges[0][1]
-    length = n_full + ranges[1][1]
-    start, end = chunk_id * length // n, (chunk_id + 1) * length // n
-    bounds = [(torch.clamp(start, max=n_full), torch.clamp(end, max=n_full)),
-              (torch.clamp(start - n_full, min=0), torch.clamp(end - n_full, min=0))]
+        counts = torch.cat([i.counts.reshape(-1) for i in index])
+        offsets = torch.cat([i.offsets[:-1] for i in index])
+        if lists is not None:
+            counts, offsets = counts[lists], offsets[lists]
+        ranges.append((index, counts.long(), offsets.long()))
+    n_full, n_part = ranges[0][1], ranges[1][1]
+    if lists is None:  # whole lists: [0, n_full) of the full list, [0, n_part) of the partial one
+        zero = torch.zeros_like(n_full)
+        bounds = [(zero, n_full), (zero, n_part)]
+    else:
+        length = n_full + n_part
+        start, end = chunk_id * length // n, (chunk_id + 1) * length // n
+        bounds = [(torch.clamp(start, max=n_full), torch.clamp(end, max=n_full)),
+                  (torch.clamp(start - n_full, min=0), torch.clamp(end - n_full, min=0))]
     out, firsts = [], []
     for (index, _, offsets), (lo, hi) in zip(ranges, bounds):
         lo, hi = offsets + lo, offsets + hi
@@ -340,7 +359,8 @@ def _item_ranges(batch: _PlanBatch, lists, chunk_id, n) -> list[torch.Tensor]:
         shift = [0]
         for i in index[:-1]:
             shift.append(shift[-1] + i.indices.numel())
-        at = torch.clamp(lo + _per_list(batch, shift)[lists], max=entries.numel() - 1)
+        shifts = _per_list(batch, shift)
+        at = torch.clamp(lo + (shifts if lists is None else shifts[lists]), max=entries.numel() - 1)
         firsts.append(torch.where(hi > lo, entries[at].long(), 0))
     return out + firsts
 
