@@ -211,17 +211,18 @@ def _check_finite(scores: torch.Tensor) -> None:
 
 
 def _choose_topk(scores: torch.Tensor, counts: torch.Tensor, width: int, causal: bool,
-                 geometry: tuple[int, ...]) -> torch.Tensor:
+                 cand: torch.Tensor) -> torch.Tensor:
     """int64 `(B, H, Mq, width)`: each row's `counts[h, i]` best key blocks, ascending, then Mk (padding).
 
     One stable sort by descending score, so ties go to the lower key block. With `causal` the last candidate
     (the diagonal) is kept first and the rest chosen among the others; blocks past it are never chosen.
+    `cand`: the rows' `candidates`.
     """
     B, H, Mq, Mk = scores.shape
     s = torch.where(torch.isnan(scores), float("-inf"), scores)  # only with check_finite=False
     slot = torch.arange(width, device=scores.device)
     if causal:
-        last = candidates(True, geometry, scores.device) - 1  # (Mq,): the diagonal block of each row
+        last = cand - 1  # (Mq,): the diagonal block of each row
         # Everything but the other candidates ranks last; among -inf ties the stable sort keeps the candidates
         # (the lower indices) first.
         s = torch.where(torch.arange(Mk, device=scores.device) < last[:, None], s, float("-inf"))
@@ -381,11 +382,12 @@ class BlockMask:
         if check_finite:
             _check_finite(scores)
         geometry = (Mq, Mk, bq, bk, seq_len_q, seq_len_k)
-        counts = topk_counts(ks, causal, geometry, scores.device)  # (len(ks), Mq)
-        selected = _choose_topk(scores, counts, topk_sizes(ks, causal, B, H, geometry).longest_row, causal, geometry)
+        cand = candidates(causal, geometry, scores.device)  # (Mq,)
+        counts = topk_counts(ks, causal, geometry, scores.device, cand)  # (len(ks), Mq)
+        selected = _choose_topk(scores, counts, topk_sizes(ks, causal, B, H, geometry).longest_row, causal, cand)
         layout = torch.zeros(B, H, Mq, Mk + 1, dtype=torch.bool, device=scores.device)
         layout = layout.scatter_(-1, selected, True)[..., :Mk].contiguous()  # column Mk takes the padding
-        index = build_topk_index(selected, counts, ks, causal, (bq, bk), seq_len_q, seq_len_k, layout)
+        index = build_topk_index(selected, counts, ks, causal, (bq, bk), seq_len_q, seq_len_k, layout, cand)
         if name is None:
             name = (f"top-{ks[0]}" if len(ks) == 1 else "top-k per head") + (" causal" if causal else "")
         return cls._from_index(layout, index, (bq, bk), seq_len_q, seq_len_k, name)

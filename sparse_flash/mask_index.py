@@ -577,22 +577,23 @@ def candidates(causal: bool, geometry: tuple[int, ...], device) -> torch.Tensor:
     return torch.clamp((torch.clamp((i + 1) * bq, max=seq_len_q) - 1) // bk + 1, max=Mk)
 
 
-def topk_counts(ks: tuple[int, ...], causal: bool, geometry: tuple[int, ...], device) -> torch.Tensor:
+def topk_counts(ks: tuple[int, ...], causal: bool, geometry: tuple[int, ...], device,
+                cand: torch.Tensor | None = None) -> torch.Tensor:
     """int64 `(len(ks), Mq)` on `device`: the blocks a top-k mask keeps in each row, `min(k, candidates)`
-    (the candidates of a causal row: the key blocks holding a causal pair). A per-head `ks` is copied to the
-    device without waiting for it."""
-    cand = candidates(causal, geometry, device)
+    (the candidates of a causal row: the key blocks holding a causal pair; `cand`: `candidates(causal, ...)`
+    if the caller has it). A per-head `ks` is copied to the device without waiting for it."""
+    cand = candidates(causal, geometry, device) if cand is None else cand
     if len(set(ks)) == 1:
         return torch.clamp(cand, max=ks[0]).expand(len(ks), -1)
     k = torch.as_tensor(ks, dtype=torch.int64).to(device, non_blocking=True)
     return torch.minimum(k[:, None], cand[None, :])
 
 
-def _partial_counts(counts: torch.Tensor, causal_mask: bool, flag: bool, geometry: tuple[int, ...]) -> torch.Tensor:
+def _partial_counts(counts: torch.Tensor, cand: torch.Tensor, flag: bool, geometry: tuple[int, ...]) -> torch.Tensor:
     """int64 like `counts`: how many of each row's kept blocks (its last ones) go to the partial list of an
-    attention call with causal flag `flag` (device arithmetic; `_first_partial` on the host)."""
+    attention call with causal flag `flag` (device arithmetic; `_first_partial` on the host); `cand`: the
+    mask's `candidates`."""
     Mq, Mk, bq, bk, seq_len_q, seq_len_k = geometry
-    cand = candidates(causal_mask, geometry, counts.device)
     i = torch.arange(Mq, device=counts.device)
     first = torch.full_like(i, Mk - 1 if Mk * bk > seq_len_k else Mk)
     if flag:
@@ -616,7 +617,8 @@ class _BuiltOnUse(dict):
 
 
 def build_topk_index(selected: torch.Tensor, counts: torch.Tensor, ks: tuple[int, ...], causal: bool,
-                     block_size: tuple[int, int], seq_len_q: int, seq_len_k: int, layout: torch.Tensor) -> MaskIndex:
+                     block_size: tuple[int, int], seq_len_q: int, seq_len_k: int, layout: torch.Tensor,
+                     cand: torch.Tensor | None = None) -> MaskIndex:
     """The index lists of a top-k mask, with static shapes: nothing here waits for the device.
 
     Args:
@@ -626,6 +628,7 @@ def build_topk_index(selected: torch.Tensor, counts: torch.Tensor, ks: tuple[int
         ks: blocks kept per row, one per head or one for all heads (host ints).
         causal: the mask keeps only blocks holding a causal pair (a causal top-k).
         layout: the mask's bool layout `(B, H, Mq, Mk)` (for the lists of a flag built on first use).
+        cand: `candidates(causal, ...)` if the caller has it.
 
     Every size follows from `ks` and the geometry (`topk_sizes`), except which kept blocks need an element mask
     (a key tail, the causal diagonal): the lists put the last `min(count, span)` kept blocks of a row in the
@@ -643,6 +646,7 @@ def build_topk_index(selected: torch.Tensor, counts: torch.Tensor, ks: tuple[int
     Mk = layout.shape[-1]
     geometry = (Mq, Mk, *block_size, seq_len_q, seq_len_k)
     sizes = topk_sizes(ks, causal, B, H, geometry)
+    cand = candidates(causal, geometry, selected.device) if cand is None else cand
     L = B * H * Mq
     n_rows = counts.expand(B, H, Mq).reshape(L)
     row = torch.repeat_interleave(torch.arange(L, device=selected.device), n_rows, output_size=sizes.nnz)
@@ -653,7 +657,7 @@ def build_topk_index(selected: torch.Tensor, counts: torch.Tensor, ks: tuple[int
     by_col = torch.argsort(col * Mq + i)  # the same entries sorted by (b, h, j, i)
     rows, cols, kernel, long_lists, longest_row, classes = {}, {}, {}, {}, {}, {}
     for flag in sizes.flags:
-        partial = _partial_counts(counts, causal, flag, geometry).expand(B, H, Mq).reshape(L)
+        partial = _partial_counts(counts, cand, flag, geometry).expand(B, H, Mq).reshape(L)
         classes[flag] = torch.where(t >= (n_rows - partial)[row], PARTIAL, FULL)
     flag_sizes = {flag: (sizes.nnz - sizes.partial[flag], sizes.partial[flag]) for flag in sizes.flags}
     sides = _sides(row, col, i, j, by_col, classes, flag_sizes, (B, H, Mq, Mk))
