@@ -254,8 +254,8 @@ def main():
     parser.add_argument("--switch", choices=sorted(SWITCHES),
                         help="time the library with a setting off (base) and on (new)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument("--rows", help="only rows whose (B, Hq, Hkv, N, D, mask, causal) text contains one of these "
-                        "('|'-separated)")
+    parser.add_argument("--rows", help="only rows whose text B,Hq,Hkv,N,D,MASK,CAUSAL (as --row spells it, e.g. "
+                        "1,8,8,65536,64,dense,false) contains one of these ('|'-separated, any case)")
     parser.add_argument("--row", action="append", type=parse_row, default=[], metavar="B,Hq,Hkv,N,D,MASK,CAUSAL",
                         help="a row outside the benchmark's, e.g. 1,16,16,16384,64,dense,true (repeatable; with "
                         "--row only those rows run)")
@@ -268,7 +268,10 @@ def main():
 
     versions, supported = versions_of(args)
     rows = args.row or ROWS
-    chosen = [r for r in rows if args.rows is None or any(part in str(r) for part in args.rows.split("|"))]
+    def text(row):  # as --row spells a row: B,Hq,Hkv,N,D,MASK,CAUSAL, lower case
+        return ",".join(str(x) for x in row).lower()
+
+    chosen = [r for r in rows if args.rows is None or any(p.lower() in text(r) for p in args.rows.split("|"))]
     results = []
     for row in chosen:
         results += run_row(versions, row, getattr(torch, args.dtype), args.repeats, do_bench, supported=supported)
