@@ -236,7 +236,7 @@ def render(records: list[dict]) -> str:
                 f"{r['width']}, {_num(r['params'])} params | {_num(r['n_train'])} x {r['passes']:g}{protocol} | "
                 f"**{_pct(r['held_out_acc'])}** ({_num(r['held_out_correct'])}/{_num(r['n_eval'])}){trained_on} | "
                 f"{_num(r['gpu_minutes'], 1)} | {_num(r['samples_per_s'])} | {_num(r['peak_memory_gib'], 2)} | "
-                f"{checkpoint} | {(r.get('date') or '-')[:10]}, {(r.get('commit') or '-')[:8]} |")
+                f"{checkpoint} | {(r.get('date') or '-')[:10]}, {(r.get('commit') or '-')[:7]} |")
         lines += ["", "Reproduce a number: `python demos/path256.py --eval-only --init-from <checkpoint>`."]
     else:
         lines.append("No stage recorded yet (`python demos/results_table.py add RUN_DIR --stage NAME`).")
@@ -248,7 +248,7 @@ def render(records: list[dict]) -> str:
                 f"| {r['resolution']} px, {r['layers']} x {r['width']} | {r['attention']} | {_pct(r['density'])} | "
                 f"{r['batch_size']} | {_num(r['samples_per_s'], 1)} | {_num(r['peak_memory_gib'], 2)} | "
                 f"{_num(r['attention_tflops'], 1)} | {_num(r['step_tflops'], 1)} | "
-                f"{(r.get('date') or '-')[:10]}, {(r.get('commit') or '-')[:8]} |")
+                f"{(r.get('date') or '-')[:10]}, {(r.get('commit') or '-')[:7]} |")
     return "\n".join(lines + ["", END])
 
 
