@@ -141,9 +141,7 @@ def block_sparse_attention(
 
     Non-finite inputs: a NaN or infinity in q at row i, or in k or v at key j, reaches exactly the rows it
     belongs to or that attend it (row i; the rows whose allowed keys include j) and the gradients that flow
-    through them; every other row and gradient stays exact. One known exception: the triton backend's Hopper
-    kernels (16-bit, D=128, sm90) with `causal=True` also let a non-finite value in `v` reach the earlier rows of
-    its causal diagonal tile; its Triton kernels keep to the rule, forward and backward.
+    through them; every other row and gradient stays exact, on every backend and kernel family.
 
     Example:
         >>> q = k = v = torch.randn(2, 4, 1000, 64)
