@@ -48,6 +48,9 @@ def cases():
            dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BLOCK_Q=cfg.block_m,
                 MASK_BLOCK_K=cfg.block_n, CAUSAL=False, DENSE=True, DOT_PRECISION="tf32", TMA=True),
            STREAMED["fwd"], dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg))
+    from sparse_flash.kernels import schedule
+
+    yield ("schedule.deal_runs", schedule._deal_runs_kernel, dict(PROGRAMS=256, CHUNK=64), (), dict(num_warps=1))
     cfg = fwd_config(128, torch.bfloat16, 128, 128, False, 16384, long_lists=True)
     yield (f"fwd sparse long lists D=128 {tuple(cfg)}", fwd._attn_fwd_kernel,
            dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BLOCK_Q=128,

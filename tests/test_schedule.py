@@ -3,6 +3,7 @@ that follow them (`kernels/gluon/merge.py`, under the interpreter): the items ea
 they start in, the cutting of long lists, their placement on resident programs, and the merges of chunks."""
 
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -332,3 +333,27 @@ def test_chunk_sum_adds_the_chunks_of_each_tile_in_order():
     want[256:384] = (part[0] + part[1] + part[2]).half()
     want[0:128] = (part[3] + part[4]).half()
     torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("programs", [1, 2, 7, 132])
+def test_dealing_runs_on_the_gpu_places_them_as_the_host_heap_does(programs):
+    """`schedule.deal_runs`: the Triton kernel (under TRITON_INTERPRET=1, as on a GPU: no host
+    synchronisation) gives every run the program the host's heap gives it (least loaded so far, lowest number
+    among equals), on skewed and tied costs, with unused runs (cost 0) after the real ones; and the placement
+    keeps the most loaded program within one run's cost of the mean."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(programs)
+    for n, unused in ((1, 0), (5, 3), (150, 0), (300, 100)):
+        skewed = (torch.rand(n, generator=gen) ** 4 * 400).long() + 2
+        tied = torch.full((n, ), 3) + (torch.rand(n, generator=gen) < 0.1).long() * 40
+        for costs in (skewed, tied):
+            costs = torch.cat([torch.sort(costs, descending=True).values, torch.zeros(unused, dtype=torch.long)])
+            on_gpu = schedule.deal_runs(costs, programs)
+            with mock.patch.object(schedule.settings, "interpreting", lambda: False):
+                on_host = schedule.deal_runs(costs, programs)
+            used = costs > 0
+            assert torch.equal(on_gpu[used], on_host[used]), (n, programs)
+            assert ((on_gpu >= 0) & (on_gpu < programs)).all()
+            loads = torch.zeros(programs, dtype=torch.long).index_add_(0, on_gpu, costs)
+            assert loads.max() <= costs.sum() / programs + costs.max()

@@ -2,7 +2,7 @@
 
 The compile checks (`tests/test_codegen.py`) and the resource report (`benchmarks/kernel_resources.py`)
 build each kernel's signature from its argument names: index lists int32, scratch and statistics fp32,
-tensors bf16, the streamed inputs as tensor descriptors of (1, 1, rows, BLOCK_D) tiles.
+int64 run costs and owners, tensors bf16, the streamed inputs as tensor descriptors of (1, 1, rows, BLOCK_D) tiles.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import inspect
 INTS = {"N", "Nq", "Nk", "Hq", "Hkv", "BH"}
 FP32_POINTERS = {"Lse", "OutPart", "LsePart", "Delta", "DQPart", "DKPart", "DVPart", "Part", "DstLse"}
 FLOATS = {"qk_scale", "sm_scale"}
+INT64_POINTERS = {"Costs", "Owners"}  # `schedule.deal_runs`
 
 
 def signature(kernel, constexprs: dict, descriptors=()) -> dict:
@@ -30,6 +31,8 @@ def signature(kernel, constexprs: dict, descriptors=()) -> dict:
             sig[name] = f"tensordesc<bf16[1,1,{rows},{constexprs['BLOCK_D']}]>"
         elif name in FP32_POINTERS:
             sig[name] = "*fp32"
+        elif name in INT64_POINTERS:
+            sig[name] = "*i64"
         elif name.startswith(("Row", "Col")) or name in ("Split", "Chunks", "Slots"):
             sig[name] = "*i32"
         elif name[0].isupper() and name not in INTS:

@@ -1,5 +1,6 @@
-"""Host-side work items of the Hopper (Gluon) kernels: which tiles an item walks, the order items start in,
-the cutting of very long lists, and the placement of items on the resident programs (torch only).
+"""Work items of the Hopper (Gluon) kernels: which tiles an item walks, the order items start in, the cutting
+of very long lists, and the placement of items on the resident programs (torch, and one small Triton kernel
+that places them on the GPU without a host synchronisation).
 
 The Triton kernels take their work from the mask's own plans (`sparse_flash.mask_index`); the Gluon kernels'
 resident programs need items placed by load, built here from the same index lists.
@@ -10,6 +11,8 @@ from __future__ import annotations
 import heapq
 
 import torch
+import triton
+import triton.language as tl
 
 from ..mask_index import ITEM_FIELDS, BlockIndex, KernelIndex, MaskGeometry
 from . import settings
@@ -179,32 +182,81 @@ def assign_programs(items, num_programs: int, sub: int):
     program p runs items [starts[p], starts[p + 1]).
 
     The programs never wait for each other, so the call lasts as long as the most loaded one. A program's
-    load counts its items' tiles (list length x `sub`) plus ITEM_COST each. With `settings.hopper_balance`: runs of consecutive
-    items (about BUNDLES_PER_PROGRAM runs per program, so that the host loop stays short; each chunk of a
-    cut list, `split_long_items`, is a run of its own) go heaviest
-    first to the least loaded program; each program then takes its runs in their order in `items` (as
-    `order_items` left them). Without it, item i goes to program i % num_programs, whatever its length.
+    load counts its items' tiles (list length x `sub`) plus ITEM_COST each. With `settings.hopper_balance`:
+    runs of consecutive items (about BUNDLES_PER_PROGRAM runs per program, so that the placement stays short;
+    each chunk of a cut list, `split_long_items`, is a run of its own) go heaviest first to the least loaded
+    program (`deal_runs`); each program then takes its runs in their order in `items` (as `order_items` left
+    them). Without it, item i goes to program i % num_programs, whatever its length.
+
+    On a GPU every step is a tensor operation or kernel on the items' device: no host synchronisation, so a
+    mask built per call (`BlockMask.from_topk`) does not stall the GPU here.
+
+    Example:
+        >>> items = torch.tensor([[0, 0, 0, n, 0, 0] for n in (8, 1, 1, 1, 1, 1)], dtype=torch.int32)
+        >>> placed, starts = assign_programs(items, 2, 2)
+        >>> starts.tolist()  # the 8-block list alone on program 0 (17 tiles against 5 x 3)
+        [0, 1, 6]
     """
-    n = items.shape[0]
-    program = torch.arange(n) % num_programs
+    n, dev = items.shape[0], items.device
+    position = torch.arange(n, device=dev)
+    program = position % num_programs
     if settings.current().hopper_balance and n > num_programs:
-        cost = ((items[:, 3] - items[:, 2] + items[:, 5] - items[:, 4]).long().cpu() * sub + ITEM_COST).double()
+        cost = (items[:, 3] - items[:, 2] + items[:, 5] - items[:, 4]).long() * sub + ITEM_COST
         run = -(-n // (BUNDLES_PER_PROGRAM * num_programs))  # items per run
-        new_run = torch.arange(n) % run == 0
+        new_run = position % run == 0
         if items.shape[1] > 6:  # a chunk of a cut list (`split_long_items`) is a run of its own
-            chunk = (items[:, 6] >= 0).cpu()
-            new_run |= chunk | torch.cat([torch.zeros(1, dtype=torch.bool), chunk[:-1]])
-        run_of = torch.cumsum(new_run.long(), 0) - 1
-        run_cost = torch.zeros(int(run_of[-1]) + 1, dtype=torch.float64).index_add_(0, run_of, cost)
-        owner = [0] * run_cost.shape[0]
-        loads = [(0.0, p) for p in range(num_programs)]  # a heap of (load, program)
-        for r in torch.argsort(run_cost, descending=True, stable=True).tolist():
-            load, p = heapq.heappop(loads)
-            owner[r] = p
-            heapq.heappush(loads, (load + float(run_cost[r]), p))
-        program = torch.tensor(owner)[run_of]
+            chunk = items[:, 6] >= 0
+            new_run |= chunk | torch.cat([chunk.new_zeros(1), chunk[:-1]])
+        run_of = torch.cumsum(new_run.long(), 0) - 1  # at most n runs: the unused ones cost 0
+        run_cost = torch.zeros(n, dtype=torch.long, device=dev).index_add_(0, run_of, cost)
+        order = torch.argsort(run_cost, descending=True, stable=True)  # heaviest first, ties in item order
+        owner = torch.empty_like(position).scatter_(0, order, deal_runs(run_cost[order], num_programs))
+        program = owner[run_of]
     order = torch.argsort(program, stable=True)  # by program, each program's items in their order in `items`
-    counts = torch.bincount(program, minlength=num_programs)
-    starts = torch.zeros(num_programs + 1, dtype=torch.int32)
-    starts[1:] = torch.cumsum(counts, 0)
-    return items[order.to(items.device)].contiguous(), starts.to(items.device)
+    counts = torch.zeros(num_programs, dtype=torch.int32, device=dev).index_add_(
+        0, program, torch.ones(n, dtype=torch.int32, device=dev))
+    starts = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0, dtype=torch.int32)])
+    return items[order].contiguous(), starts
+
+
+def deal_runs(costs, num_programs: int):
+    """The program of each run, for int64 `costs` sorted heaviest first: each run in turn goes to the least
+    loaded program so far, the lowest-numbered among equals (greedy longest-processing-time placement, which
+    keeps the most loaded program within one run's cost of the mean). Runs of cost 0 (unused) may go anywhere.
+
+    On a GPU one Triton program deals them (`_deal_runs_kernel`: no host synchronisation); on the CPU a heap
+    does (the same placement: tests/test_schedule.py compares the two under TRITON_INTERPRET=1).
+
+    Example:
+        >>> deal_runs(torch.tensor([9, 4, 4, 4, 4, 4]), 2).tolist()  # loads 13 and 16
+        [0, 1, 1, 1, 0, 1]
+    """
+    if costs.device.type == "cpu" and not settings.interpreting():
+        owners, loads = [0] * costs.shape[0], [(0, p) for p in range(num_programs)]
+        for r, c in enumerate(costs.tolist()):
+            if c:
+                load, p = heapq.heappop(loads)
+                owners[r] = p
+                heapq.heappush(loads, (load + c, p))
+        return torch.tensor(owners, dtype=torch.long)
+    owners = torch.zeros(costs.shape[0], dtype=torch.long, device=costs.device)
+    _deal_runs_kernel[(1, )](costs, owners, costs.shape[0], num_programs,
+                             PROGRAMS=triton.next_power_of_2(num_programs), CHUNK=64, num_warps=1)
+    return owners
+
+
+@triton.jit
+def _deal_runs_kernel(Costs, Owners, n, num_programs, PROGRAMS: tl.constexpr, CHUNK: tl.constexpr):
+    """`deal_runs` in one program: the loads of all programs in registers, the runs read CHUNK at a time
+    (blocks of unused runs, cost 0, skipped)."""
+    lanes = tl.arange(0, PROGRAMS)
+    loads = tl.where(lanes < num_programs, 0, 1 << 62).to(tl.int64)  # lanes past the programs never win
+    offs = tl.arange(0, CHUNK)
+    for start in range(0, n, CHUNK):
+        costs = tl.load(Costs + start + offs, mask=start + offs < n, other=0).to(tl.int64)
+        if tl.max(costs, 0) > 0:
+            for j in range(CHUNK):
+                c = tl.sum(tl.where(offs == j, costs, 0), 0)
+                p = tl.argmin(loads, 0, tie_break_left=True)
+                loads = tl.where(lanes == p, loads + c, loads)
+                tl.store(Owners + start + j, p.to(tl.int64), mask=(start + j < n) & (c > 0))
