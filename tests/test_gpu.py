@@ -288,3 +288,24 @@ def test_seeded_masks_are_one_mask_on_every_device():
         on_gpu, on_cpu = build("cuda"), build("cpu")
         assert on_gpu.layout.device.type == "cuda"
         assert torch.equal(on_gpu.layout.cpu(), on_cpu.layout)
+
+
+def test_dealing_runs_on_the_device_places_them_as_the_host_heap_and_never_waits():
+    """`schedule.deal_runs` on CUDA costs (its Triton program) gives the heap's placement, and neither it nor
+    `assign_programs` waits for the device (sync debug mode turns a host synchronisation into an error)."""
+    from sparse_flash.kernels import schedule
+
+    gen = torch.Generator().manual_seed(0)
+    for programs in (1, 7, 132):
+        for n in (1, 150, 2500):
+            costs = torch.sort((torch.rand(n, generator=gen) ** 4 * 400).long() + 2, descending=True).values
+            on_host = schedule.deal_runs(costs, programs)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                on_device = schedule.deal_runs(costs.cuda(), programs)
+                items = torch.randint(0, 40, (n, 6), dtype=torch.int32, device="cuda").sort(dim=1).values
+                placed, starts = schedule.assign_programs(items, programs, 2)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            assert torch.equal(on_device.cpu(), on_host), (programs, n)
+            assert starts.is_cuda and int(starts[-1]) == n and placed.shape == items.shape
