@@ -6,6 +6,8 @@ Two parts, every competitor in the same process on the same scores and inputs:
    device) at 65,536 and 32,768 tokens, B=1, H=16, block 128, causal and not, k = 8 and 32: eager (median of
    CUDA-event timings of back-to-back calls, `triton.testing.do_bench`) and replayed from a CUDA graph that
    holds `from_topk` and nothing else (`do_bench_cudagraph`). The issue's target: at most 100 us, capturable.
+   Also the same build compiled whole (`torch.compile(ours_topk_index, fullgraph=True)`: the index lists and
+   work plans an attention call reads, its ~280 small operators fused by inductor), eager and graphed.
    Beside it, FlexAttention's builders: `create_block_mask` (compiled) with a mask_mod reading a boolean
    block table of the same choice, at 65,536 tokens (it evaluates the mask_mod on all B*H*N^2 pairs), and
    `BlockMask.from_kv_blocks` fed the same top-k choice (`torch.topk`, the route FlexAttention users take
@@ -13,7 +15,8 @@ Two parts, every competitor in the same process on the same scores and inputs:
 2. **MoBA-style step** at 32,768 tokens, causal, B=1, H=16, D=128, bf16, block 128, top_k 8 and 16: block-mean
    gate scores (MoBA's gate, as `sparse_flash.nn.MoBAAttention.select`), the choice, and attention, per call,
    forward and forward+backward. Ours: `from_topk` + `block_sparse_attention` (the default kernels, and the
-   Triton kernels alone: the Hopper kernels place their work on the host per mask). FlexAttention:
+   Triton kernels alone), and the whole step compiled (`torch.compile(fullgraph=True)`: choice, mask
+   build and attention in one graph, as a compiled model runs `sparse_flash.nn.MoBAAttention`). FlexAttention:
    `from_kv_blocks` from the same choice + `torch.compile(flex_attention)` (compiled once: the block tables
    are padded to a fixed width, so top_k 8 and 16 share one graph). cuDNN SDPA dense causal is the
    reference point. ours and flex run twice in opposite orders and keep the faster median, as in
@@ -24,7 +27,8 @@ pairs whose mask is built once outside the timed region, while here the mask bui
 timing (`bench`), the competitors (`Competitors`), `live_density` and the environment record are imported
 from it, so both files time and record alike.
 
-    python benchmarks/bench_dynamic.py                # about 3 minutes on an H200 (an estimate; compiles included)
+    python benchmarks/bench_dynamic.py                # over 2.5 minutes on an H200 (the step part unfinished at
+                                                      # 135 s on 2026-12-02; compiles included)
     python benchmarks/bench_dynamic.py --out DIR      # where dynamic.json goes
     python benchmarks/bench_dynamic.py --smoke        # tiny sizes, any device (CPU: torch backend, or triton
                                                       # under TRITON_INTERPRET=1); runs every path once,
@@ -82,6 +86,12 @@ def block_scores(q: torch.Tensor, k: torch.Tensor, block: int) -> torch.Tensor:
 
 def ours_topk_mask(scores: torch.Tensor, k: int, causal: bool) -> BlockMask:
     return BlockMask.from_topk(scores, k, causal=causal, block_size=BLOCK, check_finite=False)
+
+
+def ours_topk_index(scores: torch.Tensor, k: int, causal: bool):
+    """What an attention call with this `causal` flag reads of a `from_topk` mask: its `KernelIndex` (index lists
+    and work plans). Compiled whole (`torch.compile`), its ~280 small operators become a few fused kernels."""
+    return ours_topk_mask(scores, k, causal).kernel_records(causal)[0]
 
 
 def _causal(b, h, q_idx, kv_idx):
@@ -170,6 +180,7 @@ def build_rows(sizes: Sizes, device) -> list[dict]:
 
     rows = []
     H = sizes.build_heads
+    compiled_index = torch.compile(ours_topk_index, fullgraph=True, dynamic=False)
     for N in sizes.build_lengths:
         M = N // BLOCK
         gen = torch.Generator(device=device).manual_seed(0)
@@ -182,6 +193,8 @@ def build_rows(sizes: Sizes, device) -> list[dict]:
                 row["nnz"] = mask.nnz
                 builders = {"from_topk": lambda: ours_topk_mask(scores, k, causal),
                             "flex_from_kv_blocks": lambda: flex_topk_mask(scores, k, causal)}
+                if device.type == "cuda":  # the same build compiled whole (inductor fuses its small operators)
+                    builders["from_topk_compiled"] = lambda: compiled_index(scores, k, causal)
                 try:
                     fm = builders["flex_from_kv_blocks"]()
                     row["flex_same_blocks"] = bool(torch.equal(fm.to_dense().bool(), mask.layout))
@@ -245,7 +258,9 @@ def _build_line(row: dict) -> str:
             f"{_fmt(row.get('from_topk_eager_ms'))} ms, graph {_fmt(row.get('from_topk_graph_ms'), '.1f', 1e3)} us | "
             f"flex from_kv_blocks eager {_fmt(row.get('flex_from_kv_blocks_eager_ms'))} ms, graph "
             f"{_fmt(row.get('flex_from_kv_blocks_graph_ms'), '.1f', 1e3)} us | flex create_block_mask "
-            f"{_fmt(row.get('flex_create_block_mask_ms'))} ms")
+            f"{_fmt(row.get('flex_create_block_mask_ms'))} ms | from_topk compiled "
+            f"{_fmt(row.get('from_topk_compiled_eager_ms'))} ms, graph "
+            f"{_fmt(row.get('from_topk_compiled_graph_ms'), '.1f', 1e3)} us")
 
 
 # ---------------------------------------------------------------------------------------------- part 2
@@ -289,6 +304,8 @@ def step_rows(sizes: Sizes, device, backend: str) -> list[dict]:
         impls = {"sparse_flash": ours(top_k)}
         if device.type == "cuda" and backend == "triton":
             impls["sparse_flash_triton_kernels"] = ours(top_k, triton_only=True)
+            # the whole step compiled (choice, mask build and attention in one graph), as flex's attention is
+            impls["sparse_flash_compiled"] = torch.compile(ours(top_k), fullgraph=True, dynamic=False)
         impls["flex"] = flex(top_k)
         plans.append((f"moba top-{top_k}", top_k, impls))
     plans.append(("dense causal", None, {"sdpa_cudnn": cudnn}))
@@ -312,7 +329,8 @@ def step_rows(sizes: Sizes, device, backend: str) -> list[dict]:
             except Exception as e:
                 extra["flex_check_error"] = _error(e)
         tasks = [(impl, mode) for impl in impls for mode in ("fwd", "fwd+bwd")]
-        tasks += [t for t in reversed(tasks) if t[0] in ("sparse_flash", "flex")] if not sizes.smoke else []
+        tasks += ([t for t in reversed(tasks) if t[0] in ("sparse_flash", "sparse_flash_compiled", "flex")]
+                  if not sizes.smoke else [])
         done = {}
         for impl, mode in tasks:
             row = done.get((impl, mode))
@@ -330,6 +348,8 @@ def step_rows(sizes: Sizes, device, backend: str) -> list[dict]:
             else:
                 if impl == "flex" and mode == "fwd+bwd" and not row["runs_ms"] and top_k == sizes.step_top_ks[0]:
                     _say(f"step {mask_name}: compiling flex_attention's backward")
+                if impl == "sparse_flash_compiled" and not row["runs_ms"]:
+                    _say(f"step {mask_name}: compiling the whole {mode} step")
                 try:
                     if mode == "fwd":
                         with torch.no_grad():
@@ -343,7 +363,7 @@ def step_rows(sizes: Sizes, device, backend: str) -> list[dict]:
                     row["error"] = _error(e)
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()
-            runs = 2 if impl in ("sparse_flash", "flex") and not sizes.smoke else 1
+            runs = 2 if impl in ("sparse_flash", "sparse_flash_compiled", "flex") and not sizes.smoke else 1
             if len(row["runs_ms"]) == runs or "error" in row:
                 _say(_step_line(row))
     step_ratios(rows)
@@ -388,22 +408,25 @@ def summarize(build: list[dict], step: list[dict]) -> dict:
     checked = [r[key] for r in build + step for key in ("flex_same_blocks", "flex_create_block_mask_same_blocks")
                if key in r]
     s["flex_chose_the_same_blocks"] = f"{sum(checked)} of {len(checked)} masks"
-    for mode in ("fwd", "fwd+bwd"):
-        ratios = {r["mask"]: round(r["flex_over_ours"], 3) for r in step
-                  if r["impl"] == "sparse_flash" and r["mode"] == mode and "flex_over_ours" in r}
-        if ratios:
-            s[f"step_{mode}_flex_over_ours"] = ratios
+    for impl, name in (("sparse_flash", "ours"), ("sparse_flash_compiled", "ours_compiled")):
+        for mode in ("fwd", "fwd+bwd"):
+            ratios = {r["mask"]: round(r["flex_over_ours"], 3) for r in step
+                      if r["impl"] == impl and r["mode"] == mode and "flex_over_ours" in r}
+            if ratios:
+                s[f"step_{mode}_flex_over_{name}"] = ratios
     return s
 
 
 def table(build: list[dict], step: list[dict], smoke: bool) -> str:
     note = " (smoke run: tiny sizes, not a measurement)" if smoke else ""
     lines = [f"Mask build, B=1, block {BLOCK}{note}: from_topk eager ms / CUDA graph us (target <= {TARGET_US:g} us)",
-             f"{'N':>6} {'causal':6} {'k':>3} | {'from_topk':>9} {'graph us':>9} | {'flex kv_blocks':>14} "
-             f"{'graph us':>9} | {'flex create_block_mask':>22}"]
+             f"{'N':>6} {'causal':6} {'k':>3} | {'from_topk':>9} {'graph us':>9} | {'compiled':>9} {'graph us':>9} | "
+             f"{'flex kv_blocks':>14} {'graph us':>9} | {'flex create_block_mask':>22}"]
     for r in build:
         lines.append(f"{r['N']:>6} {r['causal']!s:6} {r['k']:>3} | {_fmt(r.get('from_topk_eager_ms')):>9} "
                      f"{_fmt(r.get('from_topk_graph_ms'), '.1f', 1e3):>9} | "
+                     f"{_fmt(r.get('from_topk_compiled_eager_ms')):>9} "
+                     f"{_fmt(r.get('from_topk_compiled_graph_ms'), '.1f', 1e3):>9} | "
                      f"{_fmt(r.get('flex_from_kv_blocks_eager_ms')):>14} "
                      f"{_fmt(r.get('flex_from_kv_blocks_graph_ms'), '.1f', 1e3):>9} | "
                      f"{_fmt(r.get('flex_create_block_mask_ms')):>22}")
@@ -411,8 +434,8 @@ def table(build: list[dict], step: list[dict], smoke: bool) -> str:
         r0 = step[0]
         lines += ["", f"MoBA step per call (scores + choice + attention), B={r0['B']} H={r0['Hq']} N={r0['N']} "
                       f"D={r0['D']} {r0['dtype']} causal, ms{note}",
-                  f"{'mask':12s} {'mode':7s} | {'ours':>8} {'ours Triton':>11} {'flex':>8} {'flex/ours':>9} | "
-                  f"{'cuDNN dense causal':>18}"]
+                  f"{'mask':12s} {'mode':7s} | {'ours':>8} {'ours Triton':>11} {'compiled':>8} {'flex':>8} "
+                  f"{'flex/ours':>9} {'flex/compiled':>13} | {'cuDNN dense causal':>18}"]
         by = {}
         for r in step:
             by.setdefault((r["mask"], r["mode"]), {})[r["impl"]] = r
@@ -420,11 +443,11 @@ def table(build: list[dict], step: list[dict], smoke: bool) -> str:
         for (mask, mode), impls in by.items():
             if mask == "dense causal":
                 continue
-            o = impls.get("sparse_flash", {})
+            o, c = impls.get("sparse_flash", {}), impls.get("sparse_flash_compiled", {})
             lines.append(f"{mask:12s} {mode:7s} | {_fmt(o.get('ms')):>8} "
-                         f"{_fmt(impls.get('sparse_flash_triton_kernels', {}).get('ms')):>11} "
-                         f"{_fmt(impls.get('flex', {}).get('ms')):>8} {_ratio(o.get('flex_over_ours')):>9} | "
-                         f"{_fmt(cudnn.get(mode)):>18}")
+                         f"{_fmt(impls.get('sparse_flash_triton_kernels', {}).get('ms')):>11} {_fmt(c.get('ms')):>8} "
+                         f"{_fmt(impls.get('flex', {}).get('ms')):>8} {_ratio(o.get('flex_over_ours')):>9} "
+                         f"{_ratio(c.get('flex_over_ours')):>13} | {_fmt(cudnn.get(mode)):>18}")
     return "\n".join(lines)
 
 

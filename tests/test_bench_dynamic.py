@@ -67,7 +67,8 @@ def test_ratios_and_table_compare_like_with_like():
 
     rows = [row("sparse_flash", "fwd", 1.0), row("sparse_flash_triton_kernels", "fwd", 1.25), row("flex", "fwd", 1.5),
             row("sparse_flash", "fwd+bwd", 4.0), row("flex", "fwd+bwd", 5.0),
-            row("sdpa_cudnn", "fwd", 8.0, "dense causal"), row("sdpa_cudnn", "fwd+bwd", 30.0, "dense causal")]
+            row("sdpa_cudnn", "fwd", 8.0, "dense causal"), row("sdpa_cudnn", "fwd+bwd", 30.0, "dense causal"),
+            row("sparse_flash_compiled", "fwd", 0.75)]
     bench.step_ratios(rows)
     assert rows[0]["flex_over_ours"] == pytest.approx(1.5) and rows[0]["cudnn_causal_over_ours"] == pytest.approx(8)
     assert rows[1]["flex_over_ours"] == pytest.approx(1.2)
@@ -75,5 +76,7 @@ def test_ratios_and_table_compare_like_with_like():
     assert "flex_over_ours" not in rows[2] and "flex_over_ours" not in rows[5]
     summary = bench.summarize([], rows)
     assert summary["step_fwd_flex_over_ours"] == {"moba top-8": 1.5}
+    assert summary["step_fwd_flex_over_ours_compiled"] == {"moba top-8": 2.0}
     text = bench.table([], rows, smoke=False).splitlines()
-    assert text[-2].split() == ["moba", "top-8", "fwd", "|", "1.000", "1.250", "1.500", "1.50x", "|", "8.000"]
+    assert text[-2].split() == ["moba", "top-8", "fwd", "|", "1.000", "1.250", "0.750", "1.500", "1.50x", "2.00x",
+                                "|", "8.000"]
