@@ -442,8 +442,36 @@ def _sides(row, col, i, j, by_col, classes: dict, sizes: dict, shape) -> dict:
 def _unsplit_plans(sides: list[_Side]) -> list[WorkPlan]:
     """The work plans of lists that no program splits, one per side (every size known on the host)."""
     inputs = [_PlanInput(side.live.counts, 0, side.mean, side.full, side.part) for side in sides]
+    on_gpu = _unsplit_plans_on_gpu(inputs)
+    if on_gpu is not None:
+        return on_gpu
     sizes = [[side.live.counts.numel(), side.live.counts.shape[-1], 0, 0] for side in sides]
     return _plan_items(_plan_batch(inputs, split=False), sizes)
+
+
+def _unsplit_plans_on_gpu(plans: list[_PlanInput], force: bool = False) -> list[WorkPlan] | None:
+    """The plans of `_plan_items` for lists that no program splits, one Triton launch each
+    (`sparse_flash.index_gpu`), or None where that does not apply: lists off a CUDA device (unless `force`,
+    which tests use under TRITON_INTERPRET=1), inside torch.compile (inductor fuses the torch operators), no
+    Triton, or more lists per head than one program sorts."""
+    counts = plans[0].counts
+    if not (counts.is_cuda or force) or torch.compiler.is_compiling():
+        return None
+    try:
+        from . import index_gpu
+    except ImportError:
+        return None
+    longest = max(plan.counts.shape[-1] for plan in plans)  # a list holds at most the other side's blocks
+    if not all(index_gpu.supported(plan.counts.shape[-1], longest) for plan in plans):
+        return None
+    out = []
+    for plan in plans:
+        items, chunks, slots, lead = index_gpu.unsplit_plan(plan.counts, plan.full, plan.part, HEAVY_FACTOR * plan.mean,
+                                                            longest)
+        none = torch.zeros(0, dtype=torch.int32, device=counts.device)
+        out.append(WorkPlan(items, chunks, slots, lead, none, none.clone()))
+        _unbacked((items, 2), (out[-1].split, 0), (out[-1].slot_list, 0))
+    return out
 
 
 def _kernel_index(rows: _Side, cols: _Side, row_plan: WorkPlan, col_plan: WorkPlan) -> KernelIndex:
@@ -491,7 +519,9 @@ def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: in
     # The four work plans (rows and columns of each flag) in one batch, their sizes fetched from the device together
     batch = _plan_batch(inputs)
     plan_sizes = _plan_sizes(batch).tolist()
-    plans = _plan_items(batch, plan_sizes)
+    plans = (None if any(size[2] for size in plan_sizes) else  # no list cut into chunks: the GPU builds them whole
+             _unsplit_plans_on_gpu([plan._replace(chunk=0) for plan in inputs]))
+    plans = plans or _plan_items(batch, plan_sizes)
     for causal, (row_side, col_side) in sides.items():
         rows[causal], cols[causal], longest_row[causal] = row_side.live, col_side.live, plan_sizes[2 * causal][-1]
         kernel[causal] = _kernel_index(row_side, col_side, *plans[2 * causal:2 * causal + 2])

@@ -50,7 +50,11 @@ def cases():
            STREAMED["fwd"], dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg))
     from sparse_flash.kernels import schedule
 
+    from sparse_flash import index_gpu
+
     yield ("schedule.deal_runs", schedule._deal_runs_kernel, dict(PROGRAMS=256, CHUNK=64), (), dict(num_warps=1))
+    yield ("index_gpu.unsplit_plan", index_gpu._unsplit_plan_kernel, dict(BLOCK=8192, FIELDS=index_gpu.FIELDS), (),
+           dict(num_warps=8))
     cfg = fwd_config(128, torch.bfloat16, 128, 128, False, 16384, long_lists=True)
     yield (f"fwd sparse long lists D=128 {tuple(cfg)}", fwd._attn_fwd_kernel,
            dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BLOCK_Q=128,

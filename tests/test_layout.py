@@ -292,3 +292,32 @@ def test_single_and_partial_blocks(n):
     m = masks.dense(n, 128)
     assert m.num_blocks == (math.ceil(n / 128),) * 2
     assert m.to_dense().all()
+
+
+@given(m=layouts(), causal=st.booleans(), topk=st.booleans())
+def test_work_plans_built_on_the_gpu_equal_the_torch_ones(m, causal, topk):
+    """`sparse_flash.index_gpu` (one Triton program per (batch, head); here under TRITON_INTERPRET=1) builds
+    the plans that `mask_index._plan_items` builds for lists that no program splits: the same items, chunk
+    and slot tables and lead, on layouts and on top-k masks (both flags)."""
+    import os
+
+    from sparse_flash import mask_index
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
+    if topk:
+        B, H, Mq, Mk = m.layout.shape
+        scores = torch.randn(B, H, Mq, Mk, generator=torch.Generator().manual_seed(Mq * 31 + Mk))
+        m = BlockMask.from_topk(scores, max(1, Mk // 2), causal=causal, block_size=m.block_size)
+    kidx = m.kernel_index(causal)
+    inputs, plans = [], []
+    for plan, live, full, part in ((kidx.row_plan, m.row_index(causal), kidx.row_full, kidx.row_partial),
+                                   (kidx.col_plan, m.col_index(causal), kidx.col_full, kidx.col_partial)):
+        if plan.split.numel():  # a list cut into chunks: not a plan this builder makes
+            return
+        inputs.append(mask_index._PlanInput(live.counts, 0, live.counts.sum().item() / live.counts.numel(), full, part))
+        plans.append(plan)
+    on_gpu = mask_index._unsplit_plans_on_gpu(inputs, force=True)
+    for built, expected in zip(on_gpu, plans):
+        for name, a, b in zip(mask_index.WorkPlan._fields, built, expected):
+            assert a.dtype == b.dtype and torch.equal(a, b), name

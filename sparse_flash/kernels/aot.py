@@ -11,7 +11,7 @@ import inspect
 
 INTS = {"N", "Nq", "Nk", "Hq", "Hkv", "BH"}
 FP32_POINTERS = {"Lse", "OutPart", "LsePart", "Delta", "DQPart", "DKPart", "DVPart", "Part", "DstLse"}
-FLOATS = {"qk_scale", "sm_scale"}
+FLOATS = {"qk_scale", "sm_scale", "heavy_above"}
 INT64_POINTERS = {"Costs", "Owners"}  # `schedule.deal_runs`
 
 
@@ -33,7 +33,8 @@ def signature(kernel, constexprs: dict, descriptors=()) -> dict:
             sig[name] = "*fp32"
         elif name in INT64_POINTERS:
             sig[name] = "*i64"
-        elif name.startswith(("Row", "Col")) or name in ("Split", "Chunks", "Slots"):
+        elif name.startswith(("Row", "Col", "Full", "Part")) or name in ("Split", "Chunks", "Slots", "Counts", "Items",
+                                                                          "Lead"):
             sig[name] = "*i32"
         elif name[0].isupper() and name not in INTS:
             sig[name] = "*bf16"
