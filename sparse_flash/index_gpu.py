@@ -95,3 +95,128 @@ def _unsplit_plan_kernel(Counts, FullCounts, FullOffsets, FullIndices, PartCount
     tl.store(Slots + lists, -one, mask=valid)
     heavy = tl.sum((valid & (length.to(tl.float32) > heavy_above)).to(tl.int32), 0)
     tl.atomic_max(Lead, heavy)
+
+
+MAX_ENTRIES = 16384  # kept blocks of one (batch, head) (rows x widest row, padded) that a program sorts
+
+
+def topk_supported(rows: int, width: int, cols: int) -> bool:
+    """Whether one program can sort the kept blocks of one (batch, head) of a top-k mask (`topk_lists`)."""
+    block, bins = triton.next_power_of_2(rows), triton.next_power_of_2(cols + 1)
+    return block * triton.next_power_of_2(width) <= MAX_ENTRIES and 2 * bins * block < 2**31
+
+
+def topk_lists(selected: torch.Tensor, counts: torch.Tensor, partial: torch.Tensor, cols: int, sizes: tuple):
+    """The row and column lists of a top-k mask for one causal flag, on the GPU in one launch.
+
+    Args:
+        selected: int64 `(B, H, Mq, W)`: row (b, h, i) keeps the key blocks `selected[b, h, i, :counts[g, i]]`,
+            ascending (g = h for one k per head, else 0).
+        counts, partial: int64 `(G, Mq)`, G in {1, H}: blocks kept per row, and how many of them (its last
+            ones) are partial for this flag.
+        cols: Mk, the key blocks.
+        sizes: host ints `(live, full, partial)`: the blocks of each kind in the whole mask.
+
+    Returns:
+        `((row_live, row_full, row_part), (col_live, col_full, col_part))`, each `(counts, offsets, indices)`
+        as in `mask_index.BlockIndex` (int32; counts `(B, H, M)`, offsets `(B * H * M + 1,)`): the lists that
+        `mask_index._sides` builds from the same choice.
+    """
+    B, H, Mq, W = selected.shape
+    G, device = counts.shape[0], selected.device
+    per_group = torch.stack([counts, counts - partial, partial]).sum(-1)  # (3, G): live, full, partial per head
+
+    def lists(m: int) -> list:
+        return [(torch.empty((B, H, m), dtype=torch.int32, device=device),
+                 torch.empty(B * H * m + 1, dtype=torch.int32, device=device),
+                 torch.empty(n, dtype=torch.int32, device=device)) for n in sizes]
+
+    rows, col_lists = lists(Mq), lists(cols)
+    _topk_lists_kernel[(B * H, )](selected, counts, partial, per_group, *[t for part in rows + col_lists for t in part],
+                                  B * H, H, G, Mq, cols, W, BLOCK=triton.next_power_of_2(Mq),
+                                  WIDTH=triton.next_power_of_2(W), BINS=triton.next_power_of_2(cols + 1),
+                                  GROUPS=triton.next_power_of_2(G), num_warps=8)
+    return rows, col_lists
+
+
+@triton.jit
+def _head_base(PerGroup, kind, b, h, bh, num_groups, GROUPS: tl.constexpr):
+    """Where the lists of head (b, h) start among all heads' lists of one kind (0 live, 1 full, 2 partial)."""
+    g = tl.arange(0, GROUPS)
+    per = tl.load(PerGroup + kind * num_groups + g, mask=g < num_groups, other=0)
+    per_head = tl.sum(tl.where(g < h, per, 0), 0) + b * tl.sum(per, 0)
+    return tl.where(num_groups > 1, per_head, bh * tl.sum(per, 0)).to(tl.int32)
+
+
+@triton.jit
+def _store_list(Counts, Offsets, Indices, bh, heads, lists_per_head, base, counts, starts, n_lists, idx,
+                positions, values, ok):
+    """One head's lists of one kind: their counts and offsets, its entries at `positions`; the last head also
+    closes the offsets."""
+    valid = idx < n_lists
+    tl.store(Counts + bh * lists_per_head + idx, counts, mask=valid)
+    tl.store(Offsets + bh * lists_per_head + idx, base + starts, mask=valid)
+    tl.store(Offsets + heads * lists_per_head, base + tl.sum(tl.where(valid, counts, 0), 0), mask=bh == heads - 1)
+    tl.store(Indices + positions, values, mask=ok)
+
+
+@triton.jit
+def _topk_lists_kernel(Selected, Counts, Partial, PerGroup,
+                       RowLiveCounts, RowLiveOffsets, RowLive, RowFullCounts, RowFullOffsets, RowFull,
+                       RowPartCounts, RowPartOffsets, RowPart,
+                       ColLiveCounts, ColLiveOffsets, ColLive, ColFullCounts, ColFullOffsets, ColFull,
+                       ColPartCounts, ColPartOffsets, ColPart,
+                       heads, H, num_groups, Mq, Mk, W, BLOCK: tl.constexpr, WIDTH: tl.constexpr,
+                       BINS: tl.constexpr, GROUPS: tl.constexpr):
+    """Program bh: the row lists of head bh as the kept blocks come (row-major, ascending), and its column
+    lists by a sort of the kept blocks on (kind, key block, query block) with per-column counts from a
+    histogram; every list's place among all heads' from the per-group sizes."""
+    bh = tl.program_id(0)
+    b, h = bh // H, bh % H
+    g = tl.where(num_groups > 1, h, 0)
+    i = tl.arange(0, BLOCK)
+    t = tl.arange(0, WIDTH)
+    n = tl.load(Counts + g * Mq + i, mask=i < Mq, other=0).to(tl.int32)  # (BLOCK,) kept per row
+    p = tl.load(Partial + g * Mq + i, mask=i < Mq, other=0).to(tl.int32)  # of which partial (the last ones)
+    f = n - p
+    kept = (i[:, None] < Mq) & (t[None, :] < n[:, None])  # (BLOCK, WIDTH)
+    is_full = kept & (t[None, :] < f[:, None])
+    is_part = kept & (t[None, :] >= f[:, None])
+    j = tl.load(Selected + (bh * Mq + i[:, None]).to(tl.int64) * W + t[None, :], mask=kept, other=0).to(tl.int32)
+    bases = (_head_base(PerGroup, 0, b, h, bh, num_groups, GROUPS), _head_base(PerGroup, 1, b, h, bh, num_groups, GROUPS),
+             _head_base(PerGroup, 2, b, h, bh, num_groups, GROUPS))
+    # rows: entry t of row i goes after the row's earlier entries of its kind
+    _store_rows(RowLiveCounts, RowLiveOffsets, RowLive, bh, heads, Mq, bases[0], n, i, t[None, :], j, kept)
+    _store_rows(RowFullCounts, RowFullOffsets, RowFull, bh, heads, Mq, bases[1], f, i, t[None, :], j, is_full)
+    _store_rows(RowPartCounts, RowPartOffsets, RowPart, bh, heads, Mq, bases[2], p, i, t[None, :] - f[:, None], j,
+                is_part)
+    # columns: sorted by (kind, key block, query block); the entries of one kind are then a head's column lists
+    _store_cols(ColLiveCounts, ColLiveOffsets, ColLive, bh, heads, Mk, bases[0], i, j, kept, kept, BLOCK, WIDTH, BINS)
+    _store_cols(ColFullCounts, ColFullOffsets, ColFull, bh, heads, Mk, bases[1], i, j, kept, is_full, BLOCK, WIDTH,
+                BINS)
+    _store_cols(ColPartCounts, ColPartOffsets, ColPart, bh, heads, Mk, bases[2], i, j, kept, is_part, BLOCK, WIDTH,
+                BINS)
+
+
+@triton.jit
+def _store_rows(Counts, Offsets, Indices, bh, heads, Mq, base, per_row, i, slot, j, ok):
+    """One head's row lists of one kind: `per_row` entries each, entry `slot` of row i at its place."""
+    starts = tl.cumsum(per_row, 0) - per_row
+    _store_list(Counts, Offsets, Indices, bh, heads, Mq, base, per_row, starts, Mq, i, base + starts[:, None] + slot,
+                j, ok)
+
+
+@triton.jit
+def _store_cols(Counts, Offsets, Indices, bh, heads, Mk, base, i, j, kept, ok, BLOCK: tl.constexpr,
+                WIDTH: tl.constexpr, BINS: tl.constexpr):
+    """One head's column lists of the kept blocks `ok`: a sort on (not ok, key block, query block) puts them
+    first, column by column; a histogram of their key blocks gives the columns' counts."""
+    key = tl.where(kept, (tl.where(ok, 0, 1) * BINS + j) * BLOCK + i[:, None], 2 * BINS * BLOCK)
+    key = tl.sort(tl.reshape(key, (BLOCK * WIDTH, )))
+    rank = tl.arange(0, BLOCK * WIDTH)
+    per_col = tl.histogram(tl.reshape(tl.where(ok, j, Mk), (BLOCK * WIDTH, )), BINS)  # bin Mk: everything else
+    starts = tl.cumsum(per_col, 0) - per_col
+    col = tl.arange(0, BINS)
+    mine = tl.sum(tl.where(col < Mk, per_col, 0), 0)
+    _store_list(Counts, Offsets, Indices, bh, heads, Mk, base, per_col, starts, Mk, col, base + rank, key % BLOCK,
+                rank < mine)

@@ -449,20 +449,30 @@ def _unsplit_plans(sides: list[_Side]) -> list[WorkPlan]:
     return _plan_items(_plan_batch(inputs, split=False), sizes)
 
 
-def _unsplit_plans_on_gpu(plans: list[_PlanInput], force: bool = False) -> list[WorkPlan] | None:
-    """The plans of `_plan_items` for lists that no program splits, one Triton launch each
-    (`sparse_flash.index_gpu`), or None where that does not apply: lists off a CUDA device (unless `force`,
-    which tests use under TRITON_INTERPRET=1), inside torch.compile (inductor fuses the torch operators), no
-    Triton, or more lists per head than one program sorts."""
-    counts = plans[0].counts
-    if not (counts.is_cuda or force) or torch.compiler.is_compiling():
-        return None
+def _on_gpu(t: torch.Tensor) -> bool:
+    """Whether lists and plans of tensors like `t` are built by `index_gpu`'s Triton launches: on a CUDA device,
+    outside torch.compile (there inductor fuses the torch operators). Tests make it true on the CPU, under
+    TRITON_INTERPRET=1, to compare both builders."""
+    return t.is_cuda and not torch.compiler.is_compiling()
+
+
+def _index_gpu():
+    """`sparse_flash.index_gpu`, or None without Triton."""
     try:
         from . import index_gpu
     except ImportError:
         return None
+    return index_gpu
+
+
+def _unsplit_plans_on_gpu(plans: list[_PlanInput]) -> list[WorkPlan] | None:
+    """The plans of `_plan_items` for lists that no program splits, one Triton launch each
+    (`sparse_flash.index_gpu.unsplit_plan`), or None where that does not apply (`_on_gpu`, no Triton, more
+    lists per head than one program sorts)."""
+    counts = plans[0].counts
+    index_gpu = _index_gpu() if _on_gpu(counts) else None
     longest = max(plan.counts.shape[-1] for plan in plans)  # a list holds at most the other side's blocks
-    if not all(index_gpu.supported(plan.counts.shape[-1], longest) for plan in plans):
+    if index_gpu is None or not all(index_gpu.supported(plan.counts.shape[-1], longest) for plan in plans):
         return None
     out = []
     for plan in plans:
@@ -646,6 +656,40 @@ class _BuiltOnUse(dict):
         return dict.__getitem__(self, flag)
 
 
+def _topk_entries(selected: torch.Tensor, counts: torch.Tensor, nnz: int, Mk: int) -> tuple:
+    """The kept blocks of a top-k mask as entries sorted by (row list, key block): `(row, t, i, j, col, by_col)`,
+    int64 `(nnz,)` each: the row list `(b * H + h) * Mq + i`, the place in its row, the query and key block,
+    the column list `(b * H + h) * Mk + j`, and the order that sorts the entries by (column list, query block)."""
+    B, H, Mq, W = selected.shape
+    L = B * H * Mq
+    n_rows = counts.expand(B, H, Mq).reshape(L)
+    row = torch.repeat_interleave(torch.arange(L, device=selected.device), n_rows, output_size=nnz)
+    t = torch.arange(nnz, device=selected.device) - (torch.cumsum(n_rows, 0) - n_rows)[row]  # place in row
+    j = selected.reshape(L, W)[row, t]
+    bh, i = row // Mq, row % Mq
+    col = bh * Mk + j
+    return row, t, i, j, col, torch.argsort(col * Mq + i)
+
+
+def _topk_sides_on_gpu(selected: torch.Tensor, counts: torch.Tensor, partials: dict, flag_sizes: dict,
+                       Mk: int) -> dict | None:
+    """`_sides` of a top-k mask, one Triton launch per causal flag (`sparse_flash.index_gpu.topk_lists`), or
+    None where that does not apply (`_on_gpu`, no Triton, more kept blocks per head than one program sorts)."""
+    B, H, Mq, W = selected.shape
+    index_gpu = _index_gpu() if _on_gpu(selected) else None
+    if index_gpu is None or not index_gpu.topk_supported(Mq, W, Mk):
+        return None
+    out = {}
+    for flag, (full, part) in flag_sizes.items():
+        rows, cols = index_gpu.topk_lists(selected, counts.contiguous(), partials[flag].contiguous(), Mk,
+                                          (full + part, full, part))
+        for lists in (rows, cols):
+            _unbacked(*((indices, 0) for _, _, indices in lists))
+        out[flag] = (_Side(*(BlockIndex(*x) for x in rows), (full + part) / (B * H * Mq)),
+                     _Side(*(BlockIndex(*x) for x in cols), (full + part) / (B * H * Mk)))
+    return out
+
+
 def build_topk_index(selected: torch.Tensor, counts: torch.Tensor, ks: tuple[int, ...], causal: bool,
                      block_size: tuple[int, int], seq_len_q: int, seq_len_k: int, layout: torch.Tensor,
                      cand: torch.Tensor | None = None) -> MaskIndex:
@@ -677,20 +721,17 @@ def build_topk_index(selected: torch.Tensor, counts: torch.Tensor, ks: tuple[int
     geometry = (Mq, Mk, *block_size, seq_len_q, seq_len_k)
     sizes = topk_sizes(ks, causal, B, H, geometry)
     cand = candidates(causal, geometry, selected.device) if cand is None else cand
-    L = B * H * Mq
-    n_rows = counts.expand(B, H, Mq).reshape(L)
-    row = torch.repeat_interleave(torch.arange(L, device=selected.device), n_rows, output_size=sizes.nnz)
-    t = torch.arange(sizes.nnz, device=selected.device) - (torch.cumsum(n_rows, 0) - n_rows)[row]  # place in row
-    j = selected.reshape(L, W)[row, t]
-    bh, i = row // Mq, row % Mq
-    col = bh * Mk + j
-    by_col = torch.argsort(col * Mq + i)  # the same entries sorted by (b, h, j, i)
-    rows, cols, kernel, long_lists, longest_row, classes = {}, {}, {}, {}, {}, {}
-    for flag in sizes.flags:
-        partial = _partial_counts(counts, cand, flag, geometry).expand(B, H, Mq).reshape(L)
-        classes[flag] = torch.where(t >= (n_rows - partial)[row], PARTIAL, FULL)
+    partials = {flag: _partial_counts(counts, cand, flag, geometry) for flag in sizes.flags}  # (len(ks), Mq) each
     flag_sizes = {flag: (sizes.nnz - sizes.partial[flag], sizes.partial[flag]) for flag in sizes.flags}
-    sides = _sides(row, col, i, j, by_col, classes, flag_sizes, (B, H, Mq, Mk))
+    sides, entries = _topk_sides_on_gpu(selected, counts, partials, flag_sizes, Mk), None
+    if sides is None:
+        entries = _topk_entries(selected, counts, sizes.nnz, Mk)
+        row, t, i, j, col, by_col = entries
+        n_rows = counts.expand(B, H, Mq).reshape(-1)
+        classes = {flag: torch.where(t >= (n_rows - partials[flag].expand(B, H, Mq).reshape(-1))[row], PARTIAL, FULL)
+                   for flag in sizes.flags}
+        sides = _sides(row, col, i, j, by_col, classes, flag_sizes, (B, H, Mq, Mk))
+    rows, cols, kernel, long_lists, longest_row = {}, {}, {}, {}, {}
     for flag in sizes.flags:
         rows[flag], cols[flag], longest_row[flag] = sides[flag][0].live, sides[flag][1].live, sizes.longest_row
         long_lists[flag] = sizes.nnz >= LONG_LIST_BLOCKS * B * H * Mq
@@ -699,6 +740,7 @@ def build_topk_index(selected: torch.Tensor, counts: torch.Tensor, ks: tuple[int
         kernel[flag] = _kernel_index(row_side, col_side, row_plan, col_plan)
     covers = sizes.covers_causal
     if covers is None:  # a non-causal choice that may hold every causal block: count the causal ones it kept
+        _, _, i, j, _, _ = entries or _topk_entries(selected, counts, sizes.nnz, Mk)
         q_last = torch.clamp((i + 1) * block_size[0], max=seq_len_q) - 1
         covers = int((j * block_size[1] <= q_last).sum()) == B * H * _causal_blocks(Mq, Mk, *block_size, seq_len_q)
     if not causal:  # the causal lists: on first use

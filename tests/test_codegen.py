@@ -55,6 +55,9 @@ def cases():
     yield ("schedule.deal_runs", schedule._deal_runs_kernel, dict(PROGRAMS=256, CHUNK=64), (), dict(num_warps=1))
     yield ("index_gpu.unsplit_plan", index_gpu._unsplit_plan_kernel, dict(BLOCK=8192, FIELDS=index_gpu.FIELDS), (),
            dict(num_warps=8))
+    yield ("index_gpu.topk_lists", index_gpu._topk_lists_kernel, dict(BLOCK=512, WIDTH=32, BINS=1024, GROUPS=16), (),
+           dict(num_warps=8, types={**{n: "*i64" for n in ("Selected", "Counts", "Partial", "PerGroup")},
+                                       **{n: "i32" for n in ("H", "Mq", "Mk", "W")}}))
     cfg = fwd_config(128, torch.bfloat16, 128, 128, False, 16384, long_lists=True)
     yield (f"fwd sparse long lists D=128 {tuple(cfg)}", fwd._attn_fwd_kernel,
            dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BLOCK_Q=128,

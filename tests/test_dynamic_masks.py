@@ -2,7 +2,9 @@
 backend on them (forward and backward), the waits for the device, bad input, and the MoBA layer."""
 
 import math
+import os
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from hypothesis import strategies as st
 from test_layout import check_work_items, lists_from_index
 
 import sparse_flash
-from sparse_flash import BlockMask
+from sparse_flash import BlockMask, mask_index
 from sparse_flash.mask_index import HEAVY_FACTOR
 from sparse_flash.nn import MoBAAttention
 from sparse_flash.testing import compare_to_reference, make_qkv
@@ -162,6 +164,33 @@ def test_topk_index_agrees_with_build_index(p):
             if (p.exact or not static) and theirs.split.numel() == 0:
                 for a, b in zip(plan, theirs):
                     assert torch.equal(a, b)
+
+
+@given(p=topk_problems())
+@example(p=EDGES[0])
+@example(p=EDGES[1])
+@example(p=EDGES[4])
+def test_topk_lists_and_plans_built_on_the_gpu_equal_the_torch_ones(p):
+    """`sparse_flash.index_gpu` (one Triton program per (batch, head) for the lists of each causal flag, one per
+    plan; here under TRITON_INTERPRET=1, as on a GPU) builds the index that the torch operators build: every
+    list and plan of every flag the mask builds without reading the device."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
+    scores = p.scores()
+    want = p.mask(scores)
+    from sparse_flash import index_gpu
+
+    with mock.patch.object(mask_index, "_on_gpu", lambda t: True), \
+            mock.patch.object(index_gpu, "topk_lists", wraps=index_gpu.topk_lists) as lists, \
+            mock.patch.object(index_gpu, "unsplit_plan", wraps=index_gpu.unsplit_plan) as plans:
+        got = p.mask(scores)
+    assert lists.call_count == (2 if p.causal else 1) and plans.call_count == 2 * lists.call_count
+    assert torch.equal(got.layout, want.layout) and (got.nnz, got.covers_causal) == (want.nnz, want.covers_causal)
+    for causal in (True, False) if p.causal else (False, ):  # a non-causal mask builds its causal lists on use
+        for a, b in ((got.row_index(causal), want.row_index(causal)), (got.col_index(causal), want.col_index(causal)),
+                     *zip(got.kernel_index(causal), want.kernel_index(causal))):
+            for name, x, y in zip(a._fields, a, b):
+                assert x.dtype == y.dtype and torch.equal(x, y), (causal, type(a).__name__, name)
 
 
 @given(p=topk_problems(block_sizes=(16, 32), max_blocks=5), backend=st.sampled_from(BACKENDS))

@@ -1,6 +1,7 @@
 """BlockMask: construction, index lists, algebra, devices, repr and plots."""
 
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -317,7 +318,8 @@ def test_work_plans_built_on_the_gpu_equal_the_torch_ones(m, causal, topk):
             return
         inputs.append(mask_index._PlanInput(live.counts, 0, live.counts.sum().item() / live.counts.numel(), full, part))
         plans.append(plan)
-    on_gpu = mask_index._unsplit_plans_on_gpu(inputs, force=True)
+    with mock.patch.object(mask_index, "_on_gpu", lambda t: True):
+        on_gpu = mask_index._unsplit_plans_on_gpu(inputs)
     for built, expected in zip(on_gpu, plans):
         for name, a, b in zip(mask_index.WorkPlan._fields, built, expected):
             assert a.dtype == b.dtype and torch.equal(a, b), name

@@ -15,16 +15,18 @@ FLOATS = {"qk_scale", "sm_scale", "heavy_above"}
 INT64_POINTERS = {"Costs", "Owners"}  # `schedule.deal_runs`
 
 
-def signature(kernel, constexprs: dict, descriptors=()) -> dict:
+def signature(kernel, constexprs: dict, descriptors=(), types: dict | None = None) -> dict:
     """Triton types for `kernel`'s parameters; `descriptors` names the inputs streamed through TMA
-    descriptors (Q and DO: BLOCK_M rows per tile; K and V: BLOCK_N)."""
+    descriptors (Q and DO: BLOCK_M rows per tile; K and V: BLOCK_N); `types` gives others by name."""
     params = inspect.signature(kernel.fn).parameters
     unset = [n for n, p in params.items() if "constexpr" in str(p.annotation) and n not in constexprs]
     if unset:
         raise ValueError(f"compile-time arguments without a value: {unset}")
     sig = {}
     for name in params:
-        if name in constexprs:
+        if types and name in types:
+            sig[name] = types[name]
+        elif name in constexprs:
             sig[name] = "constexpr"
         elif name in descriptors:
             rows = constexprs["BLOCK_M" if name in ("Q", "DO") else "BLOCK_N"]
@@ -48,16 +50,16 @@ class AheadOfTimeUnsupported(RuntimeError):
 
 
 def compile_sm90(kernel, constexprs: dict, descriptors=(), num_warps: int = 4, num_stages: int = 3,
-                 aligned: bool = False, maxnreg: int = 0):
+                 aligned: bool = False, maxnreg: int = 0, types: dict | None = None):
     """`kernel` compiled for sm_90a. `aligned`: pointers, strides and lengths declared multiples of 16, as
     Triton specialises them at run time for the usual shapes; `maxnreg`: registers per thread at most (0:
-    no cap). Raises AheadOfTimeUnsupported where this Triton's ahead-of-time API differs; a kernel that does
+    no cap); `types`: Triton types of parameters named otherwise than the convention. Raises AheadOfTimeUnsupported where this Triton's ahead-of-time API differs; a kernel that does
     not compile raises Triton's own error."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sig = signature(kernel, constexprs, descriptors)
+    sig = signature(kernel, constexprs, descriptors, types)
     names = list(sig)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if sig[n].startswith("*") or n.startswith("stride") or n in ("Nq", "Nk", "BH", "Hq")} if aligned else None
