@@ -478,7 +478,7 @@ def _unsplit_plans_on_gpu(plans: list[_PlanInput]) -> list[WorkPlan] | None:
     for plan in plans:
         items, chunks, slots, lead = index_gpu.unsplit_plan(plan.counts, plan.full, plan.part, HEAVY_FACTOR * plan.mean,
                                                             longest)
-        none = torch.zeros(0, dtype=torch.int32, device=counts.device)
+        none = torch.empty(0, dtype=torch.int32, device=counts.device)
         out.append(WorkPlan(items, chunks, slots, lead, none, none.clone()))
         _unbacked((items, 2), (out[-1].split, 0), (out[-1].slot_list, 0))
     return out
