@@ -1,6 +1,7 @@
 """The index lists and work plans of a block mask: what the kernels walk, and which program walks what.
 
-Built from a `BlockMask`'s layout once, when the mask is made (torch only, no kernel code): for each query
+Built from a `BlockMask`'s layout once, when the mask is made (torch operators; on a CUDA device the lists of a
+top-k mask and the plans of unsplit lists come from `index_gpu`'s Triton launches, the same values): for each query
 block the sorted key blocks of its row, and for each key block the sorted query blocks of its column, in
 compressed (CSR) form so that they take memory proportional to the number of nonzero blocks, split into full
 blocks (no element mask needed) and partial ones (causal diagonal, sequence tails); and the work plans that
