@@ -1,11 +1,15 @@
-"""The work plan of a set of lists that no program splits, built on the GPU by one Triton program per (batch,
-head): the one launch that takes the place of `mask_index._plan_items`' 40-odd small torch operators per plan
-(sorts, counts, gathers, scatters), each a kernel launch of its own.
+"""A mask's index lists and work plans built on the GPU by a few Triton launches, where `mask_index` builds them
+with many small torch operators, each a kernel launch of its own:
 
-`mask_index` calls `unsplit_plan` for lists on a CUDA device outside torch.compile (inside, inductor fuses the
-torch operators itself); it is the only module of the mask layer that imports Triton, and only then. The plan
-is the one `mask_index._plan_items` builds (tests/test_layout.py compares them under TRITON_INTERPRET=1):
-items ordered by (batch, head), longest list first within, ties in list order; every item a whole list.
+- `layout_lists`: every row and column list of a bool layout, both causal flags (`mask_index.build_index`);
+- `topk_lists`: those of a top-k mask, whose sizes the host knows (`mask_index.build_topk_index`);
+- `unsplit_plan`: the work plan of lists that no program splits (`mask_index._plan_items`): items ordered by
+  (batch, head), longest list first within, ties in list order; every item a whole list.
+
+`mask_index` calls them for tensors on a CUDA device outside torch.compile (inside, inductor fuses the torch
+operators itself); this is the only module of the mask layer that imports Triton, and only then. Each builds
+exactly what the torch operators build (tests/test_layout.py and tests/test_dynamic_masks.py compare them under
+TRITON_INTERPRET=1).
 
 Example (on the CPU under TRITON_INTERPRET=1, as the tests run it):
     >>> counts = torch.tensor([[[1, 3, 2]]], dtype=torch.int32)  # (B, H, M): live blocks of 3 lists
@@ -220,3 +224,120 @@ def _store_cols(Counts, Offsets, Indices, bh, heads, Mk, base, i, j, kept, ok, B
     mine = tl.sum(tl.where(col < Mk, per_col, 0), 0)
     _store_list(Counts, Offsets, Indices, bh, heads, Mk, base, per_col, starts, Mk, col, base + rank, key % BLOCK,
                 rank < mine)
+
+
+MAX_BLOCKS = 8192  # blocks along one side that a program of `layout_lists` holds in its registers
+
+# The six kinds of entry one list counts, per list: live, full, partial without the causal flag, then with it
+KINDS = 6
+
+
+def layout_lists(layout: torch.Tensor, block_size: tuple, seq_len_q: int, seq_len_k: int):
+    """The row and column lists of a bool layout `(B, H, Mq, Mk)` for both causal flags, on the GPU: one launch
+    per side counts each list's kinds of entry (live, full, partial per flag, the classes of
+    `mask_index.build_index`), torch sums them up, the host reads the six totals (the one wait), and one launch
+    per side and flag writes the lists.
+
+    Returns:
+        `(lists, totals)`: lists `{flag: (rows, cols)}`, each `(live, full, partial)` of `(counts, offsets,
+        indices)` as in `mask_index.BlockIndex`; totals `{flag: (full, partial)}` (host ints).
+    """
+    B, H, Mq, Mk = layout.shape
+    device, layout = layout.device, layout.contiguous()
+    geometry = (H, Mq, Mk, *block_size, seq_len_q, seq_len_k)
+    kinds, ends = {}, {}
+    for side, lists_per_head, length in ((0, Mq, Mk), (1, Mk, Mq)):
+        kinds[side] = torch.empty((KINDS, B * H * lists_per_head), dtype=torch.int32, device=device)
+        _layout_counts_kernel[(B * H * lists_per_head, )](layout, kinds[side], B * H * lists_per_head, *geometry,
+                                                          SIDE=side, BLOCK=triton.next_power_of_2(length))
+        ends[side] = torch.cumsum(kinds[side], 1, dtype=torch.int32)  # each kind's lists end here
+    totals = ends[0][:, -1].tolist()  # the one wait: how many entries of each kind
+    out, sizes = {}, {}
+    for flag in (False, True):
+        live, full, part = totals[3 * flag:3 * flag + 3]
+        sizes[flag] = (full, part)
+        pair = []
+        for side, lists_per_head, length in ((0, Mq, Mk), (1, Mk, Mq)):
+            shape = (B, H, lists_per_head)
+            made = [(torch.empty(shape, dtype=torch.int32, device=device),
+                     torch.empty(B * H * lists_per_head + 1, dtype=torch.int32, device=device),
+                     torch.empty(n, dtype=torch.int32, device=device)) for n in (live, full, part)]
+            _layout_write_kernel[(B * H * lists_per_head, )](layout, kinds[side], ends[side],
+                                                             *[t for kind in made for t in kind],
+                                                             B * H * lists_per_head, *geometry, SIDE=side,
+                                                             FLAG=int(flag), BLOCK=triton.next_power_of_2(length))
+            pair.append(made)
+        out[flag] = tuple(pair)
+    return out, sizes
+
+
+@triton.jit
+def _list_entries(Layout, lst, Mq, Mk, bq, bk, seq_len_q, seq_len_k, SIDE: tl.constexpr, BLOCK: tl.constexpr):
+    """List `lst` of one side (0: row (b, h, i) over key blocks j; 1: column (b, h, j) over query blocks i):
+    its block numbers, the blocks that are on, those of them partial without the causal flag, live with it (a
+    causal pair) and partial with it: `mask_index.build_index`'s classes."""
+    idx = tl.arange(0, BLOCK)
+    if SIDE == 0:
+        bh, i, j = lst // Mq, lst % Mq, idx
+        ok = idx < Mk
+        ptrs = Layout + (bh * Mq + i).to(tl.int64) * Mk + j
+    else:
+        bh, i, j = lst // Mk, idx, lst % Mk
+        ok = idx < Mq
+        ptrs = Layout + (bh * Mq + i).to(tl.int64) * Mk + j
+    on = tl.load(ptrs, mask=ok, other=0) != 0
+    q_first, k_first = i * bq, j * bk
+    q_last = tl.minimum(q_first + bq, seq_len_q) - 1
+    k_last = tl.minimum(k_first + bk, seq_len_k) - 1
+    tail = (q_first + bq > seq_len_q) | (k_first + bk > seq_len_k)
+    live_causal = on & (k_first <= q_last)  # a causal pair in the block
+    return idx, on, on & tail, live_causal, live_causal & (tail | (k_last > q_first))
+
+
+@triton.jit
+def _layout_counts_kernel(Layout, Kinds, lists, H, Mq, Mk, bq, bk, seq_len_q, seq_len_k, SIDE: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """Program `lst`: how many entries of each kind its list holds (`KINDS` rows of Kinds)."""
+    lst = tl.program_id(0)
+    idx, on, part, live_c, part_c = _list_entries(Layout, lst, Mq, Mk, bq, bk, seq_len_q, seq_len_k, SIDE, BLOCK)
+    n = tl.sum(on.to(tl.int32), 0)
+    p = tl.sum(part.to(tl.int32), 0)
+    nc = tl.sum(live_c.to(tl.int32), 0)
+    pc = tl.sum(part_c.to(tl.int32), 0)
+    tl.store(Kinds + 0 * lists + lst, n)
+    tl.store(Kinds + 1 * lists + lst, n - p)
+    tl.store(Kinds + 2 * lists + lst, p)
+    tl.store(Kinds + 3 * lists + lst, nc)
+    tl.store(Kinds + 4 * lists + lst, nc - pc)
+    tl.store(Kinds + 5 * lists + lst, pc)
+
+
+@triton.jit
+def _write_kind(Counts, Offsets, Indices, Kinds, Ends, kind, lst, lists, idx, entries):
+    """One kind of list `lst`: its count, its offset (the last list also closes the offsets) and its entries
+    (block numbers `idx` where `entries`), in block order."""
+    n = tl.load(Kinds + kind * lists + lst)
+    end = tl.load(Ends + kind * lists + lst)
+    start = end - n
+    tl.store(Counts + lst, n)
+    tl.store(Offsets + lst, start)
+    tl.store(Offsets + lists, end, mask=lst == lists - 1)
+    taken = entries.to(tl.int32)
+    at = start + tl.cumsum(taken, 0) - 1
+    tl.store(Indices + at, idx, mask=taken != 0)
+
+
+@triton.jit
+def _layout_write_kernel(Layout, Kinds, Ends, LiveCounts, LiveOffsets, Live, FullCounts, FullOffsets, Full,
+                         PartCounts, PartOffsets, Part, lists, H, Mq, Mk, bq, bk, seq_len_q, seq_len_k,
+                         SIDE: tl.constexpr, FLAG: tl.constexpr, BLOCK: tl.constexpr):
+    """Program `lst`: its live, full and partial lists for causal flag FLAG."""
+    lst = tl.program_id(0)
+    idx, on, part, live_c, part_c = _list_entries(Layout, lst, Mq, Mk, bq, bk, seq_len_q, seq_len_k, SIDE, BLOCK)
+    if FLAG:
+        live, partial = live_c, part_c
+    else:
+        live, partial = on, part
+    _write_kind(LiveCounts, LiveOffsets, Live, Kinds, Ends, 3 * FLAG + 0, lst, lists, idx, live)
+    _write_kind(FullCounts, FullOffsets, Full, Kinds, Ends, 3 * FLAG + 1, lst, lists, idx, live ^ partial)
+    _write_kind(PartCounts, PartOffsets, Part, Kinds, Ends, 3 * FLAG + 2, lst, lists, idx, partial)

@@ -493,34 +493,21 @@ def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: in
     """Every index list of a bool layout `(B, H, Mq, Mk)`, from one pass over it; the rest costs O(nnz).
 
     Built eagerly (when a mask is made) so that attention calls inside `torch.compile` only read them. On a GPU
-    the host waits for the device three times: for the nonzero blocks, for the class sizes of both causal flags,
-    and for the sizes of the four work plans (rows and columns of each flag); every other size is known on the
-    host.
+    the lists come from `index_gpu.layout_lists` (a few Triton launches) and the host waits for the device
+    twice: for the numbers of each kind of entry, and for the sizes of the four work plans (rows and columns of
+    each flag); every other size is known on the host. The torch path (`_layout_sides`) waits once more, for
+    the nonzero blocks.
     """
     B, H, Mq, Mk = layout.shape
     bq, bk = block_size
-    coords = layout.nonzero()  # (nnz, 4), row-major order: sorted by (b, h, i, j)
-    nnz = coords.shape[0]
-    b, h, i, j = coords.T.contiguous().unbind(0)
-    row = (b * H + h) * Mq + i
-    col = (b * H + h) * Mk + j
-    q_first, k_first = i * bq, j * bk
-    q_last = torch.clamp(q_first + bq, max=seq_len_q) - 1
-    k_last = torch.clamp(k_first + bk, max=seq_len_k) - 1
-    # A block touching a sequence tail needs bounds masks on its loads and scores.
-    tail = (q_first + bq > seq_len_q) | (k_first + bk > seq_len_k)
-    rows, cols, kernel, long_lists, longest_row = {}, {}, {}, {}, {}
-    by_col = torch.argsort(col * Mq + i)  # the same entries sorted by (b, h, j, i)
-    classes = {}  # each entry's class, per causal flag
-    for causal in (False, True):
-        cls = torch.where(tail | (k_last > q_first), PARTIAL, FULL) if causal else torch.where(tail, PARTIAL, FULL)
-        classes[causal] = torch.where(k_first <= q_last, cls, DEAD) if causal else cls
-    # The class sizes of both flags, fetched from the device at once: (full, partial) per flag
-    sizes = torch.stack([(c == k).sum() for c in classes.values() for k in (FULL, PARTIAL)]).tolist()
+    on_gpu = _layout_sides_on_gpu(layout, block_size, seq_len_q, seq_len_k)
+    if on_gpu is not None:
+        nnz, flag_sizes, sides = on_gpu
+    else:
+        nnz, flag_sizes, sides = _layout_sides(layout, block_size, seq_len_q, seq_len_k)
+    rows, cols, kernel, long_lists, longest_row, inputs = {}, {}, {}, {}, {}, []
     covers_causal = False
-    flag_sizes = {causal: tuple(sizes[2 * causal:2 * causal + 2]) for causal in classes}
-    sides, inputs = _sides(row, col, i, j, by_col, classes, flag_sizes, (B, H, Mq, Mk)), []
-    for causal in classes:
+    for causal in (False, True):
         total = sum(flag_sizes[causal])
         for side, lists in zip(sides[causal], (B * H * Mq, B * H * Mk)):
             inputs.append(_PlanInput(side.live.counts, _chunk_size(total, lists), side.mean, side.full, side.part))
@@ -537,6 +524,51 @@ def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: in
         rows[causal], cols[causal], longest_row[causal] = row_side.live, col_side.live, plan_sizes[2 * causal][-1]
         kernel[causal] = _kernel_index(row_side, col_side, *plans[2 * causal:2 * causal + 2])
     return MaskIndex(nnz, nnz == layout.numel(), covers_causal, rows, cols, kernel, long_lists, longest_row)
+
+
+def _layout_sides_on_gpu(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int):
+    """`_layout_sides` by `index_gpu.layout_lists` (a few Triton launches and one wait for the sizes), or None
+    where that does not apply (`_on_gpu`, no Triton, more blocks along a side than one program holds)."""
+    index_gpu = _index_gpu() if _on_gpu(layout) else None
+    B, H, Mq, Mk = layout.shape
+    if index_gpu is None or max(Mq, Mk) > index_gpu.MAX_BLOCKS:
+        return None
+    lists, flag_sizes = index_gpu.layout_lists(layout, block_size, seq_len_q, seq_len_k)
+    sides = {}
+    for flag, (rows, cols) in lists.items():
+        total = sum(flag_sizes[flag])
+        for side in (rows, cols):
+            _unbacked(*((indices, 0) for _, _, indices in side))
+        sides[flag] = (_Side(*(BlockIndex(*x) for x in rows), total / (B * H * Mq)),
+                       _Side(*(BlockIndex(*x) for x in cols), total / (B * H * Mk)))
+    return sum(flag_sizes[False]), flag_sizes, sides
+
+
+def _layout_sides(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int):
+    """`(nnz, sizes, sides)` of a bool layout by torch operators: the number of nonzero blocks, per causal flag
+    the numbers of full and partial blocks, and the row and column lists (`_sides`). Waits for the device twice:
+    for the nonzero blocks and for the class sizes."""
+    B, H, Mq, Mk = layout.shape
+    bq, bk = block_size
+    coords = layout.nonzero()  # (nnz, 4), row-major order: sorted by (b, h, i, j)
+    nnz = coords.shape[0]
+    b, h, i, j = coords.T.contiguous().unbind(0)
+    row = (b * H + h) * Mq + i
+    col = (b * H + h) * Mk + j
+    q_first, k_first = i * bq, j * bk
+    q_last = torch.clamp(q_first + bq, max=seq_len_q) - 1
+    k_last = torch.clamp(k_first + bk, max=seq_len_k) - 1
+    # A block touching a sequence tail needs bounds masks on its loads and scores.
+    tail = (q_first + bq > seq_len_q) | (k_first + bk > seq_len_k)
+    by_col = torch.argsort(col * Mq + i)  # the same entries sorted by (b, h, j, i)
+    classes = {}  # each entry's class, per causal flag
+    for causal in (False, True):
+        cls = torch.where(tail | (k_last > q_first), PARTIAL, FULL) if causal else torch.where(tail, PARTIAL, FULL)
+        classes[causal] = torch.where(k_first <= q_last, cls, DEAD) if causal else cls
+    # The class sizes of both flags, fetched from the device at once: (full, partial) per flag
+    sizes = torch.stack([(c == k).sum() for c in classes.values() for k in (FULL, PARTIAL)]).tolist()
+    flag_sizes = {causal: tuple(sizes[2 * causal:2 * causal + 2]) for causal in classes}
+    return nnz, flag_sizes, _sides(row, col, i, j, by_col, classes, flag_sizes, (B, H, Mq, Mk))
 
 
 # ---------------------------------------------------------------------------------------------- top-k masks

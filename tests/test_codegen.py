@@ -58,6 +58,14 @@ def cases():
     yield ("index_gpu.topk_lists", index_gpu._topk_lists_kernel, dict(BLOCK=512, WIDTH=32, BINS=1024, GROUPS=16), (),
            dict(num_warps=8, types={**{n: "*i64" for n in ("Selected", "Counts", "Partial", "PerGroup")},
                                        **{n: "i32" for n in ("H", "Mq", "Mk", "W")}}))
+    ints = {n: "i32" for n in ("Mq", "Mk")}
+    lists = {f"{kind}{part}": "*i32" for kind in ("Live", "Full", "Part") for part in ("Counts", "Offsets", "")}
+    for side in (0, 1):
+        yield (f"index_gpu.layout_lists side {side}: counts", index_gpu._layout_counts_kernel,
+               dict(SIDE=side, BLOCK=8192), (), dict(num_warps=4, types={"Layout": "*i1", "Kinds": "*i32", **ints}))
+        yield (f"index_gpu.layout_lists side {side}: lists", index_gpu._layout_write_kernel,
+               dict(SIDE=side, FLAG=side, BLOCK=8192), (),
+               dict(num_warps=4, types={"Layout": "*i1", "Kinds": "*i32", "Ends": "*i32", **ints, **lists}))
     cfg = fwd_config(128, torch.bfloat16, 128, 128, False, 16384, long_lists=True)
     yield (f"fwd sparse long lists D=128 {tuple(cfg)}", fwd._attn_fwd_kernel,
            dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BLOCK_Q=128,

@@ -323,3 +323,28 @@ def test_work_plans_built_on_the_gpu_equal_the_torch_ones(m, causal, topk):
     for built, expected in zip(on_gpu, plans):
         for name, a, b in zip(mask_index.WorkPlan._fields, built, expected):
             assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+@given(m=layouts())
+def test_lists_of_a_layout_built_on_the_gpu_equal_the_torch_ones(m):
+    """`sparse_flash.index_gpu.layout_lists` (one Triton program per list; here under TRITON_INTERPRET=1, as on
+    a GPU) builds every row and column list of both causal flags that the torch operators build, and the
+    same index (sizes, cover, plans) follows."""
+    import os
+
+    from sparse_flash import index_gpu, mask_index
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
+    want = mask_index.build_index(m.layout, m.block_size, m.seq_len_q, m.seq_len_k)
+    with mock.patch.object(mask_index, "_on_gpu", lambda t: True), \
+            mock.patch.object(index_gpu, "layout_lists", wraps=index_gpu.layout_lists) as built:
+        got = mask_index.build_index(m.layout, m.block_size, m.seq_len_q, m.seq_len_k)
+    assert built.call_count == 1
+    assert (got.nnz, got.is_dense, got.covers_causal) == (want.nnz, want.is_dense, want.covers_causal)
+    for causal in (False, True):
+        assert (got.long_lists[causal], got.longest_row[causal]) == (want.long_lists[causal], want.longest_row[causal])
+        for a, b in ((got.rows[causal], want.rows[causal]), (got.cols[causal], want.cols[causal]),
+                     *zip(got.kernel[causal], want.kernel[causal])):
+            for name, x, y in zip(a._fields, a, b):
+                assert x.dtype == y.dtype and torch.equal(x, y), (causal, type(a).__name__, name)
