@@ -226,11 +226,16 @@ SYNCING_OPS = (torch.ops.aten.bincount.default, torch.ops.aten._local_scalar_den
 @pytest.mark.parametrize("p", [EDGES[4], TopK(2, 3, 9, 9, 32, 32, 280, 260, 3, False, False, 5),
                                TopK(1, 2, 8, 8, 64, 64, 512, 512, (2, 5), True, False, 6)],
                          ids=["per-head-causal-tails", "non-causal-tails", "square"])
-def test_from_topk_never_waits_for_the_device(p, monkeypatch):
+@pytest.mark.parametrize("builder", ["torch", "triton"])
+def test_from_topk_never_waits_for_the_device(p, builder, monkeypatch):
     """No value read on the host and no operator sized by the data (bincount, unique included): every size
-    comes from k and the geometry. The finiteness check is the one read, skipped with check_finite=False."""
+    comes from k and the geometry, with the torch operators and with the Triton launches (`index_gpu`, here
+    under TRITON_INTERPRET=1). The finiteness check is the one read, skipped with check_finite=False."""
+    if builder == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
     scores = p.scores()
-    with DeviceWaits(monkeypatch, ops=SYNCING_OPS) as counter:
+    with mock.patch.object(mask_index, "_on_gpu", lambda t: builder == "triton"), \
+            DeviceWaits(monkeypatch, ops=SYNCING_OPS) as counter:
         m = p.mask(scores, check_finite=False)
         m.kernel_records(p.causal)
     monkeypatch.undo()

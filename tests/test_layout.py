@@ -1,6 +1,7 @@
 """BlockMask: construction, index lists, algebra, devices, repr and plots."""
 
 import math
+import os
 from unittest import mock
 
 import pytest
@@ -175,19 +176,27 @@ def test_item_fields_agree_with_the_kernels():
         assert getattr(common, f"ITEM_{name.upper()}") == i
 
 
+@pytest.mark.parametrize("builder", ["torch", "triton"])
 @pytest.mark.parametrize("layout_kind", ["random", "bigbird"])
-def test_index_build_waits_on_the_device_three_times(layout_kind, monkeypatch):
-    """The layout's nonzero blocks, the class sizes of both causal flags, and the sizes of the four work plans
-    (rows and columns, for each flag) in one read: every other size is derived on the host or passed along."""
+def test_index_build_waits_on_the_device_three_times_or_twice(layout_kind, builder, monkeypatch):
+    """The torch operators wait for the layout's nonzero blocks, the class sizes of both causal flags, and the
+    sizes of the four work plans (rows and columns, for each flag) in one read; the Triton launches
+    (`index_gpu.layout_lists`, here under TRITON_INTERPRET=1) read their six totals instead of the first two.
+    Every other size is derived on the host or passed along."""
+    from sparse_flash import mask_index
+
+    if builder == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
     n = 128 * 40 + 50  # a sequence tail: partial blocks in every flag
     if layout_kind == "random":
         layout = torch.rand(2, 3, 41, 41, generator=torch.Generator().manual_seed(0)) < 0.3
     else:
         layout = masks.bigbird(n, 128, num_global_blocks=2, seed=0).layout  # split lists
-    with DeviceWaits(monkeypatch) as counter:
+    with mock.patch.object(mask_index, "_on_gpu", lambda t: builder == "triton"), \
+            DeviceWaits(monkeypatch) as counter:
         m = BlockMask.from_layout(layout, 128, seq_len_q=n, seq_len_k=n)
     monkeypatch.undo()
-    assert counter.waits == 3
+    assert counter.waits == (3 if builder == "torch" else 2)
     assert m.kernel_index(False).row_plan.split.numel() == (2 if layout_kind == "bigbird" else 0)
 
 
@@ -300,8 +309,6 @@ def test_work_plans_built_on_the_gpu_equal_the_torch_ones(m, causal, topk):
     """`sparse_flash.index_gpu` (one Triton program per (batch, head); here under TRITON_INTERPRET=1) builds
     the plans that `mask_index._plan_items` builds for lists that no program splits: the same items, chunk
     and slot tables and lead, on layouts and on top-k masks (both flags)."""
-    import os
-
     from sparse_flash import mask_index
 
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -330,8 +337,6 @@ def test_lists_of_a_layout_built_on_the_gpu_equal_the_torch_ones(m):
     """`sparse_flash.index_gpu.layout_lists` (one Triton program per list; here under TRITON_INTERPRET=1, as on
     a GPU) builds every row and column list of both causal flags that the torch operators build, and the
     same index (sizes, cover, plans) follows."""
-    import os
-
     from sparse_flash import index_gpu, mask_index
 
     if os.environ.get("TRITON_INTERPRET") != "1":
