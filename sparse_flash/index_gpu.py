@@ -22,12 +22,19 @@ Example (on the CPU under TRITON_INTERPRET=1, as the tests run it):
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
 
 FIELDS = 10  # int32 fields of a work item: `mask_index.ITEM_FIELDS`, in that order
 MAX_LISTS = 8192  # lists of one (batch, head) that a program sorts in its registers
+
+
+def _on(device: torch.device):
+    """Triton launches on the current CUDA device: make it the tensors' for the launch."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def supported(lists_per_head: int, longest: int) -> bool:
@@ -56,9 +63,10 @@ def unsplit_plan(counts: torch.Tensor, full: tuple, part: tuple, heavy_above: fl
     chunks = torch.empty(B * H * M, dtype=torch.int32, device=device)
     slots = torch.empty(B * H * M, dtype=torch.int32, device=device)
     lead = torch.zeros(1, dtype=torch.int32, device=device)
-    _unsplit_plan_kernel[(B * H, )](counts, *full[:3], *part[:3], items, chunks, slots, lead, M, longest,
-                                    float(heavy_above), BLOCK=triton.next_power_of_2(M), FIELDS=FIELDS,
-                                    num_warps=4 if M <= 1024 else 8)
+    with _on(device):
+        _unsplit_plan_kernel[(B * H, )](counts, *full[:3], *part[:3], items, chunks, slots, lead, M, longest,
+                                        float(heavy_above), BLOCK=triton.next_power_of_2(M), FIELDS=FIELDS,
+                                        num_warps=4 if M <= 1024 else 8)
     return items, chunks, slots, lead
 
 
@@ -136,10 +144,12 @@ def topk_lists(selected: torch.Tensor, counts: torch.Tensor, partial: torch.Tens
                  torch.empty(n, dtype=torch.int32, device=device)) for n in sizes]
 
     rows, col_lists = lists(Mq), lists(cols)
-    _topk_lists_kernel[(B * H, )](selected, counts, partial, per_group, *[t for part in rows + col_lists for t in part],
-                                  B * H, H, G, Mq, cols, W, BLOCK=triton.next_power_of_2(Mq),
-                                  WIDTH=triton.next_power_of_2(W), BINS=triton.next_power_of_2(cols + 1),
-                                  GROUPS=triton.next_power_of_2(G), num_warps=8)
+    with _on(device):
+        _topk_lists_kernel[(B * H, )](selected, counts, partial, per_group,
+                                      *[t for part in rows + col_lists for t in part], B * H, H, G, Mq, cols, W,
+                                      BLOCK=triton.next_power_of_2(Mq), WIDTH=triton.next_power_of_2(W),
+                                      BINS=triton.next_power_of_2(cols + 1), GROUPS=triton.next_power_of_2(G),
+                                      num_warps=8)
     return rows, col_lists
 
 
@@ -245,6 +255,12 @@ def layout_lists(layout: torch.Tensor, block_size: tuple, seq_len_q: int, seq_le
     B, H, Mq, Mk = layout.shape
     device, layout = layout.device, layout.contiguous()
     geometry = (H, Mq, Mk, *block_size, seq_len_q, seq_len_k)
+    with _on(device):
+        return _layout_lists(layout, B, H, Mq, Mk, device, geometry)
+
+
+def _layout_lists(layout, B, H, Mq, Mk, device, geometry):
+    """`layout_lists` on the layout's device (its current CUDA device)."""
     kinds, ends = {}, {}
     for side, lists_per_head, length in ((0, Mq, Mk), (1, Mk, Mq)):
         kinds[side] = torch.empty((KINDS, B * H * lists_per_head), dtype=torch.int32, device=device)

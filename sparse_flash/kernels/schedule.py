@@ -8,6 +8,7 @@ resident programs need items placed by load, built here from the same index list
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 
 import torch
@@ -240,8 +241,9 @@ def deal_runs(costs, num_programs: int):
                 heapq.heappush(loads, (load + c, p))
         return torch.tensor(owners, dtype=torch.long)
     owners = torch.zeros(costs.shape[0], dtype=torch.long, device=costs.device)
-    _deal_runs_kernel[(1, )](costs, owners, costs.shape[0], num_programs,
-                             PROGRAMS=triton.next_power_of_2(num_programs), CHUNK=64, num_warps=1)
+    with torch.cuda.device(costs.device) if costs.is_cuda else contextlib.nullcontext():  # Triton's current device
+        _deal_runs_kernel[(1, )](costs, owners, costs.shape[0], num_programs,
+                                 PROGRAMS=triton.next_power_of_2(num_programs), CHUNK=64, num_warps=1)
     return owners
 
 
