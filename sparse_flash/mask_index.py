@@ -452,9 +452,14 @@ def _unsplit_plans(sides: list[_Side]) -> list[WorkPlan]:
 
 def _on_gpu(t: torch.Tensor) -> bool:
     """Whether lists and plans of tensors like `t` are built by `index_gpu`'s Triton launches: on a CUDA device,
-    outside torch.compile (there inductor fuses the torch operators). Tests make it true on the CPU, under
+    outside torch.compile (there inductor fuses the torch operators), with the kernel setting `gpu_index`
+    (`sparse_flash.kernels.settings`, a module without Triton). Tests make it true on the CPU, under
     TRITON_INTERPRET=1, to compare both builders."""
-    return t.is_cuda and not torch.compiler.is_compiling()
+    if not t.is_cuda or torch.compiler.is_compiling():
+        return False
+    from .kernels import settings
+
+    return settings.current().gpu_index
 
 
 def _index_gpu():

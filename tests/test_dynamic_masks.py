@@ -498,3 +498,30 @@ def test_topk_choice_and_attention_replay_from_a_cuda_graph():
             out.backward(do)
             for got, want in zip(replayed, [out, q2.grad, k2.grad, v2.grad]):
                 torch.testing.assert_close(got, want.detach(), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["topk causal", "topk", "topk per head", "butterfly", "bigbird tails"])
+def test_index_built_by_triton_on_the_gpu_equals_the_torch_one(kind):
+    """`settings.gpu_index` on (the lists and plans from `index_gpu`'s Triton launches) and off (torch operators)
+    give the same index, every list and plan of both causal flags, on the GPU at 16,384 tokens."""
+    from sparse_flash.kernels import settings as kernel_settings
+
+    scores = torch.randn(2, 4, 128, 128, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    builders = {"topk causal": lambda: BlockMask.from_topk(scores, 8, causal=True, block_size=128),
+                "topk": lambda: BlockMask.from_topk(scores, 5, block_size=128),
+                "topk per head": lambda: BlockMask.from_topk(scores, (1, 3, 8, 128), causal=True, block_size=128),
+                "butterfly": lambda: sparse_flash.masks.butterfly(16384, 128, device="cuda"),
+                "bigbird tails": lambda: sparse_flash.masks.bigbird(16000, 128, num_global_blocks=2, seed=0,
+                                                                     device="cuda")}
+    masks_built = {}
+    for on in (False, True):
+        with kernel_settings.override(gpu_index=on):
+            masks_built[on] = builders[kind]()
+    want, got = masks_built[False], masks_built[True]
+    assert torch.equal(got.layout, want.layout)
+    for causal in (False, True):
+        for a, b in ((got.row_index(causal), want.row_index(causal)), (got.col_index(causal), want.col_index(causal)),
+                     *zip(got.kernel_index(causal), want.kernel_index(causal))):
+            for name, x, y in zip(a._fields, a, b):
+                assert x.dtype == y.dtype and torch.equal(x, y), (causal, type(a).__name__, name)

@@ -11,6 +11,7 @@ The environment is read here and nowhere else, once, when the kernels are first 
 | `hopper_d64` | `SPARSE_FLASH_HOPPER_D64` | off | the Gluon kernels also at head dim 64 (off: 128 only; the forward measured 0.91-1.01x the Triton one at 64 before its TMA store, tuning log, step 41) |
 | `tma` | `SPARSE_FLASH_TMA` | on | the Triton kernels read K, V (and Q, dO) through tensor descriptors where the GPU allows |
 | `fast_launch` | `SPARSE_FLASH_FAST_LAUNCH` | on | launches bound once per plan, skipping Triton's per-call dispatch (`launch.py`) |
+| `gpu_index` | `SPARSE_FLASH_GPU_INDEX` | off | a CUDA mask's index lists and work plans built by a few Triton launches (`sparse_flash/index_gpu.py`, the same values) instead of many torch operators; off until measured and verified on a GPU (tuning log, step 53) |
 | `poison` | - | off | every kernel output starts as NaN, so that an unwritten tile shows (tests) |
 
 A variable takes `1`/`0` (or `true`/`false`, `on`/`off`); anything else is a ValueError naming it.
@@ -43,6 +44,7 @@ class Settings:
     hopper_d64: bool = False
     tma: bool = True
     fast_launch: bool = True
+    gpu_index: bool = False
     poison: bool = False
 
 
@@ -54,6 +56,7 @@ ENVIRONMENT = {  # field: the variable that sets it
     "hopper_d64": "SPARSE_FLASH_HOPPER_D64",
     "tma": "SPARSE_FLASH_TMA",
     "fast_launch": "SPARSE_FLASH_FAST_LAUNCH",
+    "gpu_index": "SPARSE_FLASH_GPU_INDEX",
 }
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
