@@ -357,3 +357,65 @@ def _layout_write_kernel(Layout, Kinds, Ends, LiveCounts, LiveOffsets, Live, Ful
     _write_kind(LiveCounts, LiveOffsets, Live, Kinds, Ends, 3 * FLAG + 0, lst, lists, idx, live)
     _write_kind(FullCounts, FullOffsets, Full, Kinds, Ends, 3 * FLAG + 1, lst, lists, idx, live ^ partial)
     _write_kind(PartCounts, PartOffsets, Part, Kinds, Ends, 3 * FLAG + 2, lst, lists, idx, partial)
+
+
+def choose_supported(cols: int) -> bool:
+    """Whether one program can rank a row of `cols` key blocks (`choose_topk`)."""
+    return triton.next_power_of_2(cols) <= MAX_BLOCKS
+
+
+def choose_topk(scores: torch.Tensor, counts: torch.Tensor, width: int, causal: bool, cand: torch.Tensor):
+    """`mask._choose_topk` and the layout it marks, one program per row: `(selected, layout)`, int64
+    `(B, H, Mq, width)` (each row's kept key blocks ascending, then Mk) and bool `(B, H, Mq, Mk)`.
+
+    A row ranks its candidates by score, higher first and lower key block among equals (NaN as -inf, -0.0 as
+    0.0), keeps `counts[g, i]` of them (with `causal`, the diagonal `cand[i] - 1` and the best `counts - 1`
+    before it), sorts them and marks them in its layout row.
+    """
+    B, H, Mq, Mk = scores.shape
+    device = scores.device
+    selected = torch.empty((B, H, Mq, width), dtype=torch.int64, device=device)
+    layout = torch.empty((B, H, Mq, Mk), dtype=torch.bool, device=device)
+    with _on(device):
+        _choose_topk_kernel[(B * H * Mq, )](scores.contiguous(), counts.contiguous(), cand.contiguous(), selected,
+                                            layout, H, counts.shape[0], Mq, Mk, width, CAUSAL=causal,
+                                            BLOCK=triton.next_power_of_2(Mk))
+    return selected, layout
+
+
+@triton.jit
+def _choose_topk_kernel(Scores, Counts, Cand, Selected, Layout, H, num_groups, Mq, Mk, width, CAUSAL: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """Program r = (b * H + h) * Mq + i: row r's choice. The ranking key of block j orders scores as floats
+    (their bits, made monotone), higher first, then j: unique, so one ascending sort ranks the row."""
+    r = tl.program_id(0)
+    h, i = (r // Mq) % H, r % Mq
+    g = tl.where(num_groups > 1, h, 0)
+    n = tl.load(Counts + g * Mq + i)
+    last = tl.load(Cand + i) - 1  # the diagonal of a causal row
+    j = tl.arange(0, BLOCK)
+    s = tl.load(Scores + r.to(tl.int64) * Mk + j, mask=j < Mk, other=float("-inf")).to(tl.float32)
+    s = tl.where(s != s, float("-inf"), s) + 0.0  # NaN ranks as -inf; -0.0 as 0.0
+    if CAUSAL:
+        s = tl.where(j < last, s, float("-inf"))  # the diagonal is kept apart, blocks past it never
+        take = n - 1
+    else:
+        take = n
+    bits = s.to(tl.int32, bitcast=True)
+    monotone = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # ascending with the float
+    key = (2147483647 - monotone.to(tl.int64)) * BLOCK + j  # higher score first, then lower j
+    key = tl.where(j < Mk, key, 9223372036854775807)
+    ranked = tl.sort(key)
+    rank = tl.arange(0, BLOCK)
+    kth = tl.max(tl.where(rank < take, ranked, -1), 0)  # the last kept key (-1: none)
+    kept = (key <= kth) & (j < Mk)
+    if CAUSAL:
+        on = kept | ((j == last) & (n > 0))
+    else:
+        on = kept
+    tl.store(Layout + r.to(tl.int64) * Mk + j, on, mask=j < Mk)
+    chosen = tl.sort(tl.where(kept, j, BLOCK + Mk))  # the kept blocks ascending, first
+    row = tl.where(rank < take, chosen, Mk)
+    if CAUSAL:
+        row = tl.where((rank == take) & (n > 0), last, row)
+    tl.store(Selected + r.to(tl.int64) * width + rank, row.to(tl.int64), mask=rank < width)

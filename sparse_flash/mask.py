@@ -16,7 +16,7 @@ import torch
 
 from .checks import is_int, as_bool, as_pair
 from .mask_index import (LONG_LIST_BLOCKS, BlockIndex, KernelIndex, MaskGeometry, MaskIndex, build_index,
-                         build_topk_index, candidates, topk_counts, topk_sizes)
+                         build_topk_index, candidates, gpu_builders, topk_counts, topk_sizes)
 
 __all__ = ["BlockMask", "Tiling"]
 
@@ -384,9 +384,14 @@ class BlockMask:
         geometry = (Mq, Mk, bq, bk, seq_len_q, seq_len_k)
         cand = candidates(causal, geometry, scores.device)  # (Mq,)
         counts = topk_counts(ks, causal, geometry, scores.device, cand)  # (len(ks), Mq)
-        selected = _choose_topk(scores, counts, topk_sizes(ks, causal, B, H, geometry).longest_row, causal, cand)
-        layout = torch.zeros(B, H, Mq, Mk + 1, dtype=torch.bool, device=scores.device)
-        layout = layout.scatter_(-1, selected, True)[..., :Mk].contiguous()  # column Mk takes the padding
+        width = topk_sizes(ks, causal, B, H, geometry).longest_row
+        gpu = gpu_builders(scores)
+        if gpu is not None and gpu.choose_supported(Mk):  # one Triton launch for the choice and the layout
+            selected, layout = gpu.choose_topk(scores, counts, width, causal, cand)
+        else:
+            selected = _choose_topk(scores, counts, width, causal, cand)
+            layout = torch.zeros(B, H, Mq, Mk + 1, dtype=torch.bool, device=scores.device)
+            layout = layout.scatter_(-1, selected, True)[..., :Mk].contiguous()  # column Mk takes the padding
         index = build_topk_index(selected, counts, ks, causal, (bq, bk), seq_len_q, seq_len_k, layout, cand)
         if name is None:
             name = (f"top-{ks[0]}" if len(ks) == 1 else "top-k per head") + (" causal" if causal else "")

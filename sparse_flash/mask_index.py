@@ -471,12 +471,17 @@ def _index_gpu():
     return index_gpu
 
 
+def gpu_builders(t: torch.Tensor):
+    """`sparse_flash.index_gpu` where it builds the lists of tensors like `t` (`_on_gpu`), else None."""
+    return _index_gpu() if _on_gpu(t) else None
+
+
 def _unsplit_plans_on_gpu(plans: list[_PlanInput]) -> list[WorkPlan] | None:
     """The plans of `_plan_items` for lists that no program splits, one Triton launch each
     (`sparse_flash.index_gpu.unsplit_plan`), or None where that does not apply (`_on_gpu`, no Triton, more
     lists per head than one program sorts)."""
     counts = plans[0].counts
-    index_gpu = _index_gpu() if _on_gpu(counts) else None
+    index_gpu = gpu_builders(counts)
     longest = max(plan.counts.shape[-1] for plan in plans)  # a list holds at most the other side's blocks
     if index_gpu is None or not all(index_gpu.supported(plan.counts.shape[-1], longest) for plan in plans):
         return None
@@ -534,7 +539,7 @@ def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: in
 def _layout_sides_on_gpu(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int):
     """`_layout_sides` by `index_gpu.layout_lists` (a few Triton launches and one wait for the sizes), or None
     where that does not apply (`_on_gpu`, no Triton, more blocks along a side than one program holds)."""
-    index_gpu = _index_gpu() if _on_gpu(layout) else None
+    index_gpu = gpu_builders(layout)
     B, H, Mq, Mk = layout.shape
     if index_gpu is None or max(Mq, Mk) > index_gpu.MAX_BLOCKS:
         return None
@@ -714,7 +719,7 @@ def _topk_sides_on_gpu(selected: torch.Tensor, counts: torch.Tensor, partials: d
     """`_sides` of a top-k mask, one Triton launch per causal flag (`sparse_flash.index_gpu.topk_lists`), or
     None where that does not apply (`_on_gpu`, no Triton, more kept blocks per head than one program sorts)."""
     B, H, Mq, W = selected.shape
-    index_gpu = _index_gpu() if _on_gpu(selected) else None
+    index_gpu = gpu_builders(selected)
     if index_gpu is None or not index_gpu.topk_supported(Mq, W, Mk):
         return None
     out = {}

@@ -59,6 +59,10 @@ def cases():
            dict(num_warps=8, types={**{n: "*i64" for n in ("Selected", "Counts", "Partial", "PerGroup")},
                                        **{n: "i32" for n in ("H", "Mq", "Mk", "W")}}))
     ints = {n: "i32" for n in ("Mq", "Mk")}
+    for causal in (False, True):
+        yield (f"index_gpu.choose_topk causal={causal}", index_gpu._choose_topk_kernel, dict(CAUSAL=causal, BLOCK=8192),
+               (), dict(num_warps=4, types={"Scores": "*fp32", "Counts": "*i64", "Cand": "*i64", "Selected": "*i64",
+                                            "Layout": "*i1", "H": "i32", **ints}))
     lists = {f"{kind}{part}": "*i32" for kind in ("Live", "Full", "Part") for part in ("Counts", "Offsets", "")}
     for side in (0, 1):
         yield (f"index_gpu.layout_lists side {side}: counts", index_gpu._layout_counts_kernel,

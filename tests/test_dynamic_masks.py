@@ -182,15 +182,41 @@ def test_topk_lists_and_plans_built_on_the_gpu_equal_the_torch_ones(p):
 
     with mock.patch.object(mask_index, "_on_gpu", lambda t: True), \
             mock.patch.object(index_gpu, "topk_lists", wraps=index_gpu.topk_lists) as lists, \
-            mock.patch.object(index_gpu, "unsplit_plan", wraps=index_gpu.unsplit_plan) as plans:
+            mock.patch.object(index_gpu, "unsplit_plan", wraps=index_gpu.unsplit_plan) as plans, \
+            mock.patch.object(index_gpu, "choose_topk", wraps=index_gpu.choose_topk) as choice:
         got = p.mask(scores)
     assert lists.call_count == (2 if p.causal else 1) and plans.call_count == 2 * lists.call_count
+    assert choice.call_count == 1
     assert torch.equal(got.layout, want.layout) and (got.nnz, got.covers_causal) == (want.nnz, want.covers_causal)
     for causal in (True, False) if p.causal else (False, ):  # a non-causal mask builds its causal lists on use
         for a, b in ((got.row_index(causal), want.row_index(causal)), (got.col_index(causal), want.col_index(causal)),
                      *zip(got.kernel_index(causal), want.kernel_index(causal))):
             for name, x, y in zip(a._fields, a, b):
                 assert x.dtype == y.dtype and torch.equal(x, y), (causal, type(a).__name__, name)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_topk_choice_on_the_gpu_ranks_nan_infinities_and_signed_zeros_as_torch_does(causal):
+    """`index_gpu.choose_topk` (under TRITON_INTERPRET=1) makes the torch choice (`mask._choose_topk`) and its
+    layout: NaN ranks as -inf, -0.0 equals 0.0 (the lower block wins), infinities and ties, fp16 scores."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
+    from sparse_flash import index_gpu
+    from sparse_flash.mask import _choose_topk
+
+    values = torch.tensor([0.0, -0.0, 1.0, -1.0, float("nan"), float("inf"), float("-inf"), 2.0, 1.0, -0.0])
+    gen = torch.Generator().manual_seed(1)
+    scores = values[torch.randint(0, values.numel(), (1, 2, 9, 11), generator=gen)]
+    geometry = (9, 11, 16, 16, 9 * 16, 11 * 16)
+    cand = mask_index.candidates(causal, geometry, "cpu")
+    for dtype, ks in ((torch.float32, (1, 3, 11)), (torch.float16, (2, 5))):
+        for k in ks:
+            counts = mask_index.topk_counts((k, ), causal, geometry, "cpu", cand)
+            width = mask_index.topk_sizes((k, ), causal, 1, 2, geometry).longest_row
+            want = _choose_topk(scores.to(dtype), counts, width, causal, cand)
+            layout = torch.zeros(1, 2, 9, 12, dtype=torch.bool).scatter_(-1, want, True)[..., :11]
+            got, got_layout = index_gpu.choose_topk(scores.to(dtype), counts, width, causal, cand)
+            assert torch.equal(got, want) and torch.equal(got_layout, layout), (dtype, k)
 
 
 @given(p=topk_problems(block_sizes=(16, 32), max_blocks=5), backend=st.sampled_from(BACKENDS))
