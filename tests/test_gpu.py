@@ -300,10 +300,12 @@ def test_dealing_runs_on_the_device_places_them_as_the_host_heap_and_never_waits
         for n in (1, 150, 2500):
             costs = torch.sort((torch.rand(n, generator=gen) ** 4 * 400).long() + 2, descending=True).values
             on_host = schedule.deal_runs(costs, programs)
+            costs_cuda = costs.cuda()  # the copy to the device waits for it (outside the checked calls)
+            items = torch.randint(0, 40, (n, 6), dtype=torch.int32, device="cuda").sort(dim=1).values
+            torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                on_device = schedule.deal_runs(costs.cuda(), programs)
-                items = torch.randint(0, 40, (n, 6), dtype=torch.int32, device="cuda").sort(dim=1).values
+                on_device = schedule.deal_runs(costs_cuda, programs)
                 placed, starts = schedule.assign_programs(items, programs, 2)
             finally:
                 torch.cuda.set_sync_debug_mode(0)

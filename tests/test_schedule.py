@@ -7,6 +7,9 @@ from unittest import mock
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from sparse_flash import masks
 from sparse_flash.kernels import schedule, settings
@@ -299,6 +302,31 @@ def test_lists_of_even_length_are_not_cut():
         assert merges.shape[0] == 0 and torch.equal(cut_items[:, :6], items) and (cut_items[:, 6] == -1).all()
 
 
+@hsettings(max_examples=60, deadline=None)
+@given(programs=st.integers(1, 140), sub=st.integers(1, 4), n=st.integers(1, 300), most=st.integers(1, 400),
+       seed=st.integers(0, 2**31 - 1))
+def test_lists_that_cannot_outgrow_a_chunk_are_left_whole_without_reading_the_device(programs, sub, n, most, seed):
+    """`split_long_items` with host bounds (`longest` list, total `entries`): the same records as without
+    them, and where the bounds show that no list can be cut, nothing is read from the lists (they may be
+    on the meta device, which holds no values)."""
+    gen = torch.Generator().manual_seed(seed)
+    full = torch.randint(0, most + 1, (n, ), generator=gen)
+    full[torch.randint(0, n, (1, ), generator=gen)] = most  # the longest list reaches the bound
+    part = torch.randint(0, 3, (n, ), generator=gen)
+    lo = torch.randint(0, 50, (n, ), generator=gen)
+    plo = torch.randint(0, 50, (n, ), generator=gen)
+    items = torch.stack([torch.arange(n) * 128, torch.zeros(n, dtype=torch.long), lo, lo + full, plo, plo + part],
+                        1).to(torch.int32)
+    entries = int(full.sum() + part.sum())
+    bounded = schedule.split_long_items(items, programs, sub, most, entries)
+    plain = schedule.split_long_items(items, programs, sub)
+    assert all(torch.equal(a, b) for a, b in zip(bounded, plain))
+    limit = schedule.chunk_limit((entries * sub + schedule.ITEM_COST * n) / programs, sub)
+    if most <= limit:
+        on_meta, merges = schedule.split_long_items(items.to("meta"), programs, sub, most, entries)
+        assert on_meta.shape == (n, 7) and merges.shape == (0, 3)
+
+
 def test_each_chunk_is_placed_as_a_run_of_its_own():
     """`assign_programs` places runs of consecutive items (here 8 per run); the chunks of a cut list are
     consecutive, so each must be a run of its own, or they would all land on one program and cutting would
@@ -339,15 +367,18 @@ def test_chunk_sum_adds_the_chunks_of_each_tile_in_order():
 def test_dealing_runs_on_the_gpu_places_them_as_the_host_heap_does(programs):
     """`schedule.deal_runs`: the Triton kernel (under TRITON_INTERPRET=1, as on a GPU: no host
     synchronisation) gives every run the program the host's heap gives it (least loaded so far, lowest number
-    among equals), on skewed and tied costs, with unused runs (cost 0) after the real ones; and the placement
+    among equals), on skewed, tied and a few very heavy costs, with unused runs (cost 0) after the real ones;
+    and the placement
     keeps the most loaded program within one run's cost of the mean."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
     gen = torch.Generator().manual_seed(programs)
-    for n, unused in ((1, 0), (5, 3), (150, 0), (300, 100)):
+    sizes = ((1, 0), (5, 3), (150, 0), (300, 100)) + (((2500, 7), ) if programs > 100 else ())  # 2,500: 17+ rounds
+    for n, unused in sizes:
         skewed = (torch.rand(n, generator=gen) ** 4 * 400).long() + 2
         tied = torch.full((n, ), 3) + (torch.rand(n, generator=gen) < 0.1).long() * 40
-        for costs in (skewed, tied):
+        heavy = torch.full((n, ), 8) + (torch.arange(n) < max(1, n // 40)).long() * 120  # a few global rows
+        for costs in (skewed, tied, heavy):
             costs = torch.cat([torch.sort(costs, descending=True).values, torch.zeros(unused, dtype=torch.long)])
             on_gpu = schedule.deal_runs(costs, programs)
             with mock.patch.object(schedule.settings, "interpreting", lambda: False):

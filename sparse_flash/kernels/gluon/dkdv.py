@@ -178,13 +178,15 @@ def _bwd_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem
         for g in range(GROUPS):
             # the full list's tiles, then the partial list's (on the causal diagonal: masked where query < key),
             # in one loop (as in gluon/dq.py: two loops faulted on items with an empty full list)
+            # (the full list's steps take the unmasked path: no select on the causal rows' hot loop)
             for j in range(n_full + part_hi - part_lo):
-                q_tok0 = key0 + BN  # full list: a first query above every key leaves the tile unmasked
-                if CAUSAL:
-                    if j >= n_full:
-                        q_tok0 = list_tile_start(PartIdx, j - n_full + part_lo, SUB, MASK_BLOCK_Q, BM, DENSE)
-                dk, dv = _bwd_step(k, v, q_smem, do_smem, lse_smem, delta_smem, step_ready, step_empty, dk, dv, t,
-                                   qk_scale, key0, q_tok0, CAUSAL, s_layout, p_layout)
+                if CAUSAL and j >= n_full:
+                    q_tok0 = list_tile_start(PartIdx, j - n_full + part_lo, SUB, MASK_BLOCK_Q, BM, DENSE)
+                    dk, dv = _bwd_step(k, v, q_smem, do_smem, lse_smem, delta_smem, step_ready, step_empty, dk, dv,
+                                       t, qk_scale, key0, q_tok0, True, s_layout, p_layout)
+                else:
+                    dk, dv = _bwd_step(k, v, q_smem, do_smem, lse_smem, delta_smem, step_ready, step_empty, dk, dv,
+                                       t, qk_scale, key0, key0, False, s_layout, p_layout)
                 t += 1
         slot = gl.load(rec + 6)
         if slot < 0:  # dK and dV out through this half of the K/V buffer (the item's last products are done)
@@ -267,7 +269,12 @@ class DkdvPlan:
         block_q = BLOCK_M if dense else geometry.block_q
         sub = block_q // BLOCK_M
         self.grid = (min(items.shape[0], num_sms(q.device)), )
-        items, merges = split_long_items(items, self.grid[0], sub * (Hq // Hkv))
+        # no list is longer than a mask column; every column is walked by (B // batch) x (Hkv // heads) items
+        # (dense lists never reach HEAVY_FACTOR x their mean: nothing to cut)
+        longest, entries = (0, 0) if dense else (
+            geometry.blocks_q, (B // geometry.batch) * (Hkv // geometry.heads)
+            * (index.col_full.indices.numel() + index.col_partial.indices.numel()))
+        items, merges = split_long_items(items, self.grid[0], sub * (Hq // Hkv), longest, entries)
         self.grid = (min(items.shape[0], num_sms(q.device)), )  # the chunks may fill more SMs
         self.chunk_sum = ChunkSum(merges, BLOCK_N, D)
         self.items, self.starts = assign_programs(items, self.grid[0], sub * (Hq // Hkv))

@@ -156,13 +156,15 @@ def _dq_compute_partition(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_r
         # The full list's tiles, then the partial list's (on the causal diagonal: masked where key > query), in
         # one loop: as two loops, an item with an empty full list read shared memory out of bounds in the
         # second (sm_90, Triton 3.6; tuning log, step 47).
+        # The full list's steps take the unmasked path: no select on the causal rows' hot loop.
         for j in range(n_full + part_hi - part_lo):
-            key0 = q_tok - BN  # full list: a first key below every row leaves the tile unmasked
-            if CAUSAL:
-                if j >= n_full:
-                    key0 = list_tile_start(PartIdx, j - n_full + part_lo, SUB, MASK_BLOCK_K, BN, DENSE)
-            dq = _dq_step(q, do, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, lse, delta, t, qk_scale,
-                          q_tok, key0, CAUSAL, s_layout, p_layout)
+            if CAUSAL and j >= n_full:
+                key0 = list_tile_start(PartIdx, j - n_full + part_lo, SUB, MASK_BLOCK_K, BN, DENSE)
+                dq = _dq_step(q, do, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, lse, delta, t,
+                              qk_scale, q_tok, key0, True, s_layout, p_layout)
+            else:
+                dq = _dq_step(q, do, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, lse, delta, t,
+                              qk_scale, q_tok, q_tok, False, s_layout, p_layout)
             t += 1
         slot = gl.load(rec + 6)
         if slot < 0:
@@ -232,7 +234,12 @@ class DqPlan:
         block_k = ROW_BLOCK if dense else geometry.block_k  # dense lists count ROW_BLOCK-key tiles
         sub = block_k // BLOCK_N
         self.grid = (min(items.shape[0], num_sms(q.device)), )
-        items, merges = split_long_items(items, self.grid[0], sub)
+        # no list is longer than a mask row; every mask row is walked by (B // batch) x (Hq // heads) items
+        # (dense lists never reach HEAVY_FACTOR x their mean: nothing to cut)
+        longest, entries = (0, 0) if dense else (
+            geometry.blocks_k, (B // geometry.batch) * (Hq // geometry.heads)
+            * (index.row_full.indices.numel() + index.row_partial.indices.numel()))
+        items, merges = split_long_items(items, self.grid[0], sub, longest, entries)
         self.grid = (min(items.shape[0], num_sms(q.device)), )  # the chunks may fill more SMs
         self.chunk_sum = ChunkSum(merges, ROW_BLOCK, D)
         self.items, self.starts = assign_programs(items, self.grid[0], sub)
