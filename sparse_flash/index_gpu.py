@@ -109,17 +109,25 @@ def _unsplit_plan_kernel(Counts, FullCounts, FullOffsets, FullIndices, PartCount
     tl.atomic_max(Lead, heavy)
 
 
-MAX_ENTRIES = 16384  # kept blocks of one (batch, head) (rows x widest row, padded) that a program sorts
+MAX_ENTRIES = 16384  # kept blocks of one (batch, head) (rows x widest row, padded) that a program holds
 
 
 def topk_supported(rows: int, width: int, cols: int) -> bool:
-    """Whether one program can sort the kept blocks of one (batch, head) of a top-k mask (`topk_lists`)."""
-    block, bins = triton.next_power_of_2(rows), triton.next_power_of_2(cols + 1)
-    return block * triton.next_power_of_2(width) <= MAX_ENTRIES and 2 * bins * block < 2**31
+    """Whether one program holds the kept blocks of one (batch, head) of a top-k mask (`topk_lists`: its row
+    lists) and a whole column (its column lists)."""
+    block = triton.next_power_of_2(rows)
+    return block * triton.next_power_of_2(width) <= MAX_ENTRIES and block <= MAX_BLOCKS
 
 
 def topk_lists(selected: torch.Tensor, counts: torch.Tensor, partial: torch.Tensor, cols: int, sizes: tuple):
-    """The row and column lists of a top-k mask for one causal flag, on the GPU in one launch.
+    """The row and column lists of a top-k mask for one causal flag, on the GPU in four launches and two torch
+    operators, none waiting for the device.
+
+    The row lists come from one program per (batch, head), as the kept blocks come (row-major, ascending). For
+    the column lists, one program per row marks each kept block's kind (1 full, 2 partial) in a table by
+    (batch, head, key block, query block); one program per column counts its kinds, torch sums them up, and one
+    program per column writes its lists by a prefix sum down the column (no sort: a whole column is one
+    program's vector).
 
     Args:
         selected: int64 `(B, H, Mq, W)`: row (b, h, i) keeps the key blocks `selected[b, h, i, :counts[g, i]]`,
@@ -144,12 +152,18 @@ def topk_lists(selected: torch.Tensor, counts: torch.Tensor, partial: torch.Tens
                  torch.empty(n, dtype=torch.int32, device=device)) for n in sizes]
 
     rows, col_lists = lists(Mq), lists(cols)
+    n_cols = B * H * cols
+    kind = torch.zeros((n_cols, Mq), dtype=torch.int8, device=device)  # (column list, query block): 0 not kept
     with _on(device):
-        _topk_lists_kernel[(B * H, )](selected, counts, partial, per_group,
-                                      *[t for part in rows + col_lists for t in part], B * H, H, G, Mq, cols, W,
-                                      BLOCK=triton.next_power_of_2(Mq), WIDTH=triton.next_power_of_2(W),
-                                      BINS=triton.next_power_of_2(cols + 1), GROUPS=triton.next_power_of_2(G),
-                                      num_warps=8)
+        _topk_rows_kernel[(B * H, )](selected, counts, partial, per_group, *[t for part in rows for t in part],
+                                     kind, B * H, H, G, Mq, cols, W, BLOCK=triton.next_power_of_2(Mq),
+                                     WIDTH=triton.next_power_of_2(W), GROUPS=triton.next_power_of_2(G), num_warps=8)
+        per_col = torch.empty((3, n_cols), dtype=torch.int32, device=device)
+        block = triton.next_power_of_2(Mq)
+        _topk_col_counts_kernel[(n_cols, )](kind, per_col, n_cols, Mq, BLOCK=block)
+        ends = torch.cumsum(per_col, 1, dtype=torch.int32)  # each kind's column lists end here
+        _topk_col_write_kernel[(n_cols, )](kind, per_col, ends, *[t for part in col_lists for t in part], n_cols, Mq,
+                                           BLOCK=block)
     return rows, col_lists
 
 
@@ -175,16 +189,13 @@ def _store_list(Counts, Offsets, Indices, bh, heads, lists_per_head, base, count
 
 
 @triton.jit
-def _topk_lists_kernel(Selected, Counts, Partial, PerGroup,
-                       RowLiveCounts, RowLiveOffsets, RowLive, RowFullCounts, RowFullOffsets, RowFull,
-                       RowPartCounts, RowPartOffsets, RowPart,
-                       ColLiveCounts, ColLiveOffsets, ColLive, ColFullCounts, ColFullOffsets, ColFull,
-                       ColPartCounts, ColPartOffsets, ColPart,
-                       heads, H, num_groups, Mq, Mk, W, BLOCK: tl.constexpr, WIDTH: tl.constexpr,
-                       BINS: tl.constexpr, GROUPS: tl.constexpr):
-    """Program bh: the row lists of head bh as the kept blocks come (row-major, ascending), and its column
-    lists by a sort of the kept blocks on (kind, key block, query block) with per-column counts from a
-    histogram; every list's place among all heads' from the per-group sizes."""
+def _topk_rows_kernel(Selected, Counts, Partial, PerGroup,
+                      RowLiveCounts, RowLiveOffsets, RowLive, RowFullCounts, RowFullOffsets, RowFull,
+                      RowPartCounts, RowPartOffsets, RowPart, Kind,
+                      heads, H, num_groups, Mq, Mk, W, BLOCK: tl.constexpr, WIDTH: tl.constexpr, GROUPS: tl.constexpr):
+    """Program bh: the row lists of head bh as the kept blocks come (row-major, ascending; each list's place
+    among all heads' from the per-group sizes), and each kept block's kind (1 full, 2 partial) in the
+    column-major table Kind `(B * H * Mk, Mq)`."""
     bh = tl.program_id(0)
     b, h = bh // H, bh % H
     g = tl.where(num_groups > 1, h, 0)
@@ -204,12 +215,8 @@ def _topk_lists_kernel(Selected, Counts, Partial, PerGroup,
     _store_rows(RowFullCounts, RowFullOffsets, RowFull, bh, heads, Mq, bases[1], f, i, t[None, :], j, is_full)
     _store_rows(RowPartCounts, RowPartOffsets, RowPart, bh, heads, Mq, bases[2], p, i, t[None, :] - f[:, None], j,
                 is_part)
-    # columns: sorted by (kind, key block, query block); the entries of one kind are then a head's column lists
-    _store_cols(ColLiveCounts, ColLiveOffsets, ColLive, bh, heads, Mk, bases[0], i, j, kept, kept, BLOCK, WIDTH, BINS)
-    _store_cols(ColFullCounts, ColFullOffsets, ColFull, bh, heads, Mk, bases[1], i, j, kept, is_full, BLOCK, WIDTH,
-                BINS)
-    _store_cols(ColPartCounts, ColPartOffsets, ColPart, bh, heads, Mk, bases[2], i, j, kept, is_part, BLOCK, WIDTH,
-                BINS)
+    # columns: the kind of (key block j, query block i), for the column programs
+    tl.store(Kind + (bh * Mk + j).to(tl.int64) * Mq + i[:, None], tl.where(is_full, 1, 2).to(tl.int8), mask=kept)
 
 
 @triton.jit
@@ -221,19 +228,31 @@ def _store_rows(Counts, Offsets, Indices, bh, heads, Mq, base, per_row, i, slot,
 
 
 @triton.jit
-def _store_cols(Counts, Offsets, Indices, bh, heads, Mk, base, i, j, kept, ok, BLOCK: tl.constexpr,
-                WIDTH: tl.constexpr, BINS: tl.constexpr):
-    """One head's column lists of the kept blocks `ok`: a sort on (not ok, key block, query block) puts them
-    first, column by column; a histogram of their key blocks gives the columns' counts."""
-    key = tl.where(kept, (tl.where(ok, 0, 1) * BINS + j) * BLOCK + i[:, None], 2 * BINS * BLOCK)
-    key = tl.sort(tl.reshape(key, (BLOCK * WIDTH, )))
-    rank = tl.arange(0, BLOCK * WIDTH)
-    per_col = tl.histogram(tl.reshape(tl.where(ok, j, Mk), (BLOCK * WIDTH, )), BINS)  # bin Mk: everything else
-    starts = tl.cumsum(per_col, 0) - per_col
-    col = tl.arange(0, BINS)
-    mine = tl.sum(tl.where(col < Mk, per_col, 0), 0)
-    _store_list(Counts, Offsets, Indices, bh, heads, Mk, base, per_col, starts, Mk, col, base + rank, key % BLOCK,
-                rank < mine)
+def _column_kinds(Kind, lst, Mq, BLOCK: tl.constexpr):
+    """Column list `lst`'s query blocks and their kinds (0 not kept, 1 full, 2 partial)."""
+    i = tl.arange(0, BLOCK)
+    return i, tl.load(Kind + lst.to(tl.int64) * Mq + i, mask=i < Mq, other=0)
+
+
+@triton.jit
+def _topk_col_counts_kernel(Kind, PerCol, lists, Mq, BLOCK: tl.constexpr):
+    """Program `lst`: its column's live, full and partial counts (rows of PerCol)."""
+    lst = tl.program_id(0)
+    _, k = _column_kinds(Kind, lst, Mq, BLOCK)
+    tl.store(PerCol + lst, tl.sum((k != 0).to(tl.int32), 0))
+    tl.store(PerCol + lists + lst, tl.sum((k == 1).to(tl.int32), 0))
+    tl.store(PerCol + 2 * lists + lst, tl.sum((k == 2).to(tl.int32), 0))
+
+
+@triton.jit
+def _topk_col_write_kernel(Kind, PerCol, Ends, LiveCounts, LiveOffsets, Live, FullCounts, FullOffsets, Full,
+                           PartCounts, PartOffsets, Part, lists, Mq, BLOCK: tl.constexpr):
+    """Program `lst`: its column's live, full and partial lists, query blocks ascending."""
+    lst = tl.program_id(0)
+    i, k = _column_kinds(Kind, lst, Mq, BLOCK)
+    _write_kind(LiveCounts, LiveOffsets, Live, PerCol, Ends, 0, lst, lists, i, k != 0)
+    _write_kind(FullCounts, FullOffsets, Full, PerCol, Ends, 1, lst, lists, i, k == 1)
+    _write_kind(PartCounts, PartOffsets, Part, PerCol, Ends, 2, lst, lists, i, k == 2)
 
 
 MAX_BLOCKS = 8192  # blocks along one side that a program of `layout_lists` holds in its registers
@@ -359,9 +378,13 @@ def _layout_write_kernel(Layout, Kinds, Ends, LiveCounts, LiveOffsets, Live, Ful
     _write_kind(PartCounts, PartOffsets, Part, Kinds, Ends, 3 * FLAG + 2, lst, lists, idx, partial)
 
 
+MAX_CHOOSE = 2048  # key blocks of a row that `choose_topk` ranks (a register sort: 12 s to compile for sm_90 at
+# 2,048, 155 s at 8,192; longer rows take the torch choice)
+
+
 def choose_supported(cols: int) -> bool:
     """Whether one program can rank a row of `cols` key blocks (`choose_topk`)."""
-    return triton.next_power_of_2(cols) <= MAX_BLOCKS
+    return triton.next_power_of_2(cols) <= MAX_CHOOSE
 
 
 def choose_topk(scores: torch.Tensor, counts: torch.Tensor, width: int, causal: bool, cand: torch.Tensor):

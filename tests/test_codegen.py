@@ -52,15 +52,19 @@ def cases():
 
     from sparse_flash import index_gpu
 
-    yield ("schedule.deal_runs", schedule._deal_runs_kernel, dict(PROGRAMS=256, CHUNK=64), (), dict(num_warps=1))
+    yield ("schedule.deal_runs", schedule._deal_runs_kernel, dict(PROGRAMS=256), (), dict(num_warps=4))
     yield ("index_gpu.unsplit_plan", index_gpu._unsplit_plan_kernel, dict(BLOCK=8192, FIELDS=index_gpu.FIELDS), (),
            dict(num_warps=8))
-    yield ("index_gpu.topk_lists", index_gpu._topk_lists_kernel, dict(BLOCK=512, WIDTH=32, BINS=1024, GROUPS=16), (),
+    yield ("index_gpu.topk_lists: rows", index_gpu._topk_rows_kernel, dict(BLOCK=512, WIDTH=32, GROUPS=16), (),
            dict(num_warps=8, types={**{n: "*i64" for n in ("Selected", "Counts", "Partial", "PerGroup")},
-                                       **{n: "i32" for n in ("H", "Mq", "Mk", "W")}}))
+                                       "Kind": "*i8", **{n: "i32" for n in ("H", "Mq", "Mk", "W")}}))
+    yield ("index_gpu.topk_lists: column counts", index_gpu._topk_col_counts_kernel, dict(BLOCK=8192), (),
+           dict(num_warps=4, types={"Kind": "*i8", "PerCol": "*i32", "Mq": "i32"}))
+    yield ("index_gpu.topk_lists: columns", index_gpu._topk_col_write_kernel, dict(BLOCK=8192), (),
+           dict(num_warps=4, types={"Kind": "*i8", "PerCol": "*i32", "Ends": "*i32", "Mq": "i32"}))
     ints = {n: "i32" for n in ("Mq", "Mk")}
     for causal in (False, True):
-        yield (f"index_gpu.choose_topk causal={causal}", index_gpu._choose_topk_kernel, dict(CAUSAL=causal, BLOCK=8192),
+        yield (f"index_gpu.choose_topk causal={causal}", index_gpu._choose_topk_kernel, dict(CAUSAL=causal, BLOCK=index_gpu.MAX_CHOOSE),
                (), dict(num_warps=4, types={"Scores": "*fp32", "Counts": "*i64", "Cand": "*i64", "Selected": "*i64",
                                             "Layout": "*i1", "H": "i32", **ints}))
     lists = {f"{kind}{part}": "*i32" for kind in ("Live", "Full", "Part") for part in ("Counts", "Offsets", "")}
