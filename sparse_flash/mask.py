@@ -16,7 +16,7 @@ import torch
 
 from .checks import is_int, as_bool, as_pair
 from .mask_index import (LONG_LIST_BLOCKS, BlockIndex, KernelIndex, MaskGeometry, MaskIndex, build_index,
-                         build_topk_index, candidates, gpu_builders, topk_counts, topk_sizes)
+                         build_topk_index, candidates, gpu_builders, topk_sizes, topk_tables)
 
 __all__ = ["BlockMask", "Tiling"]
 
@@ -382,8 +382,8 @@ class BlockMask:
         if check_finite:
             _check_finite(scores)
         geometry = (Mq, Mk, bq, bk, seq_len_q, seq_len_k)
-        cand = candidates(causal, geometry, scores.device)  # (Mq,)
-        counts = topk_counts(ks, causal, geometry, scores.device, cand)  # (len(ks), Mq)
+        tables = topk_tables(ks, causal, geometry, scores.device)  # candidates, counts (len(ks), Mq), partials
+        cand, counts = tables.cand, tables.counts
         width = topk_sizes(ks, causal, B, H, geometry).longest_row
         gpu = gpu_builders(scores)
         if gpu is not None and gpu.choose_supported(Mk):  # one Triton launch for the choice and the layout
@@ -392,7 +392,7 @@ class BlockMask:
             selected = _choose_topk(scores, counts, width, causal, cand)
             layout = torch.zeros(B, H, Mq, Mk + 1, dtype=torch.bool, device=scores.device)
             layout = layout.scatter_(-1, selected, True)[..., :Mk].contiguous()  # column Mk takes the padding
-        index = build_topk_index(selected, counts, ks, causal, (bq, bk), seq_len_q, seq_len_k, layout, cand)
+        index = build_topk_index(selected, tables, ks, causal, (bq, bk), seq_len_q, seq_len_k, layout)
         if name is None:
             name = (f"top-{ks[0]}" if len(ks) == 1 else "top-k per head") + (" causal" if causal else "")
         return cls._from_index(layout, index, (bq, bk), seq_len_q, seq_len_k, name)

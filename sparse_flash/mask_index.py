@@ -686,6 +686,52 @@ def _partial_counts(counts: torch.Tensor, cand: torch.Tensor, flag: bool, geomet
     return torch.minimum(counts, torch.clamp(cand - first, min=0))
 
 
+class TopkTables(NamedTuple):
+    """What a top-k mask's build needs besides the scores, from host values only (`topk_tables`).
+
+    Attributes:
+        cand: int64 `(Mq,)`: `candidates`.
+        counts: int64 `(len(ks), Mq)`: `topk_counts`.
+        partials: `{causal flag: int64 (len(ks), Mq)}`: `_partial_counts` for both flags.
+    """
+
+    cand: torch.Tensor
+    counts: torch.Tensor
+    partials: dict
+
+
+_TABLES: dict = {}  # (ks, causal, geometry, device) -> TopkTables, most recent last
+_TABLES_KEPT = 32
+
+
+def topk_tables(ks: tuple[int, ...], causal: bool, geometry: tuple[int, ...], device) -> TopkTables:
+    """`TopkTables` on `device`, made once per (ks, causal, geometry, device) and reused (the last 32 kept):
+    masks chosen per call from scores of one shape then launch about 25 fewer small operators each. The
+    tables are never written in place. Inside torch.compile or a CUDA-graph capture they are made afresh
+    (part of the graph, nothing cached from inside it).
+
+    Example:
+        >>> t = topk_tables((2, ), True, (4, 4, 64, 64, 256, 256), "cpu")
+        >>> t.counts.tolist(), t is topk_tables((2, ), True, (4, 4, 64, 64, 256, 256), "cpu")
+        ([[1, 2, 2, 2]], True)
+    """
+    device = torch.device(device)
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return _make_topk_tables(ks, causal, geometry, device)
+    key = (ks, causal, geometry, device)
+    tables = _TABLES.pop(key, None) or _make_topk_tables(ks, causal, geometry, device)
+    _TABLES[key] = tables
+    while len(_TABLES) > _TABLES_KEPT:
+        del _TABLES[next(iter(_TABLES))]
+    return tables
+
+
+def _make_topk_tables(ks, causal, geometry, device) -> TopkTables:
+    cand = candidates(causal, geometry, device)
+    counts = topk_counts(ks, causal, geometry, device, cand)
+    return TopkTables(cand, counts, {flag: _partial_counts(counts, cand, flag, geometry) for flag in (False, True)})
+
+
 class _BuiltOnUse(dict):
     """Per-causal-flag values of which some are built when first asked for: `fill(flag)` stores that flag in
     every such dict of the index."""
@@ -716,8 +762,9 @@ def _topk_entries(selected: torch.Tensor, counts: torch.Tensor, nnz: int, Mk: in
 
 def _topk_sides_on_gpu(selected: torch.Tensor, counts: torch.Tensor, partials: dict, flag_sizes: dict,
                        Mk: int) -> dict | None:
-    """`_sides` of a top-k mask, one Triton launch per causal flag (`sparse_flash.index_gpu.topk_lists`), or
-    None where that does not apply (`_on_gpu`, no Triton, more kept blocks per head than one program sorts)."""
+    """`_sides` of a top-k mask, three Triton launches per causal flag (`sparse_flash.index_gpu.topk_lists`), or
+    None where that does not apply (`_on_gpu`, no Triton, more kept blocks per head or query blocks per column
+    than one program holds)."""
     B, H, Mq, W = selected.shape
     index_gpu = gpu_builders(selected)
     if index_gpu is None or not index_gpu.topk_supported(Mq, W, Mk):
@@ -733,19 +780,17 @@ def _topk_sides_on_gpu(selected: torch.Tensor, counts: torch.Tensor, partials: d
     return out
 
 
-def build_topk_index(selected: torch.Tensor, counts: torch.Tensor, ks: tuple[int, ...], causal: bool,
-                     block_size: tuple[int, int], seq_len_q: int, seq_len_k: int, layout: torch.Tensor,
-                     cand: torch.Tensor | None = None) -> MaskIndex:
+def build_topk_index(selected: torch.Tensor, tables: TopkTables, ks: tuple[int, ...], causal: bool,
+                     block_size: tuple[int, int], seq_len_q: int, seq_len_k: int, layout: torch.Tensor) -> MaskIndex:
     """The index lists of a top-k mask, with static shapes: nothing here waits for the device.
 
     Args:
         selected: int64 `(B, H, Mq, W)`: row (b, h, i) keeps the key blocks `selected[b, h, i, :counts[h, i]]`,
             ascending (the rest of the row is ignored).
-        counts: `topk_counts(ks, causal, ...)`, `(len(ks), Mq)` on the device.
+        tables: `topk_tables(ks, causal, ...)` on the device (the rows' candidates, kept and partial counts).
         ks: blocks kept per row, one per head or one for all heads (host ints).
         causal: the mask keeps only blocks holding a causal pair (a causal top-k).
         layout: the mask's bool layout `(B, H, Mq, Mk)` (for the lists of a flag built on first use).
-        cand: `candidates(causal, ...)` if the caller has it.
 
     Every size follows from `ks` and the geometry (`topk_sizes`), except which kept blocks need an element mask
     (a key tail, the causal diagonal): the lists put the last `min(count, span)` kept blocks of a row in the
@@ -763,8 +808,8 @@ def build_topk_index(selected: torch.Tensor, counts: torch.Tensor, ks: tuple[int
     Mk = layout.shape[-1]
     geometry = (Mq, Mk, *block_size, seq_len_q, seq_len_k)
     sizes = topk_sizes(ks, causal, B, H, geometry)
-    cand = candidates(causal, geometry, selected.device) if cand is None else cand
-    partials = {flag: _partial_counts(counts, cand, flag, geometry) for flag in sizes.flags}  # (len(ks), Mq) each
+    counts = tables.counts
+    partials = {flag: tables.partials[flag] for flag in sizes.flags}  # (len(ks), Mq) each
     flag_sizes = {flag: (sizes.nnz - sizes.partial[flag], sizes.partial[flag]) for flag in sizes.flags}
     sides, entries = _topk_sides_on_gpu(selected, counts, partials, flag_sizes, Mk), None
     if sides is None:

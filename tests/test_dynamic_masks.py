@@ -462,6 +462,33 @@ def test_moba_layer_compiles_fullgraph(backend):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+def test_topk_tables_are_made_once_per_geometry_and_equal_the_plain_arithmetic():
+    """`mask_index.topk_tables`: the same object for the same (ks, causal, geometry, device), so masks chosen
+    per call reuse it; its values are those of `candidates`, `topk_counts` and `_partial_counts`; masks built
+    with it equal masks built afresh; the cache keeps the last 32 entries only."""
+    geometry = (6, 7, 32, 32, 6 * 32 - 5, 7 * 32 - 3)
+    a = mask_index.topk_tables((3, 2), True, geometry, "cpu")
+    assert a is mask_index.topk_tables((3, 2), True, geometry, torch.device("cpu"))
+    cand = mask_index.candidates(True, geometry, "cpu")
+    counts = mask_index.topk_counts((3, 2), True, geometry, "cpu", cand)
+    assert torch.equal(a.cand, cand) and torch.equal(a.counts, counts)
+    for flag in (False, True):
+        assert torch.equal(a.partials[flag], mask_index._partial_counts(counts, cand, flag, geometry))
+    scores = torch.randn(2, 2, 6, 7, generator=torch.Generator().manual_seed(0))
+    kw = dict(causal=True, block_size=32, seq_len_q=geometry[4], seq_len_k=geometry[5])
+    first = BlockMask.from_topk(scores, (3, 2), **kw)  # tables from the cache
+    with mock.patch.object(mask_index, "_TABLES", {}):
+        fresh = BlockMask.from_topk(scores, (3, 2), **kw)
+    assert first == fresh
+    for flag in (False, True):
+        for x, y in zip(first.kernel_index(flag), fresh.kernel_index(flag)):
+            assert all(torch.equal(u, v) for u, v in zip(x, y))
+    for n in range(40):
+        mask_index.topk_tables((1 + n, ), False, (64, 64, 16, 16, 1024, 1024), "cpu")
+    assert len(mask_index._TABLES) == mask_index._TABLES_KEPT
+    assert a is not mask_index.topk_tables((3, 2), True, geometry, "cpu")  # pushed out by the 40 newer ones
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False])
@@ -480,18 +507,47 @@ def test_from_topk_on_the_gpu_never_synchronises(causal):
     assert torch.equal(m.layout.cpu(), BlockMask.from_topk(scores.cpu(), 8, causal=causal, block_size=128).layout)
 
 
+def _moba_inputs(B, H, N, D, bs):
+    """Block scores `(B, H, N / bs, N / bs)` and bf16 q, k, v (requiring grad) and dO `(B, H, N, D)` on CUDA."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    scores = torch.randn(B, H, N // bs, N // bs, device="cuda", generator=gen)
+    q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_()
+    return scores, q, k, v, do
+
+
+@pytest.mark.gpu
+def test_a_moba_step_on_the_default_kernels_never_synchronises():
+    """A mask chosen per call and the attention's forward and backward on the kernels the library picks (the
+    Hopper ones at D=128 on an H100/H200: their launch plans place items on the device, and a top-k mask's
+    lists are never long enough to cut, which the plans show from host sizes): no host synchronisation."""
+    bs = 128
+    scores, q, k, v, do = _moba_inputs(1, 4, 8192, 128, bs)
+
+    def step():
+        mask = BlockMask.from_topk(scores, 4, causal=True, block_size=bs, check_finite=False)
+        sparse_flash.block_sparse_attention(q, k, v, mask, causal=True).backward(do)
+
+    step()  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
 @pytest.mark.gpu
 def test_topk_choice_and_attention_replay_from_a_cuda_graph():
     """from_topk and the attention's forward and backward captured together (Triton kernels; the Hopper ones
     schedule their work on the host per mask): replays on new scores and inputs give the eager results."""
     from sparse_flash.kernels import settings as kernel_settings
 
-    B, H, N, D, bs = 1, 4, 4096, 64, 128
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    scores = torch.randn(B, H, N // bs, N // bs, device="cuda", generator=gen)
-    q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
-    for t in (q, k, v):
-        t.requires_grad_()
+    bs = 128
+    scores, q, k, v, do = _moba_inputs(1, 4, 4096, 64, bs)
 
     def step():
         mask = BlockMask.from_topk(scores, 4, causal=True, block_size=bs, check_finite=False)
