@@ -655,6 +655,8 @@ def main(argv: list[str] | None = None) -> int:
             run_smoke(args, device, dist, log, started)
         else:
             run_training(args, device, dist, log, started)
+        if dist.world > 1:  # every rank done with its collectives before any tears the group down (gloo's
+            torch.distributed.barrier()  # worker threads could abort a rank that still had one in flight)
     except ConfigError as error:
         print(f"path256.py: error: {error}", file=sys.stderr)
         return 2

@@ -230,6 +230,8 @@ def render(records: list[dict]) -> str:
             trained_on = (f"; in training {_pct(first['held_out_acc'])} of {_num(first['n_eval'])}" if first else "")
             if r["levers"].get("init_stage"):
                 protocol += f", from {r['levers']['init_stage']}"
+            if r.get("concurrent", 1) > 1:
+                protocol += f", {r['concurrent']} runs sharing the GPU"
             checkpoint = f"[{Path(r['checkpoint']).name}]({r['checkpoint']})" if r.get("checkpoint") else "-"
             lines.append(
                 f"| {r['task']} | {r['difficulty']} | {r['mask']} ({_pct(r['density'])}) | {r['layers']} x "
