@@ -29,6 +29,7 @@ def cases():
     library's own dense D=64 settings (a register cap) and long-list D=128 settings (the dense tiles)."""
     import torch
 
+    from sparse_flash.kernels import dispatch
     from sparse_flash.kernels.triton import bwd, fwd
     from sparse_flash.kernels.triton.configs import fwd_config
 
@@ -53,6 +54,11 @@ def cases():
     from sparse_flash import index_gpu
 
     yield ("schedule.deal_runs", schedule._deal_runs_kernel, dict(PROGRAMS=256), (), dict(num_warps=4))
+    if dispatch.gluon_modules() is not None:
+        from sparse_flash.kernels.gluon import merge
+
+        yield ("merge.ChunkSum", merge._sum_chunks, dict(HEAD_D=128, TILE=128, ROWS=merge.ROWS), (),
+               dict(num_warps=4, num_stages=1, types={"Out": "*bf16", "Part": "*fp32", "Merges": "*i32"}))
     yield ("index_gpu.unsplit_plan", index_gpu._unsplit_plan_kernel, dict(BLOCK=8192, FIELDS=index_gpu.FIELDS), (),
            dict(num_warps=8))
     yield ("index_gpu.topk_lists: rows", index_gpu._topk_rows_kernel, dict(BLOCK=512, WIDTH=32, GROUPS=16), (),

@@ -33,20 +33,23 @@ def test_takes_16_bit_d128_calls_with_whole_blocks(kernel, mask, dtype, causal):
 
 @pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])
 def test_takes_masks_whose_work_plan_splits_lists(kernel):
-    """A global row and column (lists the Triton kernels' work plans split): the forward merges the plan's
-    chunks itself; the backward kernels cut the lists their own way (`schedule.split_long_items`)."""
+    """A global row and column (lists the work plans split): the Hopper kernels walk the plan's chunks as
+    items of their own (`schedule.split_items`) and merge them after the kernel."""
     mask = masks.bigbird(16384, 128, seed=0)
     q_shape, k_shape, index, geometry = call(mask, N=16384)
     assert index.row_plan.split.shape[0] > 0 and index.col_plan.split.shape[0] > 0
     assert MODULES[kernel].shape_supported(q_shape, k_shape, torch.bfloat16, index, geometry)
 
 
-def test_split_lists_switched_off_leave_the_forward_to_triton():
-    mask = masks.bigbird(16384, 128, seed=0)
-    args = call(mask, N=16384)
+def test_split_lists_switched_off_leave_them_to_triton():
+    """`settings.hopper_split` off: masks whose plans split lists go to the Triton kernels, forward and
+    backward; masks whose plans split nothing stay on the Hopper kernels."""
+    split, whole = call(masks.bigbird(16384, 128, seed=0), N=16384), call(masks.butterfly(16384, 128), N=16384)
+    assert whole[2].row_plan.split.shape[0] == 0 and whole[2].col_plan.split.shape[0] == 0
     with settings.override(hopper_split=False):
-        assert not gluon_fwd.shape_supported(*args[:2], torch.bfloat16, *args[2:])
-        assert gluon_dq.shape_supported(*args[:2], torch.bfloat16, *args[2:])  # the backward cuts its own
+        for kernel in ("fwd", "dq", "dkdv"):
+            assert not MODULES[kernel].shape_supported(*split[:2], torch.bfloat16, *split[2:])
+            assert MODULES[kernel].shape_supported(*whole[:2], torch.bfloat16, *whole[2:])
 
 
 def test_gqa_with_a_shared_mask_and_per_head_masks():

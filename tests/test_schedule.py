@@ -1,15 +1,12 @@
 """Host-side work of the Hopper (Gluon) kernels (`kernels/schedule.py`, torch only) and the Triton merges
 that follow them (`kernels/gluon/merge.py`, under the interpreter): the items each kernel walks, the order
-they start in, the cutting of long lists, their placement on resident programs, and the merges of chunks."""
+they start in, the chunks of long lists, their placement on resident programs, and the merges of chunks."""
 
 import os
 from unittest import mock
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import settings as hsettings
-from hypothesis import strategies as st
 
 from sparse_flash import masks
 from sparse_flash.kernels import schedule, settings
@@ -68,56 +65,117 @@ def test_sparse_causal_items_take_the_full_and_partial_lists():
         assert (lo, hi, plo, phi) == (int(full_off[r]), int(full_off[r + 1]), int(part_off[r]), int(part_off[r + 1]))
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_split_items_cover_each_list_once_in_chunks_with_their_own_scratch(causal, monkeypatch):
-    """A mask whose work plan cuts lists into chunks (`SPARSE_FLASH_HOPPER_SPLIT=1`): each chunk is an item
-    of its own whose ranges, together, walk its tile's full and partial lists once; chunks of one tile write
-    distinct scratch rows inside the split plan's scratch; unsplit tiles write their output rows; one merge
-    record per split tile and (batch, head) names its first slot and number of chunks."""
+def _split_mask(monkeypatch):
+    """BigBird at 2,048 tokens in 256-token blocks, with the work plans patched to cut every list longer
+    than 2 blocks into at most 3 chunks."""
     from sparse_flash import mask_index
-    from sparse_flash.kernels.triton.split import SplitPlan
 
-    monkeypatch.setattr(mask_index, "SPLIT_MIN_CHUNK", 2)  # cut every list longer than 2 blocks
+    monkeypatch.setattr(mask_index, "SPLIT_MIN_CHUNK", 2)
     monkeypatch.setattr(mask_index, "SPLIT_FACTOR", 0)
     monkeypatch.setattr(mask_index, "SPLIT_MAX_CHUNKS", 3)
-    B, Hq, Hkv, N, block = 2, 4, 2, 2048, 256
-    mask = masks.bigbird(N, block, seed=0)
+    return masks.bigbird(2048, 256, seed=0)
+
+
+def _split_call(along, causal, monkeypatch, B=2, Hq=4, Hkv=2, unit=1):
+    """`split_items` of `_split_mask` (B, Hq, Hkv, 2,048 tokens, 128-row tiles), its index, plan and
+    `SplitPlan`."""
+    from sparse_flash.kernels.triton.split import SplitPlan
+
+    mask, N = _split_mask(monkeypatch), 2048
     index, geometry = mask.kernel_index(causal), mask.kernel_geometry(causal)
-    assert index.row_plan.split.shape[0] > 0
-    split = SplitPlan(torch.device("cpu"), index.row_plan, B, Hq, geometry, 128, with_lse=True)
-    items, merges = schedule.split_row_items(B, Hq, Hkv, N, N, index, geometry, split.copy_strides, split.copies,
-                                             "cpu", 128)
+    plan = index.row_plan if along == "rows" else index.col_plan
+    assert plan.split.shape[0] > 0
+    split = SplitPlan(torch.device("cpu"), plan, B, Hq if along == "rows" else Hkv, geometry, 128, along=along)
+    items, merges = schedule.split_items(along, B, Hq, Hkv, N, N, index, geometry, split.copy_strides,
+                                         split.copies, "cpu", 128, unit)
+    return items, merges, index, split
+
+
+@pytest.mark.parametrize("along", ["rows", "cols"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_split_items_cover_each_list_once_in_chunks_with_their_own_scratch(along, causal, monkeypatch):
+    """A mask whose work plan cuts lists into chunks (`schedule.split_items`, the one cutting policy of both
+    kernel families): each chunk is an item of its own whose ranges, together, walk its tile's full and
+    partial lists once; chunks of one tile write distinct scratch rows inside the split plan's scratch;
+    unsplit tiles write their output rows; one merge record per split tile and copy names its first slot and
+    number of chunks. Rows: 128-row query tiles of each (batch, query head) on row lists; columns: 128-key
+    tiles of each (batch, KV head) on column lists, with the first query row of the head's group."""
+    B, Hq, Hkv, N, block = 2, 4, 2, 2048, 256
+    items, merges, index, split = _split_call(along, causal, monkeypatch, B, Hq, Hkv)
     assert items.shape[1] == 8
-    full_off, part_off = index.row_full.offsets, index.row_partial.offsets
-    walked = {}  # (q_row) -> full and partial positions walked
+    full, part = (index.row_full, index.row_partial) if along == "rows" else (index.col_full, index.col_partial)
+    full_off, part_off = full.offsets, part.offsets
+    H = Hq if along == "rows" else Hkv
+    walked = {}  # own row -> full and partial positions walked, chunks
     scratch_rows, tile_scratch = [], {}
-    for q_row, kv_row, lo, hi, plo, phi, scratch, _ in items.tolist():
-        bh, start = divmod(q_row, N)
-        b, h = divmod(bh, Hq)
-        assert kv_row == (b * Hkv + h // 2) * N
-        seen = walked.setdefault(q_row, [set(), set(), 0])
+    for own_row, other_row, lo, hi, plo, phi, scratch, _ in items.tolist():
+        bh, start = divmod(own_row, N)
+        b, h = divmod(bh, H)
+        assert other_row == ((b * Hkv + h // 2) * N if along == "rows" else (b * Hq + h * 2) * N)
+        seen = walked.setdefault(own_row, [set(), set(), 0])
         assert not seen[0] & set(range(lo, hi)) and not seen[1] & set(range(plo, phi))
         seen[0] |= set(range(lo, hi))
         seen[1] |= set(range(plo, phi))
         seen[2] += 1
         if scratch >= 0:
             scratch_rows.append(scratch)
-            tile_scratch.setdefault(q_row, set()).add(scratch)
+            tile_scratch.setdefault(own_row, set()).add(scratch)
             assert 0 <= scratch and scratch + 128 <= split.rows
-    assert len(walked) == B * Hq * N // 128  # every (batch, head, 128-row tile)
-    for q_row, (full, part, chunks) in walked.items():
-        r = (q_row % N) // block
-        assert full == set(range(int(full_off[r]), int(full_off[r + 1])))
-        assert part == set(range(int(part_off[r]), int(part_off[r + 1])))
+    assert len(walked) == B * H * N // 128  # every (batch, head, 128-row tile)
+    for own_row, (f, p, chunks) in walked.items():
+        r = (own_row % N) // block
+        assert f == set(range(int(full_off[r]), int(full_off[r + 1])))
+        assert p == set(range(int(part_off[r]), int(part_off[r + 1])))
     assert len(set(scratch_rows)) == len(scratch_rows)  # no two chunks share scratch
     split_tiles = {q for q, (_, _, n) in walked.items() if n > 1}
     assert split_tiles and sorted(merges[:, 0].tolist()) == sorted(split_tiles)
-    for q_row, first, num_chunks, copy, tile in merges.tolist():
-        assert num_chunks == walked[q_row][2] and first >= 0 and tile == (q_row % N) % block // 128
+    for own_row, first, num_chunks, copy, tile in merges.tolist():
+        assert num_chunks == walked[own_row][2] and first >= 0 and tile == (own_row % N) % block // 128
         # the rows `split.store_chunk_merge` reads are the ones the tile's chunks write
         reads = {((first + c) * split.copies + copy) * block + tile * 128 for c in range(num_chunks)}
-        assert reads == tile_scratch[q_row]
+        assert reads == tile_scratch[own_row]
     assert (items[:, 6] >= 0).int().diff().le(0).all()  # chunks first
+
+
+@pytest.mark.parametrize("along", ["rows", "cols"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_backward_sums_each_tiles_chunks_in_chunk_order(along, causal, monkeypatch):
+    """The Hopper backward's split items (`split_items(..., unit=128)`: scratch in 128-row tiles) and
+    `merge.ChunkSum` (under the interpreter): a kernel stand-in writes, for every item, a tile holding its
+    walked list entries, to its output rows or, for a chunk, to its scratch tile; after the merge every
+    output tile holds the sum over its whole lists, as an unsplit walk gives, and only the rows of items
+    were written."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
+    from sparse_flash.kernels.gluon import merge
+
+    B, Hq, Hkv, N, D = 2, 4, 2, 2048, 16
+    items, merges, index, split = _split_call(along, causal, monkeypatch, B, Hq, Hkv, unit=128)
+    full, part = (index.row_full, index.row_partial) if along == "rows" else (index.col_full, index.col_partial)
+    chunk_sum = merge.ChunkSum(merges, split, 128, D)
+    H = Hq if along == "rows" else Hkv
+    assert chunk_sum.slots == split.rows // 128 > 0
+    gen = torch.Generator().manual_seed(1)
+    weights = torch.randn(full.indices.numel() + part.indices.numel(), 128, D, generator=gen)
+
+    def walk(lo, hi, plo, phi):  # what a kernel adds up: one term per list entry
+        terms = list(range(lo, hi)) + [full.indices.numel() + j for j in range(plo, phi)]
+        return weights[terms].sum(0) if terms else torch.zeros(128, D)
+
+    out = torch.full((B * H * N, D), float("nan"))
+    scratch = chunk_sum.scratch("cpu")
+    for own_row, _, lo, hi, plo, phi, tile, _ in items.tolist():
+        if tile < 0:
+            out[own_row:own_row + 128] = walk(lo, hi, plo, phi)
+        else:
+            scratch[tile] = walk(lo, hi, plo, phi)
+    chunk_sum(out, scratch.view(-1, D))
+    assert not out.isnan().any()
+    for own_row in range(0, B * H * N, 128):
+        r = (own_row % N) // 256
+        want = walk(int(full.offsets[r]), int(full.offsets[r + 1]), int(part.offsets[r]), int(part.offsets[r + 1]))
+        torch.testing.assert_close(out[own_row:own_row + 128], want, rtol=1e-5, atol=1e-4)
+
 
 def _tiles(items, sub=1):
     return (items[:, 3] - items[:, 2] + items[:, 5] - items[:, 4]).long() * sub
@@ -254,95 +312,21 @@ def test_sparse_items_take_each_key_blocks_column_lists(causal):
         if causal:  # partial blocks are those on the diagonal
             assert all(qb * 256 < kb * 128 + 127 for qb in part_idx[plo:phi])
 
-def _items_with_long_lists(causal):
-    """dK/dV items of BigBird with two global blocks at 4,096 tokens (B=1, H=4), and its column lists."""
-    mask = masks.bigbird(4096, 128, num_global_blocks=2, seed=1)
-    return schedule.column_items(1, 4, 4, 4096, 4096, causal, mask.kernel_index(causal), mask.kernel_geometry(causal),
-                                 "cpu", 128, 64)
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("programs", [64, 128])
-def test_long_lists_are_cut_into_chunks_that_cover_them_once(causal, programs):
-    """`split_long_items`: the chunks of a cut item walk its full list exactly once in order and its partial
-    list with the last chunk; no chunk is longer than a program's mean load; slots are 0, 1, ... in item
-    order and each merge record names its item's first row, first slot and chunk count; items that are not
-    cut keep their ranges and slot -1."""
-    items = _items_with_long_lists(causal)
-    cut_items, merges = schedule.split_long_items(items, programs, 2)
-    assert cut_items.dtype == torch.int32 and cut_items.shape[1] == 7 and merges.shape[0] > 0
-    length = (items[:, 3] - items[:, 2] + items[:, 5] - items[:, 4]).long()
-    limit = -(-int(float((length * 2 + schedule.ITEM_COST).sum()) / programs) // 2)
-    by_row = {}
-    for rec in cut_items.tolist():
-        by_row.setdefault(rec[0], []).append(rec)
-    assert sorted(by_row) == sorted(items[:, 0].tolist())
-    slots = [rec[6] for rec in cut_items.tolist() if rec[6] >= 0]
-    assert slots == list(range(len(slots)))
-    merged = {row: (first, n) for row, first, n in merges.tolist()}
-    for rec in items.tolist():
-        chunks = by_row[rec[0]]
-        if len(chunks) == 1 and chunks[0][6] < 0:
-            assert chunks[0][:6] == rec and rec[0] not in merged
-            continue
-        assert merged[rec[0]] == (chunks[0][6], len(chunks))
-        assert [c[6] for c in chunks] == list(range(chunks[0][6], chunks[0][6] + len(chunks)))
-        assert all(c[1] == rec[1] for c in chunks)
-        walked = [j for c in chunks for j in range(c[2], c[3])]
-        assert walked == list(range(rec[2], rec[3])) and all(c[3] - c[2] <= limit for c in chunks)
-        assert [(c[4], c[5]) for c in chunks[:-1]] == [(rec[5], rec[5])] * (len(chunks) - 1)
-        assert (chunks[-1][4], chunks[-1][5]) == (rec[4], rec[5])
-
-
-def test_lists_of_even_length_are_not_cut():
-    """Dense and local masks have no list much longer than the others: no chunk, no merge."""
-    for items in (schedule.column_items(2, 4, 4, 2048, 2048, False, None, None, "cpu", 128, 64),
-                  _items_with_long_lists(False)[4:8]):
-        cut_items, merges = schedule.split_long_items(items, 132, 2)
-        assert merges.shape[0] == 0 and torch.equal(cut_items[:, :6], items) and (cut_items[:, 6] == -1).all()
-
-
-@hsettings(max_examples=60, deadline=None)
-@given(programs=st.integers(1, 140), sub=st.integers(1, 4), n=st.integers(1, 300), most=st.integers(1, 400),
-       seed=st.integers(0, 2**31 - 1))
-def test_lists_that_cannot_outgrow_a_chunk_are_left_whole_without_reading_the_device(programs, sub, n, most, seed):
-    """`split_long_items` with host bounds (`longest` list, total `entries`): the same records as without
-    them, and where the bounds show that no list can be cut, nothing is read from the lists (they may be
-    on the meta device, which holds no values)."""
-    gen = torch.Generator().manual_seed(seed)
-    full = torch.randint(0, most + 1, (n, ), generator=gen)
-    full[torch.randint(0, n, (1, ), generator=gen)] = most  # the longest list reaches the bound
-    part = torch.randint(0, 3, (n, ), generator=gen)
-    lo = torch.randint(0, 50, (n, ), generator=gen)
-    plo = torch.randint(0, 50, (n, ), generator=gen)
-    items = torch.stack([torch.arange(n) * 128, torch.zeros(n, dtype=torch.long), lo, lo + full, plo, plo + part],
-                        1).to(torch.int32)
-    entries = int(full.sum() + part.sum())
-    bounded = schedule.split_long_items(items, programs, sub, most, entries)
-    plain = schedule.split_long_items(items, programs, sub)
-    assert all(torch.equal(a, b) for a, b in zip(bounded, plain))
-    limit = schedule.chunk_limit((entries * sub + schedule.ITEM_COST * n) / programs, sub)
-    if most <= limit:
-        on_meta, merges = schedule.split_long_items(items.to("meta"), programs, sub, most, entries)
-        assert on_meta.shape == (n, 7) and merges.shape == (0, 3)
-
-
 def test_each_chunk_is_placed_as_a_run_of_its_own():
-    """`assign_programs` places runs of consecutive items (here 8 per run); the chunks of a cut list are
+    """`assign_programs` places runs of consecutive items (here 8 per run); the chunks of a split list are
     consecutive, so each must be a run of its own, or they would all land on one program and cutting would
     not spread the list."""
-    # 2,000 one-entry lists and two of 1,000 entries, on 16 programs: runs of 8 items
-    items = torch.tensor([[128 * i, 0, i, i + 1, 0, 0] for i in range(1000)] + [[-1, 0, 0, 1000, 0, 0]]
-                         + [[128 * i, 0, i, i + 1, 0, 0] for i in range(1000, 2000)] + [[-2, 0, 0, 1000, 0, 0]])
-    cut_items, merges = schedule.split_long_items(items, 16, 2)
-    placed, starts = schedule.assign_programs(cut_items, 16, 2)
+    # 2,000 one-entry lists and the 4 chunks of two lists of 1,000 entries, on 16 programs: runs of 8 items
+    one = [[128 * i, 0, i, i + 1, 0, 0, -1] for i in range(2000)]
+    chunks = [[-1 - n, 0, 250 * c, 250 * (c + 1), 0, 0, 4 * n + c] for n in range(2) for c in range(4)]
+    items = torch.tensor(one[:1000] + chunks[:4] + one[1000:] + chunks[4:], dtype=torch.int32)
+    placed, starts = schedule.assign_programs(items, 16, 2)
     program_of_slot = {}
     for p in range(16):
         for slot in placed[starts[p]:starts[p + 1], 6].tolist():
             program_of_slot[slot] = p
-    assert merges.shape[0] == 2 and min(merges[:, 2].tolist()) > 1
-    for _, first, chunks in merges.tolist():
-        assert len({program_of_slot[s] for s in range(first, first + chunks)}) > 1
+    for first in (0, 4):
+        assert len({program_of_slot[s] for s in range(first, first + 4)}) > 1
 
 
 def test_chunk_sum_adds_the_chunks_of_each_tile_in_order():
@@ -352,14 +336,18 @@ def test_chunk_sum_adds_the_chunks_of_each_tile_in_order():
         pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
     from sparse_flash.kernels.gluon import merge
 
-    merges = torch.tensor([[256, 0, 3], [0, 3, 2]], dtype=torch.int32)
-    summed = merge.ChunkSum(merges, 128, 128)
+    # two split lists (plan slots 0-2 and 3-4) walked by 2 copies, mask blocks of 256 rows (2 tiles each):
+    # chunk c of (slot s, copy k, tile t) lies in scratch tile ((s + c) * 2 + k) * 2 + t
+    split = mock.Mock(rows=5 * 2 * 256, copies=2, mask_block=256)
+    merges = torch.tensor([[256, 0, 3, 1, 1], [0, 3, 2, 0, 0]], dtype=torch.int32)
+    summed = merge.ChunkSum(merges, split, 128, 128)
+    assert summed.slots == 20
     part = torch.randn(summed.slots, 128, 128)
     out = torch.full((4 * 128, 128), float("nan"), dtype=torch.float16)
     summed(out, part)
     want = torch.full_like(out, float("nan"))
-    want[256:384] = (part[0] + part[1] + part[2]).half()
-    want[0:128] = (part[3] + part[4]).half()
+    want[256:384] = (part[3] + part[7] + part[11]).half()  # slots 0, 1, 2 of copy 1, tile 1
+    want[0:128] = (part[12] + part[16]).half()  # slots 3, 4 of copy 0, tile 0
     torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
 
 

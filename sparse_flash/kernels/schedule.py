@@ -1,9 +1,10 @@
-"""Work items of the Hopper (Gluon) kernels: which tiles an item walks, the order items start in, the cutting
-of very long lists, and the placement of items on the resident programs (torch, and one small Triton kernel
-that places them on the GPU without a host synchronisation).
+"""Work items of the Hopper (Gluon) kernels: which tiles an item walks, the order items start in, and the
+placement of items on the resident programs (torch, and one small Triton kernel that places them on the GPU
+without a host synchronisation).
 
-The Triton kernels take their work from the mask's own plans (`sparse_flash.mask_index`); the Gluon kernels'
-resident programs need items placed by load, built here from the same index lists.
+Both kernel families take the cutting of very long lists from the mask's own work plans
+(`sparse_flash.mask_index.WorkPlan`); the Gluon kernels' resident programs need items placed by load, built
+here from the same index lists and plans (`row_items`, `column_items`, `split_items`).
 """
 
 from __future__ import annotations
@@ -63,11 +64,10 @@ def row_items(B, Hq, Hkv, Nq, Nk, causal: bool, index: KernelIndex | None, geome
 
 def column_items(B, Hq, Hkv, Nq, Nk, causal: bool, index: KernelIndex | None, geometry: MaskGeometry | None, device,
                  BLOCK_N: int, BLOCK_M: int):
-    """int32 `(items, 6)` records (`split_long_items` adds the scratch slot), one per BLOCK_N-key tile of each
-    (batch, KV head): (first K/V row, first Q row of the group's first query head, full list start, end,
-    partial list start, end). Lists count mask blocks of the column (`index.col_full`, `index.col_partial`),
-    or BLOCK_M-row query tiles for the dense path (index None; causal: the tiles on the diagonal are the
-    partial list). Order: `order_items`."""
+    """int32 `(items, 6)` records, one per BLOCK_N-key tile of each (batch, KV head): (first K/V row, first Q
+    row of the group's first query head, full list start, end, partial list start, end). Lists count mask
+    blocks of the column (`index.col_full`, `index.col_partial`), or BLOCK_M-row query tiles for the dense
+    path (index None; causal: the tiles on the diagonal are the partial list). Order: `order_items`."""
     G = Hq // Hkv
     tiles = Nk // BLOCK_N
     b = torch.arange(B, device=device).view(B, 1, 1)
@@ -92,40 +92,64 @@ def column_items(B, Hq, Hkv, Nq, Nk, causal: bool, index: KernelIndex | None, ge
     return order_items(torch.stack([kv_row, q_row0, lo, hi, plo, phi], -1).reshape(-1, 6), causal)
 
 
-def split_row_items(B, Hq, Hkv, Nq, Nk, index: KernelIndex, geometry: MaskGeometry, copy_strides, copies: int,
-                    device, BLOCK: int):
-    """Item records of a mask whose work plan splits lists, with 8 fields: `row_items`' six, then the first
-    scratch row of the item's tile in its chunk's slot (-1: not split) and padding. Each
-    chunk of a split list is an item of its own, taken from the work plan's records (`WorkPlan.items`);
-    chunks first, then the rest by (batch, head). Also returns the merge records, one per (tile of a split
-    list, batch x head): (first Out/LSE row, first slot, number of chunks, copy, tile in its mask block)."""
-    plan_items = index.row_plan.items  # (Bm|1, Hm|1, W, fields)
-    block_q = geometry.block_q
-    sub = block_q // BLOCK
+def split_items(along: str, B, Hq, Hkv, Nq, Nk, index: KernelIndex, geometry: MaskGeometry, copy_strides,
+                copies: int, device, BLOCK: int, unit: int = 1):
+    """Item records of a mask whose work plan splits lists (`mask_index.WorkPlan`: the one policy that cuts
+    long lists, for both kernel families), and the merge records.
+
+    `along="rows"` (forward, dQ): an item is a BLOCK-row query tile of one (batch, query head) and walks its
+    mask row's lists; `along="cols"` (dK/dV): a BLOCK-key tile of one (batch, KV head) that walks its mask
+    column's lists for every query head of its group. Each chunk of a split list is an item of its own, taken
+    from the plan's records (`WorkPlan.items`); chunks first, then the rest by (batch, head).
+
+    Records have 8 int32 fields: the six of `row_items` or `column_items`, then the chunk's scratch place
+    (-1: not split) and padding. The scratch of chunk slot `slot` (`WorkPlan.slots`) and copy `copy` (a
+    (batch, head) sharing the mask: `copy_strides`, `copies` from `split.SplitPlan`) starts at row
+    `(slot * copies + copy) * mask block`, the item's tile `s * BLOCK` rows further; the field holds that row
+    divided by `unit` (1: a row, BLOCK: a BLOCK-row scratch tile). One merge record per (tile of a split
+    list, copy): (first output row, first slot, number of chunks, copy, tile within its mask block).
+
+    Example (the tile slots of the backward's `merge.ChunkSum`; `mask_index.SPLIT_*` patched to cut every
+    list of more than 3 blocks into 2 chunks): rows 0 and 2 hold 4 blocks, rows 1 and 3 hold 3.
+        >>> from unittest import mock
+        >>> from sparse_flash import masks, mask_index
+        >>> with mock.patch.multiple(mask_index, SPLIT_MIN_CHUNK=3, SPLIT_FACTOR=0, SPLIT_MAX_CHUNKS=2):
+        ...     m = masks.longformer(512, 128, global_block_indices=[0])
+        ...     index, geometry = m.kernel_index(False), m.kernel_geometry(False)
+        >>> items, merges = split_items("rows", 1, 1, 1, 512, 512, index, geometry, (1, 1), 1, "cpu", 128, 128)
+        >>> items[:, [0, 2, 3, 6]].tolist()  # (first row, full list range, scratch tile): chunks first
+        [[0, 0, 2, 0], [0, 2, 4, 1], [256, 7, 9, 2], [256, 9, 11, 3], [128, 4, 7, -1], [384, 11, 14, -1]]
+        >>> merges.tolist()  # (first row, first slot, chunks, copy, tile)
+        [[0, 0, 2, 0, 0], [256, 2, 2, 0, 0]]
+    """
+    rows = along == "rows"
+    plan_items = (index.row_plan if rows else index.col_plan).items  # (Bm|1, Hm|1, W, fields)
+    block = geometry.block_q if rows else geometry.block_k
+    H, N, G = (Hq if rows else Hkv), (Nq if rows else Nk), Hq // Hkv
+    sub = block // BLOCK
     b = torch.arange(B, device=device).view(B, 1, 1, 1)
-    h = torch.arange(Hq, device=device).view(1, Hq, 1, 1)
+    h = torch.arange(H, device=device).view(1, H, 1, 1)
     s = torch.arange(sub, device=device).view(1, 1, 1, sub)
     mask_b = torch.arange(B, device=device).view(B, 1) % plan_items.shape[0]
-    mask_h = torch.arange(Hq, device=device).view(1, Hq) % plan_items.shape[1]
-    rec = plan_items[mask_b, mask_h].long()  # (B, Hq, W, fields): each (batch, head)'s records
-    W = rec.shape[2]
-    shape = (B, Hq, W, sub)
+    mask_h = torch.arange(H, device=device).view(1, H) % plan_items.shape[1]
+    rec = plan_items[mask_b, mask_h].long()  # (B, H, W, fields): each (batch, head)'s records
+    shape = (B, H, rec.shape[2], sub)
 
     def field(name):
         return rec[..., ITEM_FIELDS.index(name)].unsqueeze(-1).expand(shape)
 
-    block, chunk, slot = field("block"), field("chunk"), field("slot")
-    q_row = (b * Hq + h) * Nq + block.clamp(min=0) * block_q + s * BLOCK
-    kv_row = ((b * Hkv + h // (Hq // Hkv)) * Nk).expand(shape)
+    block_no, chunk, slot = field("block"), field("chunk"), field("slot")
+    own_row = (b * H + h) * N + block_no.clamp(min=0) * block + s * BLOCK
+    other_row = ((b * Hkv + h // G) * Nk if rows else (b * Hq + h * G) * Nq).expand(shape)
     copy = (b * copy_strides[0] + h * copy_strides[1]).expand(shape)
-    scratch = torch.where(slot >= 0, (slot * copies + copy) * block_q + s * BLOCK, -1)
-    items = torch.stack([q_row, kv_row, field("full_lo"), field("full_hi"), field("part_lo"), field("part_hi"),
+    scratch = torch.where(slot >= 0, ((slot * copies + copy) * block + s * BLOCK) // unit, -1)
+    items = torch.stack([own_row, other_row, field("full_lo"), field("full_hi"), field("part_lo"), field("part_hi"),
                          scratch, torch.zeros_like(scratch)], -1)
-    valid = block >= 0  # padding records walk nothing
+    valid = block_no >= 0  # padding records walk nothing
     items = items[valid]
     order = torch.argsort((items[:, 6] < 0).to(torch.int8), stable=True)
     first = (chunk == 0) & (slot >= 0) & valid
-    merges = torch.stack([q_row, slot, field("chunks"), copy, s.expand(shape)], -1)[first]
+    merges = torch.stack([own_row, slot, field("chunks"), copy, s.expand(shape)], -1)[first]
     return items[order].to(torch.int32).contiguous(), merges.to(torch.int32).contiguous()
 
 
@@ -143,55 +167,6 @@ def order_items(items, causal: bool):
     return items[order].to(torch.int32).contiguous()
 
 
-def split_long_items(items, num_programs: int, sub: int, longest: int | None = None, entries: int = 0):
-    """Items with a 7th field, their scratch slot, after cutting the few lists much longer than the others
-    (the global rows and columns of BigBird and Longformer) into chunks; and the merge records.
-
-    A program's load is its items' tiles (`assign_programs`), so one item longer than the mean load of a
-    program would end after all the others. An item whose full list is longer than HEAVY_FACTOR times the
-    mean list and than a program's mean load (in list entries: tiles / `sub`) becomes chunks of at most
-    that many entries, each with its own scratch slot (the partial list goes with the last chunk); the
-    others get slot -1. Each chunk adds its share of the output tile (first record field: its first row)
-    into its slot, and a merge adds the chunks in order (`gluon/merge.py`): one int32 `(first row, first slot,
-    chunks)` record per cut item. Items are int32 `(items, 6)` from `row_items` or `_dkdv_items`, in their
-    order (chunks take the place of their item).
-
-    Cutting reads the lists' lengths on the host, a wait for the device. With `longest` (no item's full list
-    is longer: host int) and `entries` (the items' lists hold at least this many entries in all), a call in
-    which no list can outgrow a chunk (`longest` is at most the chunk that `entries` alone gives) cuts
-    nothing and reads nothing, as for masks built per call (`from_topk`: k blocks a row).
-    """
-    if longest is not None and longest <= chunk_limit((entries * sub + ITEM_COST * items.shape[0]) / num_programs, sub):
-        uncut = torch.full((items.shape[0], 1), -1, dtype=torch.int32, device=items.device)
-        return (torch.cat([items.to(torch.int32), uncut], 1).contiguous(),
-                torch.zeros((0, 3), dtype=torch.int32, device=items.device))
-    items = items.long()
-    full = items[:, 3] - items[:, 2]
-    length = full + items[:, 5] - items[:, 4]
-    limit = chunk_limit(float((length * sub + ITEM_COST).sum()) / num_programs, sub)
-    cut = (full > limit) & (full > HEAVY_FACTOR * length.double().mean())
-    chunks = torch.where(cut, -(-full // limit), torch.ones_like(full))
-    owner = torch.repeat_interleave(torch.arange(items.shape[0], device=items.device), chunks)
-    first_chunk = torch.cumsum(chunks, 0) - chunks  # position of each item's first chunk
-    c = torch.arange(owner.shape[0], device=items.device) - first_chunk[owner]  # chunk number in its item
-    rec = items[owner]
-    in_cut = cut[owner]
-    lo = rec[:, 2] + c * limit
-    rec[:, 2] = torch.where(in_cut, lo, rec[:, 2])
-    rec[:, 3] = torch.where(in_cut, torch.minimum(lo + limit, rec[:, 3]), rec[:, 3])
-    before_last = in_cut & (c < chunks[owner] - 1)
-    rec[:, 4] = torch.where(before_last, rec[:, 5], rec[:, 4])  # the partial list goes with the last chunk
-    slot = torch.where(in_cut, torch.cumsum(in_cut.long(), 0) - 1, torch.full_like(c, -1))
-    merges = torch.stack([items[cut, 0], slot[first_chunk[cut]], chunks[cut]], -1)
-    return (torch.cat([rec, slot[:, None]], 1).to(torch.int32).contiguous(), merges.to(torch.int32).contiguous())
-
-
-def chunk_limit(mean_load: float, sub: int) -> int:
-    """List entries per chunk of a cut list (`split_long_items`): a program's mean load (in tiles), in
-    entries of `sub` tiles, at least 1."""
-    return max(1, -(-int(mean_load) // sub))
-
-
 def assign_programs(items, num_programs: int, sub: int):
     """Items regrouped by the resident program that runs them, and `starts` (int32, `num_programs + 1`):
     program p runs items [starts[p], starts[p + 1]).
@@ -199,7 +174,7 @@ def assign_programs(items, num_programs: int, sub: int):
     The programs never wait for each other, so the call lasts as long as the most loaded one. A program's
     load counts its items' tiles (list length x `sub`) plus ITEM_COST each. With `settings.hopper_balance`:
     runs of consecutive items (about BUNDLES_PER_PROGRAM runs per program, so that the placement stays short;
-    each chunk of a cut list, `split_long_items`, is a run of its own) go heaviest first to the least loaded
+    each chunk of a split list, `split_items`, is a run of its own) go heaviest first to the least loaded
     program (`deal_runs`); each program then takes its runs in their order in `items` (as `order_items` left
     them). Without it, item i goes to program i % num_programs, whatever its length.
 
@@ -219,7 +194,7 @@ def assign_programs(items, num_programs: int, sub: int):
         cost = (items[:, 3] - items[:, 2] + items[:, 5] - items[:, 4]).long() * sub + ITEM_COST
         run = -(-n // (BUNDLES_PER_PROGRAM * num_programs))  # items per run
         new_run = position % run == 0
-        if items.shape[1] > 6:  # a chunk of a cut list (`split_long_items`) is a run of its own
+        if items.shape[1] > 6:  # a chunk of a split list (`split_items`) is a run of its own
             chunk = items[:, 6] >= 0
             new_run |= chunk | torch.cat([chunk.new_zeros(1), chunk[:-1]])
         run_of = torch.cumsum(new_run.long(), 0) - 1  # at most n runs: the unused ones cost 0

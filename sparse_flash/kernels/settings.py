@@ -6,7 +6,7 @@ The environment is read here and nowhere else, once, when the kernels are first 
 |---|---|---|---|
 | `hopper_forward` | `SPARSE_FLASH_HOPPER_FWD` | on | the warp-specialised Gluon forward where it serves a call (`gluon/fwd.py`) |
 | `hopper_backward` | `SPARSE_FLASH_HOPPER_BWD` | on | the Gluon dQ and dK/dV kernels where they serve a call (`gluon/dq.py`, `gluon/dkdv.py`) |
-| `hopper_split` | `SPARSE_FLASH_HOPPER_SPLIT` | on | the Gluon forward also takes masks whose work plan splits long lists |
+| `hopper_split` | `SPARSE_FLASH_HOPPER_SPLIT` | on | the Gluon kernels also take masks whose work plan splits long lists |
 | `hopper_balance` | `SPARSE_FLASH_HOPPER_BALANCE` | on | Gluon work items placed on programs by load (off: in turn) |
 | `hopper_d64` | `SPARSE_FLASH_HOPPER_D64` | off | the Gluon kernels also at head dim 64 (off: 128 only; the forward measured 0.91-1.01x the Triton one at 64 before its TMA store, tuning log, step 41) |
 | `tma` | `SPARSE_FLASH_TMA` | on | the Triton kernels read K, V (and Q, dO) through tensor descriptors where the GPU allows |

@@ -17,9 +17,10 @@ query head sharing that KV head (GQA). Inside a program:
 Registers: each warpgroup holds dK and dV (64 x 128 fp32 each) and two 64 x 64 score tiles, hence 64-row
 query tiles (FlashAttention-3 makes the same split at D = 128).
 
-The few column lists much longer than the others (the global columns of BigBird and Longformer) are cut
-into chunks of at most a program's mean load (`schedule.split_long_items`); each chunk writes its share of
-dK and dV in float32 to a scratch slot, and two more launches add them in order (`merge.ChunkSum`).
+The few column lists much longer than the others (the global columns of BigBird and Longformer) come in the
+chunks of the mask's work plan (`schedule.split_items`, as for the forward and the Triton kernels); each chunk
+writes its share of dK and dV in float32 to a scratch tile, and two more launches add them in chunk order
+(`merge.ChunkSum`).
 
 It serves (`supported`) 16-bit inputs with D = 128, lengths multiples of 128 and of the mask's blocks
 (multiples of 128), and GQA only with a mask shared by the heads; causal or not. `dispatch.py` runs it in
@@ -39,11 +40,12 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ...mask_index import KernelIndex, MaskGeometry
 from ..aot import compile_gluon_sm90, descriptor_type
 from ..memory import new_output
-from ..schedule import assign_programs, column_items, split_long_items
+from ..schedule import assign_programs, column_items, split_items
 from ..triton.common import LOG2E
+from ..triton.split import SplitPlan
 from .merge import ChunkSum
 from .pipeline import (GL_DTYPES, bound_launch, list_tile_start, num_sms, partition_barrier, release,
-                       release_after_store, ring_barriers, row_descriptor, runs_on, shapes_fit, tma_load,
+                       release_after_store, ring_barriers, row_descriptor, runs_on, shapes_fit, takes_plan, tma_load,
                        tma_store)
 
 BLOCK_N = 128  # keys per item (64 per compute warpgroup)
@@ -246,9 +248,9 @@ def supported(do, q, k, v, index: KernelIndex | None, geometry: MaskGeometry | N
 
 
 def shape_supported(q_shape, k_shape, dtype, index: KernelIndex | None, geometry: MaskGeometry | None) -> bool:
-    """The part of `supported` that does not ask the GPU: dtype, shapes and the mask's blocks and heads
-    (index and geometry None: the dense path)."""
-    if not shapes_fit(q_shape, k_shape, dtype, geometry):
+    """The part of `supported` that does not ask the GPU: dtype, shapes, the mask's blocks, heads and column
+    plan (`pipeline.takes_plan`; index and geometry None: the dense path)."""
+    if not shapes_fit(q_shape, k_shape, dtype, geometry) or not takes_plan(None if index is None else index.col_plan):
         return False
     if geometry is not None:
         Hq, Hkv = q_shape[1], k_shape[1]
@@ -265,18 +267,19 @@ class DkdvPlan:
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         dense = index is None
-        items = column_items(B, Hq, Hkv, Nq, Nk, causal, index, geometry, q.device, BLOCK_N, BLOCK_M)
         block_q = BLOCK_M if dense else geometry.block_q
         sub = block_q // BLOCK_M
+        split = (SplitPlan(q.device) if dense else
+                 SplitPlan(q.device, index.col_plan, B, Hkv, geometry, D, along="cols", parts=2))
+        if split.num_split:  # the chunks of the lists the mask's work plan splits (host sizes: no wait otherwise)
+            items, merges = split_items("cols", B, Hq, Hkv, Nq, Nk, index, geometry, split.copy_strides,
+                                        split.copies, q.device, BLOCK_N, unit=BLOCK_N)
+            items = items[:, :7].contiguous()
+        else:
+            items, merges = column_items(B, Hq, Hkv, Nq, Nk, causal, index, geometry, q.device, BLOCK_N, BLOCK_M), None
+            items = torch.cat([items, torch.full_like(items[:, :1], -1)], 1)  # no scratch
         self.grid = (min(items.shape[0], num_sms(q.device)), )
-        # no list is longer than a mask column; every column is walked by (B // batch) x (Hkv // heads) items
-        # (dense lists never reach HEAVY_FACTOR x their mean: nothing to cut)
-        longest, entries = (0, 0) if dense else (
-            geometry.blocks_q, (B // geometry.batch) * (Hkv // geometry.heads)
-            * (index.col_full.indices.numel() + index.col_partial.indices.numel()))
-        items, merges = split_long_items(items, self.grid[0], sub * (Hq // Hkv), longest, entries)
-        self.grid = (min(items.shape[0], num_sms(q.device)), )  # the chunks may fill more SMs
-        self.chunk_sum = ChunkSum(merges, BLOCK_N, D)
+        self.chunk_sum = ChunkSum(merges, split, BLOCK_N, D)
         self.items, self.starts = assign_programs(items, self.grid[0], sub * (Hq // Hkv))
         # the dense path reads no list (any tensor will do)
         self.full_idx, self.part_idx = ((self.items, self.items) if dense else

@@ -11,9 +11,9 @@ tile of one (batch, head) and its lists of key blocks). Inside a program:
   dP = dO V^T, P = exp2(S - lse), dS = P (dP - delta) and dQ += dS K on the tensor cores; at the item's
   end dQ leaves through the warpgroup's half of the Q buffer by TMA (tuning log, step 44).
 
-The few lists much longer than the others (the global rows of BigBird and Longformer) are cut into chunks
-of at most a program's mean load (`schedule.split_long_items`); each chunk writes its share of dQ in float32
-to a scratch slot, and a second launch adds them in order (`merge.ChunkSum`).
+The few lists much longer than the others (the global rows of BigBird and Longformer) come in the chunks of
+the mask's work plan (`schedule.split_items`, as for the forward and the Triton kernels); each chunk writes
+its share of dQ in float32 to a scratch tile, and a second launch adds them in chunk order (`merge.ChunkSum`).
 
 It serves (`supported`) 16-bit inputs with D = 128, lengths multiples of 128 and of the mask's blocks
 (multiples of 128); causal or not. `dispatch.py` runs it in place of the Triton dQ kernel where it serves,
@@ -32,16 +32,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ...mask_index import KernelIndex, MaskGeometry
 from ..aot import compile_gluon_sm90, descriptor_type
 from ..memory import new_output
-from ..schedule import ROW_BLOCK, assign_programs, row_items, split_long_items
+from ..schedule import ROW_BLOCK, assign_programs, row_items, split_items
 from ..triton.common import LOG2E
+from ..triton.split import SplitPlan
 from .merge import ChunkSum
 from .pipeline import (GL_DTYPES, bound_launch, list_tile_start, load_kv, num_sms, partition_barrier, release,
-                       release_after_store, ring_barriers, row_descriptor, runs_on, shapes_fit, tma_load,
+                       release_after_store, ring_barriers, row_descriptor, runs_on, shapes_fit, takes_plan, tma_load,
                        tma_store)
 
 BLOCK_N = 64  # keys per step
 KV_BUFFERS = 3  # K and V tiles in flight each; with two Q and two dO buffers, 224 KB of shared memory
-ITEM_WIDTH = gl.constexpr(7)  # `schedule.row_items` and a scratch slot (`schedule.split_long_items`)
+ITEM_WIDTH = gl.constexpr(7)  # `schedule.row_items` and a scratch tile (`schedule.split_items`)
 FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)
 LOAD_REGS = 24
 COMPUTE_REGS = 240  # each compute warpgroup's (the first gets what the launch cap leaves: also 240)
@@ -217,9 +218,9 @@ def supported(do, q, k, v, out, index: KernelIndex | None, geometry: MaskGeometr
 
 
 def shape_supported(q_shape, k_shape, dtype, index: KernelIndex | None, geometry: MaskGeometry | None) -> bool:
-    """The part of `supported` that does not ask the GPU: dtype, shapes and the mask's blocks (index and
-    geometry None: the dense path)."""
-    return shapes_fit(q_shape, k_shape, dtype, geometry)
+    """The part of `supported` that does not ask the GPU: dtype, shapes, the mask's blocks and its row plan
+    (`pipeline.takes_plan`; index and geometry None: the dense path)."""
+    return shapes_fit(q_shape, k_shape, dtype, geometry) and takes_plan(None if index is None else index.row_plan)
 
 
 class DqPlan:
@@ -230,18 +231,18 @@ class DqPlan:
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         dense = index is None
-        items = row_items(B, Hq, Hkv, Nq, Nk, causal, index, geometry, q.device)
         block_k = ROW_BLOCK if dense else geometry.block_k  # dense lists count ROW_BLOCK-key tiles
         sub = block_k // BLOCK_N
+        split = SplitPlan(q.device) if dense else SplitPlan(q.device, index.row_plan, B, Hq, geometry, D)
+        if split.num_split:  # the chunks of the lists the mask's work plan splits (host sizes: no wait otherwise)
+            items, merges = split_items("rows", B, Hq, Hkv, Nq, Nk, index, geometry, split.copy_strides, split.copies,
+                                        q.device, ROW_BLOCK, unit=ROW_BLOCK)
+            items = items[:, :7].contiguous()
+        else:
+            items, merges = row_items(B, Hq, Hkv, Nq, Nk, causal, index, geometry, q.device), None
+            items = torch.cat([items, torch.full_like(items[:, :1], -1)], 1)  # no scratch
         self.grid = (min(items.shape[0], num_sms(q.device)), )
-        # no list is longer than a mask row; every mask row is walked by (B // batch) x (Hq // heads) items
-        # (dense lists never reach HEAVY_FACTOR x their mean: nothing to cut)
-        longest, entries = (0, 0) if dense else (
-            geometry.blocks_k, (B // geometry.batch) * (Hq // geometry.heads)
-            * (index.row_full.indices.numel() + index.row_partial.indices.numel()))
-        items, merges = split_long_items(items, self.grid[0], sub, longest, entries)
-        self.grid = (min(items.shape[0], num_sms(q.device)), )  # the chunks may fill more SMs
-        self.chunk_sum = ChunkSum(merges, ROW_BLOCK, D)
+        self.chunk_sum = ChunkSum(merges, split, ROW_BLOCK, D)
         self.items, self.starts = assign_programs(items, self.grid[0], sub)
         # the dense path reads no list (any tensor will do)
         self.full_idx, self.part_idx = ((self.items, self.items) if dense else

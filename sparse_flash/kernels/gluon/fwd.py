@@ -37,21 +37,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ...mask_index import KernelIndex, MaskGeometry
 from ..aot import compile_gluon_sm90, descriptor_type
-from .. import settings
 from ..launch import cached_plan, plan_key
 from ..memory import new_output
-from ..schedule import assign_programs, row_items, split_row_items
+from ..schedule import assign_programs, row_items, split_items
 from ..triton.common import LOG2E
 from ..triton.split import SplitPlan
 from .merge import merge_split_rows
 from .pipeline import (GL_DTYPES, bound_launch, list_tile_start, load_kv, num_sms, partition_barrier, release,
-                       release_after_store, ring_barriers, row_descriptor, runs_on, shapes_fit, tma_load,
+                       release_after_store, ring_barriers, row_descriptor, runs_on, shapes_fit, takes_plan, tma_load,
                        tma_store)
 
 BLOCK = 128  # query rows per item and key rows per K/V stage
 K_BUFFERS, V_BUFFERS = 2, 3  # K and V tiles in flight per program: with two Q buffers, 224 KB at D = 128
 ITEM_WIDTH = gl.constexpr(6)  # an item record (`schedule.row_items`)
-SPLIT_ITEM_WIDTH = gl.constexpr(8)  # with the scratch row of a chunk of a split list (`schedule.split_row_items`)
+SPLIT_ITEM_WIDTH = gl.constexpr(8)  # with the scratch row of a chunk of a split list (`schedule.split_items`)
 FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)  # which query rows a compute warpgroup takes
 LOAD_REGS = 24  # registers per thread of the load warp
 COMPUTE_REGS = 224  # registers per thread of the second compute warpgroup (the first gets what is left: 256)
@@ -364,12 +363,9 @@ def shape_supported(q_shape, k_shape, dtype, index: KernelIndex | None, geometry
     """The part of `supported` that does not ask the GPU: dtype, shapes and the mask's blocks and lists.
 
     D = 128, and 64 with `settings.hopper_d64` (`pipeline.head_dims`). Masks whose work plan splits long
-    lists (global rows, each chunk an item of its own, merged after the kernel; tuning log, steps 43-44) come
-    here unless `settings.hopper_split` is off.
+    lists (tuning log, steps 43-44): `pipeline.takes_plan`.
     """
-    if not shapes_fit(q_shape, k_shape, dtype, geometry):
-        return False
-    return index is None or index.row_plan.split.shape[0] == 0 or settings.current().hopper_split
+    return shapes_fit(q_shape, k_shape, dtype, geometry) and takes_plan(None if index is None else index.row_plan)
 
 
 class FwdPlan:
@@ -385,8 +381,8 @@ class FwdPlan:
         self.merges = None
         if split:
             self.split = SplitPlan(q.device, index.row_plan, B, Hq, geometry, D, with_lse=True)
-            self.items, self.merges = split_row_items(B, Hq, Hkv, Nq, Nk, index, geometry, self.split.copy_strides,
-                                                      self.split.copies, q.device, BLOCK)
+            self.items, self.merges = split_items("rows", B, Hq, Hkv, Nq, Nk, index, geometry,
+                                                  self.split.copy_strides, self.split.copies, q.device, BLOCK)
             self.block_q = geometry.block_q
         else:
             self.items = row_items(B, Hq, Hkv, Nq, Nk, causal, index, geometry, q.device)

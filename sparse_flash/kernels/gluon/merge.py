@@ -1,11 +1,12 @@
 """The merges after the Hopper kernels' chunks of long lists (Triton kernels, launched after the Gluon ones).
 
-- Backward (`gluon/dq.py`, `gluon/dkdv.py`): the few very long lists are cut into chunks
-  (`schedule.split_long_items`); each chunk writes its share of the output tile (dQ, or dK and dV) in float32
-  into a scratch slot, and `ChunkSum` adds a tile's chunks in a fixed order (the same result whatever order the
-  chunks ran in) and writes the tile.
-- Forward (`gluon/fwd.py`): the chunks of the lists that the mask's work plan splits write their partial
-  outputs and log-sum-exps to scratch; `merge_split_rows` combines them by log-sum-exp.
+The mask's work plan (`mask_index.WorkPlan`) cuts the few very long lists into chunks, each an item of its own
+(`schedule.split_items`), as for the Triton kernels; what differs is the merge:
+- Backward (`gluon/dq.py`, `gluon/dkdv.py`): each chunk writes its share of the output tile (dQ, or dK and dV)
+  in float32 into a scratch tile, and `ChunkSum` adds a tile's chunks in chunk order (the same result
+  whatever order the chunks ran in) and writes the tile.
+- Forward (`gluon/fwd.py`): the chunks write their partial outputs and log-sum-exps to scratch;
+  `merge_split_rows` combines them by log-sum-exp.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import triton.language as tl
 
 from ..launch import BoundLaunch
 from ..memory import new_output
-from ..triton.split import MERGE_ROWS, store_chunk_merge
+from ..triton.split import MERGE_ROWS, SplitPlan, store_chunk_merge
 
 ROWS = 16  # rows of a tile per program: a cut list's tile spreads over TILE / ROWS programs
 
@@ -24,30 +25,44 @@ ROWS = 16  # rows of a tile per program: a cut list's tile spreads over TILE / R
 @triton.jit
 def _sum_chunks(Out, Part, Merges, HEAD_D: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr):
     """Program p: rows [r, r + ROWS) of merge record p // (TILE / ROWS), r = (p % (TILE / ROWS)) * ROWS.
-    A record is (first output row, first scratch slot, chunks); slot s holds rows [s * TILE, (s + 1) * TILE)
-    of Part."""
+    A record is (first output row, first scratch tile, chunks, stride): chunk c's share lies in scratch tile
+    `first + c * stride`, rows [t * TILE, (t + 1) * TILE) of Part."""
     PARTS: tl.constexpr = TILE // ROWS
-    rec = Merges + (tl.program_id(0) // PARTS) * 3
+    rec = Merges + (tl.program_id(0) // PARTS) * 4
     rows = (tl.program_id(0) % PARTS) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
     cols = tl.arange(0, HEAD_D)  # (HEAD_D,)
-    out_row, first, chunks = tl.load(rec), tl.load(rec + 1), tl.load(rec + 2)
+    out_row, first, chunks, stride = tl.load(rec), tl.load(rec + 1), tl.load(rec + 2), tl.load(rec + 3)
     acc = tl.zeros((ROWS, HEAD_D), tl.float32)  # (ROWS, HEAD_D)
     for c in range(chunks):
-        part_rows = ((first + c) * TILE + rows).to(tl.int64)
+        part_rows = ((first + c * stride) * TILE + rows).to(tl.int64)
         acc += tl.load(Part + part_rows[:, None] * HEAD_D + cols[None, :])
     out_rows = (out_row + rows).to(tl.int64)
     tl.store(Out + out_rows[:, None] * HEAD_D + cols[None, :], acc.to(Out.dtype.element_ty))
 
 
 class ChunkSum:
-    """The merge launch of one call signature: `merges` int32 `(records, 3)` from `split_long_items`, tiles
-    of `tile` rows of `head_dim` columns."""
+    """The merge launch of one call signature, for items of `tile` rows of `head_dim` columns.
 
-    def __init__(self, merges: torch.Tensor, tile: int, head_dim: int):
-        self.slots = int(merges[:, 2].sum()) if merges.shape[0] else 0
+    Args:
+        merges: int32 `(records, 5)` from `schedule.split_items` (first output row, first chunk slot, chunks,
+            copy, tile within its mask block), or None where nothing is split.
+        split: the `split.SplitPlan` of the launch's lists (its copies, mask block and scratch rows).
+
+    The items' scratch field counts `tile`-row scratch tiles (`split_items(..., unit=tile)`): chunk c of a
+    record's tile is scratch tile `((slot + c) * copies + copy) * sub + t`, `sub = mask block / tile`.
+    """
+
+    def __init__(self, merges: torch.Tensor | None, split: SplitPlan, tile: int, head_dim: int):
+        self.slots = split.rows // tile if merges is not None else 0
         self.shape = (max(self.slots, 1), tile, head_dim)
-        self.launch = BoundLaunch(_sum_chunks, merges.shape[0] * (tile // ROWS), (merges, ),
-                                  dict(HEAD_D=head_dim, TILE=tile, ROWS=ROWS), 4, 1) if self.slots else None
+        self.launch = None
+        if self.slots:
+            sub = split.mask_block // tile
+            m = merges.long()
+            records = torch.stack([m[:, 0], (m[:, 1] * split.copies + m[:, 3]) * sub + m[:, 4], m[:, 2],
+                                   torch.full_like(m[:, 0], split.copies * sub)], 1).to(torch.int32).contiguous()
+            self.launch = BoundLaunch(_sum_chunks, records.shape[0] * (tile // ROWS), (records, ),
+                                      dict(HEAD_D=head_dim, TILE=tile, ROWS=ROWS), 4, 1)
 
     def scratch(self, device) -> torch.Tensor:
         """float32 `(slots, tile, head_dim)` for the chunks to write into (one row block if none)."""
@@ -76,7 +91,7 @@ def _merge_split_rows_kernel(Out, Lse, Part, LsePart, RowMerges, copies, HEAD_D:
 
 def merge_split_rows(out, lse, part, lse_part, merges, copies: int, mask_block_q: int, block: int) -> None:
     """Combine the chunks of the split lists into `out` and `lse`: `merges` int32 `(records, 5)` from
-    `schedule.split_row_items`; `part`/`lse_part` the scratch the chunks wrote (`SplitPlan.scratch`)."""
+    `schedule.split_items`; `part`/`lse_part` the scratch the chunks wrote (`SplitPlan.scratch`)."""
     grid = (merges.shape[0], block // MERGE_ROWS.value)
     _merge_split_rows_kernel[grid](out, lse, part, lse_part, merges, copies, HEAD_D=out.shape[-1],
                                    MASK_BLOCK_Q=mask_block_q, BLOCK_M=block)

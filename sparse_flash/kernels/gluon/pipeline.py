@@ -13,7 +13,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import settings
 from ..launch import BoundLaunch
-from ...mask_index import MaskGeometry
+from ...mask_index import MaskGeometry, WorkPlan
 from ..schedule import ROW_BLOCK
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -113,6 +113,13 @@ def shapes_fit(q_shape, k_shape, dtype, geometry: MaskGeometry | None) -> bool:
         if block_q % ROW_BLOCK or block_k % ROW_BLOCK or Nq % block_q or Nk % block_k:
             return False
     return True
+
+
+def takes_plan(plan: WorkPlan | None) -> bool:
+    """Whether a Hopper kernel takes the lists of this work plan (None: the dense path): a plan that splits
+    long lists (global rows or columns: its chunks are items of their own, merged after the kernel,
+    `schedule.split_items`) only while `settings.hopper_split` is on."""
+    return plan is None or plan.split.shape[0] == 0 or settings.current().hopper_split
 
 
 def row_descriptor(t, rows: int, layout):
