@@ -8,7 +8,7 @@ from unittest import mock
 import pytest
 import torch
 
-from sparse_flash import masks
+from sparse_flash import mask_index, masks
 from sparse_flash.kernels import schedule, settings
 
 
@@ -31,7 +31,7 @@ def test_work_items_cover_every_tile_once_heavy_lists_first():
         seen.add((b, h, start))
     assert len(seen) == items.shape[0]
     length = (items[:, 3] - items[:, 2]).float()
-    heavy = length > schedule.HEAVY_FACTOR * length.mean()
+    heavy = length > mask_index.HEAVY_FACTOR * length.mean()
     assert heavy.any() and not (heavy[1:] & ~heavy[:-1]).any()  # heavy items come first
 
 
@@ -68,8 +68,6 @@ def test_sparse_causal_items_take_the_full_and_partial_lists():
 def _split_mask(monkeypatch):
     """BigBird at 2,048 tokens in 256-token blocks, with the work plans patched to cut every list longer
     than 2 blocks into at most 3 chunks."""
-    from sparse_flash import mask_index
-
     monkeypatch.setattr(mask_index, "SPLIT_MIN_CHUNK", 2)
     monkeypatch.setattr(mask_index, "SPLIT_FACTOR", 0)
     monkeypatch.setattr(mask_index, "SPLIT_MAX_CHUNKS", 3)

@@ -16,10 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..mask_index import ITEM_FIELDS, BlockIndex, KernelIndex, MaskGeometry
+from ..mask_index import HEAVY_FACTOR, ITEM_FIELDS, BlockIndex, KernelIndex, MaskGeometry
 from . import settings
 
-HEAVY_FACTOR = 4  # items with lists longer than this many times the mean start first (`order_items`)
 # Time per item besides its key tiles (Q load, first S, last O += P V, O store), in key tiles, for balancing:
 # 3.2 us against 1.74 us per tile, fitted on local masks of 3 and 9 blocks per row (tuning log, step 44).
 ITEM_COST = 2
@@ -156,7 +155,8 @@ def split_items(along: str, B, Hq, Hkv, Nq, Nk, index: KernelIndex, geometry: Ma
 def order_items(items, causal: bool):
     """Items (fields 2-5: full and partial list ranges) in the order they start: causal calls longest list
     first (their lists grow along the diagonal, and the long ones must not come last); other calls heavy
-    lists first, then as given (by (batch, head) and tile, so that the programs in flight share one head's
+    lists first (longer than `mask_index.HEAVY_FACTOR` x the mean, as the Triton kernels' work plans start
+    them), then as given (by (batch, head) and tile, so that the programs in flight share one head's
     tensors in L2). Returns int32 records."""
     length = items[:, 3] - items[:, 2] + items[:, 5] - items[:, 4]
     if causal:
