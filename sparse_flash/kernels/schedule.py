@@ -22,6 +22,8 @@ from . import settings
 # Time per item besides its key tiles (Q load, first S, last O += P V, O store), in key tiles, for balancing:
 # 3.2 us against 1.74 us per tile, fitted on local masks of 3 and 9 blocks per row (tuning log, step 44).
 ITEM_COST = 2
+ITEM_WIDTH = 8  # int32 fields of a Gluon item record: the six of `row_items` or `column_items`, the scratch place
+# of a chunk of a split list (-1: the item writes its output; `split_items`), padding
 BUNDLES_PER_PROGRAM = 16  # runs of items per program that the balancing places (bounds its host time)
 ROW_BLOCK = 128  # query rows per item of the kernels that walk row lists (`row_items`), and key rows per list tile
 
@@ -101,8 +103,8 @@ def split_items(along: str, B, Hq, Hkv, Nq, Nk, index: KernelIndex, geometry: Ma
     column's lists for every query head of its group. Each chunk of a split list is an item of its own, taken
     from the plan's records (`WorkPlan.items`); chunks first, then the rest by (batch, head).
 
-    Records have 8 int32 fields: the six of `row_items` or `column_items`, then the chunk's scratch place
-    (-1: not split) and padding. The scratch of chunk slot `slot` (`WorkPlan.slots`) and copy `copy` (a
+    Records have ITEM_WIDTH int32 fields: the six of `row_items` or `column_items`, then the chunk's scratch
+    place (-1: not split) and padding. The scratch of chunk slot `slot` (`WorkPlan.slots`) and copy `copy` (a
     (batch, head) sharing the mask: `copy_strides`, `copies` from `split.SplitPlan`) starts at row
     `(slot * copies + copy) * mask block`, the item's tile `s * BLOCK` rows further; the field holds that row
     divided by `unit` (1: a row, BLOCK: a BLOCK-row scratch tile). One merge record per (tile of a split
@@ -150,6 +152,12 @@ def split_items(along: str, B, Hq, Hkv, Nq, Nk, index: KernelIndex, geometry: Ma
     first = (chunk == 0) & (slot >= 0) & valid
     merges = torch.stack([own_row, slot, field("chunks"), copy, s.expand(shape)], -1)[first]
     return items[order].to(torch.int32).contiguous(), merges.to(torch.int32).contiguous()
+
+
+def whole_items(items):
+    """`row_items` or `column_items` records as ITEM_WIDTH-field records of items that are not chunks
+    (scratch place -1), for a mask whose plans split nothing or the dense path."""
+    return torch.cat([items, torch.full_like(items[:, :1], -1), torch.zeros_like(items[:, :1])], 1).contiguous()
 
 
 def order_items(items, causal: bool):

@@ -40,7 +40,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ...mask_index import KernelIndex, MaskGeometry
 from ..aot import compile_gluon_sm90, descriptor_type
 from ..memory import new_output
-from ..schedule import assign_programs, column_items, split_items
+from .. import schedule
+from ..schedule import assign_programs, column_items, split_items, whole_items
 from ..triton.common import LOG2E
 from ..triton.split import SplitPlan
 from .merge import ChunkSum
@@ -51,8 +52,7 @@ from .pipeline import (GL_DTYPES, bound_launch, list_tile_start, num_sms, partit
 BLOCK_N = 128  # keys per item (64 per compute warpgroup)
 BLOCK_M = 64  # query rows per step
 STEP_BUFFERS = 3  # Q / dO / lse / delta slots in flight; with two K/V buffers, 226 KB of shared memory
-# (first K/V row, first Q row of the group's first head, full lo, hi, partial lo, hi, scratch slot)
-ITEM_WIDTH = gl.constexpr(7)
+ITEM_WIDTH = gl.constexpr(schedule.ITEM_WIDTH)  # fields of an item record (`schedule.split_items`)
 FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)
 LOAD_REGS = 24
 COMPUTE_REGS = 240  # each compute warpgroup's (the first gets what the launch cap leaves: also 240)
@@ -274,10 +274,9 @@ class DkdvPlan:
         if split.num_split:  # the chunks of the lists the mask's work plan splits (host sizes: no wait otherwise)
             items, merges = split_items("cols", B, Hq, Hkv, Nq, Nk, index, geometry, split.copy_strides,
                                         split.copies, q.device, BLOCK_N, unit=BLOCK_N)
-            items = items[:, :7].contiguous()
         else:
-            items, merges = column_items(B, Hq, Hkv, Nq, Nk, causal, index, geometry, q.device, BLOCK_N, BLOCK_M), None
-            items = torch.cat([items, torch.full_like(items[:, :1], -1)], 1)  # no scratch
+            items, merges = whole_items(column_items(B, Hq, Hkv, Nq, Nk, causal, index, geometry, q.device, BLOCK_N,
+                                                      BLOCK_M)), None
         self.grid = (min(items.shape[0], num_sms(q.device)), )
         self.chunk_sum = ChunkSum(merges, split, BLOCK_N, D)
         self.items, self.starts = assign_programs(items, self.grid[0], sub * (Hq // Hkv))

@@ -32,7 +32,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ...mask_index import KernelIndex, MaskGeometry
 from ..aot import compile_gluon_sm90, descriptor_type
 from ..memory import new_output
-from ..schedule import ROW_BLOCK, assign_programs, row_items, split_items
+from .. import schedule
+from ..schedule import ROW_BLOCK, assign_programs, row_items, split_items, whole_items
 from ..triton.common import LOG2E
 from ..triton.split import SplitPlan
 from .merge import ChunkSum
@@ -42,7 +43,7 @@ from .pipeline import (GL_DTYPES, bound_launch, list_tile_start, load_kv, num_sm
 
 BLOCK_N = 64  # keys per step
 KV_BUFFERS = 3  # K and V tiles in flight each; with two Q and two dO buffers, 224 KB of shared memory
-ITEM_WIDTH = gl.constexpr(7)  # `schedule.row_items` and a scratch tile (`schedule.split_items`)
+ITEM_WIDTH = gl.constexpr(schedule.ITEM_WIDTH)  # fields of an item record (`schedule.split_items`)
 FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)
 LOAD_REGS = 24
 COMPUTE_REGS = 240  # each compute warpgroup's (the first gets what the launch cap leaves: also 240)
@@ -237,10 +238,8 @@ class DqPlan:
         if split.num_split:  # the chunks of the lists the mask's work plan splits (host sizes: no wait otherwise)
             items, merges = split_items("rows", B, Hq, Hkv, Nq, Nk, index, geometry, split.copy_strides, split.copies,
                                         q.device, ROW_BLOCK, unit=ROW_BLOCK)
-            items = items[:, :7].contiguous()
         else:
-            items, merges = row_items(B, Hq, Hkv, Nq, Nk, causal, index, geometry, q.device), None
-            items = torch.cat([items, torch.full_like(items[:, :1], -1)], 1)  # no scratch
+            items, merges = whole_items(row_items(B, Hq, Hkv, Nq, Nk, causal, index, geometry, q.device)), None
         self.grid = (min(items.shape[0], num_sms(q.device)), )
         self.chunk_sum = ChunkSum(merges, split, ROW_BLOCK, D)
         self.items, self.starts = assign_programs(items, self.grid[0], sub)

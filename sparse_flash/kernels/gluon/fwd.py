@@ -39,7 +39,8 @@ from ...mask_index import KernelIndex, MaskGeometry
 from ..aot import compile_gluon_sm90, descriptor_type
 from ..launch import cached_plan, plan_key
 from ..memory import new_output
-from ..schedule import assign_programs, row_items, split_items
+from .. import schedule
+from ..schedule import assign_programs, row_items, split_items, whole_items
 from ..triton.common import LOG2E
 from ..triton.split import SplitPlan
 from .merge import merge_split_rows
@@ -49,8 +50,7 @@ from .pipeline import (GL_DTYPES, bound_launch, list_tile_start, load_kv, num_sm
 
 BLOCK = 128  # query rows per item and key rows per K/V stage
 K_BUFFERS, V_BUFFERS = 2, 3  # K and V tiles in flight per program: with two Q buffers, 224 KB at D = 128
-ITEM_WIDTH = gl.constexpr(6)  # an item record (`schedule.row_items`)
-SPLIT_ITEM_WIDTH = gl.constexpr(8)  # with the scratch row of a chunk of a split list (`schedule.split_items`)
+ITEM_WIDTH = gl.constexpr(schedule.ITEM_WIDTH)  # fields of an item record (`schedule.split_items`)
 FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)  # which query rows a compute warpgroup takes
 LOAD_REGS = 24  # registers per thread of the load warp
 COMPUTE_REGS = 224  # registers per thread of the second compute warpgroup (the first gets what is left: 256)
@@ -60,7 +60,7 @@ MAX_REGS = 168  # registers per thread of the whole program (12 warps: 8 compute
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                     v_empty, Items, Starts, FullIdx, PartIdx, Nq, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr,
-                    DENSE: gl.constexpr, DEAD_TILES: gl.constexpr, WIDTH: gl.constexpr):
+                    DENSE: gl.constexpr, DEAD_TILES: gl.constexpr):
     """The load warp: for each of this program's items, Q into a free Q buffer, then every K and V tile of
     the item's full list and then of its partial list (those holding an allowed pair, `_partial_tiles`) into
     the next free buffers of the K and V rings. Waits only for buffers to be freed."""
@@ -69,7 +69,7 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_e
     t = 0  # K/V tiles issued so far (ring positions)
     c = 0  # items issued so far (Q buffer position)
     for it in range(gl.load(Starts + gl.program_id(0)), gl.load(Starts + gl.program_id(0) + 1)):
-        rec = Items + it * WIDTH
+        rec = Items + it * ITEM_WIDTH
         q_row = gl.load(rec)
         kv_row = gl.load(rec + 1)
         qb = c % 2
@@ -229,7 +229,7 @@ def _store_tile_tma(o_desc, o_smem, L, row, out, m_i, l_safe, empty, offs_m):
 def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Lse,
                        OutPart, LsePart, V, Items, Starts, PartIdx, Nq, qk_scale, SUB: gl.constexpr,
                        MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, DEAD_TILES: gl.constexpr,
-                       SPLIT: gl.constexpr, WIDTH: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
+                       SPLIT: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
     """One compute warpgroup: the online softmax over each item's K/V tiles for its half of the item's
     query rows, then O and the log-sum-exp (SPLIT: for a chunk of a split list, into its scratch rows).
 
@@ -258,7 +258,7 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
     t = 0  # K/V tiles consumed so far (ring positions, as in the load warp)
     c = 0
     for it in range(gl.load(Starts + gl.program_id(0)), gl.load(Starts + gl.program_id(0) + 1)):
-        rec = Items + it * WIDTH
+        rec = Items + it * ITEM_WIDTH
         q_row = gl.load(rec) + HALF * BLOCK_M  # this warpgroup's first row of Q, O and the log-sum-exp
         q_tok = q_row % Nq  # its position in the sequence
         n_full = (gl.load(rec + 3) - gl.load(rec + 2)) * SUB
@@ -335,7 +335,6 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, OutPart, LsePar
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    WIDTH: gl.constexpr = SPLIT_ITEM_WIDTH if SPLIT else ITEM_WIDTH
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, BLOCK_N, HEAD_D], v_desc.layout)
@@ -345,12 +344,12 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, OutPart, LsePar
     gl.warp_specialize([
         (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Lse,
                               OutPart, LsePart, V, Items, Starts, PartIdx, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
-                              CAUSAL, DEAD_TILES, SPLIT, WIDTH, FIRST_HALF, num_warps)),  # rows [0, 64) of each item
+                              CAUSAL, DEAD_TILES, SPLIT, FIRST_HALF, num_warps)),  # rows [0, 64) of each item
         (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Lse,
                               OutPart, LsePart, V, Items, Starts, PartIdx, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
-                              CAUSAL, DEAD_TILES, SPLIT, WIDTH, SECOND_HALF, num_warps)),  # query rows [64, 128)
+                              CAUSAL, DEAD_TILES, SPLIT, SECOND_HALF, num_warps)),  # query rows [64, 128)
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                           v_empty, Items, Starts, FullIdx, PartIdx, Nq, SUB, MASK_BLOCK_K, DENSE, DEAD_TILES, WIDTH)),
+                           v_empty, Items, Starts, FullIdx, PartIdx, Nq, SUB, MASK_BLOCK_K, DENSE, DEAD_TILES)),
     ], [num_warps, 1], [COMPUTE_REGS, LOAD_WARP_REGS])
 
 
@@ -385,7 +384,7 @@ class FwdPlan:
                                                   self.split.copy_strides, self.split.copies, q.device, BLOCK)
             self.block_q = geometry.block_q
         else:
-            self.items = row_items(B, Hq, Hkv, Nq, Nk, causal, index, geometry, q.device)
+            self.items = whole_items(row_items(B, Hq, Hkv, Nq, Nk, causal, index, geometry, q.device))
         # the dense path reads no list (any tensor will do)
         self.full_idx, self.part_idx = ((self.items, self.items) if dense else
                                         (index.row_full.indices, index.row_partial.indices))
