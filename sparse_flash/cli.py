@@ -89,6 +89,8 @@ def _check_sizes(args) -> None:
 
 def _png_path(path: str, what: str) -> Path:
     """A PNG file to write: named `*.png` or without a suffix, and written under exactly that name."""
+    if not path or Path(path).name in ("", ".", ".."):
+        raise UsageError(f"{what} must name a file, got {path!r}")
     if Path(path).suffix.lower() not in ("", ".png"):
         raise UsageError(f"{what} must name a .png file (or a name without a suffix), got {path!r}")
     return Path(path)

@@ -64,7 +64,7 @@ def to_flex(mask: BlockMask, causal: bool = False, *, eager_exact: bool = True):
     eager_exact = as_bool(eager_exact, "eager_exact")
     flex = _flex_module()
     Mk = mask.num_blocks[1]
-    idx = mask.kernel_index(causal)
+    idx = mask._lists(causal)
     kv_num, kv_idx = _padded(idx.row_partial, Mk)
     full_num, full_idx = _padded(idx.row_full, Mk)
     return flex.BlockMask.from_kv_blocks(

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from .checks import is_int, as_bool, as_pair
+from .checks import as_bool, as_pair, is_bool, is_int
 from .mask_index import (LONG_LIST_BLOCKS, BlockIndex, KernelIndex, MaskGeometry, MaskIndex, build_index,
                          build_topk_index, candidates, gpu_builders, topk_sizes, topk_tables)
 
@@ -45,7 +45,8 @@ class Tiling(NamedTuple):
 
 
 class _ReadOnlyLayout(torch.Tensor):
-    """The view of a mask's layout handed to users: every in-place write raises, views stay read-only.
+    """The views of a mask's tensors handed to users (its layout, its index lists): every in-place write
+    raises, views stay read-only.
 
     Everything else (indexing, arithmetic, `.to`, `.numpy()` as a read-only array) works as on a plain tensor
     and returns plain tensors.
@@ -64,8 +65,9 @@ class _ReadOnlyLayout(torch.Tensor):
         if name in cls._WRITES or (name.endswith("_") and not name.endswith("__")) or any(
                 isinstance(o, _ReadOnlyLayout) for o in outs):
             raise RuntimeError(
-                f"BlockMask.layout is read-only ({name} writes to it): a mask is an immutable value. Build a new "
-                "mask with BlockMask.from_layout(mask.layout.clone() ...) or combine masks with | and &")
+                f"a BlockMask's layout and index lists are read-only ({name} writes to it): a mask is an immutable "
+                "value. Build a new mask with BlockMask.from_layout(mask.layout.clone() ...) or combine masks with "
+                "| and &")
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
         return _protect_views(result, args[0] if args else None)
@@ -91,6 +93,13 @@ def _protect_views(result, source):
             and result.numel() > 0):
         return torch.Tensor._make_subclass(_ReadOnlyLayout, result)
     return result
+
+
+def _read_only(record):
+    """A record of tensors (`BlockIndex`, `KernelIndex`, ...) with every tensor, at any depth, a read-only view."""
+    return type(record)(*(_read_only(x) if isinstance(x, tuple) else
+                          torch.Tensor._make_subclass(_ReadOnlyLayout, x) if isinstance(x, torch.Tensor) else x
+                          for x in record))
 
 
 _INDEX_LIMIT = 2**31 - 1  # int32 offsets address the index lists
@@ -179,6 +188,11 @@ def _check_scores(scores, block_size, seq_len_q, seq_len_k):
 
 def _check_k(k, heads: int, Mk: int) -> tuple[int, ...]:
     """`k` as host ints: `(k,)`, or one per head (a CUDA tensor is read: one wait for the device)."""
+    if isinstance(k, torch.Tensor) and k.dim() == 0 and not (k.is_floating_point() or k.is_complex()
+                                                             or k.dtype == torch.bool):
+        k = int(k)  # a 0-d int tensor: one k for all heads
+    elif type(k).__module__ == "numpy" and hasattr(k, "tolist") and getattr(k, "ndim", 0) == 1:
+        k = k.tolist()  # a NumPy array of ints: a sequence (its dtype is checked as a sequence's items)
     if is_int(k):
         ks = (int(k),)
     elif isinstance(k, torch.Tensor) or (isinstance(k, (tuple, list)) and all(is_int(x) for x in k)):
@@ -419,8 +433,14 @@ class BlockMask:
         """
         scores, (bq, bk), seq_len_q, seq_len_k = _check_scores(scores, block_size, seq_len_q, seq_len_k)
         causal = _check_flag(causal, "causal")
-        if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not math.isfinite(threshold):
+        if is_bool(threshold) or not isinstance(threshold, numbers.Real):
             raise TypeError(f"threshold must be a finite float, got {type(threshold).__name__} {threshold!r}")
+        try:
+            finite = math.isfinite(threshold)
+        except OverflowError:  # an int past every float
+            finite = False
+        if not finite:
+            raise ValueError(f"threshold must be a finite float, got {repr(threshold)[:40]}")
         _check_finite(scores)
         B, H, Mq, Mk = scores.shape
         cand = candidates(True, (Mq, Mk, bq, bk, seq_len_q, seq_len_k), scores.device)
@@ -445,6 +465,8 @@ class BlockMask:
         Mq, Mk = layout.shape[-2:]
         seq_len_q = _check_length(seq_len_q, "seq_len_q", Mq, bq)
         seq_len_k = _check_length(seq_len_k, "seq_len_k", Mk, bk)
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, got {type(name).__name__}")
         for flag in dict.keys(index.rows):  # the flags built already
             shapes = (tuple(index.rows[flag].counts.shape), tuple(index.cols[flag].counts.shape))
             if shapes != (tuple(layout.shape[:3]), (*layout.shape[:2], Mk)) or not 0 <= index.nnz <= layout.numel():
@@ -490,12 +512,12 @@ class BlockMask:
 
     def longest_row(self, causal: bool = False) -> int:
         """The most key blocks that one query block walks in an attention call with this `causal` flag."""
-        return self._index.longest_row[bool(causal)]
+        return self._index.longest_row[as_bool(causal, "causal")]
 
     def has_long_lists(self, causal: bool = False) -> bool:
         """True if the rows walked by an attention call with this `causal` flag average at least
         `LONG_LIST_BLOCKS` blocks; the kernels then use wider tiles."""
-        return self._index.long_lists[bool(causal)]
+        return self._index.long_lists[as_bool(causal, "causal")]
 
     # ------------------------------------------------------------------ conversions
     def to(self, device) -> "BlockMask":
@@ -560,19 +582,21 @@ class BlockMask:
 
     # ------------------------------------------------------------------ index lists
     def row_index(self, causal: bool = False) -> BlockIndex:
-        """For each (batch, head, query block): how many key blocks and which, sorted.
+        """For each (batch, head, query block): how many key blocks and which, sorted; read-only views of the
+        mask's own lists (in-place writes raise).
 
         With `causal`, blocks lying entirely above the causal diagonal (no allowed pair) are left out.
         """
-        return self._index.rows[bool(causal)]
+        return _read_only(self._index.rows[as_bool(causal, "causal")])
 
     def col_index(self, causal: bool = False) -> BlockIndex:
-        """For each (batch, head, key block): how many query blocks and which, sorted."""
-        return self._index.cols[bool(causal)]
+        """For each (batch, head, key block): how many query blocks and which, sorted; read-only views."""
+        return _read_only(self._index.cols[as_bool(causal, "causal")])
 
     def kernel_index(self, causal: bool = False) -> KernelIndex:
-        """The full/partial row and column lists that an attention call with this `causal` flag walks."""
-        return self._index.kernel[bool(causal)]
+        """The full/partial row and column lists and work plans that an attention call with this `causal` flag
+        walks; read-only views."""
+        return _read_only(self._index.kernel[as_bool(causal, "causal")])
 
     def kernel_geometry(self, causal: bool = False) -> MaskGeometry:
         """The sizes the kernels need beside `kernel_index(causal)`."""
@@ -583,9 +607,24 @@ class BlockMask:
         """What the kernels take for an attention call with this `causal` flag: `(kernel_index, kernel_geometry)`,
         or `(None, None)` when every block the call can reach is in the mask (the dense path, which walks every
         block without loading indices)."""
+        index, geometry = self._records(as_bool(causal, "causal"))
+        return (None if index is None else _read_only(index)), geometry
+
+    # The library's own readers of the lists, which never write them, take the mask's tensors themselves: a
+    # read-only view's dispatch would cost every kernel call host time, and torch.compile would trace it.
+    def _records(self, causal: bool) -> tuple[KernelIndex | None, MaskGeometry | None]:
+        """`kernel_records(causal)` as the mask's own tensors."""
         if self.is_dense or (causal and self.covers_causal):
             return None, None
-        return self.kernel_index(causal), self.kernel_geometry(causal)
+        return self._index.kernel[causal], self.kernel_geometry(causal)
+
+    def _lists(self, causal: bool) -> KernelIndex:
+        """`kernel_index(causal)` as the mask's own tensors."""
+        return self._index.kernel[causal]
+
+    def _rows(self, causal: bool) -> BlockIndex:
+        """`row_index(causal)` as the mask's own tensors."""
+        return self._index.rows[causal]
 
     # ------------------------------------------------------------------ algebra
     def _check_same_geometry(self, other, op: str) -> None:

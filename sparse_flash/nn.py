@@ -56,11 +56,12 @@ def _check_pattern(name: str, params: dict, block_size) -> None:
     for param, spec in accepted.items():
         if param not in _GEOMETRY_ARGS and spec.default is inspect.Parameter.empty and param not in params:
             raise TypeError(f"mask pattern {name!r} needs {param!r} in mask_params, got mask_params {params}")
-    trial = dict(params)
-    if isinstance(trial.get("seed"), torch.Generator):
-        trial["seed"] = 0  # a valid seed; drawing from the caller's generator would change the layer's masks
+    if isinstance(params.get("seed"), torch.Generator):
+        raise TypeError(
+            "mask_params 'seed' must be an int, got a torch.Generator: it advances with every mask the layer "
+            "builds, so a mask rebuilt for a length (after a copy, or once the cache dropped it) would differ")
     try:
-        masks.build(name, block_pair(block_size)[0], block_size, **trial)
+        masks.build(name, block_pair(block_size)[0], block_size, **params)
     except GridError:
         pass
     except (TypeError, ValueError) as e:
@@ -88,7 +89,8 @@ class BlockSparseAttention(nn.Module):
         mask_params: keyword parameters of the pattern, e.g. `{"window": 2}`; only with a pattern name.
             Checked at construction (a small mask is built); a parameter that depends on the length (a global
             block index) is checked for each length when its mask is built.
-        block_size: block size of the masks built from a pattern name, int or `(block_q, block_k)`, from 1.
+        block_size: block size of the masks built from a pattern name, int or `(block_q, block_k)`, from 1
+            (default 128); with a `BlockMask`, None or the mask's own.
         causal: also require `key position <= query position` (top-left aligned); a bool.
         dropout: probability of zeroing an element of the output (in training mode), a float in [0, 1].
         bias: add biases to the four projections; a bool.
@@ -120,7 +122,7 @@ class BlockSparseAttention(nn.Module):
         vdim: int | None = None,
         mask: BlockMask | str | None = None,
         mask_params: dict | None = None,
-        block_size=128,
+        block_size=None,
         causal: bool = False,
         dropout: float = 0.0,
         bias: bool = True,
@@ -156,9 +158,16 @@ class BlockSparseAttention(nn.Module):
             raise TypeError(
                 f"mask_params must be a dict of pattern parameters or None, got {type(mask_params).__name__}"
             )
+        if block_size is not None:
+            pair = block_pair(block_size)
+            if isinstance(mask, BlockMask) and pair != mask.block_size:
+                raise ValueError(f"block_size must be None or the mask's block size {mask.block_size}, got "
+                                 f"{block_size!r}")
+        if isinstance(mask, BlockMask):
+            block_size = mask.block_size
         if isinstance(mask, str):
+            block_size = 128 if block_size is None else block_size
             mask_params = dict(mask_params or {})
-            block_pair(block_size)
             _check_pattern(mask, mask_params, block_size)
         elif mask_params:
             raise ValueError(f"mask_params only applies to a pattern name, but mask is {type(mask).__name__}")

@@ -80,7 +80,7 @@ def attention_torch(
     Mq, Mk = mask.num_blocks
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     mask = mask.to(q.device)
-    index = mask.row_index(causal)
+    index = mask._rows(causal)
     longest = mask.longest_row(causal)
 
     # One work row per (b, hq, query block), numbered (b * Hq + hq) * Mq + i.

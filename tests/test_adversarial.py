@@ -372,3 +372,104 @@ def test_flash_attention_on_the_torch_backends_builds_no_mask(backend, causal):
         compiled = torch.compile(lambda q, k, v: sparse_flash.flash_attention(q, k, v, causal=causal, backend="torch"),
                                  fullgraph=True, backend="aot_eager")
         torch.testing.assert_close(compiled(q, k, v), out, atol=1e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- findings of a probe of the newer features
+def test_a_layer_refuses_a_generator_seed_whose_masks_would_drift():
+    """A `torch.Generator` as a pattern's seed advances with every mask the layer builds, so a mask rebuilt
+    for a length (after a copy, or after the cache dropped it) would differ: refused, as in the transformers
+    integration; an int seed gives the same mask every time."""
+    from sparse_flash.nn import BlockSparseAttention
+
+    with pytest.raises(TypeError, match="seed"):
+        BlockSparseAttention(32, 2, mask="random", block_size=16,
+                             mask_params={"seed": torch.Generator().manual_seed(1), "density": 0.5})
+    attn = BlockSparseAttention(32, 2, mask="random", block_size=16, mask_params={"seed": 1, "density": 0.5})
+    x = torch.randn(1, 64, 32)
+    y = attn(x)
+    for n in range(1, 18):  # more lengths than the cache keeps: the first mask is rebuilt
+        attn(torch.randn(1, 64 + n, 32))
+    assert torch.equal(attn(x), y) and torch.equal(copy.deepcopy(attn)(x), y)
+
+
+@pytest.mark.parametrize("lists", [lambda m: m.row_index(), lambda m: m.col_index(True),
+                                   lambda m: m.kernel_index().row_full, lambda m: m.kernel_index(True).col_plan])
+def test_index_lists_handed_out_are_read_only(lists):
+    """The index lists a mask hands out share its memory: writes raise, so the kernels never walk lists
+    that no longer match the layout."""
+    mask = BlockMask.from_topk(torch.randn(1, 1, 4, 4, generator=torch.Generator().manual_seed(0)), 2,
+                               block_size=16)
+    q = torch.randn(1, 1, 64, 16)
+    before = sparse_flash.block_sparse_attention(q, q, q, mask, backend="torch")
+    for t in lists(mask):
+        with pytest.raises(RuntimeError, match="read-only"):
+            t.zero_()
+        assert t.clone().numel() == t.numel()  # reads work
+    assert torch.equal(sparse_flash.block_sparse_attention(q, q, q, mask, backend="torch"), before)
+
+
+@pytest.mark.parametrize("name", [3, ["a"], b"x"])
+def test_from_topk_refuses_a_name_that_is_not_a_str(name):
+    with pytest.raises(TypeError, match="name must be a str"):
+        BlockMask.from_topk(torch.randn(1, 2, 4, 4), 2, block_size=16, name=name)
+
+
+@pytest.mark.parametrize("shape", [(0, 16, 3), (1, 16, 0), (0, 2, 16, 3)])
+def test_tiles_of_empty_tensors_are_empty(shape):
+    x = torch.zeros(shape)
+    tiled = masks.to_tiles(x, 4, 4, 2)
+    assert tiled.shape == x.shape and masks.from_tiles(tiled, 4, 4, 2).shape == x.shape
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(heads=0), ValueError), (dict(heads=-1), ValueError), (dict(heads=1.5), TypeError),
+    (dict(heads="2"), TypeError), (dict(heads=True), TypeError), (dict(path=5), TypeError)])
+def test_plot_refuses_bad_heads_and_paths(kwargs, error):
+    pytest.importorskip("matplotlib")
+    with pytest.raises(error, match="heads" if "heads" in kwargs else "path"):
+        masks.butterfly(256, 32).plot(**kwargs)
+
+
+@pytest.mark.parametrize("threshold, error", [(10**400, ValueError), (float("nan"), ValueError),
+                                              (float("inf"), ValueError), ("0.5", TypeError), (True, TypeError)])
+def test_from_scores_threshold_errors_name_it(threshold, error):
+    with pytest.raises(error, match="threshold"):
+        BlockMask.from_scores(torch.randn(1, 1, 4, 4), threshold, block_size=16)
+
+
+@pytest.mark.parametrize("method", ["row_index", "col_index", "kernel_index", "kernel_geometry", "longest_row",
+                                    "has_long_lists", "kernel_records"])
+@pytest.mark.parametrize("causal", ["no", None, 1, "x"])
+def test_mask_methods_refuse_a_causal_that_is_not_a_bool(method, causal):
+    with pytest.raises(TypeError, match="causal"):
+        getattr(masks.butterfly(256, 32), method)(causal)
+
+
+def test_mask_methods_take_numpy_bools():
+    np = pytest.importorskip("numpy")
+    mask = masks.butterfly(256, 32)
+    assert mask.longest_row(np.bool_(True)) == mask.longest_row(True)
+
+
+def test_layer_block_size_is_checked_whatever_the_mask():
+    from sparse_flash.nn import BlockSparseAttention
+
+    for mask in (None, masks.butterfly(64, 16)):
+        for bad, error in (("junk", TypeError), (0, ValueError)):
+            with pytest.raises(error, match="block_size"):
+                BlockSparseAttention(32, 2, mask=mask, block_size=bad)
+    with pytest.raises(ValueError, match="block_size"):  # a mask of blocks of 16 is not one of 32
+        BlockSparseAttention(32, 2, mask=masks.butterfly(64, 16), block_size=32)
+    attn = BlockSparseAttention(32, 2, mask=masks.butterfly(64, 16), block_size=16)
+    assert attn.block_size == (16, 16) and "block_size=(16, 16)" in repr(attn)
+    assert BlockSparseAttention(32, 2, mask=masks.butterfly(64, 16)).block_size == (16, 16)
+    assert BlockSparseAttention(32, 2, mask="butterfly").block_size == 128  # the patterns' default
+
+
+@pytest.mark.parametrize("k", ["numpy", "0-d tensor", "numpy int"])
+def test_from_topk_takes_k_as_numpy_and_0d_tensors(k):
+    np = pytest.importorskip("numpy")
+    scores = torch.randn(1, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    given = {"numpy": np.array([1, 2]), "0-d tensor": torch.tensor(2), "numpy int": np.int64(2)}[k]
+    want = (1, 2) if k == "numpy" else 2
+    assert BlockMask.from_topk(scores, given, block_size=16) == BlockMask.from_topk(scores, want, block_size=16)

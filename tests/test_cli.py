@@ -166,3 +166,8 @@ def test_console_script_and_module_run_as_processes():
     assert bad.stderr.startswith("sparse-flash: error: unknown mask pattern 'nope'") and "Traceback" not in bad.stderr
     info = subprocess.run([sys.executable, "-m", "sparse_flash", "info"], capture_output=True, text=True)
     assert info.returncode == 0 and "reference  usable" in info.stdout
+
+
+def test_an_empty_png_name_is_a_usage_error(capsys):
+    code, _, err = run(capsys, "masks", "show", "dense", "--png", "")
+    assert code == 2 and "--png" in err and "Traceback" not in err

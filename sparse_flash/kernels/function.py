@@ -90,7 +90,7 @@ def attention_triton(q, k, v, mask: BlockMask | None, *, causal: bool, scale: fl
         bq, bk = mask.block_size
         if bq % 16 or bk % 16:
             raise ValueError(f"the triton backend needs mask block sizes that are multiples of 16, got {mask.block_size}")
-        index, geometry = mask.kernel_records(causal)
+        index, geometry = mask._records(causal)
     if scale <= 0:
         # The kernels keep scores in log2 units times a positive factor (their running maximum relies on it):
         # s * (q . k) == |s| * ((-q) . k), and a zero scale is a zero query. Autograd carries the sign to dq.

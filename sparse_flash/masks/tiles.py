@@ -68,14 +68,14 @@ def _to_tiles(x: torch.Tensor, tiling: Tiling) -> torch.Tensor:
     lead, k = x.shape[:-2], x.dim() - 2
     y = x.reshape(*lead, *_split(tiling), x.shape[-1])  # (..., Tt, tt, Th, th, Tw, tw, C)
     y = y.permute(*range(k), k, k + 2, k + 4, k + 1, k + 3, k + 5, k + 6)  # (..., Tt, Th, Tw, tt, th, tw, C)
-    return y.reshape(*lead, -1, x.shape[-1])
+    return y.reshape(x.shape)  # (no -1: a tensor with no elements has no size to infer)
 
 
 def _from_tiles(x: torch.Tensor, tiling: Tiling) -> torch.Tensor:
     lead, k = x.shape[:-2], x.dim() - 2
     y = x.reshape(*lead, *tiling.tiles, *tiling.tile, x.shape[-1])  # (..., Tt, Th, Tw, tt, th, tw, C)
     y = y.permute(*range(k), k, k + 3, k + 1, k + 4, k + 2, k + 5, k + 6)  # (..., Tt, tt, Th, th, Tw, tw, C)
-    return y.reshape(*lead, -1, x.shape[-1])
+    return y.reshape(x.shape)
 
 
 def to_tiles(x: torch.Tensor, height: int, width: int, tile, *, frames: int | None = None) -> torch.Tensor:
