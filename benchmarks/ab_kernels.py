@@ -63,6 +63,14 @@ SWITCHES = {"tma": ("tma", ("fwd", "bwd")), "hopper": ("hopper_forward", ("fwd",
 BASE_PACKAGE = "sparse_flash_base"  # the name a saved package copy is imported under
 
 
+def kernel_records(mask, causal: bool):
+    """The mask's lists and geometry as its kernels get them: the tensors themselves (`_records`), not the
+    read-only views handed to users, whose dispatch would add host time to every version's calls alike (masks
+    of packages before 2026-12-02 have no `_records`)."""
+    records = getattr(mask, "_records", None)
+    return records(causal) if records is not None else mask.kernel_records(causal)
+
+
 def parse_row(text: str) -> tuple:
     """`B,Hq,Hkv,N,D,MASK,CAUSAL` (MASK a benchmark mask name or local<w>, CAUSAL true or false) as a row."""
     parts = [p.strip() for p in text.split(",")]
@@ -135,7 +143,7 @@ class Launchers:
     def calls(self, mask, causal, q, k, v, do):
         """(forward, backward) of one row, each a call with no arguments, or None for a pass not compared.
         The backward takes the library's forward output (default settings), the same for every version."""
-        index, geometry = mask.kernel_records(causal)
+        index, geometry = kernel_records(mask, causal)
         scale, plans = q.shape[-1] ** -0.5, {}  # this version's launch plans for this row
         out, lse = dispatch.attn_fwd(q, k, v, index, geometry, causal, scale) if self.launch_bwd else (None, None)
 
@@ -211,7 +219,7 @@ def run_row(versions: dict, row, dtype, repeats: int, do_bench, device="cuda", s
     q = torch.randn(B, Hq, N, D, device=device, dtype=dtype, generator=gen)
     k, v = (torch.randn(B, Hkv, N, D, device=device, dtype=dtype, generator=gen) for _ in range(2))
     do = torch.randn(q.shape, device=device, dtype=dtype, generator=gen)
-    if supported is not None and not supported(q, k, v, *mask.kernel_records(causal)):
+    if supported is not None and not supported(q, k, v, *kernel_records(mask, causal)):
         print(f"skipped {list(row)}: the base's kernel family does not serve it", flush=True)
         return []
     contexts = {tag: version.context for tag, version in versions.items()}

@@ -91,7 +91,7 @@ def ours_topk_mask(scores: torch.Tensor, k: int, causal: bool) -> BlockMask:
 def ours_topk_index(scores: torch.Tensor, k: int, causal: bool):
     """What an attention call with this `causal` flag reads of a `from_topk` mask: its `KernelIndex` (index lists
     and work plans). Compiled whole (`torch.compile`), its ~280 small operators become a few fused kernels."""
-    return ours_topk_mask(scores, k, causal).kernel_records(causal)[0]
+    return ours_topk_mask(scores, k, causal)._records(causal)[0]  # the lists themselves, as the kernels get them
 
 
 def _causal(b, h, q_idx, kv_idx):

@@ -68,7 +68,7 @@ def main():
     mask = masks.butterfly(N, 128, device="cuda")
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     do = torch.randn_like(q)
-    index, geometry = mask.kernel_records(False)
+    index, geometry = mask._records(False)  # the lists themselves, as the kernels get them
     plans = {}
     out, lse = attn_fwd(q.detach(), k.detach(), v.detach(), index, geometry, False, 0.125)
     x = torch.empty(10, device="cuda")
