@@ -154,47 +154,52 @@ def _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows: gl.constexpr, p_layout:
 
 
 @gluon.jit
-def _diagonal_pv(acc, alpha, p, v_smem, v_ready, t, V, v_row, key0, q_tok, o_layout: gl.constexpr,
-                 p_layout: gl.constexpr, HEAD_D: gl.constexpr):
+def _diagonal_pv(acc, alpha, p, m_i, q, v_smem, v_ready, t, K, V, kv_row, key0, q_tok, qk_scale,
+                 o_layout: gl.constexpr, p_layout: gl.constexpr, HEAD_D: gl.constexpr):
     """Rescale O and add P V of the causal diagonal tile (V tile number t of the ring, keys from `key0`, rows
-    `v_row ..` of V), exactly under the rule for non-finite inputs.
+    `kv_row + key0 ..` of K and V), exactly under the rule for non-finite inputs.
 
     The tile's product runs on the tensor cores into its own accumulator. Where it holds a non-finite value,
     which a NaN or infinity in V would also put into rows that do not attend its key (a left-out pair has
     P = 0, and 0 x NaN is NaN), the tile is summed again on the CUDA cores over the allowed pairs only
-    (`_diagonal_exact`): only inputs with such values pay for it."""
+    (`_diagonal_exact`): only inputs with such values pay for it. P is not kept for that rare path (it cost
+    the common one 72 bytes of register spills): the exact path recomputes it."""
     V_STAGES: gl.constexpr = v_smem.type.shape[0]
     BLOCK_M: gl.constexpr = acc.type.shape[0]
     sv = t % V_STAGES
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p16 = p.to(v_smem.dtype)
     mbarrier.wait(v_ready.index(sv), (t // V_STAGES) & 1)
-    tile = warpgroup_mma(gl.convert_layout(p16, p_layout), v_smem.index(sv),
+    tile = warpgroup_mma(gl.convert_layout(p.to(v_smem.dtype), p_layout), v_smem.index(sv),
                          gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout), use_acc=False, is_async=True)
     tile = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
     finite = (tile == tile) & (gl.abs(tile) < float("inf"))
     if gl.max(gl.max(gl.where(finite, 0, 1), 1), 0) > 0:
-        acc = _diagonal_exact(acc, p16, V, v_row, key0, q_tok, o_layout, HEAD_D)
+        acc = _diagonal_exact(acc, m_i, q, K, V, kv_row + key0, key0, q_tok, qk_scale, o_layout, v_smem.dtype,
+                              v_smem.type.shape[1])
     else:
         acc = acc + tile
     return acc
 
 
 @gluon.jit
-def _diagonal_exact(acc, p16, V, v_row, key0, q_tok, o_layout: gl.constexpr, HEAD_D: gl.constexpr):
-    """`acc` plus P V of a causal diagonal tile over its allowed pairs only (key <= query), one key at a time
-    from V in global memory: (BLOCK_M, HEAD_D) float32. A non-finite value at key j reaches the rows that
-    attend j and no other."""
-    BLOCK_M: gl.constexpr = p16.type.shape[0]
-    BLOCK_N: gl.constexpr = p16.type.shape[1]
+def _diagonal_exact(acc, m_i, q, K, V, k_row, key0, q_tok, qk_scale, o_layout: gl.constexpr, dtype: gl.constexpr,
+                    BLOCK_N: gl.constexpr):
+    """`acc` plus P V of a causal diagonal tile over its allowed pairs only (key <= query), one key at a time:
+    S from Q (`q`, this warpgroup's rows in shared memory) and K in global memory, P = exp2(S - m) rounded to
+    V's dtype as the tensor cores take it, V from global memory. (BLOCK_M, HEAD_D) float32. A non-finite value
+    at key j reaches the rows that attend j and no other."""
+    BLOCK_M: gl.constexpr = acc.type.shape[0]
+    HEAD_D: gl.constexpr = acc.type.shape[1]
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     rows = q_tok + gl.arange(0, BLOCK_M, layout=o_rows)  # (BLOCK_M,)
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, p16.type.layout))  # (BLOCK_N,)
     offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))  # (HEAD_D,)
+    m = gl.convert_layout(m_i, o_rows)
+    m = gl.where(m == float("-inf"), 0.0, m)  # as `_softmax` shifts
+    qf = q.load(o_layout).to(gl.float32)  # (BLOCK_M, HEAD_D)
     for j in range(BLOCK_N):
-        # column j of P: one nonzero per row, so the 16-bit sum is exact
-        p_j = gl.convert_layout(gl.sum(gl.where(cols[None, :] == j, p16, 0.0), 1), o_rows).to(gl.float32)
-        v_j = gl.load(V + (v_row + j).to(gl.int64) * HEAD_D + offs_d).to(gl.float32)  # (HEAD_D,)
+        k_j = gl.load(K + (k_row + j).to(gl.int64) * HEAD_D + offs_d).to(gl.float32)  # (HEAD_D,)
+        v_j = gl.load(V + (k_row + j).to(gl.int64) * HEAD_D + offs_d).to(gl.float32)  # (HEAD_D,)
+        p_j = gl.exp2(gl.sum(qf * k_j[None, :], 1) * qk_scale - m).to(dtype).to(gl.float32)  # (BLOCK_M,)
         acc += gl.where((key0 + j <= rows)[:, None], p_j[:, None] * v_j[None, :], 0.0)
     return acc
 
@@ -227,7 +232,7 @@ def _store_tile_tma(o_desc, o_smem, L, row, out, m_i, l_safe, empty, offs_m):
 
 @gluon.jit
 def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Lse,
-                       OutPart, LsePart, V, Items, Starts, PartIdx, Nq, qk_scale, SUB: gl.constexpr,
+                       OutPart, LsePart, K, V, Items, Starts, PartIdx, Nq, qk_scale, SUB: gl.constexpr,
                        MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, DEAD_TILES: gl.constexpr,
                        SPLIT: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
     """One compute warpgroup: the online softmax over each item's K/V tiles for its half of the item's
@@ -293,8 +298,8 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
                 if n_tiles > n_full:  # the last tile is a partial one: on the causal diagonal
                     key0 = list_tile_start(PartIdx, plo * SUB + n_tiles - 1 - n_full, SUB, MASK_BLOCK_K, BLOCK_N,
                                            DENSE)
-                    acc = _diagonal_pv(acc, alpha, p, v_smem, v_ready, t, V, gl.load(rec + 1) + key0, key0, q_tok,
-                                       o_layout, p_layout, HEAD_D)
+                    acc = _diagonal_pv(acc, alpha, p, m_i, q, v_smem, v_ready, t, K, V, gl.load(rec + 1), key0,
+                                       q_tok, qk_scale, o_layout, p_layout, HEAD_D)
                 else:
                     acc = _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -326,7 +331,7 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
 
 
 @gluon.jit
-def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, OutPart, LsePart, V, Items, Starts, FullIdx,
+def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, OutPart, LsePart, K, V, Items, Starts, FullIdx,
                             PartIdx, Nq, qk_scale, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr,
                             CAUSAL: gl.constexpr, DEAD_TILES: gl.constexpr, SPLIT: gl.constexpr,
                             K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, LOAD_WARP_REGS: gl.constexpr,
@@ -343,10 +348,10 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, OutPart, LsePar
     v_ready, v_empty = ring_barriers(V_STAGES)
     gl.warp_specialize([
         (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Lse,
-                              OutPart, LsePart, V, Items, Starts, PartIdx, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
+                              OutPart, LsePart, K, V, Items, Starts, PartIdx, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
                               CAUSAL, DEAD_TILES, SPLIT, FIRST_HALF, num_warps)),  # rows [0, 64) of each item
         (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Lse,
-                              OutPart, LsePart, V, Items, Starts, PartIdx, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
+                              OutPart, LsePart, K, V, Items, Starts, PartIdx, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
                               CAUSAL, DEAD_TILES, SPLIT, SECOND_HALF, num_warps)),  # query rows [64, 128)
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                            v_empty, Items, Starts, FullIdx, PartIdx, Nq, SUB, MASK_BLOCK_K, DENSE, DEAD_TILES)),
@@ -404,7 +409,7 @@ class FwdPlan:
         part, _, lse_part = self.split.scratch()
         descs = [row_descriptor(t, rows, self.layout)
                  for t, rows in ((q, BLOCK), (k, BLOCK), (v, BLOCK), (out, BLOCK // 2))]  # out: per warpgroup
-        self.launch(*descs, lse, part, lse_part, v)  # v also as a pointer: `_diagonal_exact` reads it
+        self.launch(*descs, lse, part, lse_part, k, v)  # k and v also as pointers: `_diagonal_exact` reads them
         if self.merges is not None and self.merges.shape[0]:
             merge_split_rows(out, lse, part, lse_part, self.merges, self.split.copies, self.block_q, BLOCK)
         return out, lse
@@ -434,7 +439,8 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], GL_DTYPES[dtype])
     desc = descriptor_type(name, (BLOCK, D), layout)
     sig = dict(q_desc=desc, k_desc=desc, v_desc=desc, o_desc=descriptor_type(name, (BLOCK // 2, D), layout),
-               Lse="*fp32", OutPart="*fp32", LsePart="*fp32", V=f"*{name}", Items="*i32", Starts="*i32", FullIdx="*i32",
+               Lse="*fp32", OutPart="*fp32", LsePart="*fp32", K=f"*{name}", V=f"*{name}", Items="*i32",
+               Starts="*i32", FullIdx="*i32",
                PartIdx="*i32", Nq="i32", qk_scale="fp32")
     constexprs = _constexprs(block_k, dense, causal, split, block_q or (BLOCK if dense else block_k))
     return compile_gluon_sm90(_attn_fwd_hopper_kernel, sig, dict(constexprs, num_warps=4), MAX_REGS)
