@@ -40,20 +40,17 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ...mask_index import KernelIndex, MaskGeometry
 from ..aot import compile_gluon_sm90, descriptor_type
 from ..memory import new_output
-from .. import schedule
 from ..schedule import assign_programs, column_items, split_items, whole_items
 from ..triton.common import LOG2E
 from ..triton.split import SplitPlan
 from .merge import ChunkSum
-from .pipeline import (GL_DTYPES, bound_launch, list_tile_start, num_sms, partition_barrier, release,
-                       release_after_store, ring_barriers, row_descriptor, runs_on, shapes_fit, takes_plan, tma_load,
-                       tma_store)
+from .pipeline import (FIRST_HALF, GL_DTYPES, ITEM_WIDTH, SECOND_HALF, bound_launch, list_tile_start, num_sms,
+                       partition_barrier, release, release_after_store, ring_barriers, row_descriptor, runs_on,
+                       shapes_fit, takes_plan, tma_load, tma_store)
 
 BLOCK_N = 128  # keys per item (64 per compute warpgroup)
 BLOCK_M = 64  # query rows per step
 STEP_BUFFERS = 3  # Q / dO / lse / delta slots in flight; with two K/V buffers, 226 KB of shared memory
-ITEM_WIDTH = gl.constexpr(schedule.ITEM_WIDTH)  # fields of an item record (`schedule.split_items`)
-FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)
 LOAD_REGS = 24
 COMPUTE_REGS = 240  # each compute warpgroup's (the first gets what the launch cap leaves: also 240)
 MAX_REGS = 168

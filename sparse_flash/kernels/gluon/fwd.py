@@ -39,19 +39,16 @@ from ...mask_index import KernelIndex, MaskGeometry
 from ..aot import compile_gluon_sm90, descriptor_type
 from ..launch import cached_plan, plan_key
 from ..memory import new_output
-from .. import schedule
 from ..schedule import assign_programs, row_items, split_items, whole_items
 from ..triton.common import LOG2E
 from ..triton.split import SplitPlan
 from .merge import merge_split_rows
-from .pipeline import (GL_DTYPES, bound_launch, list_tile_start, load_kv, num_sms, partition_barrier, release,
-                       release_after_store, ring_barriers, row_descriptor, runs_on, shapes_fit, takes_plan, tma_load,
-                       tma_store)
+from .pipeline import (FIRST_HALF, GL_DTYPES, ITEM_WIDTH, SECOND_HALF, bound_launch, list_tile_start, load_kv,
+                       num_sms, partition_barrier, release, release_after_store, ring_barriers, row_descriptor,
+                       runs_on, shapes_fit, takes_plan, tma_load, tma_store)
 
 BLOCK = 128  # query rows per item and key rows per K/V stage
 K_BUFFERS, V_BUFFERS = 2, 3  # K and V tiles in flight per program: with two Q buffers, 224 KB at D = 128
-ITEM_WIDTH = gl.constexpr(schedule.ITEM_WIDTH)  # fields of an item record (`schedule.split_items`)
-FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)  # which query rows a compute warpgroup takes
 LOAD_REGS = 24  # registers per thread of the load warp
 COMPUTE_REGS = 224  # registers per thread of the second compute warpgroup (the first gets what is left: 256)
 MAX_REGS = 168  # registers per thread of the whole program (12 warps: 8 compute, 4 for the load warp's group)

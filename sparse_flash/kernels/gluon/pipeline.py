@@ -14,7 +14,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .. import settings
 from ..launch import BoundLaunch
 from ...mask_index import MaskGeometry, WorkPlan
-from ..schedule import ROW_BLOCK
+from ..schedule import ITEM_WIDTH as _ITEM_FIELDS, ROW_BLOCK
+
+ITEM_WIDTH = gl.constexpr(_ITEM_FIELDS)  # int32 fields of an item record (`schedule.split_items`)
+FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)  # which rows of an item a compute warpgroup takes
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 WARPS = 4  # per compute partition (a warpgroup); the launch's num_warps

@@ -80,6 +80,19 @@ def schedule(pid, programs, H, BH, Items, Lead, item_stride_b, item_stride_h, he
 
 
 @triton.jit
+def dense_key_tiles(start_m, Nk, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key tiles of a dense-path query tile starting at row `start_m`: (n_full, n_end). Tiles
+    [0, n_full) need no element mask (wholly inside the keys and, when causal, below the diagonal); tiles
+    [n_full, n_end) do (the key tail, the tiles on the diagonal)."""
+    n_full = Nk // BLOCK_N
+    n_end = tl.cdiv(Nk, BLOCK_N)
+    if CAUSAL:
+        n_full = tl.minimum(n_full, (start_m + 1) // BLOCK_N)
+        n_end = tl.minimum(n_end, tl.cdiv(start_m + BLOCK_M, BLOCK_N))
+    return n_full, n_end
+
+
+@triton.jit
 def item_ranges(item):
     """A work item's share of its list, read from its record in one round trip: (full_lo, full_hi, part_lo,
     part_hi, full_first, part_first, slot); [lo, hi) index the full and partial lists, `*_first` is the

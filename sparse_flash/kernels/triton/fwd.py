@@ -17,7 +17,8 @@ import triton.language as tl
 from ...mask_index import KernelIndex, MaskGeometry
 from ..launch import BoundLaunch, cached_plan, plan_key
 from ..memory import new_output
-from .common import LOG2E, dot_precision, item_ranges, list_tile_start, load_unmasked_rows, schedule, store_rows
+from .common import (LOG2E, dense_key_tiles, dot_precision, item_ranges, list_tile_start, load_unmasked_rows, schedule,
+                     store_rows)
 from .configs import block_d, fwd_config, schedule_heads
 from .split import SplitPlan, chunk_rows, last_chunk, store_chunk_merge
 from .tma import descriptor_layout, make_descriptor
@@ -147,11 +148,7 @@ def _attn_fwd_kernel(
     if DENSE:
         slot = -1
         # Every key tile, no index loads: tiles wholly before the diagonal (and the tail) run unmasked.
-        n_full = Nk // BLOCK_N
-        n_end = tl.cdiv(Nk, BLOCK_N)
-        if CAUSAL:
-            n_full = tl.minimum(n_full, (start_m + 1) // BLOCK_N)
-            n_end = tl.minimum(n_end, tl.cdiv(start_m + BLOCK_M, BLOCK_N))
+        n_full, n_end = dense_key_tiles(start_m, Nk, CAUSAL, BLOCK_M, BLOCK_N)
         for n in range(0, n_full):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, b, hk, n * BLOCK_N, offs_m, offs_n, offs_d, stride_kn,
                                       stride_vn, Nk, qk_scale, HEAD_DIM, EVEN_D, False, CAUSAL, DOT_PRECISION,
