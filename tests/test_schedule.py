@@ -65,21 +65,21 @@ def test_sparse_causal_items_take_the_full_and_partial_lists():
         assert (lo, hi, plo, phi) == (int(full_off[r]), int(full_off[r + 1]), int(part_off[r]), int(part_off[r + 1]))
 
 
-def _split_mask(monkeypatch):
-    """BigBird at 2,048 tokens in 256-token blocks, with the work plans patched to cut every list longer
-    than 2 blocks into at most 3 chunks."""
+def _split_mask(monkeypatch, num_heads=None):
+    """BigBird at 2,048 tokens in 256-token blocks (one layout, or one per head), with the work plans patched
+    to cut every list longer than 2 blocks into at most 3 chunks."""
     monkeypatch.setattr(mask_index, "SPLIT_MIN_CHUNK", 2)
     monkeypatch.setattr(mask_index, "SPLIT_FACTOR", 0)
     monkeypatch.setattr(mask_index, "SPLIT_MAX_CHUNKS", 3)
-    return masks.bigbird(2048, 256, seed=0)
+    return masks.bigbird(2048, 256, seed=0, num_heads=num_heads)
 
 
-def _split_call(along, causal, monkeypatch, B=2, Hq=4, Hkv=2, unit=1):
+def _split_call(along, causal, monkeypatch, B=2, Hq=4, Hkv=2, unit=1, num_heads=None):
     """`split_items` of `_split_mask` (B, Hq, Hkv, 2,048 tokens, 128-row tiles), its index, plan and
     `SplitPlan`."""
     from sparse_flash.kernels.triton.split import SplitPlan
 
-    mask, N = _split_mask(monkeypatch), 2048
+    mask, N = _split_mask(monkeypatch, num_heads), 2048
     index, geometry = mask.kernel_index(causal), mask.kernel_geometry(causal)
     plan = index.row_plan if along == "rows" else index.col_plan
     assert plan.split.shape[0] > 0
@@ -137,18 +137,20 @@ def test_split_items_cover_each_list_once_in_chunks_with_their_own_scratch(along
 
 @pytest.mark.parametrize("along", ["rows", "cols"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_the_backward_sums_each_tiles_chunks_in_chunk_order(along, causal, monkeypatch):
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-head"])
+def test_the_backward_sums_each_tiles_chunks_in_chunk_order(along, causal, per_head, monkeypatch):
     """The Hopper backward's split items (`split_items(..., unit=128)`: scratch in 128-row tiles) and
     `merge.ChunkSum` (under the interpreter): a kernel stand-in writes, for every item, a tile holding its
     walked list entries, to its output rows or, for a chunk, to its scratch tile; after the merge every
-    output tile holds the sum over its whole lists, as an unsplit walk gives, and only the rows of items
-    were written."""
+    output tile holds the sum over its whole lists, as an unsplit walk gives. A mask shared by the heads
+    (GQA: copies per batch and head) or one per head (copies per batch)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
     from sparse_flash.kernels.gluon import merge
 
-    B, Hq, Hkv, N, D = 2, 4, 2, 2048, 16
-    items, merges, index, split = _split_call(along, causal, monkeypatch, B, Hq, Hkv, unit=128)
+    B, Hq, Hkv, N, D, M = 2, 4, (4 if per_head else 2), 2048, 16, 2048 // 256
+    items, merges, index, split = _split_call(along, causal, monkeypatch, B, Hq, Hkv, unit=128,
+                                              num_heads=Hq if per_head else None)
     full, part = (index.row_full, index.row_partial) if along == "rows" else (index.col_full, index.col_partial)
     chunk_sum = merge.ChunkSum(merges, split, 128, D)
     H = Hq if along == "rows" else Hkv
@@ -170,8 +172,10 @@ def test_the_backward_sums_each_tiles_chunks_in_chunk_order(along, causal, monke
     chunk_sum(out, scratch.view(-1, D))
     assert not out.isnan().any()
     for own_row in range(0, B * H * N, 128):
-        r = (own_row % N) // 256
-        want = walk(int(full.offsets[r]), int(full.offsets[r + 1]), int(part.offsets[r]), int(part.offsets[r + 1]))
+        h = own_row // N % H
+        lst = (h if per_head else 0) * M + (own_row % N) // 256  # the mask's list of this tile
+        want = walk(int(full.offsets[lst]), int(full.offsets[lst + 1]), int(part.offsets[lst]),
+                    int(part.offsets[lst + 1]))
         torch.testing.assert_close(out[own_row:own_row + 128], want, rtol=1e-5, atol=1e-4)
 
 
