@@ -269,7 +269,9 @@ def test_non_finite_inputs_reach_exactly_the_rows_that_use_them(backend, causal,
 def test_non_finite_v_on_the_hopper_kernels_reaches_exactly_the_rows_that_attend_it(block):
     """The Hopper kernels (16-bit, D=128): a NaN in v at key 300 reaches rows 300 on and no earlier row of its
     causal diagonal tile (which shares the V tile: 0 x NaN), forward and backward (dQ of the rows before it,
-    dV everywhere, exact). Mask blocks of 256 also hold a tile past the diagonal that no pair of it allows."""
+    dV everywhere, exact). Rows 256-299 share that tile without attending key 300: the forward sums it again
+    on the CUDA cores, P recomputed, so they equal the clean run within rounding; every other row bit for
+    bit. Mask blocks of 256 also hold a tile past the diagonal that no pair of it allows."""
     n, position = 1024, 300  # rows 256-299 share the diagonal tile of key 300 and do not attend it
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, dout = (torch.randn(1, 2, n, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
@@ -288,7 +290,10 @@ def test_non_finite_v_on_the_hopper_kernels_reaches_exactly_the_rows_that_attend
     bad = (~torch.isfinite(out[0])).any(-1).any(0).nonzero().flatten()
     assert bad.tolist() == hit
     keep = torch.tensor([r not in hit for r in range(n)], device="cuda")
-    torch.testing.assert_close(out[:, :, keep], expected[:, :, keep], atol=0, rtol=0)
+    shared = torch.zeros(n, dtype=torch.bool, device="cuda")
+    shared[position // 128 * 128:position] = True  # the key's diagonal tile, summed again
+    torch.testing.assert_close(out[:, :, keep & ~shared], expected[:, :, keep & ~shared], atol=0, rtol=0)
+    torch.testing.assert_close(out[:, :, shared], expected[:, :, shared], atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(dq[:, :, :position], dq_clean[:, :, :position], atol=0, rtol=0)
     torch.testing.assert_close(dv, dv_clean, atol=0, rtol=0)
 
