@@ -673,7 +673,11 @@ class BlockMask:
     def __hash__(self) -> int:
         if self._hash is None:  # computed once: the value never changes
             flat = self._layout.flatten().to(torch.int64)
+            # pseudo-random weights per position (multiply, xor-shift, multiply: no polynomial in the position,
+            # so layouts with the same block count and position sums do not collide); products stay in int64
             weights = (torch.arange(flat.numel(), device=flat.device) * 2654435761) % 2147483647
+            weights = ((weights ^ (weights >> 13)) * 48271) % 2147483647
+            weights = ((weights ^ (weights >> 17)) * 69621) % 2147483647
             digest = int((flat * weights).sum()), int(flat.sum())  # equal layouts give equal digests
             object.__setattr__(self, "_hash", hash((self.block_size, self.seq_len_q, self.seq_len_k,
                                                     tuple(self._layout.shape), digest)))
