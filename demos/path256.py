@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -105,8 +106,8 @@ class Parser(argparse.ArgumentParser):
 def positive(kind):
     def parse(text: str):
         value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"must be a finite positive number, got {text}")
         return value
 
     return parse
@@ -115,8 +116,8 @@ def positive(kind):
 def non_negative(kind):
     def parse(text: str):
         value = kind(text)
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"must be zero or positive, got {text}")
+        if not math.isfinite(value) or value < 0:
+            raise argparse.ArgumentTypeError(f"must be a finite number, zero or positive, got {text}")
         return value
 
     return parse
@@ -627,6 +628,8 @@ def pick_device(requested: str | None, dist: Dist) -> torch.device:
         device = torch.device(requested)
     except RuntimeError:
         raise ConfigError(f"--device: not a torch device: {requested!r}") from None
+    if device.type == "meta":
+        raise ConfigError(f"--device {requested}: training needs a device that holds values (cpu or cuda)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {requested}: no CUDA GPU here")
     return device

@@ -81,6 +81,24 @@ class ModelConfig:
     def pos_kinds(self) -> tuple[str, ...]:
         return tuple(self.pos.split("+"))
 
+    def problems(self) -> list[str]:
+        """What makes this config unbuildable (for one read from a file): sizes that are not positive ints,
+        a width that the heads do not divide, a tile that is not two positive ints, a dropout outside [0, 1)."""
+        out = [f"{key} must be a positive int, got {getattr(self, key)!r}" for key in
+               ("side", "width", "layers", "heads", "mlp_ratio")
+               if isinstance(getattr(self, key), bool) or not isinstance(getattr(self, key), int)
+               or getattr(self, key) < 1]
+        if not out and self.width % self.heads:
+            out.append(f"width {self.width} must be a multiple of heads {self.heads}")
+        if not (isinstance(self.tile, tuple) and len(self.tile) == 2
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in self.tile)):
+            out.append(f"tile must be two positive ints, got {self.tile!r}")
+        if not all(isinstance(getattr(self, key), str) for key in ("pos", "order", "head")):
+            out.append("pos, order and head must be strings")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            out.append(f"dropout must be a float in [0, 1), got {self.dropout!r}")
+        return out
+
     def shape_mismatch(self, other: "ModelConfig") -> list[str]:
         """The differences that stop `other`'s weights from loading into this model (side, order, tile, head
         and dropout may differ)."""

@@ -497,7 +497,20 @@ def read_checkpoint(path: str | os.PathLike, flag: str) -> dict:
         raise ConfigError(f"{flag}: {path} is corrupt or truncated, not a readable checkpoint ({reason[:160]})")
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"{flag}: {path} is not a path256 checkpoint of format {CHECKPOINT_FORMAT}")
+    missing = [key for key in ("model", *CONFIG_KEYS) if not isinstance(checkpoint.get(key), dict)]
+    if missing:
+        raise ConfigError(f"{flag}: {path} lacks {', '.join(missing)}: not a whole path256 checkpoint")
+    try:
+        model = checkpoint_configs(checkpoint)[0]
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{flag}: {path} holds an invalid configuration ({str(error)[:160]})") from None
+    problems = model.problems()
+    if problems:
+        raise ConfigError(f"{flag}: {path} holds an invalid model config ({'; '.join(problems)})")
     return checkpoint
+
+
+CONFIG_KEYS = ("model_config", "mask_config", "data_config", "train_config")
 
 
 def checkpoint_configs(checkpoint: dict) -> tuple[ModelConfig, MaskConfig, DataConfig, TrainConfig]:

@@ -4,6 +4,7 @@ CPU only, tiny sizes. Most runs read stand-in images (random pixels, a learnable
 with the pooled-resolution API, so a "32 px pooled 4x" run has 64 tokens and a step takes milliseconds.
 """
 
+import io
 import json
 import sys
 import threading
@@ -410,7 +411,7 @@ def test_flops_count_nonzero_blocks_only():
 
 @pytest.mark.parametrize("extra, message", [
     (["--width", "30"], "multiple of 4"),
-    (["--steps", "0"], "must be positive"),
+    (["--steps", "0"], "must be a finite positive number"),
     (["--mask", "nope"], "joined by '+'"),
     (["--mask", "local,dense,local"], "lists 3 masks for 1 layers"),
     (["--mask", "neighborhood"], "needs --order tile"),
@@ -426,6 +427,14 @@ def test_flops_count_nonzero_blocks_only():
     (["--eval-seed", "0"], "must differ from --seed"),
     (["--time-budget", "5"], "leaves no time to train"),
     (["--compile", "fast"], "invalid choice"),
+    (["--lr", "nan"], "finite"),
+    (["--lr", "inf"], "finite"),
+    (["--weight-decay", "nan"], "finite"),
+    (["--weight-decay", "inf"], "finite"),
+    (["--dropout", "nan"], "finite"),
+    (["--train-seconds", "nan"], "finite"),
+    (["--ckpt-every-seconds", "inf"], "finite"),
+    (["--device", "meta"], "--device meta"),
 ])
 def test_bad_flags_give_one_line_and_exit_2(tmp_path, fake_data, capsys, extra, message):
     assert message in error_of(capsys, run_flags(tmp_path, *extra))
@@ -449,6 +458,16 @@ def test_bad_checkpoints_give_one_line_and_exit_2(tmp_path, fake_data, capsys):
     assert "is corrupt or truncated" in error_of(capsys, ["--eval-only", "--init-from", str(ckpt)])
     torch.save({"weights": 1}, ckpt)
     assert "is not a path256 checkpoint" in error_of(capsys, run_flags(tmp_path, "--resume"))
+    # ours in format, but with fields missing or invalid
+    checkpoint = torch.load(io.BytesIO(good), weights_only=True)
+    damaged = [({"format": checkpoint["format"]}, "lacks"), ({**checkpoint, "model": None}, "lacks model"),
+               ({**checkpoint, "model_config": {**checkpoint["model_config"], "colour": 1}}, "invalid"),
+               ({**checkpoint, "model_config": {**checkpoint["model_config"], "heads": 0}}, "heads"),
+               ({**checkpoint, "model_config": {**checkpoint["model_config"], "width": "abc"}}, "width")]
+    for contents, message in damaged:
+        torch.save(contents, ckpt)
+        assert message in error_of(capsys, ["--eval-only", "--init-from", str(ckpt)])
+        assert message in error_of(capsys, run_flags(tmp_path, "--init-from", str(ckpt), out="init"))
 
 
 def test_presets_fill_unset_flags_and_flags_win():
