@@ -132,7 +132,9 @@ def block_sparse_attention(
             A CPU mask used with CUDA tensors is copied to the GPU once and the copy is cached.
         causal: also require `k_idx <= q_idx`, top-left aligned like
             `F.scaled_dot_product_attention(is_causal=True)`.
-        scale: softmax scale, any finite float (0 and negative included); default `1 / sqrt(D)`.
+        scale: softmax scale, any finite float (0 and negative included); default `1 / sqrt(D)`. Scores are
+            kept in float32 (float64 for float64 inputs): a scale that makes them overflow (|q . k| x scale past
+            3.4e38) gives NaN rows, as in `F.scaled_dot_product_attention`.
         return_lse: also return the log-sum-exp of each query's scores.
         backend: `"auto"` (triton on CUDA when usable, else torch), `"triton"`, `"torch"` (block-sparse in
             plain PyTorch, any device) or `"reference"` (dense and materialised: the oracle). A requested
