@@ -73,11 +73,13 @@ def forward_rows(D: int):
 
 
 def backward_rows(D: int):
-    """The dQ and dK/dV launches of sparse (short and long lists) and dense rows."""
-    for label, dense, long_lists in (("sparse", False, False), ("sparse long", False, True), ("dense", True, False)):
+    """The dQ and dK/dV launches of sparse (short and long lists) and dense rows, causal or not."""
+    for label, dense, long_lists, causal in (("sparse", False, False, False), ("sparse long", False, True, False),
+                                             ("dense", True, False, False), ("sparse causal", False, False, True),
+                                             ("dense causal", True, False, True)):
         block = None if dense else 128
-        cfg = bwd_config(D, torch.bfloat16, block, block, False, long_lists)
-        common = dict(HEAD_DIM=D, BLOCK_D=block_d(D), CAUSAL=False, DENSE=dense, DOT_PRECISION="tf32", TMA=cfg.tma)
+        cfg = bwd_config(D, torch.bfloat16, block, block, causal, long_lists)
+        common = dict(HEAD_DIM=D, BLOCK_D=block_d(D), CAUSAL=causal, DENSE=dense, DOT_PRECISION="tf32", TMA=cfg.tma)
         dq = dict(common, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n, MASK_BLOCK_Q=block or cfg.q_block_m,
                   MASK_BLOCK_K=block or cfg.q_block_n)
         descs = ("K", "V") if cfg.tma else ()
