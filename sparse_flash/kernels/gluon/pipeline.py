@@ -122,7 +122,7 @@ def takes_plan(plan: WorkPlan | None) -> bool:
     """Whether a Hopper kernel takes the lists of this work plan (None: the dense path): a plan that splits
     long lists (global rows or columns: its chunks are items of their own, merged after the kernel,
     `schedule.split_items`) only while `settings.hopper_split` is on."""
-    return plan is None or plan.split.shape[0] == 0 or settings.current().hopper_split
+    return plan is None or settings.current().hopper_split or plan.split.shape[0] == 0
 
 
 def row_descriptor(t, rows: int, layout):
