@@ -6,14 +6,12 @@ Backends load lazily: `reference` (dense oracle), `torch` (block-sparse in plain
 
 from __future__ import annotations
 
-import math
-import numbers
 
 import torch
 
 from .kernels import settings
 from .mask import BlockMask
-from .checks import is_bool
+from .checks import finite_float, is_bool
 
 BACKENDS = ("auto", "reference", "torch", "triton")
 HEAD_DIM_RANGE = (8, 256)
@@ -101,14 +99,7 @@ def _validate(q, k, v, mask, causal, scale, return_lse) -> None:
         if not is_bool(flag):  # Python or NumPy bools
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-        try:
-            finite = math.isfinite(scale)
-        except OverflowError:  # an int past every float
-            finite = False
-        if not finite:
-            raise ValueError(f"scale must be finite, got {repr(scale)[:40]}")
+        finite_float(scale, "scale", "a float or None")
 
 
 def block_sparse_attention(

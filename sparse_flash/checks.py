@@ -7,6 +7,7 @@ their arguments with these (torch only, no import of the rest of the package).
 
 from __future__ import annotations
 
+import math
 import numbers
 import sys
 
@@ -26,6 +27,21 @@ def as_bool(value, name: str) -> bool:
     if not is_bool(value):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
     return bool(value)
+
+
+def finite_float(value, name: str, what: str = "a finite float") -> float:
+    """`value` as a float: a real number (Python, NumPy or a 0-d tensor's `item()`), never a bool, TypeError
+    otherwise; finite, ValueError otherwise (an int past every float included, never OverflowError)."""
+    if is_bool(value) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {repr(value)[:40]}")
+    try:
+        return float(value) if math.isfinite(value) else _not_finite(value, name, what)
+    except OverflowError:  # an int past every float
+        return _not_finite(value, name, what)
+
+
+def _not_finite(value, name: str, what: str):
+    raise ValueError(f"{name} must be finite, got {repr(value)[:40]}")
 
 
 def positive_int(value, name: str, minimum: int = 1, maximum: int = MAX_INT) -> int:

@@ -9,12 +9,11 @@ is made (`mask_index.build_index`).
 from __future__ import annotations
 
 import math
-import numbers
 from typing import NamedTuple
 
 import torch
 
-from .checks import as_bool, as_pair, is_bool, is_int
+from .checks import as_bool, as_pair, finite_float, is_int
 from .mask_index import (LONG_LIST_BLOCKS, BlockIndex, KernelIndex, MaskGeometry, MaskIndex, build_index,
                          build_topk_index, candidates, gpu_builders, topk_sizes, topk_tables)
 
@@ -433,14 +432,7 @@ class BlockMask:
         """
         scores, (bq, bk), seq_len_q, seq_len_k = _check_scores(scores, block_size, seq_len_q, seq_len_k)
         causal = _check_flag(causal, "causal")
-        if is_bool(threshold) or not isinstance(threshold, numbers.Real):
-            raise TypeError(f"threshold must be a finite float, got {type(threshold).__name__} {threshold!r}")
-        try:
-            finite = math.isfinite(threshold)
-        except OverflowError:  # an int past every float
-            finite = False
-        if not finite:
-            raise ValueError(f"threshold must be a finite float, got {repr(threshold)[:40]}")
+        finite_float(threshold, "threshold")
         _check_finite(scores)
         B, H, Mq, Mk = scores.shape
         cand = candidates(True, (Mq, Mk, bq, bk, seq_len_q, seq_len_k), scores.device)

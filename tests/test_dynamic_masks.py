@@ -351,7 +351,7 @@ def test_from_topk_refuses_bad_input(scores, k, kwargs, error, match):
 
 
 @pytest.mark.parametrize("threshold, kwargs, error, match", [
-    (math.nan, {}, ValueError, r"threshold must be a finite float, got nan"),
+    (math.nan, {}, ValueError, r"threshold must be finite, got nan"),
     ("0.5", {}, TypeError, r"threshold must be a finite float, got str"),
     (0.5, dict(scores=torch.full((1, 1, 4, 4), math.nan)), ValueError, r"scores must be finite .*16 non-finite"),
     (0.5, dict(scores=torch.randn(3, 4)), ValueError, r"scores must have shape \(B, H, Mq, Mk\)"),
