@@ -44,7 +44,8 @@ def supported(lists_per_head: int, longest: int) -> bool:
     return block <= MAX_LISTS and (longest + 1) * block < 2**31
 
 
-def unsplit_plan(counts: torch.Tensor, full: tuple, part: tuple, heavy_above: float, longest: int):
+def unsplit_plan(counts: torch.Tensor, full: tuple, part: tuple, heavy_above: float, longest: int,
+                 lead: torch.Tensor | None = None):
     """The work plan of lists that no program splits, on the lists' device.
 
     Args:
@@ -52,6 +53,8 @@ def unsplit_plan(counts: torch.Tensor, full: tuple, part: tuple, heavy_above: fl
         full, part: `(counts, offsets, indices)` of the full and the partial lists (a `BlockIndex`).
         heavy_above: a list longer than this is heavy (`HEAVY_FACTOR` x the mean length).
         longest: an upper bound of the lists' lengths (the block count of the other side).
+        lead: int32 `(1,)` zeros to count the heavy lists into (several plans share one zero-filled
+            allocation: one launch fewer each), or None for a new one.
 
     Returns:
         `(items, chunks, slots, lead)`: int32 `(B, H, M, FIELDS)` items, `(B * H * M,)` chunks (all 1) and
@@ -62,7 +65,7 @@ def unsplit_plan(counts: torch.Tensor, full: tuple, part: tuple, heavy_above: fl
     items = torch.empty((B, H, M, FIELDS), dtype=torch.int32, device=device)
     chunks = torch.empty(B * H * M, dtype=torch.int32, device=device)
     slots = torch.empty(B * H * M, dtype=torch.int32, device=device)
-    lead = torch.zeros(1, dtype=torch.int32, device=device)
+    lead = torch.zeros(1, dtype=torch.int32, device=device) if lead is None else lead
     with _on(device):
         _unsplit_plan_kernel[(B * H, )](counts, *full[:3], *part[:3], items, chunks, slots, lead, M, longest,
                                         float(heavy_above), BLOCK=triton.next_power_of_2(M), FIELDS=FIELDS,

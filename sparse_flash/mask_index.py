@@ -486,9 +486,10 @@ def _unsplit_plans_on_gpu(plans: list[_PlanInput]) -> list[WorkPlan] | None:
     if index_gpu is None or not all(index_gpu.supported(plan.counts.shape[-1], longest) for plan in plans):
         return None
     out = []
-    for plan in plans:
+    leads = torch.zeros(len(plans), dtype=torch.int32, device=counts.device)  # one fill for every plan's count
+    for p, plan in enumerate(plans):
         items, chunks, slots, lead = index_gpu.unsplit_plan(plan.counts, plan.full, plan.part, HEAVY_FACTOR * plan.mean,
-                                                            longest)
+                                                            longest, leads[p:p + 1])
         none = torch.empty(0, dtype=torch.int32, device=counts.device)
         out.append(WorkPlan(items, chunks, slots, lead, none, none.clone()))
         _unbacked((items, 2), (out[-1].split, 0), (out[-1].slot_list, 0))
