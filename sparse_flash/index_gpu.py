@@ -122,7 +122,8 @@ def topk_supported(rows: int, width: int, cols: int) -> bool:
     return block * triton.next_power_of_2(width) <= MAX_ENTRIES and block <= MAX_BLOCKS
 
 
-def topk_lists(selected: torch.Tensor, counts: torch.Tensor, partial: torch.Tensor, cols: int, sizes: tuple):
+def topk_lists(selected: torch.Tensor, counts: torch.Tensor, partial: torch.Tensor, cols: int, sizes: tuple,
+               kind: torch.Tensor, per_group: torch.Tensor):
     """The row and column lists of a top-k mask for one causal flag, on the GPU in four launches and two torch
     operators, none waiting for the device.
 
@@ -139,6 +140,10 @@ def topk_lists(selected: torch.Tensor, counts: torch.Tensor, partial: torch.Tens
             ones) are partial for this flag.
         cols: Mk, the key blocks.
         sizes: host ints `(live, full, partial)`: the blocks of each kind in the whole mask.
+        kind: int8 zeros `(B * H * cols, Mq)` for the table of kinds (the flags of one mask share one
+            zero-filled allocation: one launch fewer).
+        per_group: int64 `(3, G)`: live, full and partial blocks of one (batch, head) of each group
+            (`mask_index.topk_tables` keeps them per geometry).
 
     Returns:
         `((row_live, row_full, row_part), (col_live, col_full, col_part))`, each `(counts, offsets, indices)`
@@ -147,7 +152,6 @@ def topk_lists(selected: torch.Tensor, counts: torch.Tensor, partial: torch.Tens
     """
     B, H, Mq, W = selected.shape
     G, device = counts.shape[0], selected.device
-    per_group = torch.stack([counts, counts - partial, partial]).sum(-1)  # (3, G): live, full, partial per head
 
     def lists(m: int) -> list:
         return [(torch.empty((B, H, m), dtype=torch.int32, device=device),
@@ -156,7 +160,6 @@ def topk_lists(selected: torch.Tensor, counts: torch.Tensor, partial: torch.Tens
 
     rows, col_lists = lists(Mq), lists(cols)
     n_cols = B * H * cols
-    kind = torch.zeros((n_cols, Mq), dtype=torch.int8, device=device)  # (column list, query block): 0 not kept
     with _on(device):
         _topk_rows_kernel[(B * H, )](selected, counts, partial, per_group, *[t for part in rows for t in part],
                                      kind, B * H, H, G, Mq, cols, W, BLOCK=triton.next_power_of_2(Mq),

@@ -694,11 +694,14 @@ class TopkTables(NamedTuple):
         cand: int64 `(Mq,)`: `candidates`.
         counts: int64 `(len(ks), Mq)`: `topk_counts`.
         partials: `{causal flag: int64 (len(ks), Mq)}`: `_partial_counts` for both flags.
+        group_sizes: `{causal flag: int64 (3, len(ks))}`: live, full and partial blocks of one (batch, head)
+            of each group (`index_gpu.group_sizes`).
     """
 
     cand: torch.Tensor
     counts: torch.Tensor
     partials: dict
+    group_sizes: dict
 
 
 _TABLES: dict = {}  # (ks, causal, geometry, device) -> TopkTables, most recent last
@@ -730,7 +733,9 @@ def topk_tables(ks: tuple[int, ...], causal: bool, geometry: tuple[int, ...], de
 def _make_topk_tables(ks, causal, geometry, device) -> TopkTables:
     cand = candidates(causal, geometry, device)
     counts = topk_counts(ks, causal, geometry, device, cand)
-    return TopkTables(cand, counts, {flag: _partial_counts(counts, cand, flag, geometry) for flag in (False, True)})
+    partials = {flag: _partial_counts(counts, cand, flag, geometry) for flag in (False, True)}
+    groups = {flag: torch.stack([counts, counts - partials[flag], partials[flag]]).sum(-1) for flag in partials}
+    return TopkTables(cand, counts, partials, groups)
 
 
 class _BuiltOnUse(dict):
@@ -762,7 +767,7 @@ def _topk_entries(selected: torch.Tensor, counts: torch.Tensor, nnz: int, Mk: in
 
 
 def _topk_sides_on_gpu(selected: torch.Tensor, counts: torch.Tensor, partials: dict, flag_sizes: dict,
-                       Mk: int) -> dict | None:
+                       Mk: int, group_sizes: dict) -> dict | None:
     """`_sides` of a top-k mask, three Triton launches per causal flag (`sparse_flash.index_gpu.topk_lists`), or
     None where that does not apply (`_on_gpu`, no Triton, more kept blocks per head or query blocks per column
     than one program holds)."""
@@ -771,9 +776,11 @@ def _topk_sides_on_gpu(selected: torch.Tensor, counts: torch.Tensor, partials: d
     if index_gpu is None or not index_gpu.topk_supported(Mq, W, Mk):
         return None
     out = {}
-    for flag, (full, part) in flag_sizes.items():
+    # the kind of each (column list, query block), 0: not kept; one fill for both flags
+    kinds = torch.zeros((len(flag_sizes), B * H * Mk, Mq), dtype=torch.int8, device=selected.device)
+    for f, (flag, (full, part)) in enumerate(flag_sizes.items()):
         rows, cols = index_gpu.topk_lists(selected, counts.contiguous(), partials[flag].contiguous(), Mk,
-                                          (full + part, full, part))
+                                          (full + part, full, part), kinds[f], group_sizes[flag])
         for lists in (rows, cols):
             _unbacked(*((indices, 0) for _, _, indices in lists))
         out[flag] = (_Side(*(BlockIndex(*x) for x in rows), (full + part) / (B * H * Mq)),
@@ -812,7 +819,7 @@ def build_topk_index(selected: torch.Tensor, tables: TopkTables, ks: tuple[int, 
     counts = tables.counts
     partials = {flag: tables.partials[flag] for flag in sizes.flags}  # (len(ks), Mq) each
     flag_sizes = {flag: (sizes.nnz - sizes.partial[flag], sizes.partial[flag]) for flag in sizes.flags}
-    sides, entries = _topk_sides_on_gpu(selected, counts, partials, flag_sizes, Mk), None
+    sides, entries = _topk_sides_on_gpu(selected, counts, partials, flag_sizes, Mk, tables.group_sizes), None
     if sides is None:
         entries = _topk_entries(selected, counts, sizes.nnz, Mk)
         row, t, i, j, col, by_col = entries

@@ -464,7 +464,8 @@ def test_moba_layer_compiles_fullgraph(backend):
 
 def test_topk_tables_are_made_once_per_geometry_and_equal_the_plain_arithmetic():
     """`mask_index.topk_tables`: the same object for the same (ks, causal, geometry, device), so masks chosen
-    per call reuse it; its values are those of `candidates`, `topk_counts` and `_partial_counts`; masks built
+    per call reuse it; its values are those of `candidates`, `topk_counts` and `_partial_counts` (and the
+    per-group block counts they give); masks built
     with it equal masks built afresh; the cache keeps the last 32 entries only."""
     geometry = (6, 7, 32, 32, 6 * 32 - 5, 7 * 32 - 3)
     a = mask_index.topk_tables((3, 2), True, geometry, "cpu")
@@ -473,7 +474,10 @@ def test_topk_tables_are_made_once_per_geometry_and_equal_the_plain_arithmetic()
     counts = mask_index.topk_counts((3, 2), True, geometry, "cpu", cand)
     assert torch.equal(a.cand, cand) and torch.equal(a.counts, counts)
     for flag in (False, True):
-        assert torch.equal(a.partials[flag], mask_index._partial_counts(counts, cand, flag, geometry))
+        partial = mask_index._partial_counts(counts, cand, flag, geometry)
+        assert torch.equal(a.partials[flag], partial)
+        assert a.group_sizes[flag].tolist() == [counts.sum(-1).tolist(), (counts - partial).sum(-1).tolist(),
+                                                partial.sum(-1).tolist()]
     scores = torch.randn(2, 2, 6, 7, generator=torch.Generator().manual_seed(0))
     kw = dict(causal=True, block_size=32, seq_len_q=geometry[4], seq_len_k=geometry[5])
     first = BlockMask.from_topk(scores, (3, 2), **kw)  # tables from the cache
