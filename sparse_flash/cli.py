@@ -26,6 +26,8 @@ import torch
 from . import __version__, masks
 from .api import triton_unavailable_reason
 from .checks import positive_int
+from .kernels import settings
+from .kernels.settings import EnvironmentSettingError
 from .masks._common import geometry
 
 PROG = "sparse-flash"
@@ -220,6 +222,8 @@ def info_lines() -> list[str]:
     lines.append("  reference  usable (dense oracle: for tests and small inputs)")
     auto = "triton" if has_cuda and reason is None else "torch"
     lines.append(f"backend='auto' runs {auto} for {'CUDA' if has_cuda else 'CPU'} tensors here")
+    switches = ", ".join(f"{name}={'on' if on else 'off'}" for name, on in vars(settings.current()).items())
+    lines.append(f"kernel settings: {switches}")
     return lines
 
 
@@ -311,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return e.exit_code
+    except EnvironmentSettingError as e:  # a SPARSE_FLASH_* variable that is not a switch
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130

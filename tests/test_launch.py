@@ -130,11 +130,10 @@ def test_anything_triton_specialises_on_takes_the_normal_path(fast, monkeypatch,
         cx = {"BLOCK": 32, "FLAG": True}
     elif change == "warps":
         warps = 8
-    elif change == "disabled":
-        settings.configure(fast_launch=False)  # the fixture's override restores it
     elif change == "hook":
         monkeypatch.setattr(launch_mod, "_hooks_installed", lambda: True)
-    launch_mod.launch(kernel, (1,), args, cx, warps, 3)
+    with settings.override(fast_launch=change != "disabled"):
+        launch_mod.launch(kernel, (1,), args, cx, warps, 3)
     assert kinds(kernel) == ["normal", "normal"]
 
 
@@ -212,12 +211,11 @@ def test_bound_launch_takes_the_normal_path_when_direct_calls_are_off(fast, monk
     kernel = FakeKernel()
     bound = launch_mod.BoundLaunch(kernel, 1, (32, 0.5), {"BLOCK": 16, "FLAG": True}, 4, 3)
     bound(torch.zeros(64))
-    if change == "disabled":
-        settings.configure(fast_launch=False)  # the fixture's override restores it
-    else:
+    if change == "hook":
         monkeypatch.setattr(launch_mod, "_hooks_installed", lambda: True)
-    bound(torch.zeros(64))
-    bound(torch.zeros(64))
+    with settings.override(fast_launch=change != "disabled"):
+        bound(torch.zeros(64))
+        bound(torch.zeros(64))
     assert kinds(kernel) == ["normal", "normal", "normal"]
 
 

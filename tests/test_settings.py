@@ -51,3 +51,59 @@ def test_the_interpreter_runs_the_triton_family_for_every_pass():
     q = torch.randn(1, 2, 1024, 128, dtype=torch.float16)
     chosen = dispatch.families(q, q, q, mask.kernel_index(False), mask.kernel_geometry(False), out=q, do=q)
     assert chosen == dispatch.Families("triton", "triton", "triton")
+
+
+def test_an_override_holds_in_its_own_thread_and_context_only():
+    """A block in one thread changes nothing another thread sees; blocks left out of order leave no change
+    behind; `configure` inside a block outlives it (the block restores only what it set)."""
+    import threading
+
+    before = settings.current()
+    seen, entered, release = [], threading.Event(), threading.Event()
+
+    def inside_a_block():
+        with settings.override(tma=not before.tma):
+            entered.set()
+            release.wait(5)
+
+    worker = threading.Thread(target=inside_a_block)
+    worker.start()
+    entered.wait(5)
+    seen.append(settings.current().tma)
+    release.set()
+    worker.join()
+    assert seen == [before.tma] and settings.current() == before
+    first, second = settings.override(hopper_d64=not before.hopper_d64), settings.override(tma=not before.tma)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    second.__exit__(None, None, None)
+    assert settings.current() == before
+    with settings.override(hopper_d64=not before.hopper_d64):
+        previous = settings.configure(hopper_balance=not before.hopper_balance)
+    try:
+        now = settings.current()
+        assert now.hopper_balance != before.hopper_balance and now.hopper_d64 == before.hopper_d64
+    finally:
+        settings.configure(hopper_balance=previous.hopper_balance)
+
+
+def test_an_empty_variable_is_unset_and_a_bad_one_fails_at_first_use_not_at_import(tmp_path):
+    import subprocess
+    import sys
+
+    assert settings.from_environment({"SPARSE_FLASH_TMA": ""}) == settings.Settings()
+    code = ("import sparse_flash\n"
+            "from sparse_flash.kernels import settings\n"
+            "try:\n    settings.current()\nexcept ValueError as e:\n    print('refused', e)\n")
+    env = {**__import__("os").environ, "SPARSE_FLASH_HOPPER_FWD": "maybe"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "refused SPARSE_FLASH_HOPPER_FWD" in run.stdout, run.stderr[-2000:]
+    cli = subprocess.run([sys.executable, "-m", "sparse_flash", "info"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert cli.returncode == 2 and "SPARSE_FLASH_HOPPER_FWD" in cli.stderr and "Traceback" not in cli.stderr
+
+
+def test_settings_fields_are_bools():
+    with pytest.raises(TypeError, match="tma must be a bool"):
+        settings.Settings(tma="no")

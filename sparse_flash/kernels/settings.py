@@ -1,6 +1,7 @@
 """Every switch of the kernels, in one place: one typed `Settings` value.
 
-The environment is read here and nowhere else, once, when the kernels are first used:
+The environment is read here and nowhere else, once, when the settings are first read (a kernel's first use),
+so a bad value never stops `import sparse_flash`; an empty value counts as unset:
 
 | field | environment variable | default | what it switches |
 |---|---|---|---|
@@ -15,8 +16,9 @@ The environment is read here and nowhere else, once, when the kernels are first 
 | `poison` | - | off | every kernel output starts as NaN, so that an unwritten tile shows (tests) |
 
 A variable takes `1`/`0` (or `true`/`false`, `on`/`off`); anything else is a ValueError naming it.
-`configure(**changes)` sets fields and returns the previous value; `override(**changes)` does so for a `with`
-block. Launch plans key on the settings they were built under, so a change takes effect on the next call.
+`configure(**changes)` sets fields for every thread and returns the previous value; `override(**changes)` sets
+them for a `with` block in this thread or task only. Launch plans key on the settings they were built under, so
+a change takes effect on the next call.
 
 `interpreting()` is the one reader of `TRITON_INTERPRET` (kernels run on the CPU through the interpreter).
 
@@ -29,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import os
 
@@ -47,6 +50,12 @@ class Settings:
     gpu_index: bool = False
     poison: bool = False
 
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, bool):
+                raise TypeError(f"kernel setting {field.name} must be a bool, got {type(value).__name__} {value!r}")
+
 
 ENVIRONMENT = {  # field: the variable that sets it
     "hopper_forward": "SPARSE_FLASH_HOPPER_FWD",
@@ -61,51 +70,99 @@ ENVIRONMENT = {  # field: the variable that sets it
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
 
+class EnvironmentSettingError(ValueError):
+    """A `SPARSE_FLASH_*` variable with a value that is not a switch (the command line reports it in one line)."""
+
+
 def _parse(variable: str, text: str) -> bool:
     value = text.strip().lower()
     if value in _TRUE or value in _FALSE:
         return value in _TRUE
-    raise ValueError(f"{variable} must be 1 or 0 (true/false, on/off), got {text!r}")
+    raise EnvironmentSettingError(f"{variable} must be 1 or 0 (true/false, on/off), got {text!r}")
 
 
 def from_environment(environ=os.environ) -> Settings:
-    """The defaults, with every variable of `ENVIRONMENT` that is set applied."""
-    return Settings(**{field: _parse(var, environ[var]) for field, var in ENVIRONMENT.items() if var in environ})
+    """The defaults, with every variable of `ENVIRONMENT` that is set applied (an empty value counts as unset)."""
+    return Settings(**{field: _parse(var, environ[var]) for field, var in ENVIRONMENT.items()
+                       if environ.get(var, "").strip()})
 
 
-_CURRENT = [from_environment()]
+_BASE: list = [None]  # the settings of every thread: the environment's (read on first use), then `configure`'s
+
+
+class _Block:
+    """The `override` blocks open in one thread or task, innermost first: each its fields (merged with the
+    blocks around it) and the settings they give on the base they were applied to (cached: `current()` stays a
+    lookup)."""
+
+    __slots__ = ("changes", "outer", "base", "result")
+
+    def __init__(self, changes: dict, outer: "_Block | None", base: Settings):
+        self.changes, self.outer = changes, outer
+        self.base, self.result = base, dataclasses.replace(base, **changes)
+
+
+_OVERRIDE: contextvars.ContextVar = contextvars.ContextVar("sparse_flash_settings_override", default=None)
+
+
+def _base() -> Settings:
+    if _BASE[0] is None:
+        _BASE[0] = from_environment()
+    return _BASE[0]
 
 
 def current() -> Settings:
-    """The settings in force."""
-    return _CURRENT[0]
+    """The settings in force here: `configure`'s (the environment's at first), with the fields of the `override`
+    blocks open in this thread or task."""
+    base, block = _base(), _OVERRIDE.get()
+    if block is None:
+        return base
+    if block.base is not base:  # `configure` ran inside the block: its fields on the new base
+        block.base, block.result = base, dataclasses.replace(base, **block.changes)
+    return block.result
 
 
-def configure(**changes) -> Settings:
-    """Set the given fields (bools); returns the settings before the change.
-
-    Raises:
-        TypeError: an unknown field, or a value that is not a bool.
-    """
+def _checked(changes: dict) -> dict:
     names = {f.name for f in dataclasses.fields(Settings)}
     for name, value in changes.items():
         if name not in names:
             raise TypeError(f"unknown kernel setting {name!r}; the settings are {sorted(names)}")
         if not isinstance(value, bool):
             raise TypeError(f"kernel setting {name} must be a bool, got {type(value).__name__} {value!r}")
-    previous = _CURRENT[0]
-    _CURRENT[0] = dataclasses.replace(previous, **changes)
+    return changes
+
+
+def configure(**changes) -> Settings:
+    """Set the given fields (bools) for every thread, from now on; returns the settings in force before. Inside
+    an `override` block the block's own fields still win until it closes.
+
+    Raises:
+        TypeError: an unknown field, or a value that is not a bool.
+    """
+    _checked(changes)
+    previous = current()
+    _BASE[0] = dataclasses.replace(_base(), **changes)
     return previous
 
 
 @contextlib.contextmanager
 def override(**changes):
-    """`configure(**changes)` for the duration of a `with` block; the previous settings come back after it."""
-    previous = configure(**changes)
+    """The given fields for the duration of a `with` block, in this thread (or asyncio task) only; blocks nest,
+    and closing one restores exactly what it set (a `configure` inside it stays). Blocks closed out of order
+    leave nothing behind once all are closed."""
+    outer = _OVERRIDE.get()
+    block = _Block({**(outer.changes if outer else {}), **_checked(changes)}, outer, _base())
+    _OVERRIDE.set(block)
     try:
         yield current()
     finally:
-        _CURRENT[0] = previous
+        innermost = _OVERRIDE.get()
+        open_blocks = []
+        while innermost is not None:
+            open_blocks.append(innermost)
+            innermost = innermost.outer
+        if block in open_blocks:  # still open here: close it with every block opened inside it
+            _OVERRIDE.set(block.outer)
 
 
 def interpreting() -> bool:
