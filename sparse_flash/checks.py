@@ -44,6 +44,24 @@ def _not_finite(value, name: str, what: str):
     raise ValueError(f"{name} must be finite, got {repr(value)[:40]}")
 
 
+def check_device(device, name: str = "device"):
+    """`device` as a `torch.device` a mask can live on (None stays None: the default device): TypeError for
+    another type, ValueError for a name torch does not know, the meta device, or CUDA where there is none."""
+    if device is None:
+        return None
+    if is_bool(device) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"{name} must be a torch.device, a str or an int, got {type(device).__name__} {device!r}")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{name} must name a torch device (such as 'cpu' or 'cuda:0'), got {device!r}") from None
+    if device.type == "meta":
+        raise ValueError(f"{name}: a mask needs real values, it cannot live on the meta device")
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"{name}={str(device)!r}: no such CUDA device here")
+    return device
+
+
 def positive_int(value, name: str, minimum: int = 1, maximum: int = MAX_INT) -> int:
     """`value` as an int in `[minimum, maximum]`: Python or NumPy ints, never bools or floats."""
     if is_bool(value) or not isinstance(value, numbers.Integral):

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from .checks import as_bool, as_pair, finite_float, is_int
+from .checks import as_bool, as_pair, check_device, finite_float, is_int
 from .mask_index import (LONG_LIST_BLOCKS, BlockIndex, KernelIndex, MaskGeometry, MaskIndex, build_index,
                          build_topk_index, candidates, gpu_builders, topk_sizes, topk_tables)
 
@@ -519,13 +519,9 @@ class BlockMask:
         """
         if isinstance(device, torch.dtype):
             raise TypeError(f"BlockMask.to takes a device (a mask has no dtype), got dtype {device}")
-        if not isinstance(device, (str, int, torch.device)):
-            raise TypeError(f"BlockMask.to takes a device, got {type(device).__name__} {device!r}")
-        device = torch.device(device)
-        if device.type == "meta":
-            raise ValueError("BlockMask.to: a mask needs real values, it cannot move to the meta device")
+        device = check_device(device, "BlockMask.to device")
         here = self.device
-        if device.type == here.type and device.index in (None, here.index):
+        if device.type == here.type and device.index in (None, here.index) or (device.type == here.type == "cpu"):
             return self
         key = str(device)
         if key not in self._copies:  # moving a mask rebuilds its index lists once per device

@@ -541,3 +541,20 @@ def test_a_nan_key_leaves_the_query_gradients_of_rows_before_it_exact(backend):
     poisoned[0, 0, 20, 3] = float("nan")
     got, want = dq(poisoned), dq(k)
     torch.testing.assert_close(got[:, :, :20], want[:, :, :20], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("build", [lambda d: masks.butterfly(256, 32, device=d), lambda d: masks.fixed(256, 32, device=d),
+                                   lambda d: masks.neighborhood_2d(16, 16, 4, device=d),
+                                   lambda d: masks.local(256, 32, device=d).to(d)], ids=["butterfly", "fixed",
+                                                                                          "neighborhood", "to"])
+@pytest.mark.parametrize("device, error", [("bogus", ValueError), ("meta", ValueError), (True, TypeError),
+                                           (1.5, TypeError)] + ([] if torch.cuda.is_available() else
+                                                                [("cuda", ValueError), ("cuda:1", ValueError)]))
+def test_a_bad_device_is_a_clear_error(build, device, error):
+    with pytest.raises(error, match="device"):
+        build(device)
+
+
+def test_a_mask_moved_to_its_own_device_is_itself():
+    mask = masks.local(256, 32)
+    assert mask.to("cpu") is mask and mask.to("cpu:0") is mask and mask.to(torch.device("cpu")) is mask

@@ -9,8 +9,8 @@ from typing import NamedTuple
 import torch
 
 from ..checks import (  # noqa: F401  (the constructors take their checks from here)
-    MAX_INT, MAX_SEED, as_bool, as_pair, block_indices, block_pair, is_bool, odd_int, optional_heads, positive_int,
-    probability, seed_value,
+    MAX_INT, MAX_SEED, as_bool, as_pair, block_indices, block_pair, check_device, is_bool, odd_int, optional_heads,
+    positive_int, probability, seed_value,
 )
 from ..mask import BlockMask
 

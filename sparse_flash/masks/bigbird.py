@@ -5,10 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..mask import BlockMask
-from ._common import (
-    as_bool, block_coords, causal_blocks, geometry, hash_draws, make, odd_int, optional_heads, positive_int, seed_value,
-    uniform_draws,
-)
+from ._common import (as_bool, block_coords, causal_blocks, check_device, geometry, hash_draws, make, odd_int,
+                     optional_heads, positive_int, seed_value, uniform_draws)
 
 
 def bigbird(
@@ -53,6 +51,7 @@ def bigbird(
         >>> masks.bigbird(8192, 128, num_heads=4).shape
         (1, 4, 64, 64)
     """
+    device = check_device(device)
     r = positive_int(num_random_blocks, "num_random_blocks", minimum=0)
     w = odd_int(num_sliding_window_blocks, "num_sliding_window_blocks")
     g = positive_int(num_global_blocks, "num_global_blocks", minimum=0)

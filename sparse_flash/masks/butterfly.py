@@ -7,7 +7,7 @@ import math
 import torch
 
 from ..mask import BlockMask
-from ._common import GridError, geometry, make, positive_int
+from ._common import GridError, check_device, geometry, make, positive_int
 
 MAX_FACTORS = 31  # a mask has fewer than 2**31 blocks a side (MAX_LAYOUT_BLOCKS), so at most 31 factors
 
@@ -52,6 +52,7 @@ def butterfly(
         >>> round(m.density, 4)
         0.0195
     """
+    device = check_device(device)
     n = None if n_factors is None else positive_int(n_factors, "n_factors", minimum=0, maximum=MAX_FACTORS)
     if butterfly_size is not None:
         butterfly_size = positive_int(butterfly_size, "butterfly_size")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..mask import BlockMask
-from ._common import causal_blocks, geometry, make
+from ._common import causal_blocks, check_device, geometry, make
 
 
 def causal(seq_len: int, block_size=128, *, seq_len_k: int | None = None, device=None) -> BlockMask:
@@ -27,5 +27,6 @@ def causal(seq_len: int, block_size=128, *, seq_len_k: int | None = None, device
         >>> masks.causal(512, 128).nnz
         10
     """
+    device = check_device(device)
     geo = geometry(seq_len, block_size, seq_len_k)
     return make(causal_blocks(geo, device), geo, "causal")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..mask import BlockMask
-from ._common import geometry, make
+from ._common import check_device, geometry, make
 
 
 def dense(seq_len: int, block_size=128, *, seq_len_k: int | None = None, device=None) -> BlockMask:
@@ -25,6 +25,7 @@ def dense(seq_len: int, block_size=128, *, seq_len_k: int | None = None, device=
         >>> masks.dense(1024, 128).density
         1.0
     """
+    device = check_device(device)
     geo = geometry(seq_len, block_size, seq_len_k)
     layout = torch.ones(geo.num_blocks_q, geo.num_blocks_k, dtype=torch.bool, device=device)
     return make(layout, geo, "dense")

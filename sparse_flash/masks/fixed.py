@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..mask import BlockMask
-from ._common import as_bool, block_coords, make, optional_heads, positive_int, square_geometry
+from ._common import as_bool, block_coords, check_device, make, optional_heads, positive_int, square_geometry
 
 
 def fixed(
@@ -52,6 +52,7 @@ def fixed(
         >>> masks.fixed(2048, 128).shape
         (1, 1, 16, 16)
     """
+    device = check_device(device)
     L = positive_int(num_local_blocks, "num_local_blocks")
     G = positive_int(num_global_blocks, "num_global_blocks")
     P = positive_int(num_different_global_patterns, "num_different_global_patterns")

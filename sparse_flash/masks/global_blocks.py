@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..mask import BlockMask
-from ._common import geometry, make, positive_int
+from ._common import check_device, geometry, make, positive_int
 
 
 def global_(
@@ -31,6 +31,7 @@ def global_(
         >>> masks.global_(512, 128).nnz
         7
     """
+    device = check_device(device)
     g = positive_int(num_global_blocks, "num_global_blocks", minimum=0)
     geo = geometry(seq_len, block_size, seq_len_k)
     layout = torch.zeros(geo.num_blocks_q, geo.num_blocks_k, dtype=torch.bool, device=device)

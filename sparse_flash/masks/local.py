@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..mask import BlockMask
-from ._common import as_bool, block_coords, geometry, make, positive_int
+from ._common import as_bool, block_coords, check_device, geometry, make, positive_int
 
 
 def local(
@@ -33,6 +33,7 @@ def local(
         >>> print(masks.local(512, 128, window=1))  # doctest: +ELLIPSIS
         BlockMask(local(window=1), ...
     """
+    device = check_device(device)
     window = positive_int(window, "window", minimum=0)
     causal = as_bool(causal, "causal")
     geo = geometry(seq_len, block_size, seq_len_k)

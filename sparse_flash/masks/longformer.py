@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..mask import BlockMask
-from ._common import as_bool, block_coords, block_indices, causal_blocks, check_on_grid, geometry, make, odd_int
+from ._common import (as_bool, block_coords, block_indices, causal_blocks, check_device, check_on_grid, geometry,
+                     make, odd_int)
 
 
 def longformer(
@@ -48,6 +49,7 @@ def longformer(
         >>> masks.longformer(4096, 128, global_block_indices=[0, 16]).shape
         (1, 1, 32, 32)
     """
+    device = check_device(device)
     w = odd_int(num_sliding_window_blocks, "num_sliding_window_blocks")
     causal = as_bool(causal, "causal")
     starts = block_indices(global_block_indices, "global_block_indices")

@@ -12,7 +12,7 @@ import math
 import torch
 
 from ..mask import BlockMask, Tiling
-from ._common import optional_heads
+from ._common import check_device, optional_heads
 from .butterfly import butterfly
 from .tiles import per_axis, tiling_of
 
@@ -89,6 +89,7 @@ def neighborhood_2d(height: int, width: int, tile, window=1, *, num_heads: int |
         >>> x = masks.to_tiles(torch.randn(1, 8, 65536, 64), 256, 256, (16, 8))  # row-major pixels -> tiles
         >>> out = masks.from_tiles(sparse_flash.block_sparse_attention(x, x, x, m), 256, 256, (16, 8))
     """
+    device = check_device(device)
     tiling = tiling_of(height, width, tile)
     windows = _windows(window, ("h", "w"), num_heads)
     _, th, tw = tiling.tile
@@ -120,6 +121,7 @@ def neighborhood_3d(frames: int, height: int, width: int, tile, window=1, *, num
         >>> x = masks.to_tiles(torch.randn(1, 8, 16 * 64 * 64, 64), 64, 64, (2, 8, 8), frames=16)
         >>> out = sparse_flash.block_sparse_attention(x, x, x, m)
     """
+    device = check_device(device)
     tiling = tiling_of(height, width, tile, frames)
     windows = _windows(window, ("t", "h", "w"), num_heads)
     tt, th, tw = tiling.tile
@@ -150,6 +152,7 @@ def butterfly_2d(height: int, width: int, tile, *, n_factors: int | None = None,
         >>> m.tiling.tiles
         (1, 16, 32)
     """
+    device = check_device(device)
     tiling = tiling_of(height, width, tile)
     _, rows, cols = tiling.tiles
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..mask import BlockMask
-from ._common import geometry, make, optional_heads, probability, seed_value, uniform_draws
+from ._common import check_device, geometry, make, optional_heads, probability, seed_value, uniform_draws
 
 
 def random(
@@ -44,6 +44,7 @@ def random(
         >>> masks.random(4096, 128, density=0.1, seed=1, num_heads=8).shape
         (1, 8, 32, 32)
     """
+    device = check_device(device)
     density = probability(density, "density")
     seed = seed_value(seed)
     heads = optional_heads(num_heads)

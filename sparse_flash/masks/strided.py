@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from ..mask import BlockMask
-from ._common import block_coords, make, positive_int, square_geometry
+from ._common import block_coords, check_device, make, positive_int, square_geometry
 
 
 def strided(
@@ -31,6 +31,7 @@ def strided(
         >>> masks.strided(4096, 128, stride=4).shape
         (1, 1, 32, 32)
     """
+    device = check_device(device)
     stride = None if stride is None else positive_int(stride, "stride")
     bandwidth = None if bandwidth is None else positive_int(bandwidth, "bandwidth")
     geo = square_geometry("strided", seq_len, block_size)
