@@ -543,10 +543,11 @@ def test_a_nan_key_leaves_the_query_gradients_of_rows_before_it_exact(backend):
     torch.testing.assert_close(got[:, :, :20], want[:, :, :20], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("build", [lambda d: masks.butterfly(256, 32, device=d), lambda d: masks.fixed(256, 32, device=d),
+@pytest.mark.parametrize("build", [lambda d: masks.butterfly(256, 32, device=d),
+                                   lambda d: masks.fixed(256, 32, device=d),
                                    lambda d: masks.neighborhood_2d(16, 16, 4, device=d),
-                                   lambda d: masks.local(256, 32, device=d).to(d)], ids=["butterfly", "fixed",
-                                                                                          "neighborhood", "to"])
+                                   lambda d: masks.local(256, 32).to(d)], ids=["butterfly", "fixed", "neighborhood",
+                                                                              "to"])
 @pytest.mark.parametrize("device, error", [("bogus", ValueError), ("meta", ValueError), (True, TypeError),
                                            (1.5, TypeError)] + ([] if torch.cuda.is_available() else
                                                                 [("cuda", ValueError), ("cuda:1", ValueError)]))
