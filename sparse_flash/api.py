@@ -132,7 +132,8 @@ def block_sparse_attention(
             backend that cannot run raises instead of falling back.
 
     Returns:
-        `out` with q's shape and dtype, or `(out, lse)` with lse float32 `(B, Hq, Nq)` in natural log
+        `out` with q's shape and dtype, or `(out, lse)` with lse float32 `(B, Hq, Nq)` (float64 for float64
+        inputs) in natural log
         (not differentiable). If a query row of the mask is all zero, its output is 0, its lse is -inf and
         its gradients are 0.
 

@@ -235,6 +235,7 @@ def _info(args) -> int:
 # ---------------------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Block-sparse FlashAttention for PyTorch: tools.")
+    parser.add_argument("-V", "--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     masks_parser = commands.add_parser("masks", help="show mask patterns", description="Show mask patterns.")

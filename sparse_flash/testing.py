@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .checks import positive_int
 from .mask import BlockMask
 from .reference import allowed_pairs, attention_reference
 
@@ -42,7 +43,13 @@ def make_qkv(B, Hq, Hkv, Nq, Nk, D, *, dtype, device, seed=0, requires_grad=True
     `layout="transposed"` returns views of `(B, N, H, D)` tensors (non-contiguous, like a fused QKV
     projection); `"strided-d"` returns views whose head dimension has stride 2.
     """
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    if layout not in ("contiguous", "transposed", "strided-d"):
+        raise ValueError(f"layout must be 'contiguous', 'transposed' or 'strided-d', got {layout!r}")
+    for name, value in (("B", B), ("Hq", Hq), ("Hkv", Hkv), ("Nq", Nq), ("Nk", Nk), ("D", D)):
+        positive_int(value, name, minimum=0)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    gen = torch.Generator(device="cpu").manual_seed(positive_int(seed, "seed", minimum=0))
 
     def draw(H, N):
         if layout == "transposed":
@@ -58,9 +65,13 @@ def make_qkv(B, Hq, Hkv, Nq, Nk, D, *, dtype, device, seed=0, requires_grad=True
 
 
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """Largest absolute difference, treating equal infinities as equal and any NaN as infinite error."""
+    """Largest absolute difference, treating equal infinities as equal and any NaN (on either side) as infinite
+    error; the two tensors must have one shape."""
+    if actual.shape != expected.shape:
+        raise ValueError(f"max_error compares tensors of one shape, got {tuple(actual.shape)} and "
+                         f"{tuple(expected.shape)}")
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
-    if torch.isnan(a).any():
+    if torch.isnan(a).any() or torch.isnan(e).any():
         return math.inf
     same_inf = torch.isinf(a) & torch.isinf(e) & (torch.sign(a) == torch.sign(e))
     diff = (a - e).abs().masked_fill(same_inf, 0.0)

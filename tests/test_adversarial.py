@@ -559,3 +559,27 @@ def test_a_bad_device_is_a_clear_error(build, device, error):
 def test_a_mask_moved_to_its_own_device_is_itself():
     mask = masks.local(256, 32)
     assert mask.to("cpu") is mask and mask.to("cpu:0") is mask and mask.to(torch.device("cpu")) is mask
+
+
+def test_gallery_refuses_bad_paths_and_rectangular_blocks_before_drawing():
+    plt = pytest.importorskip("matplotlib.pyplot")
+    before = plt.get_fignums()
+    with pytest.raises(TypeError, match="path"):
+        masks.gallery(123, seq_len=64, block_size=16)
+    with pytest.raises(TypeError, match="block_size"):
+        masks.gallery(seq_len=256, block_size=(16, 32))
+    assert plt.get_fignums() == before  # no figure left open
+
+
+def test_testing_helpers_refuse_bad_arguments():
+    from sparse_flash.testing import make_qkv, max_error
+
+    with pytest.raises(ValueError, match="layout"):
+        make_qkv(1, 2, 1, 10, 12, 8, dtype=torch.float32, device="cpu", layout="bogus")
+    with pytest.raises(ValueError, match="Nq"):
+        make_qkv(1, 2, 1, -1, 12, 8, dtype=torch.float32, device="cpu")
+    with pytest.raises(TypeError, match="dtype"):
+        make_qkv(1, 2, 1, 10, 12, 8, dtype="float16", device="cpu")
+    assert max_error(torch.tensor([1.0]), torch.tensor([float("nan")])) == float("inf")
+    with pytest.raises(ValueError, match="one shape"):
+        max_error(torch.zeros(1), torch.ones(5))

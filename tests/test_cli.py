@@ -171,3 +171,8 @@ def test_console_script_and_module_run_as_processes():
 def test_an_empty_png_name_is_a_usage_error(capsys):
     code, _, err = run(capsys, "masks", "show", "dense", "--png", "")
     assert code == 2 and "--png" in err and "Traceback" not in err
+
+
+def test_version_flag(capsys):
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.strip().startswith("sparse-flash ")

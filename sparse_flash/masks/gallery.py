@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from ._common import geometry
 from .bigbird import bigbird
 from .butterfly import butterfly
@@ -68,6 +70,11 @@ def gallery(path=None, *, seq_len: int = 4096, block_size: int = 128):
         >>> fig = masks.gallery("masks.png")  # doctest: +SKIP
     """
     geo = geometry(seq_len, block_size)
+    if not isinstance(block_size, int) or isinstance(block_size, bool):
+        raise TypeError(f"block_size must be an int (square blocks: some patterns take no other), got "
+                        f"{type(block_size).__name__} {block_size!r}")
+    if path is not None and not isinstance(path, (str, os.PathLike)) and not hasattr(path, "write"):
+        raise TypeError(f"path must be a file name, a path or a binary file object, got {type(path).__name__}")
     try:
         import matplotlib
 
@@ -81,13 +88,18 @@ def gallery(path=None, *, seq_len: int = 4096, block_size: int = 128):
     cols = 5
     rows = (len(names) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.4 * rows), squeeze=False)
-    for ax, name in zip(axes.flat, names):
-        build(name, seq_len, block_size, **_gallery_args(name, geo.num_blocks_q)).plot(ax=ax)
-    for ax in list(axes.flat)[len(names):]:
-        ax.axis("off")
-    fig.suptitle(f"sparse_flash mask patterns, {seq_len} tokens, block {block_size}", fontsize=12)
-    fig.tight_layout()
+    try:
+        for ax, name in zip(axes.flat, names):
+            build(name, seq_len, block_size, **_gallery_args(name, geo.num_blocks_q)).plot(ax=ax)
+        for ax in list(axes.flat)[len(names):]:
+            ax.axis("off")
+        fig.suptitle(f"sparse_flash mask patterns, {seq_len} tokens, block {block_size}", fontsize=12)
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(path, dpi=110, format="png")
+    except BaseException:
+        plt.close(fig)  # no half-drawn figure left open
+        raise
     if path is not None:
-        fig.savefig(path, dpi=110, format="png")
         plt.close(fig)
     return fig
