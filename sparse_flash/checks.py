@@ -57,7 +57,9 @@ def check_device(device, name: str = "device"):
         raise ValueError(f"{name} must name a torch device (such as 'cpu' or 'cuda:0'), got {device!r}") from None
     if device.type == "meta":
         raise ValueError(f"{name}: a mask needs real values, it cannot live on the meta device")
-    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+    # Inside torch.compile devices come from real tensors (and device_count cannot be traced): no check there.
+    if device.type == "cuda" and not torch.compiler.is_compiling() and (
+            not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
         raise ValueError(f"{name}={str(device)!r}: no such CUDA device here")
     return device
 

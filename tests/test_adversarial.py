@@ -583,3 +583,15 @@ def test_testing_helpers_refuse_bad_arguments():
     assert max_error(torch.tensor([1.0]), torch.tensor([float("nan")])) == float("inf")
     with pytest.raises(ValueError, match="one shape"):
         max_error(torch.zeros(1), torch.ones(5))
+
+
+def test_the_device_check_traces_under_torch_compile():
+    """Inside torch.compile the device comes from a real tensor and `torch.cuda.device_count` cannot be traced
+    (it broke the nn layers' fullgraph compile on CUDA): the check leaves it out there."""
+    from sparse_flash.checks import check_device
+
+    def step(x):
+        return x + (check_device(torch.device("cuda", 0)) is not None)
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    assert compiled(torch.ones(2)).tolist() == [2.0, 2.0]

@@ -107,3 +107,37 @@ def test_an_empty_variable_is_unset_and_a_bad_one_fails_at_first_use_not_at_impo
 def test_settings_fields_are_bools():
     with pytest.raises(TypeError, match="tma must be a bool"):
         settings.Settings(tma="no")
+
+
+def test_the_backward_runs_under_the_settings_of_its_forward_in_any_thread(monkeypatch):
+    """Autograd runs a CUDA backward in a thread of its own, where the forward's `override` block is not open:
+    the backward's kernels are still chosen under the forward's settings (here the backward runs in another
+    thread, after the block has closed)."""
+    import threading
+
+    import sparse_flash
+    from sparse_flash.kernels import dispatch, function
+
+    seen = []
+    real = dispatch.attn_bwd
+
+    def recording(*args, **kwargs):
+        seen.append(settings.current())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(function, "attn_bwd", recording)
+    before = settings.current()
+    q = torch.randn(1, 1, 32, 16, requires_grad=True)
+    with settings.override(tma=not before.tma, hopper_d64=not before.hopper_d64) as inside:
+        out = sparse_flash.flash_attention(q, q, q, backend="triton")
+    worker = threading.Thread(target=lambda: out.sum().backward())
+    worker.start()
+    worker.join()
+    assert seen == [inside] and inside != before and settings.current() == before
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_applied_takes_settings_only():
+    with pytest.raises(TypeError, match="Settings"):
+        with settings.applied({"tma": True}):
+            pass

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..mask import BlockMask
-from . import ops
+from . import ops, settings
 from .dispatch import attn_bwd, attn_fwd
 from .launch import mask_plans
 
@@ -38,8 +38,10 @@ class BlockSparseAttentionFunction(torch.autograd.Function):
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
         if _plain(q):
             out, lse = attn_fwd(q, k, v, index, geometry, causal, scale, plans)
+            ctx.settings = settings.current()  # the backward's too, whichever thread autograd runs it in
         else:
             out, lse = ops.attn_fwd(q, k, v, index, geometry, causal, scale)
+            ctx.settings = None
         ctx.save_for_backward(q, k, v, out, lse)
         # The mask's index lists are constant, never differentiated: kept as plain references, which costs
         # less host time than 24 saved tensors and their version checks.
@@ -55,7 +57,11 @@ class BlockSparseAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dout = _last_dim_contiguous(dout)
         args = (dout, q, k, v, out, lse, ctx.index, ctx.geometry, ctx.causal, ctx.scale)
-        dq, dk, dv = attn_bwd(*args, ctx.plans) if _plain(dout) else ops.attn_bwd(*args)
+        if _plain(dout) and ctx.settings is not None:
+            with settings.applied(ctx.settings):
+                dq, dk, dv = attn_bwd(*args, ctx.plans)
+        else:
+            dq, dk, dv = ops.attn_bwd(*args)
         if torch.is_grad_enabled():  # backward(create_graph=True): these gradients must not pass for differentiable
             dq, dk, dv = _refuse_double_backward(dq, dk, dv)
         return dq, dk, dv, None, None, None, None, None

@@ -18,7 +18,8 @@ so a bad value never stops `import sparse_flash`; an empty value counts as unset
 A variable takes `1`/`0` (or `true`/`false`, `on`/`off`); anything else is a ValueError naming it.
 `configure(**changes)` sets fields for every thread and returns the previous value; `override(**changes)` sets
 them for a `with` block in this thread or task only. Launch plans key on the settings they were built under, so
-a change takes effect on the next call.
+a change takes effect on the next call. A call's backward runs under the settings of its forward (autograd may
+run it in another thread); under torch.compile, under the settings where the compiled backward runs.
 
 `interpreting()` is the one reader of `TRITON_INTERPRET` (kernels run on the CPU through the interpreter).
 
@@ -35,7 +36,7 @@ import contextvars
 import dataclasses
 import os
 
-__all__ = ["Settings", "configure", "current", "interpreting", "override"]
+__all__ = ["Settings", "applied", "configure", "current", "interpreting", "override"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +164,22 @@ def override(**changes):
             innermost = innermost.outer
         if block in open_blocks:  # still open here: close it with every block opened inside it
             _OVERRIDE.set(block.outer)
+
+
+@contextlib.contextmanager
+def applied(chosen: Settings):
+    """`chosen` in force for a `with` block, in this thread or task only (`override` with all its fields).
+
+    The kernels' backward runs under the settings of its forward: autograd may run it in a thread of its own
+    (on CUDA it does), where the forward's `override` blocks are not open.
+    """
+    if not isinstance(chosen, Settings):
+        raise TypeError(f"settings.applied takes a Settings, got {type(chosen).__name__}")
+    if current() == chosen:
+        yield chosen
+        return
+    with override(**{f.name: getattr(chosen, f.name) for f in dataclasses.fields(Settings)}) as inside:
+        yield inside
 
 
 def interpreting() -> bool:
