@@ -78,16 +78,19 @@ def _other_call(case):
 
 
 @pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])
-def test_head_dim_64_only_when_switched_on(kernel):
+def test_head_dim_64_unless_switched_off(kernel):
     args = _other_call("d64")
+    assert settings.Settings().hopper_d64  # on by default (tuning log, step 58)
     with settings.override(hopper_d64=True):
         assert MODULES[kernel].shape_supported(*args)
         assert not MODULES[kernel].shape_supported(*_other_call("fp32"))
-    assert not MODULES[kernel].shape_supported(*args)
+    with settings.override(hopper_d64=False):
+        assert not MODULES[kernel].shape_supported(*args)
 
 
 @pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])
 @pytest.mark.parametrize("case", ["fp32", "d64", "tail", "block64"])
 def test_leaves_other_calls_to_the_triton_kernels(kernel, case):
-    """No Gluon kernel takes fp32, D=64, sequence tails or 64-token blocks."""
-    assert not MODULES[kernel].shape_supported(*_other_call(case))
+    """No Gluon kernel takes fp32, sequence tails or 64-token blocks, nor D=64 with `hopper_d64` off."""
+    with settings.override(hopper_d64=False):
+        assert not MODULES[kernel].shape_supported(*_other_call(case))

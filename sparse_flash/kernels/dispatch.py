@@ -2,7 +2,7 @@
 
 Two families serve the passes. The Triton kernels (`triton/`) serve every call the kernels take. The
 warp-specialised Gluon kernels (`gluon/`) serve the calls they were written for on Hopper GPUs (H100,
-H200: 16-bit inputs, D = 128, lengths and mask blocks multiples of 128; each module's `supported` says
+H200: 16-bit inputs, D = 64 or 128, lengths and mask blocks multiples of 128; each module's `supported` says
 exactly), where they are faster, unless switched off (`settings.hopper_forward`, `settings.hopper_backward`).
 The forward, the dQ pass and the dK/dV pass are chosen separately; the dQ pass stores delta = rowsum(dO * O)
 for the dK/dV pass whichever families run them.

@@ -9,7 +9,7 @@ so a bad value never stops `import sparse_flash`; an empty value counts as unset
 | `hopper_backward` | `SPARSE_FLASH_HOPPER_BWD` | on | the Gluon dQ and dK/dV kernels where they serve a call (`gluon/dq.py`, `gluon/dkdv.py`) |
 | `hopper_split` | `SPARSE_FLASH_HOPPER_SPLIT` | on | the Gluon kernels also take masks whose work plan splits long lists |
 | `hopper_balance` | `SPARSE_FLASH_HOPPER_BALANCE` | on | Gluon work items placed on programs by load (off: in turn) |
-| `hopper_d64` | `SPARSE_FLASH_HOPPER_D64` | off | the Gluon kernels also at head dim 64 (off: 128 only; the forward measured 0.91-1.01x the Triton one at 64 before its TMA store, tuning log, step 41) |
+| `hopper_d64` | `SPARSE_FLASH_HOPPER_D64` | on | the Gluon kernels also at head dim 64 (off: 128 only); measured against the Triton kernels at 64: forward 0.96-1.76x, backward 1.12-1.34x (tuning log, step 58) |
 | `tma` | `SPARSE_FLASH_TMA` | on | the Triton kernels read K, V (and Q, dO) through tensor descriptors where the GPU allows |
 | `fast_launch` | `SPARSE_FLASH_FAST_LAUNCH` | on | launches bound once per plan, skipping Triton's per-call dispatch (`launch.py`) |
 | `gpu_index` | `SPARSE_FLASH_GPU_INDEX` | off | a CUDA mask's index lists and work plans built by a few Triton launches (`sparse_flash/index_gpu.py`, the same values) instead of many torch operators; off until measured and verified on a GPU (tuning log, step 53) |
@@ -45,7 +45,7 @@ class Settings:
     hopper_backward: bool = True
     hopper_split: bool = True
     hopper_balance: bool = True
-    hopper_d64: bool = False
+    hopper_d64: bool = True
     tma: bool = True
     fast_launch: bool = True
     gpu_index: bool = False

@@ -22,7 +22,7 @@ chunks of the mask's work plan (`schedule.split_items`, as for the forward and t
 writes its share of dK and dV in float32 to a scratch tile, and two more launches add them in chunk order
 (`merge.ChunkSum`).
 
-It serves (`supported`) 16-bit inputs with D = 128, lengths multiples of 128 and of the mask's blocks
+It serves (`supported`) 16-bit inputs with D = 128 or 64 (`pipeline.head_dims`), lengths multiples of 128 and of the mask's blocks
 (multiples of 128), and GQA only with a mask shared by the heads; causal or not. `dispatch.py` runs it in
 place of the Triton dK/dV kernel where it serves, unless `settings.hopper_backward` is off
 (SPARSE_FLASH_HOPPER_BWD=0; tuning log, steps 45 and 47).

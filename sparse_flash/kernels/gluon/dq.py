@@ -15,7 +15,7 @@ The few lists much longer than the others (the global rows of BigBird and Longfo
 the mask's work plan (`schedule.split_items`, as for the forward and the Triton kernels); each chunk writes
 its share of dQ in float32 to a scratch tile, and a second launch adds them in chunk order (`merge.ChunkSum`).
 
-It serves (`supported`) 16-bit inputs with D = 128, lengths multiples of 128 and of the mask's blocks
+It serves (`supported`) 16-bit inputs with D = 128 or 64 (`pipeline.head_dims`), lengths multiples of 128 and of the mask's blocks
 (multiples of 128); causal or not. `dispatch.py` runs it in place of the Triton dQ kernel where it serves,
 unless `settings.hopper_backward` is off (SPARSE_FLASH_HOPPER_BWD=0). Measured with the dK/dV kernel in the
 tuning log, step 47.

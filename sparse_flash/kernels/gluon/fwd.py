@@ -19,7 +19,7 @@ while this item's last products and its store run, which the one-item-per-progra
 cannot overlap (docs/tuning-log.md, step 37: about 70 us per call at 16,384 tokens, D = 128).
 
 It serves the calls it was written for (`supported`), and `triton/fwd.py` serves everything else: 16-bit
-inputs, D = 128, both sequence lengths multiples of 128 and of the mask's blocks (so no block ends in a
+inputs, D = 128 or 64 (`pipeline.head_dims`), both sequence lengths multiples of 128 and of the mask's blocks (so no block ends in a
 sequence tail), mask blocks multiples of 128, contiguous tensors, and a GPU of compute capability 9.0
 (H100, H200); causal or not. Where the mask's work plan splits long lists (global rows), each chunk is an
 item of its own writing to scratch rows, and a second launch merges the chunks (`merge.py`; switched by
