@@ -139,9 +139,8 @@ def block_sparse_attention(
 
     Non-finite inputs: a NaN or infinity in q at row i, or in k or v at key j, reaches exactly the rows it
     belongs to or that attend it (row i; the rows whose allowed keys include j) and the gradients that flow
-    through them; every other row and gradient stays exact, on every backend. Open on the triton backend (strict
-    xfail tests): an infinite value in k gives the rows whose score with it is -inf weight 0 for that key
-    (finite rows), and a non-finite key in a causal diagonal tile reaches the dQ of the rows before it.
+    through them; every other row and gradient stays exact, on every backend. Open on the triton backend (a
+    strict xfail test): a non-finite key in a causal diagonal tile reaches the dQ of the rows before it.
 
     Example:
         >>> q = k = v = torch.randn(2, 4, 1000, 64)
