@@ -5,7 +5,7 @@
     compute-sanitizer --tool racecheck python benchmarks/sanitize.py "hopper causal" "d256"   # some problems
 
 Problems: causal, empty rows, split lists, GQA, D 8/96/256, ragged tails, and the Hopper (Gluon) kernels' D=128
-causal and sparse calls. They stay small, since racecheck slows every kernel by orders of magnitude; the split
+causal and sparse calls (D=64 too). They stay small, since racecheck slows every kernel by orders of magnitude; the split
 problems build their masks with the work plans cutting every list longer than 2 blocks into at most 3 chunks
 (`SPLIT_EVERY`), so that chunks and merges run at any size. Each runs forward and backward in bf16 and compares
 with the float64 oracle (2x rule); the script prints one line per problem, with its seconds, and exits 1 on a
@@ -40,6 +40,7 @@ PROBLEMS = {
     "hopper sparse": Problem(1, 2, 1, 1024, 1024, 128, 128, 128, "bigbird", 1.0, False, 8),
     "hopper split": Problem(2, 4, 2, 1024, 1024, 128, 128, 128, "bigbird", 1.0, False, 10),
     "hopper split causal": Problem(1, 2, 2, 1024, 1024, 128, 128, 128, "bigbird", 1.0, True, 9),
+    "hopper d64 causal": Problem(1, 2, 2, 1024, 1024, 64, 128, 128, "local", 1.0, True, 11),
 }
 SPLIT_EVERY = {"split lists", "hopper split", "hopper split causal"}
 
