@@ -139,12 +139,12 @@ def block_sparse_attention(
 
     Non-finite inputs: a NaN or infinity in q at row i, or in k or v at key j, reaches exactly the rows it
     belongs to or that attend it (row i; the rows whose allowed keys include j) and the gradients that flow
-    through them; every other row and gradient stays exact, on every backend. The gradients that do flow
-    through a non-finite row are not one value across backends: the triton kernels give those of the IEEE
-    computation (NaN along each path through the row; dV stays exact where only values are non-finite), the
-    torch and reference backends NaN or 0 (a non-finite input's own gradient is 0 there). Open on the triton
-    backend (a strict xfail test): a non-finite key in a causal diagonal tile reaches the dQ of the rows before
-    it.
+    through them; every other row and gradient stays exact, on every backend. A gradient that does flow
+    through a non-finite row is non-finite or exact, never a stand-in zero: a non-finite query or key row
+    gets a NaN gradient on every backend; the triton kernels keep dV exact where only values are non-finite
+    (the probabilities do not depend on them), the torch and reference backends make it NaN. Open on the
+    triton backend (a strict xfail test): a non-finite key in a causal diagonal tile reaches the dQ of the
+    rows before it.
 
     Example:
         >>> q = k = v = torch.randn(2, 4, 1000, 64)

@@ -25,11 +25,28 @@ def _softmax_rows(s: torch.Tensor):
     return p, lse
 
 
+class _CleanRows(torch.autograd.Function):
+    """`t` with the rows `bad` marks set to 0; their gradient is NaN, never 0 (the rows are not in the result,
+    but the result is no function of them either: a zero gradient would pass for a real one)."""
+
+    @staticmethod
+    def forward(ctx, t, bad):
+        ctx.save_for_backward(bad)
+        return t.masked_fill(bad[..., None], 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (bad, ) = ctx.saved_tensors
+        return grad.masked_fill(bad[..., None], float("nan")), None
+
+
 def split_non_finite(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(clean, bad)`: `t` `(..., N, D)` with every row holding a NaN or an infinity set to 0, and bool `(..., N)`
-    marking those rows."""
+    """`(clean, bad)`: `t` `(..., N, D)` with every row holding a NaN or an infinity set to 0 (their gradient
+    NaN), and bool `(..., N)` marking those rows."""
     bad = ~torch.isfinite(t).all(dim=-1)
-    return t.masked_fill(bad[..., None], 0.0), bad
+    if not t.requires_grad:
+        return t.masked_fill(bad[..., None], 0.0), bad
+    return _CleanRows.apply(t, bad), bad
 
 
 def poison_scores(s: torch.Tensor, allowed: torch.Tensor, q_bad: torch.Tensor, kv_bad: torch.Tensor) -> torch.Tensor:

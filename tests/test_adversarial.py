@@ -343,6 +343,28 @@ def test_non_finite_inputs_leave_other_gradients_exact(backend):
     torch.testing.assert_close(got[0][:, :, 16:20], expected[0][:, :, 16:20], atol=0, rtol=0)  # rows before it
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_a_non_finite_input_never_gets_a_zero_gradient(backend, where):
+    """The gradients through a non-finite row are exact or non-finite, never a zero that would pass for a real
+    one: a NaN query row's or key's own gradient is NaN on every backend (the reference and torch backends
+    compute with the row set to 0, and give it a NaN gradient for it); a NaN value's is NaN or exact (the
+    probabilities do not depend on it: the kernels give sum_i P_ij dO_i)."""
+    n, position = 64, 37
+    mask = masks.local(n, 16, window=1)
+    q, k, v = _inputs(torch.float32 if backend == "triton" else torch.float64, n=n)
+    inputs = [t.detach().clone() for t in (q, k, v)]
+    inputs["qkv".index(where)][0, 0, position, 3] = float("nan")
+    inputs = [t.requires_grad_() for t in inputs]
+    out = sparse_flash.block_sparse_attention(*inputs, mask, backend=backend)
+    grads = torch.autograd.grad(out, inputs, torch.randn_like(out))
+    own = grads["qkv".index(where)][0, 0, position]
+    if where == "v" and backend == "triton":
+        assert torch.isfinite(own).all() and (own != 0).any()
+    else:
+        assert (~torch.isfinite(own)).all()
+
+
 # ---------------------------------------------------------------- torch.compile of the torch backend
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
 def test_torch_backend_compiles_fullgraph(compiler):
