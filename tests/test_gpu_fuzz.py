@@ -1,5 +1,5 @@
 """GPU fuzz of the kernels: many drawn problems per dtype against the float64 oracle (2x rule), every call the
-kernels take, the Hopper (Gluon) kernels included (D = 128, lengths a multiple of 128, fp16/bf16; fp32 problems
+kernels take, the Hopper (Gluon) kernels included (D = 64 or 128, lengths a multiple of 128, fp16/bf16; fp32 problems
 stay small: the Gluon kernels do not take fp32, and its IEEE dot products are the slowest).
 
 The suite's property tests draw a few examples each; this file draws `FUZZ_EXAMPLES` per dtype (default 10)
@@ -27,12 +27,12 @@ SHARDS = int(os.environ.get("FUZZ_SHARDS", "1"))  # independent draws, so that p
 
 @st.composite
 def gpu_problems(draw, hopper: bool):
-    """Small and odd problems for the Triton kernels, and (`hopper`: for 16-bit dtypes) long D=128 ones for the
+    """Small and odd problems for the Triton kernels, and (`hopper`: for 16-bit dtypes) long D=64/128 ones for the
     Hopper kernels."""
     Hkv = draw(st.integers(1, 2))
     groups = draw(st.sampled_from([1, 2, 4]))
     if hopper and draw(st.booleans()):  # the Hopper kernels' domain
-        D, block_q, block_k = 128, 128, 128
+        D, block_q, block_k = draw(st.sampled_from([64, 128])), 128, 128
         Nq = 128 * draw(st.integers(1, 16))
         Nk = Nq if draw(st.booleans()) else 128 * draw(st.integers(1, 16))
     else:
