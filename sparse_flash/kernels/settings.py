@@ -175,7 +175,8 @@ def applied(chosen: Settings):
     """
     if not isinstance(chosen, Settings):
         raise TypeError(f"settings.applied takes a Settings, got {type(chosen).__name__}")
-    if current() == chosen:
+    now = current()
+    if now is chosen or now == chosen:
         yield chosen
         return
     with override(**{f.name: getattr(chosen, f.name) for f in dataclasses.fields(Settings)}) as inside:
