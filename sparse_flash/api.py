@@ -18,6 +18,7 @@ HEAD_DIM_RANGE = (8, 256)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _DENSE = object()  # stands for the all-ones mask in flash_attention
+FLOAT32_SCALE_LIMIT = torch.finfo(torch.float32).max / 1.4426950408889634  # |scale| x log2(e) within float32
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
@@ -56,12 +57,13 @@ def _validate(q, k, v, mask, causal, scale, return_lse) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_nested or t.layout != torch.strided:
+            layout = "nested" if t.is_nested else str(t.layout)
+            raise TypeError(f"{name} must be a dense (torch.strided) tensor, got a {layout} one")
         if t.dim() != 4:
             raise ValueError(f"{name} must have shape (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
         if t.dtype not in _DTYPES:
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
-        if min(t.shape) < 1:
-            raise ValueError(f"{name} must not be empty, got shape {tuple(t.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -74,7 +76,7 @@ def _validate(q, k, v, mask, causal, scale, return_lse) -> None:
         raise ValueError(f"k and v must have q's batch size {B}, got {Bk}")
     if Dk != D:
         raise ValueError(f"k and v must have q's head_dim {D}, got {Dk}")
-    if Hq % Hkv != 0:
+    if (Hq % Hkv != 0) if Hkv else Hq:
         raise ValueError(f"q's heads ({Hq}) must be a multiple of k's and v's heads ({Hkv}) for GQA/MQA")
     lo, hi = HEAD_DIM_RANGE
     if not lo <= D <= hi:
@@ -99,7 +101,11 @@ def _validate(q, k, v, mask, causal, scale, return_lse) -> None:
         if not is_bool(flag):  # Python or NumPy bools
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if scale is not None:
-        finite_float(scale, "scale", "a float or None")
+        scale = finite_float(scale, "scale", "a float or None")
+        if q.dtype != torch.float64 and abs(scale) > FLOAT32_SCALE_LIMIT:
+            raise ValueError(f"scale must be at most {FLOAT32_SCALE_LIMIT:.4g} in magnitude for {q.dtype} inputs (scores "
+                             f"are computed in float32, in log2 units: scale x log2(e) must fit), got {scale!r}; "
+                             "float64 inputs take any finite scale on the torch and reference backends")
 
 
 def block_sparse_attention(
@@ -118,14 +124,21 @@ def block_sparse_attention(
     Args:
         q: `(B, Hq, Nq, D)`, float16, bfloat16 or float32 (float64 for the reference and torch backends).
         k, v: `(B, Hkv, Nk, D)`, same dtype and device; `Hq` a multiple of `Hkv` (GQA, MQA).
-            `D` from 8 to 256, any value. Inputs may be non-contiguous.
+            `D` from 8 to 256, any value. Inputs may be non-contiguous, not sparse or nested; a zero batch or head
+            count gives empty results.
         mask: a `BlockMask` with `seq_len_q == Nq`, `seq_len_k == Nk`, batch 1 or B and heads 1 or Hq.
-            A CPU mask used with CUDA tensors is copied to the GPU once and the copy is cached.
+            A CPU mask used with CUDA tensors is copied to the GPU once and the copy is cached. The triton
+            backend takes mask blocks that are multiples of 16 tokens.
         causal: also require `k_idx <= q_idx`, top-left aligned like
             `F.scaled_dot_product_attention(is_causal=True)`.
         scale: softmax scale, any finite float (0 and negative included); default `1 / sqrt(D)`. Scores are
-            kept in float32 (float64 for float64 inputs): a scale that makes them overflow (|q . k| x scale past
-            3.4e38) gives NaN rows, as in `F.scaled_dot_product_attention`.
+            kept in float32 (float64 for float64 inputs), so for 16- and 32-bit inputs |scale| may be at most
+            2.36e38 (scale x log2(e) must fit; a ValueError past it) and one below float32's smallest value acts
+            as 0. Scores that overflow (|q . k| x scale past 3.4e38) give NaN rows, as in
+            `F.scaled_dot_product_attention`. The kernels recompute the probabilities in the backward from
+            the saved log-sum-exp in float32: where |q . k| x scale reaches about 1e6, its rounding (one unit in
+            the last place of the score) is no longer small against 1, and their gradients lose accuracy or
+            become NaN; the torch and reference backends differentiate their float32 softmax and keep it.
         return_lse: also return the log-sum-exp of each query's scores.
         backend: `"auto"` (triton on CUDA when usable, else torch), `"triton"`, `"torch"` (block-sparse in
             plain PyTorch, any device) or `"reference"` (dense and materialised: the oracle). A requested
@@ -142,9 +155,10 @@ def block_sparse_attention(
     through them; every other row and gradient stays exact, on every backend. A gradient that does flow
     through a non-finite row is non-finite or exact, never a stand-in zero: a non-finite query or key row
     gets a NaN gradient on every backend; the triton kernels keep dV exact where only values are non-finite
-    (the probabilities do not depend on them), the torch and reference backends make it NaN. Open on the
-    triton backend (a strict xfail test): a non-finite key in a causal diagonal tile reaches the dQ of the
-    rows before it.
+    (the probabilities do not depend on them), the torch and reference backends make it NaN; likewise the
+    log-sum-exp of a row that attends a non-finite value: exact from the kernels, NaN from the others. Open on
+    the triton backend (strict xfail tests): in a causal diagonal tile, a non-finite key reaches the dQ of the
+    rows before it, and a non-finite query the dK of the keys after it.
 
     Example:
         >>> q = k = v = torch.randn(2, 4, 1000, 64)
@@ -159,6 +173,9 @@ def _dispatch(q, k, v, mask, causal, scale, return_lse, backend):
     impl = _resolve_backend(backend, q)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     causal, return_lse = bool(causal), bool(return_lse)
+    if q.numel() == 0 or k.numel() == 0:  # no batch, heads, queries or keys: nothing to compute
+        out, lse = _EmptyAttention.apply(q, k, v)
+        return (out, lse) if return_lse else out
     # Every backend takes mask=None as the all-ones mask (no mask is built: inside torch.compile it could not be)
     mask = None if mask is _DENSE else mask.to(q.device)
     if impl == "triton":
@@ -178,6 +195,23 @@ def _dispatch(q, k, v, mask, causal, scale, return_lse, backend):
 
                 out, lse = attention_reference(q, k, v, mask, causal=causal, scale=scale)
     return (out, lse.detach()) if return_lse else out
+
+
+class _EmptyAttention(torch.autograd.Function):
+    """Attention where q or k has no element: out zeros `(B, Hq, Nq, D)` (a query with no key is an empty row),
+    lse -inf `(B, Hq, Nq)` (float32, float64 for float64 inputs); zero gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.shapes = (q.shape, k.shape, v.shape)
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=lse_dtype, device=q.device)
+        ctx.mark_non_differentiable(lse)
+        return q.new_zeros(q.shape), lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return tuple(dout.new_zeros(shape) for shape in ctx.shapes)
 
 
 def flash_attention(

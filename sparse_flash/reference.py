@@ -63,7 +63,8 @@ def poison_scores(s: torch.Tensor, allowed: torch.Tensor, q_bad: torch.Tensor, k
             kv_bad: bool `(..., 1, Nk)`.
     """
     s = s.masked_fill(~allowed, float("-inf"))
-    return s.masked_fill(allowed & (q_bad | kv_bad), float("nan"))
+    # added rather than filled in, so that the gradient still flows through a poisoned pair (as NaN), never a 0
+    return s + torch.where(allowed & (q_bad | kv_bad), float("nan"), 0.0).to(s.dtype)
 
 
 def allowed_pairs(mask: BlockMask | None, causal: bool, Nq: int, Nk: int, device) -> torch.Tensor:

@@ -556,7 +556,8 @@ def test_torch_backends_keep_their_precision_under_autocast(backend):
 
 
 _KERNELS_LEAK = pytest.mark.xfail(strict=True, reason="open (issue 22): the Triton and Hopper dQ kernels multiply the "
-                                  "zero dS of a left-out pair by a non-finite key")
+                                  "zero dS of a left-out pair by a non-finite key, their dK/dV kernels by a non-finite "
+                                  "query")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -586,6 +587,24 @@ def test_a_nan_key_leaves_the_query_gradients_of_rows_before_it_exact(backend):
     poisoned[0, 0, 20, 3] = float("nan")
     got, want = dq(poisoned), dq(k)
     torch.testing.assert_close(got[:, :, :20], want[:, :, :20], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=_KERNELS_LEAK) if b == "triton" else b for b in BACKENDS])
+def test_a_nan_query_leaves_the_key_gradients_of_keys_after_it_exact(backend):
+    """Causal, NaN in q at row 37: keys 38 on are not attended by it, so their dK equals the clean run's (the
+    fifth probe: the triton dK/dV kernel gave keys 38-63 NaN, dS = 0 x a NaN query in its diagonal tile)."""
+    q, k, v = (t.detach() for t in _inputs(torch.float32, n=64))
+    dout = torch.randn_like(q)
+
+    def dk(queries):
+        kk = k.clone().requires_grad_()
+        sparse_flash.flash_attention(queries, kk, v, causal=True, backend=backend).backward(dout)
+        return kk.grad
+
+    poisoned = q.clone()
+    poisoned[0, 0, 37, 3] = float("nan")
+    got, want = dk(poisoned), dk(q)
+    torch.testing.assert_close(got[:, :, 38:], want[:, :, 38:], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("build", [lambda d: masks.butterfly(256, 32, device=d),
@@ -640,3 +659,85 @@ def test_the_device_check_traces_under_torch_compile():
 
     compiled = torch.compile(step, fullgraph=True, backend="eager")
     assert compiled(torch.ones(2)).tolist() == [2.0, 2.0]
+
+
+# ---------------------------------------------------------------- fifth probe: scales at float32's edges, layouts, empties
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_scale_below_float32s_smallest_value_is_the_zero_scale(backend):
+    """A positive scale that rounds to 0 in float32 (the kernels' arithmetic) gives the uniform average over each
+    row's allowed keys, as scale 0 does; the triton kernels gave NaN rows with causal (-inf x 0)."""
+    q, k, v = _inputs(torch.float32, requires_grad=False)
+    mask = masks.random(48, 16, density=0.6, seed=2) | masks.local(48, 16, window=0)
+    for scale in (1e-46, 5e-324):
+        out = sparse_flash.block_sparse_attention(q, k, v, mask, causal=True, scale=scale, backend=backend)
+        want = sparse_flash.block_sparse_attention(q, k, v, mask, causal=True, scale=0.0, backend=backend)
+        torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale", [3e38, -3e38, 1e39])
+def test_a_scale_past_float32_is_refused_below_float64(backend, scale):
+    """The kernels and the float32 math of the other backends keep scores in log2 units, scale x log2(e) in
+    float32: a scale past that range is a ValueError naming it for 16- and 32-bit inputs (it gave NaN
+    everywhere), and any finite scale stays allowed for float64 inputs."""
+    q, k, v = _inputs(torch.float32, requires_grad=False)
+    with pytest.raises(ValueError, match="scale"):
+        sparse_flash.block_sparse_attention(q, k, v, masks.dense(48, 16), scale=scale, backend=backend)
+    if backend != "triton":
+        q64, k64, v64 = (t.double() * 1e-21 for t in (q, k, v))
+        out = sparse_flash.block_sparse_attention(q64, k64, v64, masks.dense(48, 16), scale=scale, backend=backend)
+        assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("make", [lambda t: t.to_sparse(), lambda t: torch.nested.nested_tensor(list(t))],
+                         ids=["sparse", "nested"])
+def test_sparse_and_nested_inputs_are_a_clear_error(make):
+    q, k, v = _inputs(torch.float32, requires_grad=False)
+    with pytest.raises(TypeError, match="q must be a dense"):
+        sparse_flash.block_sparse_attention(make(q), k, v, masks.dense(48, 16), backend="torch")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(0, 2, 48, 16), (2, 0, 48, 16)], ids=["no batch", "no heads"])
+def test_an_empty_batch_or_head_set_gives_empty_results(backend, shape):
+    """As `F.scaled_dot_product_attention`: zero-size batches (a bucketed or data-parallel pipeline's leftovers) or
+    heads give empty outputs and log-sum-exp, and empty gradients."""
+    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+    out, lse = sparse_flash.block_sparse_attention(q, k, v, masks.local(48, 16), return_lse=True, backend=backend)
+    assert out.shape == shape and lse.shape == shape[:3] and out.dtype == q.dtype
+    out.sum().backward()
+    assert q.grad.shape == shape and k.grad.shape == shape and v.grad.shape == shape
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flash_attention_with_no_keys_gives_empty_rows(backend):
+    """No keys at all: every row is empty (output 0, log-sum-exp -inf, zero gradients); no queries: empty."""
+    q = torch.randn(1, 2, 5, 16, requires_grad=True)
+    k = v = torch.randn(1, 2, 0, 16, requires_grad=True)
+    out, lse = sparse_flash.flash_attention(q, k, v, return_lse=True, backend=backend)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(lse, torch.full_like(lse, float("-inf")))
+    out.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q))
+    q0 = torch.randn(1, 2, 0, 16)
+    assert sparse_flash.flash_attention(q0, q0, q0, backend=backend).shape == (1, 2, 0, 16)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "triton"])
+def test_a_nan_value_gives_its_keys_gradient_nan_not_zero(backend):
+    """Rows 16-63 attend key 37, whose value is NaN: d out / d k[37] is not defined, and the torch and reference
+    backends gave exactly 0 (the poisoned scores cut the gradient); the kernels give NaN."""
+    q, k, v = _inputs(torch.float64, n=64)
+    inputs = [t.detach().clone() for t in (q, k, v)]
+    inputs[2][0, 0, 37, 3] = float("nan")
+    inputs = [t.requires_grad_() for t in inputs]
+    out = sparse_flash.block_sparse_attention(*inputs, masks.local(64, 16, window=1), backend=backend)
+    dk = torch.autograd.grad(out.sum(), inputs[1])[0]
+    assert (~torch.isfinite(dk[0, 0, 37])).all()
+
+
+def test_kernel_settings_take_numpy_bools():
+    np = pytest.importorskip("numpy")
+    from sparse_flash.kernels import settings
+
+    with settings.override(tma=np.bool_(False)) as inside:
+        assert inside.tma is False

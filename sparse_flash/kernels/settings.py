@@ -36,6 +36,8 @@ import contextvars
 import dataclasses
 import os
 
+from ..checks import as_bool
+
 __all__ = ["Settings", "applied", "configure", "current", "interpreting", "override"]
 
 
@@ -52,10 +54,8 @@ class Settings:
     poison: bool = False
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if not isinstance(value, bool):
-                raise TypeError(f"kernel setting {field.name} must be a bool, got {type(value).__name__} {value!r}")
+        for field in dataclasses.fields(self):  # Python or NumPy bools, kept as Python bools
+            object.__setattr__(self, field.name, as_bool(getattr(self, field.name), f"kernel setting {field.name}"))
 
 
 ENVIRONMENT = {  # field: the variable that sets it
@@ -128,9 +128,7 @@ def _checked(changes: dict) -> dict:
     for name, value in changes.items():
         if name not in names:
             raise TypeError(f"unknown kernel setting {name!r}; the settings are {sorted(names)}")
-        if not isinstance(value, bool):
-            raise TypeError(f"kernel setting {name} must be a bool, got {type(value).__name__} {value!r}")
-    return changes
+    return {name: as_bool(value, f"kernel setting {name}") for name, value in changes.items()}
 
 
 def configure(**changes) -> Settings:
