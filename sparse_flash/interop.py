@@ -172,7 +172,11 @@ def from_deepspeed(layout, block_size: int, *, seq_len: int | None = None, name:
         (1, 2, 4, 4)
     """
     if not isinstance(layout, torch.Tensor):
-        layout = torch.as_tensor(layout)
+        try:
+            layout = torch.as_tensor(layout)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise TypeError(f"layout must be a 0/1 (H, nb, nb) tensor, array or nested list, got "
+                            f"{type(layout).__name__} {str(layout)[:40]!r} ({error})") from None
     if layout.dim() not in (2, 3) or layout.shape[-1] != layout.shape[-2]:
         raise ValueError(f"layout must have DeepSpeed's shape (H, nb, nb) or (nb, nb), got shape {tuple(layout.shape)}")
     if layout.dim() == 3 and layout.shape[0] < 1:

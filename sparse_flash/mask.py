@@ -79,6 +79,9 @@ class _ReadOnlyLayout(torch.Tensor):
     def __reduce_ex__(self, protocol):
         return torch.Tensor.__reduce_ex__(self.as_subclass(torch.Tensor).clone(), protocol)
 
+    def __dlpack__(self, *args, **kwargs):  # an exchange hands out a copy: the mask's memory stays its own
+        return self.as_subclass(torch.Tensor).clone().__dlpack__(*args, **kwargs)
+
     def __deepcopy__(self, memo):
         return self.as_subclass(torch.Tensor).clone()
 
@@ -108,6 +111,9 @@ def _check_layout(layout) -> torch.Tensor:
     """`layout` as a 4-D bool tensor `(B, H, Mq, Mk)`, or a clear error."""
     if not isinstance(layout, torch.Tensor):
         raise TypeError(f"layout must be a torch.Tensor, got {type(layout).__name__}")
+    if layout.is_nested or layout.layout != torch.strided:
+        raise TypeError(f"layout must be a dense (torch.strided) tensor, got a "
+                        f"{'nested' if layout.is_nested else layout.layout} one (densify it with .to_dense())")
     if layout.dim() not in (2, 3, 4):
         raise ValueError(
             f"layout must have shape (Mq, Mk), (H, Mq, Mk) or (B, H, Mq, Mk), got shape {tuple(layout.shape)}")
@@ -140,7 +146,7 @@ def _check_length(value, name: str, blocks: int, block: int, where: str = "the l
     return value
 
 
-def _check_tiling(tiling, block_size: tuple[int, int], shape) -> Tiling | None:
+def _check_tiling(tiling, block_size: tuple[int, int], shape, lengths: tuple[int, int]) -> Tiling | None:
     if tiling is None:
         return None
     if not isinstance(tiling, Tiling):
@@ -157,6 +163,9 @@ def _check_tiling(tiling, block_size: tuple[int, int], shape) -> Tiling | None:
     if block_size != (size, size) or tuple(shape[-2:]) != (tiles, tiles):
         raise ValueError(f"tiling {tiling!r} needs square blocks of {size} tokens and {tiles} x {tiles} blocks, "
                          f"got block_size {block_size} and {tuple(shape[-2:])} blocks")
+    if lengths != (math.prod(grid), math.prod(grid)):
+        raise ValueError(f"tiling {tiling!r} covers {math.prod(grid)} tokens on each side, got (seq_len_q, seq_len_k) "
+                         f"= {lengths}")
     return Tiling(grid, tile)
 
 
@@ -288,7 +297,7 @@ class BlockMask:
         seq_len_k = _check_length(Mk * bk if seq_len_k is None else seq_len_k, "seq_len_k", Mk, bk)
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__}")
-        tiling = _check_tiling(tiling, (bq, bk), layout.shape)
+        tiling = _check_tiling(tiling, (bq, bk), layout.shape, (seq_len_q, seq_len_k))
         # owned: later writes to `layout` do not reach it
         self._own(layout.clone(memory_format=torch.contiguous_format), (bq, bk), seq_len_q, seq_len_k, name, tiling)
 
@@ -556,11 +565,12 @@ class BlockMask:
         return from_dense(element_mask, block_size, name=name)
 
     @classmethod
-    def from_deepspeed(cls, layout, block_size: int, *, seq_len: int | None = None) -> "BlockMask":
+    def from_deepspeed(cls, layout, block_size: int, *, seq_len: int | None = None,
+                       name: str = "from deepspeed") -> "BlockMask":
         """A DeepSpeed `(H, nb, nb)` 0/1 layout as a BlockMask; see `sparse_flash.interop.from_deepspeed`."""
         from .interop import from_deepspeed
 
-        return from_deepspeed(layout, block_size, seq_len=seq_len)
+        return from_deepspeed(layout, block_size, seq_len=seq_len, name=name)
 
     def to_dense(self) -> torch.Tensor:
         """The element mask: bool `(B|1, H|1, seq_len_q, seq_len_k)`, True where attention is allowed."""
@@ -694,3 +704,8 @@ class BlockMask:
         from .plot import plot_mask
 
         return plot_mask(self, path, heads=heads, ax=ax)
+
+
+# `torch.load` (weights_only, its default) may rebuild masks: their pickles name only these and tensors
+if hasattr(torch.serialization, "add_safe_globals"):
+    torch.serialization.add_safe_globals([_rebuild, BlockMask, Tiling])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import types
 from collections import OrderedDict
 
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 from . import masks
 from .api import BACKENDS, HEAD_DIM_RANGE, block_sparse_attention, flash_attention
 from .mask import BlockMask
-from .checks import as_bool, block_pair, is_bool, positive_int
+from .checks import as_bool, block_pair, check_device, is_bool, positive_int
 from .masks._common import GridError
 
 __all__ = ["BlockSparseAttention", "MoBAAttention"]
@@ -30,8 +31,9 @@ MASK_CACHE_SIZE = 16  # pattern masks kept per layer, least recently used droppe
 
 
 def _canonical_device(device) -> torch.device:
-    """`cuda` as `cuda:<current>`, so that it names the same cache entry as a tensor's device."""
-    device = torch.device(device)
+    """`cuda` as `cuda:<current>`, so that it names the same cache entry as a tensor's device (a bad `device` is
+    a clear error: `checks.check_device`)."""
+    device = check_device(device, "device")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
@@ -165,6 +167,14 @@ class BlockSparseAttention(nn.Module):
                                  f"{block_size!r}")
         if isinstance(mask, BlockMask):
             block_size = mask.block_size
+            if mask.shape[1] not in (1, num_heads):
+                raise ValueError(f"mask head count must be 1 or num_heads ({num_heads}), got {mask.shape[1]}")
+        if isinstance(mask, str) and mask_params and "num_heads" in mask_params and \
+                mask_params["num_heads"] not in (1, num_heads):
+            raise ValueError(f"mask_params num_heads must be 1 or the layer's num_heads ({num_heads}), got "
+                             f"{mask_params['num_heads']!r}")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
         if isinstance(mask, str):
             block_size = 128 if block_size is None else block_size
             mask_params = dict(mask_params or {})
@@ -176,7 +186,7 @@ class BlockSparseAttention(nn.Module):
 
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim, self.kdim, self.vdim = head_dim, kdim, vdim
-        self.mask, self.mask_params, self.block_size = mask, mask_params, block_size
+        self.mask, self._mask_params, self.block_size = mask, mask_params, block_size
         self.causal, self.backend = causal, backend
         factory = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
@@ -186,6 +196,21 @@ class BlockSparseAttention(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self._masks: OrderedDict[tuple[int, int, str], BlockMask] = OrderedDict()  # LRU by (Nq, Nk, device)
         self.reset_parameters()
+        self._fixed = True  # from here on `mask`, `mask_params` and `block_size` cannot change (`__setattr__`)
+
+    _FIXED = ("mask", "mask_params", "_mask_params", "block_size")
+
+    def __setattr__(self, name, value):
+        if name in self._FIXED and self.__dict__.get("_fixed"):
+            raise AttributeError(
+                f"{type(self).__name__}.{name} is fixed at construction (the layer's cached masks were built from it): "
+                "build a new layer")
+        super().__setattr__(name, value)
+
+    @property
+    def mask_params(self):
+        """The pattern's parameters (read-only; None without a pattern name)."""
+        return None if self._mask_params is None else types.MappingProxyType(self._mask_params)
 
     def __getstate__(self):
         state = super().__getstate__().copy()
@@ -284,6 +309,15 @@ class BlockSparseAttention(nn.Module):
             )
         if key.shape[1] != value.shape[1]:
             raise ValueError(f"key and value must have the same length, got {key.shape[1]} and {value.shape[1]}")
+        if query.shape[1] == 0 or key.shape[1] == 0:
+            raise ValueError(f"query and key must hold at least one token, got shapes {tuple(query.shape)} and "
+                             f"{tuple(key.shape)}")
+        weight = self.q_proj.weight
+        if not torch.is_autocast_enabled(query.device.type):
+            for name, t in (("query", query), ("key", key), ("value", value)):
+                if t.dtype != weight.dtype:
+                    raise TypeError(f"{name} must have the layer's dtype {weight.dtype} (or run under autocast), "
+                                    f"got {t.dtype}")
 
     def forward(
         self,
@@ -415,6 +449,8 @@ class MoBAAttention(BlockSparseAttention):
         key = query if key is None else key
         value = key if value is None else value
         self._check_inputs(query, key, value)
+        if query.shape[0] == 0:  # an empty batch: nothing to choose from (the output is empty too)
+            return self.out_proj(self.q_proj(query))
         q, k, v = self._heads(query, key, value)
         return self._attend(q, k, v, self.select(q, k))
 

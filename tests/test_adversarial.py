@@ -741,3 +741,77 @@ def test_kernel_settings_take_numpy_bools():
 
     with settings.override(tma=np.bool_(False)) as inside:
         assert inside.tma is False
+
+
+# ---------------------------------------------------------------- fifth probe: masks and the nn layers
+def test_a_saved_mask_loads_with_torch_loads_defaults():
+    """`torch.load` checks its input by default (weights_only): a saved mask (tiled too) loads without opting out."""
+    for mask in (masks.local(1000, 128), masks.neighborhood_2d(16, 16, 4, 1)):
+        buffer = io.BytesIO()
+        torch.save({"mask": mask}, buffer)
+        buffer.seek(0)
+        assert torch.load(buffer)["mask"] == mask
+
+
+def test_a_mask_layout_exported_through_dlpack_is_a_copy():
+    mask = masks.local(256, 64, window=0)
+    torch.utils.dlpack.from_dlpack(mask.layout).fill_(True)
+    assert mask.nnz == 4 and int(mask.layout.sum()) == 4 and mask != masks.dense(256, 64)
+
+
+@pytest.mark.parametrize("layout, error", [("abc", TypeError), ([[1, 0], [1]], TypeError)])
+def test_from_deepspeed_names_a_bad_layout(layout, error):
+    with pytest.raises(error, match="layout must be"):
+        BlockMask.from_deepspeed(layout, 64)
+    assert BlockMask.from_deepspeed(torch.eye(2, dtype=torch.int64), 64, name="ds").name == "ds"
+
+
+def test_from_layout_refuses_a_sparse_layout_clearly():
+    with pytest.raises(TypeError, match="layout must be a dense"):
+        BlockMask.from_layout(torch.eye(4).to_sparse().bool(), 64)
+
+
+def test_a_tiling_must_cover_the_masks_lengths():
+    with pytest.raises(ValueError, match="covers 64 tokens"):
+        BlockMask.from_layout(torch.ones(4, 4, dtype=torch.bool), 16, seq_len_q=50, seq_len_k=50,
+                              tiling=Tiling((1, 8, 8), (1, 4, 4)))
+
+
+def test_a_layers_prepare_checks_its_device():
+    layer = sparse_flash.nn.BlockSparseAttention(64, 4, mask="local", block_size=16)
+    for device, error in (("gpu", ValueError), (3.5, TypeError)) + (() if torch.cuda.is_available() else
+                                                                      (("cuda", ValueError),)):
+        with pytest.raises(error, match="device"):
+            layer.prepare(32, device=device)
+
+
+def test_a_layers_mask_settings_are_fixed_at_construction():
+    """Its cached masks were built from them: a change would reach some lengths (and copies) and not others."""
+    layer = sparse_flash.nn.BlockSparseAttention(64, 4, mask="local", mask_params={"window": 0}, block_size=8,
+                                                 backend="torch")
+    for name, value in (("mask", "dense"), ("block_size", 16), ("mask_params", {"window": 3})):
+        with pytest.raises(AttributeError, match="fixed at construction"):
+            setattr(layer, name, value)
+    with pytest.raises(TypeError):
+        layer.mask_params["window"] = 3
+    assert dict(copy.deepcopy(layer).mask_params) == {"window": 0} and pickle.loads(pickle.dumps(layer)).block_size == 8
+
+
+def test_a_layer_refuses_wrong_dtypes_and_head_counts_clearly():
+    with pytest.raises(TypeError, match="dtype"):
+        sparse_flash.nn.BlockSparseAttention(64, 4, dtype=torch.int64)
+    layer = sparse_flash.nn.BlockSparseAttention(64, 4, backend="torch")
+    with pytest.raises(TypeError, match="query must have the layer's dtype"):
+        layer(torch.randn(2, 50, 64, dtype=torch.float64))
+    with pytest.raises(ValueError, match="num_heads"):
+        sparse_flash.nn.BlockSparseAttention(64, 4, mask="bigbird", mask_params={"num_heads": 3}, block_size=8)
+    with pytest.raises(ValueError, match="head count"):
+        sparse_flash.nn.BlockSparseAttention(64, 4, mask=masks.random(50, 8, density=0.5, num_heads=3))
+
+
+def test_layers_take_an_empty_batch_and_name_an_empty_sequence():
+    for layer in (sparse_flash.nn.BlockSparseAttention(64, 4, mask="local", block_size=8, backend="torch"),
+                  sparse_flash.nn.MoBAAttention(64, 4, 8, 2, backend="torch")):
+        assert layer(torch.randn(0, 50, 64)).shape == (0, 50, 64)
+        with pytest.raises(ValueError, match="query and key must hold at least one token"):
+            layer(torch.randn(2, 0, 64))

@@ -33,9 +33,11 @@ def butterfly(
         block_size: int or `(block_q, block_k)`, in tokens, from 1.
         n_factors: how many butterfly factors to union, from 0 to 31; default all, `ceil(log2(size))`.
             Factors past those of the grid add no block (their partners lie outside it).
-        butterfly_size: compute the pattern on a `butterfly_size`-square grid and blow each entry up to a
-            square of `nb / butterfly_size` blocks; density then is `(1 + n_factors) / butterfly_size`.
-            From 1 to the number of blocks of the longer side.
+        butterfly_size: compute the pattern on a `butterfly_size`-square grid and blow each cell up to the
+            blocks that map to it (query block i to cell `i * size // Mq`, key blocks likewise). Where the size
+            is a power of two that divides both block counts, the cells are equal squares and the density is
+            `(1 + n_factors) / butterfly_size`; otherwise cells differ in size by one block, and partners past a
+            size that is not a power of two fall off the grid. From 1 to the number of blocks of the longer side.
         num_global_blocks: the first rows and columns made dense as well, from 0.
         seq_len_k: key length (cross attention); defaults to `seq_len`.
         device: where the layout lives.
