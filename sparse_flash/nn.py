@@ -370,7 +370,7 @@ class BlockSparseAttention(nn.Module):
 
     def extra_repr(self) -> str:
         mask = self.mask.name if isinstance(self.mask, BlockMask) else self.mask
-        params = f", mask_params={self.mask_params}" if self.mask_params else ""
+        params = f", mask_params={dict(self.mask_params)}" if self.mask_params else ""
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"mask={mask!r}{params}, block_size={self.block_size}, causal={self.causal}, "

@@ -795,6 +795,7 @@ def test_a_layers_mask_settings_are_fixed_at_construction():
     with pytest.raises(TypeError):
         layer.mask_params["window"] = 3
     assert dict(copy.deepcopy(layer).mask_params) == {"window": 0} and pickle.loads(pickle.dumps(layer)).block_size == 8
+    assert "mask_params={'window': 0}" in repr(layer)
 
 
 def test_a_layer_refuses_wrong_dtypes_and_head_counts_clearly():
