@@ -573,38 +573,23 @@ def test_an_infinite_key_reaches_every_row_that_attends_it(backend, value):
 
 
 @pytest.mark.parametrize("backend", [pytest.param(b, marks=_KERNELS_LEAK) if b == "triton" else b for b in BACKENDS])
-def test_a_nan_key_leaves_the_query_gradients_of_rows_before_it_exact(backend):
-    """Causal, NaN in k at key 20: rows 0-19 do not attend it, so their dQ equals the clean run's."""
-    q, k, v = (t.detach() for t in _inputs(torch.float32, n=64))
-    dout = torch.randn_like(q)
+@pytest.mark.parametrize("poison, position, grad, exact", [("k", 20, "q", slice(0, 20)), ("q", 37, "k", slice(38, None))],
+                         ids=["key_to_dq", "query_to_dk"])
+def test_a_nan_input_leaves_the_gradients_it_does_not_reach_exact(backend, poison, position, grad, exact):
+    """Causal: a NaN in k at key 20 is not attended by rows 0-19, so their dQ equals the clean run's; a NaN in q at
+    row 37 does not attend keys 38 on, so their dK does (the fifth probe: the triton dK/dV kernel gave them NaN,
+    dS = 0 x a NaN query in its diagonal tile)."""
+    clean = dict(zip("qkv", (t.detach() for t in _inputs(torch.float32, n=64))))
+    dout = torch.randn_like(clean["q"])
 
-    def dq(keys):
-        qq = q.clone().requires_grad_()
-        sparse_flash.flash_attention(qq, keys, v, causal=True, backend=backend).backward(dout)
-        return qq.grad
+    def gradient(inputs):
+        inputs = {**inputs, grad: inputs[grad].clone().requires_grad_()}
+        sparse_flash.flash_attention(inputs["q"], inputs["k"], inputs["v"], causal=True, backend=backend).backward(dout)
+        return inputs[grad].grad
 
-    poisoned = k.clone()
-    poisoned[0, 0, 20, 3] = float("nan")
-    got, want = dq(poisoned), dq(k)
-    torch.testing.assert_close(got[:, :, :20], want[:, :, :20], atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=_KERNELS_LEAK) if b == "triton" else b for b in BACKENDS])
-def test_a_nan_query_leaves_the_key_gradients_of_keys_after_it_exact(backend):
-    """Causal, NaN in q at row 37: keys 38 on are not attended by it, so their dK equals the clean run's (the
-    fifth probe: the triton dK/dV kernel gave keys 38-63 NaN, dS = 0 x a NaN query in its diagonal tile)."""
-    q, k, v = (t.detach() for t in _inputs(torch.float32, n=64))
-    dout = torch.randn_like(q)
-
-    def dk(queries):
-        kk = k.clone().requires_grad_()
-        sparse_flash.flash_attention(queries, kk, v, causal=True, backend=backend).backward(dout)
-        return kk.grad
-
-    poisoned = q.clone()
-    poisoned[0, 0, 37, 3] = float("nan")
-    got, want = dk(poisoned), dk(q)
-    torch.testing.assert_close(got[:, :, 38:], want[:, :, 38:], atol=0, rtol=0)
+    poisoned = {**clean, poison: clean[poison].clone()}
+    poisoned[poison][0, 0, position, 3] = float("nan")
+    torch.testing.assert_close(gradient(poisoned)[:, :, exact], gradient(clean)[:, :, exact], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("build", [lambda d: masks.butterfly(256, 32, device=d),
