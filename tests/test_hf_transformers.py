@@ -403,6 +403,10 @@ def test_sliding_windows_are_refused():
     _, modernbert = pair("modernbert", None, layer_types=["full_attention", "sliding_attention"])
     with pytest.raises(ValueError, match=r"config.layer_types entry 'full_attention'"):
         modernbert(tokens(1, 128))
+    _, modernbert = pair("modernbert", None, layer_types=["sliding_attention", "sliding_attention"])
+    window = modernbert.config.sliding_window  # the message quotes the config's window, not the model's kwarg
+    with pytest.raises(ValueError, match=rf"sliding window of {window} tokens"):
+        modernbert(tokens(1, 128))
 
 
 def test_cross_attention_is_dense_only():

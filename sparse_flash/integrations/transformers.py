@@ -23,6 +23,8 @@ BlockMask, keys and query rows of the attention calls. Every layer runs that pla
   right padding). Anything else is refused with a ValueError naming `attention_mask` and the block size.
 - torch.compile (fullgraph too): call `prepare(config, seq_len, device)` for each length first, so that the config
   is checked and the mask built outside the graph; padding masks are read on the host, so compiled calls take none.
+- Loading: `config.sparse_flash` is saved with the model, but transformers picks the attention implementation at
+  load time: pass `attn_implementation=register()` to `from_pretrained` again, or the model runs dense SDPA.
 - Refused: `output_attentions=True`, attention dropout > 0, sliding windows (`config.sliding_window`,
   `config.layer_types`), softcapping, attention sinks, position biases, packed sequences and other mask
   overlays, prepared 4-D masks, sliding-window caches, and a pattern on cross-attention (dense works there).
@@ -158,10 +160,9 @@ def _pattern_mask(spec: _Spec, seq_len: int, device: torch.device) -> BlockMask 
         if not torch.compiler.is_compiling():
             _PATTERN_MASKS.move_to_end(key)
         return mask
-    if torch.compiler.is_compiling():
-        raise RuntimeError(f"no {_FIELD} mask is cached for {seq_len} tokens on {device}: call sparse_flash."
-                           f"integrations.transformers.prepare(config, {seq_len}, {str(device)!r}) before "
-                           "torch.compile")
+    if torch.compiler.is_compiling():  # no lengths in the message: a compiled length may be symbolic
+        raise RuntimeError(f"no {_FIELD} mask is cached for this sequence length: call sparse_flash.integrations."
+                           "transformers.prepare(config, seq_len, device) for every length before torch.compile")
     mask = _build_pattern(spec, seq_len, device)
     _PATTERN_MASKS[key] = mask
     if len(_PATTERN_MASKS) > MASK_CACHE_SIZE:
@@ -492,8 +493,8 @@ def attention_forward(
     if dropout:
         raise ValueError(f"attention dropout {dropout} (config.attention_dropout, attention_probs_dropout_prob in "
                          "BERT-style configs): sparse_flash does not drop attention probabilities; set it to 0.0")
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError(_sliding_error(kwargs["sliding_window"]))
+    if kwargs.get("sliding_window") is not None:  # the config's window (the model may pass it off by one)
+        raise ValueError(_sliding_error(getattr(config, "sliding_window", None) or kwargs["sliding_window"]))
     for name, field in (("softcap", "config.attn_logit_softcapping"), ("s_aux", "attention sinks"),
                         ("position_bias", "a relative position bias")):
         if kwargs.get(name) is not None:
