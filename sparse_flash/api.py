@@ -158,7 +158,8 @@ def block_sparse_attention(
     (the probabilities do not depend on them), the torch and reference backends make it NaN; likewise the
     log-sum-exp of a row that attends a non-finite value: exact from the kernels, NaN from the others. Open on
     the triton backend (strict xfail tests): in a causal diagonal tile, a non-finite key reaches the dQ of the
-    rows before it, and a non-finite query the dK of the keys after it.
+    rows before it (the Triton dQ kernel; the Hopper one is exact), and a non-finite query the dK of the keys
+    after it.
 
     Example:
         >>> q = k = v = torch.randn(2, 4, 1000, 64)

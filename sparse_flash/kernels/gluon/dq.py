@@ -78,10 +78,13 @@ def _dq_load_partition(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem,
 
 @gluon.jit
 def _dq_step(q, do, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, lse, delta, t, qk_scale, q_tok, key0,
-             MASKED: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr):
+             K, V, kv_row, MASKED: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr):
     """One key tile (ring position t) into this warpgroup's dQ (64 rows): S = Q K^T and dP = dO V^T,
     P = exp2(S - lse), dS = P (dP - delta), dQ += dS K. MASKED: a tile on the causal diagonal (key > query
-    gets P = 0)."""
+    gets P = 0), whose dS K is taken into an accumulator of its own: where it holds a non-finite value,
+    which a NaN or infinity in K would also put into the rows before its key (a left-out pair has dS = 0,
+    and 0 x NaN is NaN), the tile is summed again on the CUDA cores over the allowed pairs only
+    (`_diagonal_dq_exact`; only inputs with such values pay for it)."""
     K_STAGES: gl.constexpr = k_smem.type.shape[0]
     V_STAGES: gl.constexpr = v_smem.type.shape[0]
     BM: gl.constexpr = q.shape[0]
@@ -101,15 +104,51 @@ def _dq_step(q, do, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, lse,
         rows = q_tok + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))  # (BM,)
         cols = key0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))  # (BN,)
         ds = gl.where(cols[None, :] <= rows[:, None], ds, 0.0)
-    dq = warpgroup_mma(gl.convert_layout(ds.to(q.dtype), p_layout), k_smem.index(sk), dq, is_async=True)
-    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-    release(k_empty.index(sk))
+    if MASKED:
+        tile = warpgroup_mma(gl.convert_layout(ds.to(q.dtype), p_layout), k_smem.index(sk), gl.zeros_like(dq),
+                             use_acc=False, is_async=True)
+        tile = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
+        release(k_empty.index(sk))
+        finite = (tile == tile) & (gl.abs(tile) < float("inf"))
+        if gl.max(gl.max(gl.where(finite, 0, 1), 1), 0) > 0:
+            dq = _diagonal_dq_exact(dq, q, do, K, V, kv_row + key0, key0, q_tok, lse, delta, qk_scale)
+        else:
+            dq = dq + tile
+    else:
+        dq = warpgroup_mma(gl.convert_layout(ds.to(q.dtype), p_layout), k_smem.index(sk), dq, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+        release(k_empty.index(sk))
+    return dq
+
+
+@gluon.jit
+def _diagonal_dq_exact(dq, q, do, K, V, k_row, key0, q_tok, lse, delta, qk_scale):
+    """`dq` plus dS K of a causal diagonal tile over its allowed pairs only (key <= query), one key at a time:
+    S and dP from Q and dO (this warpgroup's rows in shared memory) and K and V in global memory, dS rounded to
+    the inputs' dtype as the tensor cores take it. A non-finite value at key j reaches the rows that attend j
+    and no other. (BM, HEAD_D) float32."""
+    BM: gl.constexpr = dq.type.shape[0]
+    HEAD_D: gl.constexpr = dq.type.shape[1]
+    BN: gl.constexpr = 64
+    acc_layout: gl.constexpr = dq.type.layout
+    rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    rows = q_tok + gl.arange(0, BM, layout=rows_layout)  # (BM,)
+    offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))  # (HEAD_D,)
+    lse_r = gl.convert_layout(lse, rows_layout)
+    delta_r = gl.convert_layout(delta, rows_layout)
+    for j in range(BN):  # Q and dO are read from shared memory for each key: fewer registers held
+        k_j = gl.load(K + (k_row + j).to(gl.int64) * HEAD_D + offs_d).to(gl.float32)  # (HEAD_D,)
+        v_j = gl.load(V + (k_row + j).to(gl.int64) * HEAD_D + offs_d).to(gl.float32)
+        p_j = gl.exp2(gl.sum(q.load(acc_layout).to(gl.float32) * k_j[None, :], 1) * qk_scale - lse_r)  # (BM,)
+        dp_j = gl.sum(do.load(acc_layout).to(gl.float32) * v_j[None, :], 1)  # (BM,)
+        ds_j = (p_j * (dp_j - delta_r)).to(q.dtype).to(gl.float32)  # (BM,) rounded as the tensor cores take dS
+        dq += gl.where((key0 + j <= rows)[:, None], ds_j[:, None] * k_j[None, :], 0.0)
     return dq
 
 
 @gluon.jit
 def _dq_compute_partition(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                          dq_desc, Out, Lse, Delta, DqPart, Items, Starts, PartIdx, Nq, qk_scale, sm_scale,
+                          dq_desc, Out, Lse, Delta, DqPart, K, V, Items, Starts, PartIdx, Nq, qk_scale, sm_scale,
                           SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr,
                           HALF: gl.constexpr, WARPS: gl.constexpr):
     """One compute warpgroup: rows [HALF * 64, HALF * 64 + 64) of each item; delta first, then dQ over the
@@ -160,10 +199,10 @@ def _dq_compute_partition(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_r
             if CAUSAL and j >= n_full:
                 key0 = list_tile_start(PartIdx, j - n_full + part_lo, SUB, MASK_BLOCK_K, BN, DENSE)
                 dq = _dq_step(q, do, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, lse, delta, t,
-                              qk_scale, q_tok, key0, True, s_layout, p_layout)
+                              qk_scale, q_tok, key0, K, V, gl.load(rec + 1), True, s_layout, p_layout)
             else:
                 dq = _dq_step(q, do, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, lse, delta, t,
-                              qk_scale, q_tok, q_tok, False, s_layout, p_layout)
+                              qk_scale, q_tok, q_tok, K, V, 0, False, s_layout, p_layout)
             t += 1
         slot = gl.load(rec + 6)
         if slot < 0:
@@ -180,7 +219,7 @@ def _dq_compute_partition(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_r
 
 
 @gluon.jit
-def _attn_bwd_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, Out, Lse, Delta, DqPart, Items, Starts,
+def _attn_bwd_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, Out, Lse, Delta, DqPart, K, V, Items, Starts,
                                FullIdx, PartIdx, Nq, qk_scale, sm_scale, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr,
                                DENSE: gl.constexpr, CAUSAL: gl.constexpr, KV_STAGES: gl.constexpr,
                                LOAD_WARP_REGS: gl.constexpr, COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
@@ -197,11 +236,11 @@ def _attn_bwd_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, Out, Ls
     v_ready, v_empty = ring_barriers(KV_STAGES)
     gl.warp_specialize([
         (_dq_compute_partition, (q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                 v_empty, dq_desc, Out, Lse, Delta, DqPart, Items, Starts, PartIdx, Nq, qk_scale,
+                                 v_empty, dq_desc, Out, Lse, Delta, DqPart, K, V, Items, Starts, PartIdx, Nq, qk_scale,
                                  sm_scale,
                                  SUB, MASK_BLOCK_K, DENSE, CAUSAL, FIRST_HALF, num_warps)),  # rows [0, 64)
         (_dq_compute_partition, (q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                 v_empty, dq_desc, Out, Lse, Delta, DqPart, Items, Starts, PartIdx, Nq, qk_scale,
+                                 v_empty, dq_desc, Out, Lse, Delta, DqPart, K, V, Items, Starts, PartIdx, Nq, qk_scale,
                                  sm_scale,
                                  SUB, MASK_BLOCK_K, DENSE, CAUSAL, SECOND_HALF, num_warps)),  # rows [64, 128)
         (_dq_load_partition, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
@@ -259,7 +298,7 @@ class DqPlan:
         descs = (row_descriptor(q, ROW_BLOCK, self.q_layout), row_descriptor(do, ROW_BLOCK, self.q_layout),
                  row_descriptor(k, BLOCK_N, self.kv_layout), row_descriptor(v, BLOCK_N, self.kv_layout),
                  row_descriptor(dq, ROW_BLOCK // 2, self.q_layout))  # dQ: each warpgroup stores its 64 rows
-        self.launch(*descs, out, lse, delta, part)
+        self.launch(*descs, out, lse, delta, part, k, v)  # k and v also as pointers: `_diagonal_dq_exact` reads them
         self.chunk_sum(dq, part)
         return dq
 
@@ -275,7 +314,7 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
     q_desc, kv_desc = descriptor_type(name, (ROW_BLOCK, D), q_layout), descriptor_type(name, (BLOCK_N, D), kv_layout)
     sig = dict(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc,
                dq_desc=descriptor_type(name, (ROW_BLOCK // 2, D), q_layout), Out=f"*{name}", Lse="*fp32",
-               Delta="*fp32", DqPart="*fp32", Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32", Nq="i32",
+               Delta="*fp32", DqPart="*fp32", K=f"*{name}", V=f"*{name}", Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32", Nq="i32",
                qk_scale="fp32", sm_scale="fp32")
     block = ROW_BLOCK if dense else block_k
     constexprs = dict(SUB=block // BLOCK_N, MASK_BLOCK_K=block, DENSE=dense, CAUSAL=causal, KV_STAGES=KV_BUFFERS,
