@@ -150,9 +150,12 @@ def block_sparse_attention(
         (not differentiable). If a query row of the mask is all zero, its output is 0, its lse is -inf and
         its gradients are 0.
 
-    Non-finite inputs: a NaN or infinity in q at row i, or in k or v at key j, reaches exactly the rows it
-    belongs to or that attend it (row i; the rows whose allowed keys include j) and the gradients that flow
-    through them; every other row and gradient stays exact, on every backend. A gradient that does flow
+    Non-finite inputs: a NaN or infinity in q at row i, or in k or v at key j, reaches only the rows it
+    belongs to or that attend it (row i; the rows whose allowed keys include j), as exact arithmetic has it: a
+    pair whose score q_i . k_j is NaN or +inf makes its row NaN, one whose score is -inf gives the key weight 0
+    in that row (a row whose every score is -inf is empty: output 0), a non-finite v_j makes every row that
+    attends j NaN; and the gradients that flow through them. Every other row and gradient stays exact, on every
+    backend. A gradient that does flow
     through a non-finite row is non-finite or exact, never a stand-in zero: a non-finite query or key row
     gets a NaN gradient on every backend; the triton kernels keep dV exact where only values are non-finite
     (the probabilities do not depend on them), the torch and reference backends make it NaN; likewise the

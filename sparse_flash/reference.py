@@ -49,22 +49,47 @@ def split_non_finite(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _CleanRows.apply(t, bad), bad
 
 
-def poison_scores(s: torch.Tensor, allowed: torch.Tensor, q_bad: torch.Tensor, kv_bad: torch.Tensor) -> torch.Tensor:
+def exact_scores(q: torch.Tensor, k: torch.Tensor, scale: float, compute: torch.dtype) -> torch.Tensor:
+    """The scores `scale * q k^T` `(..., Nq, Nk)` as exact arithmetic gives them on the raw inputs, non-finite
+    values included (no gradient): where a pair touches a NaN or infinity, `poison_scores` reads whether its
+    score is -inf."""
+    with torch.no_grad():
+        return torch.matmul(q.to(compute), k.to(compute).transpose(-1, -2)) * scale
+
+
+def poison_scores(s: torch.Tensor, allowed: torch.Tensor, q_bad: torch.Tensor, k_bad: torch.Tensor,
+                  v_bad: torch.Tensor, exact: torch.Tensor | None) -> torch.Tensor:
     """Masked scores under the rule for non-finite inputs.
 
-    A NaN or infinity in q at row i, or in k or v at key j, makes non-finite exactly the rows it belongs to or
-    that attend it: row i; every row whose allowed keys include j. Every other row stays exact: the caller
-    computes with clean inputs (`split_non_finite`), and this sets the pairs (i, j) that are allowed and touch
-    a non-finite row to NaN, and the pairs that are not allowed to -inf. Products 0 * NaN of a masked pair
-    never happen, so nothing reaches a row (or, in the backward, a gradient) through a pair it does not attend.
+    A NaN or infinity in q at row i, or in k or v at key j, reaches only the rows it belongs to or that attend
+    it, and those as exact arithmetic has it: an allowed pair (i, j) that touches a non-finite q row or k row
+    takes the score that q_i . k_j gives (`exact_scores`): -inf gives key j weight 0 in row i (exp(-inf) is
+    0), NaN or +inf makes the row NaN; a non-finite v_j makes NaN every row that attends j (0 x NaN is NaN). A
+    row whose every allowed score is -inf is an empty row (output 0). Every other row stays exact: the caller
+    computes with clean inputs (`split_non_finite`), this sets the poisoned pairs to NaN and the pairs that are
+    not allowed, or weigh 0, to -inf. Products 0 * NaN of a masked pair never happen, so nothing reaches a row
+    (or, in the backward, a gradient) through a pair it does not attend.
 
     Args:
-        s: scores `(..., Nq, Nk)`; allowed: bool, broadcastable to s; q_bad: bool `(..., Nq, 1)`;
-            kv_bad: bool `(..., 1, Nk)`.
+        s: scores `(..., Nq, Nk)` of the clean inputs; allowed: bool, broadcastable to s; q_bad: bool
+            `(..., Nq, 1)`; k_bad, v_bad: bool `(..., 1, Nk)`; exact: `exact_scores` of the raw inputs,
+            broadcastable to s, or None where no q or k row is non-finite.
     """
-    s = s.masked_fill(~allowed, float("-inf"))
+    touched = q_bad | k_bad
+    weightless = allowed & touched & ~v_bad & (exact == float("-inf")) if exact is not None else \
+        torch.zeros_like(allowed)
+    s = s.masked_fill(~allowed | weightless, float("-inf"))
+    poisoned = allowed & (touched | v_bad) & ~weightless
     # added rather than filled in, so that the gradient still flows through a poisoned pair (as NaN), never a 0
-    return s + torch.where(allowed & (q_bad | kv_bad), float("nan"), 0.0).to(s.dtype)
+    return s + torch.where(poisoned, float("nan"), 0.0).to(s.dtype)
+
+
+def any_non_finite(*bad: torch.Tensor) -> bool:
+    """Whether any of the bool tensors is true; inside torch.compile always True (no data-dependent branch),
+    so that `exact_scores` is computed there whatever the data."""
+    if torch.compiler.is_compiling():
+        return True
+    return any(bool(b.any()) for b in bad)
 
 
 def allowed_pairs(mask: BlockMask | None, causal: bool, Nq: int, Nk: int, device) -> torch.Tensor:
@@ -97,7 +122,7 @@ def attention_reference(
         upcast: compute in float32 (float64 inputs stay float64); False computes in the input dtype, which
             gives the error of "the same math done by PyTorch in that dtype".
 
-    A NaN or infinity in q, k or v reaches exactly the rows that hold or attend it (`poison_scores`).
+    A NaN or infinity in q, k or v reaches only the rows that hold or attend it (`poison_scores`).
 
     Returns:
         `(out, lse)`: out in q's dtype, lse float32 `(B, Hq, Nq)` (float64 for float64 inputs).
@@ -110,10 +135,12 @@ def attention_reference(
     (qc, q_bad), (kc, k_bad), (vc, v_bad) = (split_non_finite(t.to(compute)) for t in (q, k, v))
     kc = kc.repeat_interleave(groups, dim=1)
     vc = vc.repeat_interleave(groups, dim=1)
-    kv_bad = (k_bad | v_bad).repeat_interleave(groups, dim=1)
+    k_bad, v_bad = (b.repeat_interleave(groups, dim=1)[..., None, :] for b in (k_bad, v_bad))
     allowed = allowed_pairs(mask, causal, Nq, k.shape[2], q.device)
     s = torch.matmul(qc, kc.transpose(-1, -2)) * scale
-    s = poison_scores(s, allowed, q_bad[..., :, None], kv_bad[..., None, :])
+    exact = exact_scores(q, k.repeat_interleave(groups, dim=1), scale, compute) \
+        if any_non_finite(q_bad, k_bad) else None
+    s = poison_scores(s, allowed, q_bad[..., :, None], k_bad, v_bad, exact)
     p, lse = _softmax_rows(s)
     out = torch.matmul(p, vc)
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32

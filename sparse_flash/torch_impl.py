@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .mask import BlockMask
-from .reference import _softmax_rows, poison_scores, split_non_finite
+from .reference import _softmax_rows, any_non_finite, exact_scores, poison_scores, split_non_finite
 
 _CHUNK_ELEMENTS = 1 << 23  # score elements per chunk: bounds the working memory (32 MB in fp32)
 
@@ -46,7 +46,8 @@ def _dense_attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor,
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     (qc, q_bad), (kc, k_bad), (vc, v_bad) = (split_non_finite(t.to(compute)) for t in (q, k, v))
     kc, vc = kc.repeat_interleave(Hq // Hkv, dim=1), vc.repeat_interleave(Hq // Hkv, dim=1)
-    kv_bad = (k_bad | v_bad).repeat_interleave(Hq // Hkv, dim=1)[:, :, None, :]  # (B, Hq, 1, Nk)
+    k_bad, v_bad = (b.repeat_interleave(Hq // Hkv, dim=1)[:, :, None, :] for b in (k_bad, v_bad))  # (B, Hq, 1, Nk)
+    k_raw = k.repeat_interleave(Hq // Hkv, dim=1) if any_non_finite(q_bad, k_bad) else None
     rows = max(1, _CHUNK_ELEMENTS // (B * Hq * Nk))
     keys = torch.arange(Nk, device=q.device)
     outs, lses = [], []
@@ -55,7 +56,8 @@ def _dense_attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor,
         s = torch.matmul(qc[:, :, lo:hi], kc.transpose(-1, -2)) * scale  # (B, Hq, rows, Nk)
         allowed = (keys[None, :] <= torch.arange(lo, hi, device=q.device)[:, None]) if causal else \
             torch.ones(hi - lo, Nk, dtype=torch.bool, device=q.device)
-        p, lse = _softmax_rows(poison_scores(s, allowed, q_bad[:, :, lo:hi, None], kv_bad))
+        exact = exact_scores(q[:, :, lo:hi], k_raw, scale, compute) if k_raw is not None else None
+        p, lse = _softmax_rows(poison_scores(s, allowed, q_bad[:, :, lo:hi, None], k_bad, v_bad, exact))
         outs.append(torch.matmul(p, vc))
         lses.append(lse)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -68,8 +70,8 @@ def attention_torch(
     """Block-sparse attention over the nonzero blocks of `mask` (None: the all-ones mask); returns `(out, lse)`
     like the reference.
 
-    Non-finite inputs follow the reference's rule (see `reference.poison_scores`): they reach exactly the rows
-    that attend them, never a row through a padded slot or a masked pair.
+    Non-finite inputs follow the reference's rule (see `reference.poison_scores`): they reach only the rows
+    that hold or attend them, as exact arithmetic has it, never a row through a padded slot or a masked pair.
     """
     if mask is None:
         return _dense_attention(q, k, v, causal, scale)
@@ -92,7 +94,12 @@ def attention_torch(
     k_blocks = F.pad(kc, (0, 0, 0, Mk * bk - Nk)).reshape(B * Hkv * Mk, bk, D)
     v_blocks = F.pad(vc, (0, 0, 0, Mk * bk - Nk)).reshape(B * Hkv * Mk, bk, D)
     q_bad_blocks = F.pad(q_bad, (0, Mq * bq - Nq)).reshape(B * Hq * Mq, bq)
-    kv_bad_blocks = F.pad(k_bad | v_bad, (0, Mk * bk - Nk)).reshape(B * Hkv * Mk, bk)
+    k_bad_blocks, v_bad_blocks = (F.pad(b, (0, Mk * bk - Nk)).reshape(B * Hkv * Mk, bk) for b in (k_bad, v_bad))
+    if any_non_finite(q_bad, k_bad):  # the raw blocks, for the exact scores of the pairs that touch them
+        q_raw_blocks = F.pad(q, (0, 0, 0, Mq * bq - Nq)).reshape(B * Hq * Mq, bq, D)
+        k_raw_blocks = F.pad(k, (0, 0, 0, Mk * bk - Nk)).reshape(B * Hkv * Mk, bk, D)
+    else:
+        q_raw_blocks = k_raw_blocks = None
     offs_q = torch.arange(bq, device=q.device)
     offs_k = torch.arange(bk, device=q.device)
 
@@ -116,7 +123,10 @@ def attention_torch(
         allowed = valid.repeat_interleave(bk, dim=1)[:, None, :] & (k_pos < Nk)  # (n, 1 or bq, width * bk)
         if causal:
             allowed = allowed & (k_pos <= (i[:, None] * bq + offs_q)[:, :, None])
-        s = poison_scores(s, allowed, q_bad_blocks[rows][:, :, None], kv_bad_blocks[kv_rows].reshape(n, 1, -1))
+        exact = None if q_raw_blocks is None else exact_scores(
+            q_raw_blocks[rows], k_raw_blocks[kv_rows].reshape(n, width * bk, D), scale, compute)
+        s = poison_scores(s, allowed, q_bad_blocks[rows][:, :, None], k_bad_blocks[kv_rows].reshape(n, 1, -1),
+                          v_bad_blocks[kv_rows].reshape(n, 1, -1), exact)
         p, lse = _softmax_rows(s)
         outs.append(torch.matmul(p, v_blocks[kv_rows].reshape(n, width * bk, D)))
         lses.append(lse)

@@ -127,12 +127,7 @@ def _softmax(qk, m_i, l_i, qk_scale):
 def _mask_partial(qk, j, n_full, plo, PartIdx, q_tok, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr,
                   DENSE: gl.constexpr, CAUSAL: gl.constexpr):
     """Scores of the item's tile j with the causal element mask (key <= query) where j is a tile of its
-    partial list (the blocks on the diagonal); the full list's tiles need none.
-
-    First every non-finite score becomes NaN (x + 0 x: x where finite), so that a non-finite input makes
-    every row that attends it non-finite, also where its score is -inf (which exp2 would give weight 0); a
-    left-out pair is set to -inf after it."""
-    qk = gl.fma(qk, 0.0, qk)
+    partial list (the blocks on the diagonal); the full list's tiles need none."""
     if CAUSAL:
         if j >= n_full:
             BLOCK_M: gl.constexpr = qk.type.shape[0]

@@ -55,10 +55,6 @@ def _fwd_tile(
             kt = load_unmasked_rows(kt_ptrs, d_ok[:, None], EVEN_D)
             v = load_unmasked_rows(v_ptrs, d_ok[None, :], EVEN_D)
     qk = tl.dot(q, kt, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) unscaled scores
-    # A non-finite input makes every row that attends it non-finite, also where its score is -inf (which
-    # exp2 would give weight 0): x + 0 x is x where x is finite and NaN where it is not. Before the mask, so
-    # a left-out pair stays -inf.
-    qk = tl.fma(qk, 0.0, qk)
     if not FUSED:
         qk = qk * qk_scale  # log2 units from here on
         qk_scale = 1.0
