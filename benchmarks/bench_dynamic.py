@@ -30,6 +30,7 @@ from it, so both files time and record alike.
     python benchmarks/bench_dynamic.py                # over 2.5 minutes on an H200 (the step part unfinished at
                                                       # 135 s on 2026-12-02; compiles included)
     python benchmarks/bench_dynamic.py --out DIR      # where dynamic.json goes
+    python benchmarks/bench_dynamic.py --profile --out DIR  # where the per-call time goes, operator by operator
     python benchmarks/bench_dynamic.py --smoke        # tiny sizes, any device (CPU: torch backend, or triton
                                                       # under TRITON_INTERPRET=1); runs every path once,
                                                       # times nothing worth quoting
@@ -451,6 +452,55 @@ def table(build: list[dict], step: list[dict], smoke: bool) -> str:
     return "\n".join(lines)
 
 
+def profile(sizes: Sizes, device, backend: str, out: Path) -> None:
+    """Where the per-call time goes, operator by operator (torch.profiler, after warm-up calls): the `from_topk`
+    build at the largest length and k (not causal), and the MoBA step forward+backward at the smallest top_k,
+    with the default kernels and with the Triton kernels alone. Each writes `profile_<what>.txt` under `out`:
+    the operators by device time, then by host time, per call."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from sparse_flash.kernels import settings
+
+    B, H, N, D = (sizes.step[x] for x in "BHND")
+    dtype = torch.float32 if sizes.smoke else torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(0)
+    n, k = sizes.build_lengths[0], sizes.build_ks[0]
+    scores = torch.randn(1, sizes.build_heads, n // BLOCK, n // BLOCK, device=device, generator=gen)
+    q, kk, v = (torch.randn(B, H, N, D, device=device, dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
+    top_k = sizes.step_top_ks[0]
+
+    def step():
+        mask = ours_topk_mask(block_scores(q, kk, BLOCK), top_k, True)
+        sparse_flash.block_sparse_attention(q, kk, v, mask, causal=True, backend=backend).sum().backward()
+
+    def triton_step():
+        with settings.override(hopper_forward=False, hopper_backward=False):
+            step()
+
+    cases = {f"from_topk_{n}_k{k}": lambda: ours_topk_mask(scores, k, False),
+             f"moba_step_{N}_top{top_k}": step, f"moba_step_{N}_top{top_k}_triton_kernels": triton_step}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    calls = 2 if sizes.smoke else 10
+    for name, fn in cases.items():
+        for _ in range(3):  # compiles and plans outside the profile
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        with torch_profile(activities=activities) as prof:
+            for _ in range(calls):
+                fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        averages = prof.key_averages()
+        by_device = averages.table(sort_by="self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total",
+                                   row_limit=40)
+        by_host = averages.table(sort_by="cpu_time_total", row_limit=40)
+        text = f"# {name}: {calls} calls\n\n## by device time\n{by_device}\n## by host time\n{by_host}\n"
+        (out / f"profile_{name}.txt").write_text(text)
+        _say(f"profile {name}: {calls} calls, written to {out / f'profile_{name}.txt'}\n{by_device[:3000]}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/latest", help="output folder (default: %(default)s)")
@@ -459,6 +509,9 @@ def main(argv=None) -> int:
                         help="sparse_flash backend (auto: triton on CUDA or under TRITON_INTERPRET=1, else torch)")
     parser.add_argument("--skip-build", action="store_true", help="skip part 1 (mask build)")
     parser.add_argument("--skip-step", action="store_true", help="skip part 2 (MoBA step)")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of timing: operator tables (torch.profiler) of a from_topk build and of the "
+                        "MoBA step, written to --out as profile_*.txt")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
@@ -475,6 +528,11 @@ def main(argv=None) -> int:
             "create_block_mask: median wall clock of 3 synchronised calls"}
     _say(f"bench_dynamic: {meta['gpu'] or 'CPU'}, torch {meta['torch']}, backend {backend}, commit {meta['commit']}"
          + (" (smoke)" if args.smoke else ""))
+    if args.profile:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        profile(sizes, device, backend, out)
+        return 0
     start = time.perf_counter()
     if not args.skip_build:
         _say("part 1: building top-k masks (from_topk, flex from_kv_blocks, flex create_block_mask)")
