@@ -97,7 +97,7 @@ def attention_triton(q, k, v, mask: BlockMask | None, *, causal: bool, scale: fl
         if bq % 16 or bk % 16:
             raise ValueError(f"the triton backend needs mask block sizes that are multiples of 16, got {mask.block_size}")
         index, geometry = mask._records(causal)
-    if 0 < scale and float(torch.tensor(scale * 1.4426950408889634, dtype=torch.float32)) == 0.0:
+    if 0 < scale * 1.4426950408889634 <= 2.0**-150:  # float32 rounds these to 0 (2^-149 is its smallest value)
         scale = 0.0  # below float32's smallest value: the kernels' arithmetic holds it as 0 (x -inf would be NaN)
     if scale <= 0:
         # The kernels keep scores in log2 units times a positive factor (their running maximum relies on it):
