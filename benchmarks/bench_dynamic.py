@@ -80,8 +80,8 @@ def block_scores(q: torch.Tensor, k: torch.Tensor, block: int) -> torch.Tensor:
     `MoBAAttention.select`), for q and k `(B, H, N, D)` with N a multiple of `block`; no gradient."""
     B, H, N, D = q.shape
     with torch.no_grad():
-        q_means = q.float().view(B, H, N // block, block, D).mean(3)
-        k_means = k.float().view(B, H, N // block, block, D).mean(3)
+        q_means = q.view(B, H, N // block, block, D).mean(3, dtype=torch.float32)  # no float32 copy of q
+        k_means = k.view(B, H, N // block, block, D).mean(3, dtype=torch.float32)
         return q_means @ k_means.transpose(-1, -2)
 
 

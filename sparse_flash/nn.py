@@ -382,8 +382,12 @@ def _block_means(x: torch.Tensor, block: int) -> torch.Tensor:
     """float32 `(B, H, ceil(N / block), D)`: the mean of each block of `block` rows of `x` `(B, H, N, D)` (the
     last block's mean over its real rows)."""
     B, H, N, D = x.shape
-    M = -(-N // block)
-    sums = torch.nn.functional.pad(x.float(), (0, 0, 0, M * block - N)).view(B, H, M, block, D).sum(3)
+    M, whole = -(-N // block), N // block
+    # summed in float32 from x itself: no float32 copy of x (at 32,768 tokens and 16 heads of 128, a copy took
+    # 0.19 ms of a 2.7 ms call on the H200)
+    sums = x[:, :, :whole * block].reshape(B, H, whole, block, D).sum(3, dtype=torch.float32)
+    if whole < M:  # the tail block: the sum of its real rows
+        sums = torch.cat([sums, x[:, :, whole * block:].sum(2, keepdim=True, dtype=torch.float32)], 2)
     rows = torch.clamp(N - torch.arange(M, device=x.device) * block, max=block)
     return sums / rows[:, None]
 
