@@ -416,7 +416,8 @@ def choose_topk(scores: torch.Tensor, counts: torch.Tensor, width: int, causal: 
 def _choose_topk_kernel(Scores, Counts, Cand, Selected, Layout, H, num_groups, Mq, Mk, width, CAUSAL: tl.constexpr,
                         BLOCK: tl.constexpr):
     """Program r = (b * H + h) * Mq + i: row r's choice. The ranking key of block j orders scores as floats
-    (their bits, made monotone), higher first, then j: unique, so one ascending sort ranks the row."""
+    (their bits, made monotone), higher first, then j: unique, so one ascending sort ranks the row; the kept
+    blocks leave in ascending order by a prefix count."""
     r = tl.program_id(0)
     h, i = (r // Mq) % H, r % Mq
     g = tl.where(num_groups > 1, h, 0)
@@ -443,8 +444,12 @@ def _choose_topk_kernel(Scores, Counts, Cand, Selected, Layout, H, num_groups, M
     else:
         on = kept
     tl.store(Layout + r.to(tl.int64) * Mk + j, on, mask=j < Mk)
-    chosen = tl.sort(tl.where(kept, j, BLOCK + Mk))  # the kept blocks ascending, first
-    row = tl.where(rank < take, chosen, Mk)
+    # the `take` kept blocks ascending first, each at its place among them (a prefix count, not a second sort),
+    # then the diagonal of a causal row and Mk for the unused places
+    place = tl.cumsum(kept.to(tl.int32), 0) - 1
+    out = Selected + r.to(tl.int64) * width
+    tl.store(out + place, j.to(tl.int64), mask=kept)
+    rest = tl.full([BLOCK], Mk, tl.int64)
     if CAUSAL:
-        row = tl.where((rank == take) & (n > 0), last, row)
-    tl.store(Selected + r.to(tl.int64) * width + rank, row.to(tl.int64), mask=rank < width)
+        rest = tl.where((rank == take) & (n > 0), last.to(tl.int64), rest)
+    tl.store(out + rank, rest, mask=(rank >= take) & (rank < width))
