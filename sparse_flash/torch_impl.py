@@ -47,7 +47,7 @@ def _dense_attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor,
     (qc, q_bad), (kc, k_bad), (vc, v_bad) = (split_non_finite(t.to(compute)) for t in (q, k, v))
     kc, vc = kc.repeat_interleave(Hq // Hkv, dim=1), vc.repeat_interleave(Hq // Hkv, dim=1)
     k_bad, v_bad = (b.repeat_interleave(Hq // Hkv, dim=1)[:, :, None, :] for b in (k_bad, v_bad))  # (B, Hq, 1, Nk)
-    k_raw = k.repeat_interleave(Hq // Hkv, dim=1) if any_non_finite(q_bad, k_bad) else None
+    k_raw = k.detach().repeat_interleave(Hq // Hkv, dim=1) if any_non_finite(q_bad, k_bad) else None
     rows = max(1, _CHUNK_ELEMENTS // (B * Hq * Nk))
     keys = torch.arange(Nk, device=q.device)
     outs, lses = [], []
@@ -96,8 +96,8 @@ def attention_torch(
     q_bad_blocks = F.pad(q_bad, (0, Mq * bq - Nq)).reshape(B * Hq * Mq, bq)
     k_bad_blocks, v_bad_blocks = (F.pad(b, (0, Mk * bk - Nk)).reshape(B * Hkv * Mk, bk) for b in (k_bad, v_bad))
     if any_non_finite(q_bad, k_bad):  # the raw blocks, for the exact scores of the pairs that touch them
-        q_raw_blocks = F.pad(q, (0, 0, 0, Mq * bq - Nq)).reshape(B * Hq * Mq, bq, D)
-        k_raw_blocks = F.pad(k, (0, 0, 0, Mk * bk - Nk)).reshape(B * Hkv * Mk, bk, D)
+        q_raw_blocks = F.pad(q.detach(), (0, 0, 0, Mq * bq - Nq)).reshape(B * Hq * Mq, bq, D)
+        k_raw_blocks = F.pad(k.detach(), (0, 0, 0, Mk * bk - Nk)).reshape(B * Hkv * Mk, bk, D)
     else:
         q_raw_blocks = k_raw_blocks = None
     offs_q = torch.arange(bq, device=q.device)
