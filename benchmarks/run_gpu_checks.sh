@@ -14,6 +14,8 @@ export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu}
 export SPARSE_FLASH_ERROR_LOG=$RES/errors.json SPARSE_FLASH_MEMORY_LOG=$RES/memory.json
 export SPARSE_FLASH_FAILURE_LOG=$OUT/failures.txt  # each failure as it comes, beside the archive
 export SPARSE_FLASH_DURATION_LOG=$OUT/durations.txt  # each test's seconds as it ends (a cut run still shows them)
+# compiled kernels kept in the checkout (ignored by git): a second call on the same machine compiles nothing again
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}
 quick="" tests=1 bench=1
 for a in "$@"; do
   case $a in --quick) quick=--quick ;; --no-tests) tests=0 ;; --no-bench) bench=0 ;; esac
