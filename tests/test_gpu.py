@@ -294,6 +294,36 @@ def test_seeded_masks_are_one_mask_on_every_device():
         assert torch.equal(on_gpu.layout.cpu(), on_cpu.layout)
 
 
+@pytest.mark.parametrize("along", ["rows", "cols"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_work_plans_of_one_program_equal_the_torch_operators_and_never_wait(along, causal):
+    """`schedule.whole_plan` on CUDA lists with `gpu_index` (one Triton program, `placed_items`) gives the
+    records and starts of the torch operators, for BigBird (heavy global lists) and a causal top-k mask at
+    8,192 tokens with 16 heads on 132 programs, and does not wait for the device."""
+    from sparse_flash import BlockMask
+    from sparse_flash.kernels import schedule, settings
+
+    N, H = 8192, 16
+    built = {"bigbird": masks.bigbird(N, 128, num_heads=H, seed=3, device="cuda"),
+             "topk": BlockMask.from_topk(torch.randn(1, H, N // 128, N // 128, device="cuda"), 8, causal=True,
+                                         block_size=128)}
+    sub = 1 if along == "rows" else 2
+    for name, mask in built.items():
+        index, geometry = mask._records(causal)
+        with settings.override(gpu_index=False):
+            want, want_starts = schedule.whole_plan(along, 1, H, H, N, N, causal, index, geometry, "cuda", 132, sub,
+                                                    128, 64)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with settings.override(gpu_index=True):
+                got, got_starts = schedule.whole_plan(along, 1, H, H, N, N, causal, index, geometry, "cuda", 132,
+                                                      sub, 128, 64)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert torch.equal(got, want) and torch.equal(got_starts, want_starts), name
+
+
 def test_dealing_runs_on_the_device_places_them_as_the_host_heap_and_never_waits():
     """`schedule.deal_runs` on CUDA costs (its Triton program) gives the heap's placement, and neither it nor
     `assign_programs` waits for the device (sync debug mode turns a host synchronisation into an error)."""

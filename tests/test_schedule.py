@@ -8,7 +8,7 @@ from unittest import mock
 import pytest
 import torch
 
-from sparse_flash import mask_index, masks
+from sparse_flash import BlockMask, mask_index, masks
 from sparse_flash.kernels import schedule, settings
 
 
@@ -378,3 +378,36 @@ def test_dealing_runs_on_the_gpu_places_them_as_the_host_heap_does(programs):
             assert ((on_gpu >= 0) & (on_gpu < programs)).all()
             loads = torch.zeros(programs, dtype=torch.long).index_add_(0, on_gpu, costs)
             assert loads.max() <= costs.sum() / programs + costs.max()
+
+
+def _plan_on_host(along, B, Hq, Hkv, N, causal, index, geometry, programs, sub, balance):
+    """`whole_plan`'s torch operators (the host's deal of runs)."""
+    with settings.override(hopper_balance=balance, gpu_index=False), \
+            mock.patch.object(schedule.settings, "interpreting", lambda: False):
+        return schedule.whole_plan(along, B, Hq, Hkv, N, N, causal, index, geometry, "cpu", programs, sub, 128, 64)
+
+
+@pytest.mark.parametrize("along, B, Hq, Hkv, blocks, block, programs, causal, balance", [
+    ("rows", 1, 2, 2, 8, 128, 3, True, True), ("rows", 2, 4, 2, 6, 128, 5, False, True),
+    ("cols", 1, 2, 1, 12, 256, 7, False, True), ("cols", 1, 3, 3, 10, 128, 4, True, True),
+    ("rows", 2, 2, 2, 9, 128, 4, False, False), ("rows", 1, 1, 1, 4, 128, 8, True, True),
+    ("rows", 1, 4, 4, 16, 128, 6, False, True)])
+def test_one_program_orders_and_places_items_as_the_torch_operators_do(along, B, Hq, Hkv, blocks, block, programs,
+                                                                         causal, balance):
+    """`schedule.placed_items` (one Triton program, under TRITON_INTERPRET=1 as on a GPU) gives exactly the
+    records and starts of `whole_items(row_items / column_items)` then `assign_programs`: random lists with a
+    global column (one heavy list), GQA, mask blocks of 128 and 256, causal or not, balanced or in turn."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(blocks * programs)
+    layout = torch.rand(B, 1 if Hq != Hkv else Hq, blocks, blocks, generator=gen) < 0.3
+    layout[..., 0] = True
+    mask = BlockMask.from_layout(layout, block)
+    N = blocks * block
+    index, geometry = mask._records(causal)
+    side = (index.row_full, index.row_partial) if along == "rows" else (index.col_full, index.col_partial)
+    sub = block // 128 if along == "rows" else (block // 64) * (Hq // Hkv)
+    want, want_starts = _plan_on_host(along, B, Hq, Hkv, N, causal, index, geometry, programs, sub, balance)
+    with settings.override(hopper_balance=balance):
+        got, got_starts = schedule.placed_items(along, B, Hq, Hkv, N, N, causal, *side, geometry, programs, sub)
+    assert torch.equal(got, want) and torch.equal(got_starts, want_starts)

@@ -217,6 +217,64 @@ def assign_programs(items, num_programs: int, sub: int):
     return items[order].contiguous(), starts
 
 
+def whole_plan(along: str, B, Hq, Hkv, Nq, Nk, causal: bool, index: KernelIndex | None,
+               geometry: MaskGeometry | None, device, num_programs: int, sub: int, BLOCK_N: int = ROW_BLOCK,
+               BLOCK_M: int = ROW_BLOCK):
+    """The placed items and starts (`assign_programs`) of a call whose lists no program splits: the records
+    of `row_items` (`along="rows"`) or `column_items` (`"cols"`, key tiles of BLOCK_N, dense query tiles of
+    BLOCK_M) as `whole_items`, placed on `num_programs` programs at `sub` tiles per list block.
+
+    For a mask's lists on a GPU with `settings.gpu_index` (outside torch.compile, at most MAX_ITEMS items) one
+    Triton program builds, orders and places them (`_placed_items_kernel`, the same records): a mask built per
+    call (`BlockMask.from_topk`) pays one launch per plan instead of about sixty small operators, which the H200
+    profile of a MoBA step found to cost more host time than the Hopper kernels gain (tuning log, step 62)."""
+    tiles = Nq // ROW_BLOCK if along == "rows" else Nk // BLOCK_N
+    n = B * (Hq if along == "rows" else Hkv) * tiles
+    on_gpu = (index is not None and torch.device(device).type == "cuda" and not torch.compiler.is_compiling()
+              and settings.current().gpu_index and n <= MAX_ITEMS)
+    if on_gpu:
+        side = (index.row_full, index.row_partial) if along == "rows" else (index.col_full, index.col_partial)
+        return placed_items(along, B, Hq, Hkv, Nq, Nk, causal, *side, geometry, num_programs, sub, BLOCK_N)
+    if along == "rows":
+        items = row_items(B, Hq, Hkv, Nq, Nk, causal, index, geometry, device)
+    else:
+        items = column_items(B, Hq, Hkv, Nq, Nk, causal, index, geometry, device, BLOCK_N, BLOCK_M)
+    return assign_programs(whole_items(items), num_programs, sub)
+
+
+MAX_ITEMS = 8192  # work items that one program of `_placed_items_kernel` orders and places
+
+
+def placed_items(along: str, B, Hq, Hkv, Nq, Nk, causal: bool, full: BlockIndex, part: BlockIndex,
+                 geometry: MaskGeometry, num_programs: int, sub: int, BLOCK_N: int = ROW_BLOCK):
+    """`whole_plan`'s records and starts in one launch of `_placed_items_kernel` (no host synchronisation):
+    `full`, `part` are the mask's full and partial lists of that side."""
+    G, g = Hq // Hkv, geometry
+    if along == "rows":
+        heads, tiles, n_own, other_heads, mul, div, n_other = Hq, Nq // ROW_BLOCK, Nq, Hkv, 1, G, Nk
+        blocks, block, tile = g.blocks_q, g.block_q, ROW_BLOCK
+    else:
+        heads, tiles, n_own, other_heads, mul, div, n_other = Hkv, Nk // BLOCK_N, Nk, Hq, G, 1, Nq
+        blocks, block, tile = g.blocks_k, g.block_k, BLOCK_N
+    n = B * heads * tiles
+    device = full.offsets.device
+    BLOCK = triton.next_power_of_2(n)
+    run = -(-n // (BUNDLES_PER_PROGRAM * num_programs))  # items per run, as `assign_programs` cuts them
+    RUNS = triton.next_power_of_2(-(-n // run))
+    PROGRAMS = triton.next_power_of_2(num_programs)
+    scratch = torch.empty(7 * BLOCK + 2 * RUNS + PROGRAMS, dtype=torch.int32, device=device)
+    placed = torch.empty((n, ITEM_WIDTH), dtype=torch.int32, device=device)
+    starts = torch.empty(num_programs + 1, dtype=torch.int32, device=device)
+    balance = settings.current().hopper_balance and n > num_programs
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # Triton's current device
+        _placed_items_kernel[(1, )](full.offsets, part.offsets, scratch, placed, starts, n, tiles, heads, n_own,
+                                    other_heads, mul, div, n_other, g.batch, g.heads, blocks, block, num_programs,
+                                    run, sub, float(HEAVY_FACTOR), CAUSAL=causal, BALANCE=balance, TILE=tile,
+                                    ITEM_COST=ITEM_COST, BLOCK=BLOCK, RUNS=RUNS, PROGRAMS=PROGRAMS,
+                                    num_warps=max(4, min(32, BLOCK // 256)))  # compiles in 30-45 s at any size
+    return placed, starts
+
+
 def deal_runs(costs, num_programs: int):
     """The program of each run, for int64 `costs` sorted heaviest first: each run in turn goes to the least
     loaded program so far, the lowest-numbered among equals (greedy longest-processing-time placement, which
@@ -250,23 +308,146 @@ def deal_runs(costs, num_programs: int):
 
 @triton.jit
 def _deal_runs_kernel(Costs, Owners, n, num_programs, PROGRAMS: tl.constexpr):
-    """`deal_runs` in one program, the loads of all programs in registers. A round ranks the programs by
-    (load, number) with a (PROGRAMS, PROGRAMS) comparison; the program of rank r would take run s + r; the
-    first m of them take theirs, m the lowest rank whose program would not stay below the least load plus its
-    run (run s + k, k < m, costs at least run s + m - 1's, so every program served stays above the next rank's
-    load: one run at a time makes the same choices)."""
-    lanes = tl.arange(0, PROGRAMS)
-    real = lanes < num_programs
-    loads = tl.where(real, 0, 1 << 40).to(tl.int64)  # lanes past the programs rank last
+    """`deal_runs` in one program (`_deal`)."""
+    _deal(Costs, Owners, n, num_programs, PROGRAMS)
+
+
+@triton.jit
+def _deal(Costs, Owners, n, num_programs, PROGRAMS: tl.constexpr):
+    """Owners[r] = the program of run r, for the n runs of Costs sorted heaviest first (`deal_runs`), in rank
+    space: `keys` holds each program's (load, number) as load x PROGRAMS + number, and a round sorts them, so
+    that rank r holds the program of rank r (lanes past the programs have load 2^40 and rank last); the program
+    of rank r would take run s + r; the first m of them take theirs, m the lowest rank whose program would not
+    stay below the least load plus its run (run s + k, k < m, costs at least run s + m - 1's, so every program
+    served stays above the next rank's load: one run at a time makes the same choices). A sort of PROGRAMS keys
+    per round, where ranking by a (PROGRAMS, PROGRAMS) comparison took 153 us for 2,112 runs on 132 programs
+    (the H200, 2026-12-02)."""
+    ranks = tl.arange(0, PROGRAMS)
+    real = ranks < num_programs  # the programs rank first: their loads stay below 2^40
+    ranks64 = ranks.to(tl.int64)
+    keys = tl.where(real, ranks64, ranks64 + (1 << 40) * PROGRAMS)
     s = tl.full((), 0, tl.int32)  # runs placed so far
     while s < n:
-        key = loads * PROGRAMS + lanes  # distinct: equal loads ranked by program number
-        rank = tl.sum((key[None, :] < key[:, None]).to(tl.int32), 1)  # (PROGRAMS,)
-        run = s + rank
+        keys = tl.sort(keys)
+        load, program = keys // PROGRAMS, keys % PROGRAMS
+        run = s + ranks
         c = tl.load(Costs + run, mask=real & (run < n), other=0).to(tl.int64)
-        fits = real & (run < n) & (c > 0) & (loads < tl.min(loads, 0) + c)
-        m = tl.min(tl.where(fits, PROGRAMS, rank), 0)  # 0 only where run s costs 0: the rest are unused
-        take = rank < m
-        tl.store(Owners + run, lanes.to(tl.int64), mask=take)
-        loads += tl.where(take, c, 0)
+        fits = real & (run < n) & (c > 0) & (load < tl.min(load, 0) + c)
+        m = tl.min(tl.where(fits, PROGRAMS, ranks), 0)  # 0 only where run s costs 0: the rest are unused
+        take = ranks < m
+        tl.store(Owners + run, program, mask=take)
+        keys += tl.where(take, c * PROGRAMS, 0)
         s = tl.where(m > 0, s + m, n)
+
+
+@triton.jit
+def _placed_items_kernel(FullOffsets, PartOffsets, Scratch, Placed, Starts,
+                         n, tiles, heads, n_own, other_heads, other_mul, other_div, n_other, g_batch, g_heads,
+                         g_blocks, g_block, num_programs, run, sub, heavy_factor,
+                         CAUSAL: tl.constexpr, BALANCE: tl.constexpr, TILE: tl.constexpr, ITEM_COST: tl.constexpr,
+                         BLOCK: tl.constexpr, RUNS: tl.constexpr, PROGRAMS: tl.constexpr):
+    """One program: every work item of a (B, heads, tiles) grid of tiles, ordered and placed on the programs as
+    `whole_items(row_items or column_items)` then `assign_programs` do it with torch operators.
+
+    Item idx = (b * heads + h) * tiles + t: own row (b * heads + h) * n_own + t * TILE, other row
+    (b * other_heads + h * other_mul // other_div) * n_other, and the full and partial list ranges of mask
+    list ((b % g_batch) * g_heads + h % g_heads) * g_blocks + t * TILE // g_block. Scratch: int32, 8 * BLOCK +
+    3 * RUNS. Placed: int32 (n, 8); Starts: int32 (num_programs + 1,)."""
+    idx = tl.arange(0, BLOCK)
+    valid = idx < n
+    b = idx // (heads * tiles)
+    h = (idx // tiles) % heads
+    t = idx % tiles
+    own = (b * heads + h) * n_own + t * TILE
+    other = (b * other_heads + h * other_mul // other_div) * n_other
+    lst = ((b % g_batch) * g_heads + h % g_heads) * g_blocks + (t * TILE) // g_block
+    lo = tl.load(FullOffsets + lst, mask=valid, other=0)
+    hi = tl.load(FullOffsets + lst + 1, mask=valid, other=0)
+    plo = tl.load(PartOffsets + lst, mask=valid, other=0)
+    phi = tl.load(PartOffsets + lst + 1, mask=valid, other=0)
+    length = (hi - lo) + (phi - plo)
+    # the start order (`order_items`): causal calls longest first, others heavy lists first; ties as given
+    if CAUSAL:
+        key = (1048576 - length).to(tl.int64) * BLOCK + idx
+    else:
+        mean = tl.sum(tl.where(valid, length, 0).to(tl.float32), 0) / n
+        heavy = length.to(tl.float32) > heavy_factor * mean
+        key = tl.where(heavy, 0, 1).to(tl.int64) * BLOCK + idx
+    key = tl.where(valid, key, 9223372036854775807)
+    order = (tl.sort(key) % BLOCK).to(tl.int32)  # the item at each position
+    # the records by item, then read back in start order
+    fields = Scratch + idx * 6
+    tl.store(fields + 0, own, mask=valid)
+    tl.store(fields + 1, other, mask=valid)
+    tl.store(fields + 2, lo, mask=valid)
+    tl.store(fields + 3, hi, mask=valid)
+    tl.store(fields + 4, plo, mask=valid)
+    tl.store(fields + 5, phi, mask=valid)
+    tl.debug_barrier()
+    at = Scratch + order * 6
+    o_own = tl.load(at + 0, mask=valid, other=0)
+    o_other = tl.load(at + 1, mask=valid, other=0)
+    o_lo = tl.load(at + 2, mask=valid, other=0)
+    o_hi = tl.load(at + 3, mask=valid, other=0)
+    o_plo = tl.load(at + 4, mask=valid, other=0)
+    o_phi = tl.load(at + 5, mask=valid, other=0)
+    pos = idx
+    if BALANCE:
+        # runs of `run` consecutive positions, their costs from a prefix sum, heaviest first (ties in run order)
+        cost = ((o_hi - o_lo) + (o_phi - o_plo)) * sub + ITEM_COST
+        cum = tl.cumsum(tl.where(valid, cost, 0), 0)
+        CumAt = Scratch + 6 * BLOCK
+        tl.store(CumAt + pos, cum, mask=valid)
+        tl.debug_barrier()
+        r = tl.arange(0, RUNS)
+        num_runs = (n + run - 1) // run
+        real_run = r < num_runs
+        last = tl.minimum((r + 1) * run, n) - 1
+        before = tl.load(CumAt + r * run - 1, mask=real_run & (r > 0), other=0)
+        run_cost = tl.where(real_run, tl.load(CumAt + last, mask=real_run, other=0) - before, 0)
+        run_key = tl.where(real_run, (2147483647 - run_cost).to(tl.int64) * RUNS + r, 9223372036854775807)
+        by_cost = (tl.sort(run_key) % RUNS).to(tl.int32)  # the run at each rank, heaviest first
+        SortedCost = Scratch + 7 * BLOCK
+        RunOwner = SortedCost + RUNS
+        tl.debug_barrier()
+        tl.store(SortedCost + r, tl.where(real_run, tl.load(CumAt + tl.minimum((by_cost + 1) * run, n) - 1,
+                                                                   mask=real_run, other=0)
+                                          - tl.load(CumAt + by_cost * run - 1, mask=real_run & (by_cost > 0),
+                                                    other=0), 0))
+        tl.debug_barrier()
+        _deal(SortedCost, RunOwner, num_runs, num_programs, PROGRAMS)  # each run's program, by rank
+        tl.debug_barrier()
+        owner_by_rank = tl.load(RunOwner + r, mask=real_run, other=0)
+        tl.debug_barrier()
+        tl.store(RunOwner + by_cost, owner_by_rank, mask=real_run)  # by run
+        tl.debug_barrier()
+        program = tl.load(RunOwner + pos // run, mask=valid, other=0)
+    else:
+        program = pos % num_programs
+    # by program, each program's items in start order; the starts from the counts
+    pkey = tl.where(valid, program.to(tl.int64) * BLOCK + pos, 9223372036854775807)
+    placed_pos = (tl.sort(pkey) % BLOCK).to(tl.int32)
+    tl.debug_barrier()
+    Ordered = Scratch  # the records in start order, over the records by item (read above)
+    tl.store(Ordered + pos * 6 + 0, o_own, mask=valid)
+    tl.store(Ordered + pos * 6 + 1, o_other, mask=valid)
+    tl.store(Ordered + pos * 6 + 2, o_lo, mask=valid)
+    tl.store(Ordered + pos * 6 + 3, o_hi, mask=valid)
+    tl.store(Ordered + pos * 6 + 4, o_plo, mask=valid)
+    tl.store(Ordered + pos * 6 + 5, o_phi, mask=valid)
+    tl.debug_barrier()
+    out = Placed + idx * 8
+    src = Ordered + placed_pos * 6
+    for f in tl.static_range(6):
+        tl.store(out + f, tl.load(src + f, mask=valid, other=0), mask=valid)
+    tl.store(out + 6, tl.full([BLOCK], -1, tl.int32), mask=valid)
+    tl.store(out + 7, tl.zeros([BLOCK], tl.int32), mask=valid)
+    lanes = tl.arange(0, PROGRAMS)
+    CountAt = Scratch + 7 * BLOCK + 2 * RUNS
+    tl.store(CountAt + lanes, tl.zeros_like(lanes))
+    tl.debug_barrier()
+    tl.atomic_add(CountAt + program, tl.full([BLOCK], 1, tl.int32), mask=valid)
+    tl.debug_barrier()
+    ends = tl.cumsum(tl.load(CountAt + lanes), 0)
+    tl.store(Starts + 1 + lanes, ends, mask=lanes < num_programs)
+    tl.store(Starts + lanes, tl.zeros_like(lanes), mask=lanes == 0)

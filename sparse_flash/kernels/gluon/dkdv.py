@@ -40,7 +40,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ...mask_index import KernelIndex, MaskGeometry
 from ..aot import compile_gluon_sm90, descriptor_type
 from ..memory import new_output
-from ..schedule import assign_programs, column_items, split_items, whole_items
+from ..schedule import assign_programs, split_items, whole_plan
 from ..triton.common import LOG2E
 from ..triton.split import SplitPlan
 from .merge import ChunkSum
@@ -271,12 +271,14 @@ class DkdvPlan:
         if split.num_split:  # the chunks of the lists the mask's work plan splits (host sizes: no wait otherwise)
             items, merges = split_items("cols", B, Hq, Hkv, Nq, Nk, index, geometry, split.copy_strides,
                                         split.copies, q.device, BLOCK_N, unit=BLOCK_N)
+            self.grid = (min(items.shape[0], num_sms(q.device)), )
+            self.items, self.starts = assign_programs(items, self.grid[0], sub * (Hq // Hkv))
         else:
-            items, merges = whole_items(column_items(B, Hq, Hkv, Nq, Nk, causal, index, geometry, q.device, BLOCK_N,
-                                                      BLOCK_M)), None
-        self.grid = (min(items.shape[0], num_sms(q.device)), )
+            merges = None
+            self.grid = (min(B * Hkv * (Nk // BLOCK_N), num_sms(q.device)), )
+            self.items, self.starts = whole_plan("cols", B, Hq, Hkv, Nq, Nk, causal, index, geometry, q.device,
+                                                 self.grid[0], sub * (Hq // Hkv), BLOCK_N, BLOCK_M)
         self.chunk_sum = ChunkSum(merges, split, BLOCK_N, D)
-        self.items, self.starts = assign_programs(items, self.grid[0], sub * (Hq // Hkv))
         # the dense path reads no list (any tensor will do)
         self.full_idx, self.part_idx = ((self.items, self.items) if dense else
                                         (index.col_full.indices, index.col_partial.indices))

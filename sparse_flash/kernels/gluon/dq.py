@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ...mask_index import KernelIndex, MaskGeometry
 from ..aot import compile_gluon_sm90, descriptor_type
 from ..memory import new_output
-from ..schedule import ROW_BLOCK, assign_programs, row_items, split_items, whole_items
+from ..schedule import ROW_BLOCK, assign_programs, split_items, whole_plan
 from ..triton.common import LOG2E
 from ..triton.split import SplitPlan
 from .merge import ChunkSum
@@ -274,11 +274,14 @@ class DqPlan:
         if split.num_split:  # the chunks of the lists the mask's work plan splits (host sizes: no wait otherwise)
             items, merges = split_items("rows", B, Hq, Hkv, Nq, Nk, index, geometry, split.copy_strides, split.copies,
                                         q.device, ROW_BLOCK, unit=ROW_BLOCK)
+            self.grid = (min(items.shape[0], num_sms(q.device)), )
+            self.items, self.starts = assign_programs(items, self.grid[0], sub)
         else:
-            items, merges = whole_items(row_items(B, Hq, Hkv, Nq, Nk, causal, index, geometry, q.device)), None
-        self.grid = (min(items.shape[0], num_sms(q.device)), )
+            merges = None
+            self.grid = (min(B * Hq * (Nq // ROW_BLOCK), num_sms(q.device)), )
+            self.items, self.starts = whole_plan("rows", B, Hq, Hkv, Nq, Nk, causal, index, geometry, q.device,
+                                                 self.grid[0], sub)
         self.chunk_sum = ChunkSum(merges, split, ROW_BLOCK, D)
-        self.items, self.starts = assign_programs(items, self.grid[0], sub)
         # the dense path reads no list (any tensor will do)
         self.full_idx, self.part_idx = ((self.items, self.items) if dense else
                                         (index.row_full.indices, index.row_partial.indices))

@@ -39,7 +39,7 @@ from ...mask_index import KernelIndex, MaskGeometry
 from ..aot import compile_gluon_sm90, descriptor_type
 from ..launch import cached_plan, plan_key
 from ..memory import new_output
-from ..schedule import assign_programs, row_items, split_items, whole_items
+from ..schedule import assign_programs, split_items, whole_plan
 from ..triton.common import LOG2E
 from ..triton.split import SplitPlan
 from .merge import merge_split_rows
@@ -385,16 +385,19 @@ class FwdPlan:
             self.items, self.merges = split_items("rows", B, Hq, Hkv, Nq, Nk, index, geometry,
                                                   self.split.copy_strides, self.split.copies, q.device, BLOCK)
             self.block_q = geometry.block_q
+        block_k = BLOCK if dense else geometry.block_k
+        if split:
+            self.grid = (min(self.items.shape[0], num_sms(q.device)), )
+            self.items, self.starts = assign_programs(self.items, self.grid[0], block_k // BLOCK)
         else:
-            self.items = whole_items(row_items(B, Hq, Hkv, Nq, Nk, causal, index, geometry, q.device))
+            self.grid = (min(B * Hq * (Nq // BLOCK), num_sms(q.device)), )
+            self.items, self.starts = whole_plan("rows", B, Hq, Hkv, Nq, Nk, causal, index, geometry, q.device,
+                                                 self.grid[0], block_k // BLOCK)
         # the dense path reads no list (any tensor will do)
         self.full_idx, self.part_idx = ((self.items, self.items) if dense else
                                         (index.row_full.indices, index.row_partial.indices))
-        block_k = BLOCK if dense else geometry.block_k
         self.layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], GL_DTYPES[q.dtype])
         self.D = D
-        self.grid = (min(self.items.shape[0], num_sms(q.device)), )
-        self.items, self.starts = assign_programs(self.items, self.grid[0], block_k // BLOCK)
         self.launch = bound_launch(_attn_fwd_hopper_kernel, self.grid[0], (
             self.items, self.starts, self.full_idx, self.part_idx, Nq, scale * LOG2E),
             _constexprs(block_k, dense, causal, split, BLOCK if dense else geometry.block_q), MAX_REGS)
