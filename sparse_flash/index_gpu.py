@@ -388,6 +388,9 @@ MAX_CHOOSE = 2048  # key blocks of a row that `choose_topk` ranks (a register so
 # 2,048, 155 s at 8,192; longer rows take the torch choice)
 
 
+SELECT_MAX = 16  # rows keeping at most this many blocks find their last kept key by repeated minima, not a sort
+
+
 def choose_supported(cols: int) -> bool:
     """Whether one program can rank a row of `cols` key blocks (`choose_topk`)."""
     return triton.next_power_of_2(cols) <= MAX_CHOOSE
@@ -399,7 +402,8 @@ def choose_topk(scores: torch.Tensor, counts: torch.Tensor, width: int, causal: 
 
     A row ranks its candidates by score, higher first and lower key block among equals (NaN as -inf, -0.0 as
     0.0), keeps `counts[g, i]` of them (with `causal`, the diagonal `cand[i] - 1` and the best `counts - 1`
-    before it), sorts them and marks them in its layout row.
+    before it), sorts them and marks them in its layout row. A row that keeps at most `SELECT_MAX` blocks finds
+    its last kept key by that many minimum reductions; longer choices sort the row's keys.
     """
     B, H, Mq, Mk = scores.shape
     device = scores.device
@@ -408,16 +412,17 @@ def choose_topk(scores: torch.Tensor, counts: torch.Tensor, width: int, causal: 
     with _on(device):
         _choose_topk_kernel[(B * H * Mq, )](scores.contiguous(), counts.contiguous(), cand.contiguous(), selected,
                                             layout, H, counts.shape[0], Mq, Mk, width, CAUSAL=causal,
-                                            BLOCK=triton.next_power_of_2(Mk))
+                                            SELECT=width <= SELECT_MAX, BLOCK=triton.next_power_of_2(Mk))
     return selected, layout
 
 
 @triton.jit
 def _choose_topk_kernel(Scores, Counts, Cand, Selected, Layout, H, num_groups, Mq, Mk, width, CAUSAL: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        SELECT: tl.constexpr, BLOCK: tl.constexpr):
     """Program r = (b * H + h) * Mq + i: row r's choice. The ranking key of block j orders scores as floats
-    (their bits, made monotone), higher first, then j: unique, so one ascending sort ranks the row; the kept
-    blocks leave in ascending order by a prefix count."""
+    (their bits, made monotone), higher first, then j: unique, so the row keeps the keys up to its take-th
+    smallest: found by `take` minimum reductions (SELECT, a few kept blocks; `take` <= width) or one ascending
+    sort. The kept blocks leave in ascending order by a prefix count."""
     r = tl.program_id(0)
     h, i = (r // Mq) % H, r % Mq
     g = tl.where(num_groups > 1, h, 0)
@@ -435,9 +440,14 @@ def _choose_topk_kernel(Scores, Counts, Cand, Selected, Layout, H, num_groups, M
     monotone = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # ascending with the float
     key = (2147483647 - monotone.to(tl.int64)) * BLOCK + j  # higher score first, then lower j
     key = tl.where(j < Mk, key, 9223372036854775807)
-    ranked = tl.sort(key)
     rank = tl.arange(0, BLOCK)
-    kth = tl.max(tl.where(rank < take, ranked, -1), 0)  # the last kept key (-1: none)
+    if SELECT:
+        kth = tl.full([], -1, tl.int64)  # the last kept key (-1: none)
+        for _ in range(0, take):
+            kth = tl.min(tl.where(key > kth, key, 9223372036854775807), 0)
+    else:
+        ranked = tl.sort(key)
+        kth = tl.max(tl.where(rank < take, ranked, -1), 0)  # the last kept key (-1: none)
     kept = (key <= kth) & (j < Mk)
     if CAUSAL:
         on = kept | ((j == last) & (n > 0))

@@ -72,8 +72,9 @@ def cases():
     yield ("index_gpu.topk_lists: columns", index_gpu._topk_col_write_kernel, dict(BLOCK=8192), (),
            dict(num_warps=4, types={"Kind": "*i8", "PerCol": "*i32", "Ends": "*i32", "Mq": "i32"}))
     ints = {n: "i32" for n in ("Mq", "Mk")}
-    for causal in (False, True):
-        yield (f"index_gpu.choose_topk causal={causal}", index_gpu._choose_topk_kernel, dict(CAUSAL=causal, BLOCK=index_gpu.MAX_CHOOSE),
+    for causal, select in ((False, False), (True, False), (False, True), (True, True)):
+        yield (f"index_gpu.choose_topk causal={causal} select={select}", index_gpu._choose_topk_kernel,
+               dict(CAUSAL=causal, SELECT=select, BLOCK=index_gpu.MAX_CHOOSE),
                (), dict(num_warps=4, types={"Scores": "*fp32", "Counts": "*i64", "Cand": "*i64", "Selected": "*i64",
                                             "Layout": "*i1", "H": "i32", **ints}))
     lists = {f"{kind}{part}": "*i32" for kind in ("Live", "Full", "Part") for part in ("Counts", "Offsets", "")}

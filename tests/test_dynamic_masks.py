@@ -195,15 +195,18 @@ def test_topk_lists_and_plans_built_on_the_gpu_equal_the_torch_ones(p):
                 assert x.dtype == y.dtype and torch.equal(x, y), (causal, type(a).__name__, name)
 
 
+@pytest.mark.parametrize("select_max", [0, 64], ids=["sort", "select"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_topk_choice_on_the_gpu_ranks_nan_infinities_and_signed_zeros_as_torch_does(causal):
+def test_topk_choice_on_the_gpu_ranks_nan_infinities_and_signed_zeros_as_torch_does(causal, select_max, monkeypatch):
     """`index_gpu.choose_topk` (under TRITON_INTERPRET=1) makes the torch choice (`mask._choose_topk`) and its
-    layout: NaN ranks as -inf, -0.0 equals 0.0 (the lower block wins), infinities and ties, fp16 scores."""
+    layout: NaN ranks as -inf, -0.0 equals 0.0 (the lower block wins), infinities and ties, fp16 scores; both
+    ways of finding the last kept key (a sort, repeated minima)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
     from sparse_flash import index_gpu
     from sparse_flash.mask import _choose_topk
 
+    monkeypatch.setattr(index_gpu, "SELECT_MAX", select_max)
     values = torch.tensor([0.0, -0.0, 1.0, -1.0, float("nan"), float("inf"), float("-inf"), 2.0, 1.0, -0.0])
     gen = torch.Generator().manual_seed(1)
     scores = values[torch.randint(0, values.numel(), (1, 2, 9, 11), generator=gen)]
