@@ -5,6 +5,12 @@ host time. Prints microseconds per call for each layer (launcher, API forward, A
 both launch modes and for FlexAttention (compiled), then a cProfile of the API forward+backward.
 
     python benchmarks/host_overhead.py --out host.json
+    python benchmarks/host_overhead.py --row 1,8,16384,64,longformer --out host.json
+
+`--row B,H,N,D,MASK` (a mask of `bench_attention.build_mask`) times that problem instead. Where the Hopper
+(Gluon) kernels serve a pass, the pieces of their calls are timed one by one (descriptors, Triton's
+descriptor encoding, the bound launches, chunk sums and merges); where the Triton forward serves it, its
+launcher's pieces. Every piece that fails prints its error and the rest still run.
 """
 
 from __future__ import annotations
@@ -19,12 +25,12 @@ import torch
 
 import sparse_flash
 from profile_rows import host_us
-from sparse_flash import masks
 from sparse_flash.kernels import settings
 from sparse_flash.kernels.dispatch import attn_bwd, attn_fwd
+from sparse_flash.kernels.launch import plan_key
 
 
-def launcher_parts(q, k, v, index, geometry) -> dict:
+def launcher_parts(q, k, v, index, geometry, causal: bool = False) -> dict:
     """Host microseconds of the pieces of one forward launch (the Triton forward, which serves this D=64
     problem): the plan's key, allocation, descriptors, Triton's launcher (argument packing and
     cuLaunchKernel) called directly, and the whole launcher."""
@@ -33,7 +39,7 @@ def launcher_parts(q, k, v, index, geometry) -> dict:
     from sparse_flash.kernels.triton.tma import make_descriptor, tile_descriptor
 
     plans = {}
-    attn_fwd(q, k, v, index, geometry, False, 0.125, plans)
+    attn_fwd(q, k, v, index, geometry, causal, 0.125, plans)
     (plan,) = plans.values()
     if not isinstance(plan, FwdPlan):
         raise TypeError(f"the pieces are the Triton forward's, but {type(plan).__module__} serves this problem")
@@ -45,52 +51,119 @@ def launcher_parts(q, k, v, index, geometry) -> dict:
     stream = launch_module._raw_stream(launch_module._current_device())
     args = (*head, *bound.tail, *bound.constexprs.values())
     parts = {
-        "plan key": lambda: launch_module.plan_key((q, k, v), "fwd", False, 0.125),
+        "plan key": lambda: launch_module.plan_key((q, k, v), "fwd", causal, 0.125),
         "torch.empty (out)": lambda: torch.empty(q.shape, dtype=q.dtype, device=q.device),
         "make_descriptor (one)": lambda: make_descriptor(k, plan.k_layout),
         "tile_descriptor (one, with checks)": lambda: tile_descriptor(k, 64, 64),
         "triton launcher + cuLaunchKernel": lambda: compiled.run(bound.grid, 1, 1, stream, compiled.function,
                                                                  compiled.packed_metadata, None, None, None, *args),
         "BoundLaunch (direct path)": lambda: bound(*head),
-        "attn_fwd (whole launcher)": lambda: attn_fwd(q, k, v, index, geometry, False, 0.125, plans),
-        "attn_fwd (no plan cache)": lambda: attn_fwd(q, k, v, index, geometry, False, 0.125),
+        "attn_fwd (whole launcher)": lambda: attn_fwd(q, k, v, index, geometry, causal, 0.125, plans),
+        "attn_fwd (no plan cache)": lambda: attn_fwd(q, k, v, index, geometry, causal, 0.125),
     }
     return {f"part: {name} ({len(args)} args)": host_us(f, reps=300, warmup=20) for name, f in parts.items()}
+
+
+def _timed(parts: dict) -> dict:
+    """Host microseconds of each piece; a piece that raises records its error instead."""
+    results = {}
+    for name, f in parts.items():
+        try:
+            results[name] = host_us(f, reps=300, warmup=20)
+        except Exception as e:  # noqa: BLE001 - a probe: one broken piece must not hide the others
+            results[name] = f"failed: {type(e).__name__}: {e}"[:300]
+        print(f"{name:60} {results[name]}", flush=True)
+    return results
+
+
+def hopper_parts(q, k, v, do, index, geometry, causal: bool) -> dict:
+    """Host microseconds of the pieces of the Hopper passes' calls (those that serve this problem)."""
+    from sparse_flash.kernels import dispatch
+    from sparse_flash.kernels.gluon import pipeline
+
+    gluon = dispatch.gluon_modules()
+    plans = {}
+    out, lse = attn_fwd(q, k, v, index, geometry, causal, 0.125, plans)
+    attn_bwd(do, q, k, v, out, lse, index, geometry, causal, 0.125, plans)
+    fwd = next((p for p in plans.values() if isinstance(p, gluon.fwd.FwdPlan)), None)
+    bwd = next((p for p in plans.values() if isinstance(p, dispatch._BackwardPlan)), None)
+    parts = {}
+    if fwd is not None:
+        layout = fwd.layout
+        parts["hopper fwd: row_descriptor (one)"] = lambda: pipeline.row_descriptor(k, 128, layout)
+        parts["hopper fwd: whole plan call"] = lambda: fwd(q, k, v)
+        print("hopper fwd: merge records of split lists:", 0 if fwd.merges is None else fwd.merges.shape[0])
+        try:  # Triton's encoding of one descriptor (its launcher does this for every descriptor of a launch)
+            from triton.backends.nvidia import driver as nv_driver
+
+            meta = fwd.launch._compiled.metadata.tensordesc_meta[0]
+            desc = pipeline.row_descriptor(k, 128, layout)
+            parts["hopper fwd: Triton's descriptor encoding (one)"] = lambda: nv_driver.make_tensordesc_arg(desc, meta, None)
+        except Exception as e:  # noqa: BLE001
+            print("descriptor encoding not timed:", type(e).__name__, e)
+    if bwd is not None:
+        delta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        parts[f"bwd families {tuple(bwd.families)}: whole plan call"] = lambda: bwd(do, q, k, v, out, lse)
+        parts["bwd: dq pass"] = lambda: bwd.dq(q, k, v, out, do, lse, delta)
+        parts["bwd: dkdv pass"] = lambda: bwd.dkdv(q, k, v, do, lse, delta)
+        if hasattr(bwd.dq, "chunk_sum"):
+            dq = torch.empty_like(q)
+            part = bwd.dq.chunk_sum.scratch(q.device)
+            parts["bwd: dq chunk sum"] = lambda: bwd.dq.chunk_sum(dq, part)
+            parts["bwd: dq chunk scratch"] = lambda: bwd.dq.chunk_sum.scratch(q.device)
+    parts["plan key (bwd, 6 tensors)"] = lambda: plan_key((do, q, k, v, out, lse), "bwd", causal, 0.125)
+    parts["settings.current()"] = settings.current
+    return _timed(parts)
+
+
+def parse_row(text: str):
+    B, H, N, D, name = text.split(",")
+    return int(B), int(H), int(N), int(D), name
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="host.json")
+    parser.add_argument("--row", type=parse_row, default=None, metavar="B,H,N,D,MASK",
+                        help="the problem (default: 1,2,1024,64 butterfly, non-causal)")
     args = parser.parse_args()
     from torch.nn.attention.flex_attention import flex_attention
 
-    B, H, N, D = 1, 2, 1024, 64
-    mask = masks.butterfly(N, 128, device="cuda")
+    from bench_attention import build_mask
+
+    B, H, N, D, name = args.row or (1, 2, 1024, 64, "butterfly")
+    mask, causal = build_mask(name, N, "cuda")
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     do = torch.randn_like(q)
-    index, geometry = mask._records(False)  # the lists themselves, as the kernels get them
+    index, geometry = mask._records(causal)  # the lists themselves, as the kernels get them
     plans = {}
-    out, lse = attn_fwd(q.detach(), k.detach(), v.detach(), index, geometry, False, 0.125)
+    out, lse = attn_fwd(q.detach(), k.detach(), v.detach(), index, geometry, causal, 0.125)
     x = torch.empty(10, device="cuda")
 
     def api():
-        return sparse_flash.block_sparse_attention(q, k, v, mask, backend="triton")
+        return sparse_flash.block_sparse_attention(q, k, v, mask, causal=causal, backend="triton")
 
     def api_no_grad():
         with torch.no_grad():
             return api()
 
     flex = torch.compile(flex_attention, dynamic=False)
-    fm = mask.to_flex(False, eager_exact=False)
+    fm = mask.to_flex(causal, eager_exact=False)
     steps = {
         "tiny torch kernel": lambda: x.add_(1),
-        "launcher fwd": lambda: attn_fwd(q, k, v, index, geometry, False, 0.125, plans),
-        "launcher bwd": lambda: attn_bwd(do, q, k, v, out, lse, index, geometry, False, 0.125, plans),
+        "launcher fwd": lambda: attn_fwd(q, k, v, index, geometry, causal, 0.125, plans),
+        "launcher bwd": lambda: attn_bwd(do, q, k, v, out, lse, index, geometry, causal, 0.125, plans),
         "api fwd no_grad": api_no_grad,
         "api fwd+bwd": lambda: api().backward(do),
         "autograd only": lambda: (q * 1).backward(do),
     }
-    results = launcher_parts(q.detach(), k.detach(), v.detach(), index, geometry)
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    try:
+        results = launcher_parts(qd, kd, vd, index, geometry, causal)
+    except TypeError as e:  # the Hopper forward serves this problem
+        print(e)
+        results = {}
+    results.update(hopper_parts(qd, kd, vd, do, index, geometry, causal))
     for fast in (False, True):
         with settings.override(fast_launch=fast):
             for name, step in steps.items():
