@@ -454,8 +454,9 @@ def table(build: list[dict], step: list[dict], smoke: bool) -> str:
 
 def profile(sizes: Sizes, device, backend: str, out: Path) -> None:
     """Where the per-call time goes, operator by operator (torch.profiler, after warm-up calls): the `from_topk`
-    build at the largest length and k (not causal), and the MoBA step forward+backward at the smallest top_k,
-    with the default kernels and with the Triton kernels alone. Each writes `profile_<what>.txt` under `out`:
+    build at the largest length and k (not causal), a butterfly mask's build at that length (the pattern
+    constructors' path: layout, index lists, plans, with its host waits), and the MoBA step forward+backward
+    at the smallest top_k, with the default kernels and with the Triton kernels alone. Each writes `profile_<what>.txt` under `out`:
     the operators by device time, then by host time, per call."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -479,6 +480,7 @@ def profile(sizes: Sizes, device, backend: str, out: Path) -> None:
             step()
 
     cases = {f"from_topk_{n}_k{k}": lambda: ours_topk_mask(scores, k, False),
+             f"butterfly_build_{n}": lambda: sparse_flash.masks.butterfly(n, BLOCK, device=device),
              f"moba_step_{N}_top{top_k}": step, f"moba_step_{N}_top{top_k}_triton_kernels": triton_step}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     calls = 2 if sizes.smoke else 10

@@ -85,7 +85,7 @@ def test_ratios_and_table_compare_like_with_like():
 def test_profile_mode_writes_one_operator_table_per_case(tmp_path):
     assert bench.main(["--smoke", "--backend", "torch", "--profile", "--out", str(tmp_path)]) == 0
     written = sorted(p.name for p in tmp_path.glob("profile_*.txt"))
-    assert written == ["profile_from_topk_1024_k2.txt", "profile_moba_step_384_top1.txt",
+    assert written == ["profile_butterfly_build_1024.txt", "profile_from_topk_1024_k2.txt", "profile_moba_step_384_top1.txt",
                        "profile_moba_step_384_top1_triton_kernels.txt"]
     text = (tmp_path / "profile_moba_step_384_top1.txt").read_text()
     assert "## by device time" in text and "## by host time" in text and "aten::" in text
