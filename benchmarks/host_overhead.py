@@ -92,7 +92,10 @@ def hopper_parts(q, k, v, do, index, geometry, causal: bool) -> dict:
         layout = fwd.layout
         parts["hopper fwd: row_descriptor (one)"] = lambda: pipeline.row_descriptor(k, 128, layout)
         parts["hopper fwd: whole plan call"] = lambda: fwd(q, k, v)
-        print("hopper fwd: merge records of split lists:", 0 if fwd.merges is None else fwd.merges.shape[0])
+        if fwd.merge is not None and fwd.merge.launch is not None:  # the forward cuts long lists: their merge
+            f_out, f_lse = fwd(q, k, v)
+            f_part, _, f_lse_part = fwd.split.scratch()
+            parts["hopper fwd: row merge (bound launch)"] = lambda: fwd.merge(f_out, f_lse, f_part, f_lse_part)
         try:  # Triton's encoding of one descriptor (its launcher does this for every descriptor of a launch)
             from triton.backends.nvidia import driver as nv_driver
 

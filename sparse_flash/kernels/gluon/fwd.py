@@ -42,7 +42,7 @@ from ..memory import new_output
 from ..schedule import assign_programs, split_items, whole_plan
 from ..triton.common import LOG2E
 from ..triton.split import SplitPlan
-from .merge import merge_split_rows
+from .merge import RowMerge
 from .pipeline import (FIRST_HALF, GL_DTYPES, ITEM_WIDTH, SECOND_HALF, bound_launch, list_tile_start, load_kv,
                        num_sms, partition_barrier, release, release_after_store, ring_barriers, row_descriptor,
                        runs_on, shapes_fit, takes_plan, tma_load, tma_store)
@@ -379,12 +379,12 @@ class FwdPlan:
         dense = index is None
         split = not dense and index.row_plan.split.shape[0] > 0
         self.split = SplitPlan(q.device)
-        self.merges = None
+        self.merge = None
         if split:
             self.split = SplitPlan(q.device, index.row_plan, B, Hq, geometry, D, with_lse=True)
-            self.items, self.merges = split_items("rows", B, Hq, Hkv, Nq, Nk, index, geometry,
-                                                  self.split.copy_strides, self.split.copies, q.device, BLOCK)
-            self.block_q = geometry.block_q
+            self.items, merges = split_items("rows", B, Hq, Hkv, Nq, Nk, index, geometry,
+                                             self.split.copy_strides, self.split.copies, q.device, BLOCK)
+            self.merge = RowMerge(merges, self.split.copies, geometry.block_q, BLOCK, D)
         block_k = BLOCK if dense else geometry.block_k
         if split:
             self.grid = (min(self.items.shape[0], num_sms(q.device)), )
@@ -410,8 +410,8 @@ class FwdPlan:
         descs = [row_descriptor(t, rows, self.layout)
                  for t, rows in ((q, BLOCK), (k, BLOCK), (v, BLOCK), (out, BLOCK // 2))]  # out: per warpgroup
         self.launch(*descs, lse, part, lse_part, k, v)  # k and v also as pointers: `_diagonal_exact` reads them
-        if self.merges is not None and self.merges.shape[0]:
-            merge_split_rows(out, lse, part, lse_part, self.merges, self.split.copies, self.block_q, BLOCK)
+        if self.merge is not None:
+            self.merge(out, lse, part, lse_part)
         return out, lse
 
 

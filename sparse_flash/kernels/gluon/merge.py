@@ -75,23 +75,46 @@ class ChunkSum:
 
 
 @triton.jit
-def _merge_split_rows_kernel(Out, Lse, Part, LsePart, RowMerges, copies, HEAD_D: tl.constexpr, MASK_BLOCK_Q: tl.constexpr,
-                      BLOCK_M: tl.constexpr):
-    """Program (i, j): rows [j * MERGE_ROWS, (j + 1) * MERGE_ROWS) of merge record i's tile of a split list,
-    its chunks combined by their log-sum-exp into Out and Lse (`split.store_chunk_merge`). One program per
-    record took 32 us at 16,384 tokens (16 programs walking 128 rows each); this grid spreads the rows."""
-    rec = RowMerges + tl.program_id(0) * 5
-    part = tl.program_id(1)  # which MERGE_ROWS rows of the record's BLOCK_M
+def _merge_split_rows_kernel(Out, Lse, Part, LsePart, RowMerges, copies, HEAD_D: tl.constexpr,
+                             MASK_BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Program p: rows [j * MERGE_ROWS, (j + 1) * MERGE_ROWS) of merge record i's tile of a split list
+    (i, j = divmod(p, BLOCK_M / MERGE_ROWS)), its chunks combined by their log-sum-exp into Out and Lse
+    (`split.store_chunk_merge`). One program per record took 32 us at 16,384 tokens (16 programs walking 128
+    rows each); this grid spreads the rows."""
+    PARTS: tl.constexpr = BLOCK_M // MERGE_ROWS
+    rec = RowMerges + (tl.program_id(0) // PARTS) * 5
+    part = tl.program_id(0) % PARTS  # which MERGE_ROWS rows of the record's BLOCK_M
     out_row = tl.load(rec) + part * MERGE_ROWS
     first, num_chunks, copy, tile = tl.load(rec + 1), tl.load(rec + 2), tl.load(rec + 3), tl.load(rec + 4)
-    rows_tile = tile * (BLOCK_M // MERGE_ROWS) + part  # the same rows, counted in MERGE_ROWS-row tiles
+    rows_tile = tile * PARTS + part  # the same rows, counted in MERGE_ROWS-row tiles
     store_chunk_merge(Out + out_row.to(tl.int64) * HEAD_D, HEAD_D, Lse + out_row, 0, MERGE_ROWS, Part, LsePart, first,
                       num_chunks, copies, copy, rows_tile, MASK_BLOCK_Q, MERGE_ROWS, HEAD_D, HEAD_D)
 
 
+class RowMerge:
+    """The forward's merge launch of one call signature (bound once: a few microseconds of host time per call
+    where `kernel[grid](...)` took tens).
+
+    Args:
+        merges: int32 `(records, 5)` from `schedule.split_items` (first output row, first chunk slot, chunks,
+            copy, tile within its mask block); no records: calls do nothing.
+        copies: the `SplitPlan`'s copies; mask_block_q: the mask's query block; block: rows per item tile;
+        head_dim: D of the output.
+    """
+
+    def __init__(self, merges: torch.Tensor, copies: int, mask_block_q: int, block: int, head_dim: int):
+        self.launch = None
+        if merges.shape[0]:
+            self.launch = BoundLaunch(_merge_split_rows_kernel, merges.shape[0] * (block // MERGE_ROWS.value),
+                                      (merges, copies), dict(HEAD_D=head_dim, MASK_BLOCK_Q=mask_block_q,
+                                                              BLOCK_M=block), 4, 3)
+
+    def __call__(self, out, lse, part, lse_part) -> None:
+        """Combine the chunks in `part`/`lse_part` (`SplitPlan.scratch`) into `out` and `lse` (contiguous)."""
+        if self.launch is not None:
+            self.launch(out, lse, part, lse_part)
+
+
 def merge_split_rows(out, lse, part, lse_part, merges, copies: int, mask_block_q: int, block: int) -> None:
-    """Combine the chunks of the split lists into `out` and `lse`: `merges` int32 `(records, 5)` from
-    `schedule.split_items`; `part`/`lse_part` the scratch the chunks wrote (`SplitPlan.scratch`)."""
-    grid = (merges.shape[0], block // MERGE_ROWS.value)
-    _merge_split_rows_kernel[grid](out, lse, part, lse_part, merges, copies, HEAD_D=out.shape[-1],
-                                   MASK_BLOCK_Q=mask_block_q, BLOCK_M=block)
+    """`RowMerge(merges, ...)(out, lse, part, lse_part)` for one call."""
+    RowMerge(merges, copies, mask_block_q, block, out.shape[-1])(out, lse, part, lse_part)
