@@ -231,7 +231,8 @@ def whole_plan(along: str, B, Hq, Hkv, Nq, Nk, causal: bool, index: KernelIndex 
     tiles = Nq // ROW_BLOCK if along == "rows" else Nk // BLOCK_N
     n = B * (Hq if along == "rows" else Hkv) * tiles
     on_gpu = (index is not None and torch.device(device).type == "cuda" and not torch.compiler.is_compiling()
-              and settings.current().gpu_index and n <= MAX_ITEMS)
+              and settings.current().gpu_index and n <= MAX_ITEMS
+              and max(geometry.blocks_q, geometry.blocks_k) < MAX_LIST)
     if on_gpu:
         side = (index.row_full, index.row_partial) if along == "rows" else (index.col_full, index.col_partial)
         return placed_items(along, B, Hq, Hkv, Nq, Nk, causal, *side, geometry, num_programs, sub, BLOCK_N)
@@ -243,6 +244,7 @@ def whole_plan(along: str, B, Hq, Hkv, Nq, Nk, causal: bool, index: KernelIndex 
 
 
 MAX_ITEMS = 8192  # work items that one program of `_placed_items_kernel` orders and places
+MAX_LIST = 1 << 17  # blocks of a list that its keys hold: (MAX_LIST - length) x MAX_ITEMS + item fits in int32
 
 
 def placed_items(along: str, B, Hq, Hkv, Nq, Nk, causal: bool, full: BlockIndex, part: BlockIndex,
@@ -367,14 +369,15 @@ def _placed_items_kernel(FullOffsets, PartOffsets, Scratch, Placed, Starts,
     phi = tl.load(PartOffsets + lst + 1, mask=valid, other=0)
     length = (hi - lo) + (phi - plo)
     # the start order (`order_items`): causal calls longest first, others heavy lists first; ties as given
+    # int32 keys (lists shorter than MAX_LIST blocks, at most MAX_ITEMS items): half the sort's work of int64
     if CAUSAL:
-        key = (1048576 - length).to(tl.int64) * BLOCK + idx
+        key = (131072 - length) * BLOCK + idx  # 131072: MAX_LIST
     else:
         mean = tl.sum(tl.where(valid, length, 0).to(tl.float32), 0) / n
         heavy = length.to(tl.float32) > heavy_factor * mean
-        key = tl.where(heavy, 0, 1).to(tl.int64) * BLOCK + idx
-    key = tl.where(valid, key, 9223372036854775807)
-    order = (tl.sort(key) % BLOCK).to(tl.int32)  # the item at each position
+        key = tl.where(heavy, 0, 1) * BLOCK + idx
+    key = tl.where(valid, key, 2147483647)
+    order = tl.sort(key) % BLOCK  # the item at each position
     # the records by item, then read back in start order
     fields = Scratch + idx * 6
     tl.store(fields + 0, own, mask=valid)
@@ -425,8 +428,8 @@ def _placed_items_kernel(FullOffsets, PartOffsets, Scratch, Placed, Starts,
     else:
         program = pos % num_programs
     # by program, each program's items in start order; the starts from the counts
-    pkey = tl.where(valid, program.to(tl.int64) * BLOCK + pos, 9223372036854775807)
-    placed_pos = (tl.sort(pkey) % BLOCK).to(tl.int32)
+    pkey = tl.where(valid, program.to(tl.int32) * BLOCK + pos, 2147483647)  # < PROGRAMS x MAX_ITEMS
+    placed_pos = tl.sort(pkey) % BLOCK
     tl.debug_barrier()
     Ordered = Scratch  # the records in start order, over the records by item (read above)
     tl.store(Ordered + pos * 6 + 0, o_own, mask=valid)
