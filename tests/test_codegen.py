@@ -54,9 +54,11 @@ def cases():
     from sparse_flash import index_gpu
 
     yield ("schedule.deal_runs", schedule._deal_runs_kernel, dict(PROGRAMS=256), (), dict(num_warps=4))
-    yield ("schedule.placed_items", schedule._placed_items_kernel,  # a small size: its sorts take long to compile
-           dict(CAUSAL=True, BALANCE=True, TILE=128, ITEM_COST=schedule.ITEM_COST, BLOCK=1024, RUNS=1024, PROGRAMS=256),
-           (), dict(num_warps=4, types={n: "*i32" for n in ("Scratch", "Placed", "Starts")} | {"heavy_factor": "fp32"}))
+    for causal in (True, False):  # a small size: its sorts take long to compile
+        yield (f"schedule.placed_items causal={causal}", schedule._placed_items_kernel,
+               dict(CAUSAL=causal, BALANCE=True, TILE=128, ITEM_COST=schedule.ITEM_COST, BLOCK=1024, RUNS=1024,
+                    PROGRAMS=256),
+               (), dict(num_warps=4, types={n: "*i32" for n in ("Scratch", "Placed", "Starts")} | {"heavy_factor": "fp32"}))
     if dispatch.gluon_modules() is not None:
         from sparse_flash.kernels.gluon import merge
 

@@ -396,12 +396,13 @@ def test_one_program_orders_and_places_items_as_the_torch_operators_do(along, B,
                                                                          causal, balance):
     """`schedule.placed_items` (one Triton program, under TRITON_INTERPRET=1 as on a GPU) gives exactly the
     records and starts of `whole_items(row_items / column_items)` then `assign_programs`: random lists with a
-    global column (one heavy list), GQA, mask blocks of 128 and 256, causal or not, balanced or in turn."""
+    global row and column (heavy lists), GQA, mask blocks of 128 and 256, causal or not, balanced or in turn."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
     gen = torch.Generator().manual_seed(blocks * programs)
     layout = torch.rand(B, 1 if Hq != Hkv else Hq, blocks, blocks, generator=gen) < 0.3
     layout[..., 0] = True
+    layout[..., 2, :] = True  # a global row too: heavy lists on both sides, between light ones
     mask = BlockMask.from_layout(layout, block)
     N = blocks * block
     index, geometry = mask._records(causal)

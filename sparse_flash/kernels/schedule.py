@@ -369,15 +369,21 @@ def _placed_items_kernel(FullOffsets, PartOffsets, Scratch, Placed, Starts,
     phi = tl.load(PartOffsets + lst + 1, mask=valid, other=0)
     length = (hi - lo) + (phi - plo)
     # the start order (`order_items`): causal calls longest first, others heavy lists first; ties as given
-    # int32 keys (lists shorter than MAX_LIST blocks, at most MAX_ITEMS items): half the sort's work of int64
-    if CAUSAL:
-        key = (131072 - length) * BLOCK + idx  # 131072: MAX_LIST
-    else:
+    if CAUSAL:  # int32 keys (lists shorter than MAX_LIST blocks, at most MAX_ITEMS items): half int64's work
+        key = tl.where(valid, (131072 - length) * BLOCK + idx, 2147483647)  # 131072: MAX_LIST
+        order = tl.sort(key) % BLOCK  # the item at each position
+    else:  # two classes, each in item order: a prefix count places every item, no sort
         mean = tl.sum(tl.where(valid, length, 0).to(tl.float32), 0) / n
-        heavy = length.to(tl.float32) > heavy_factor * mean
-        key = tl.where(heavy, 0, 1) * BLOCK + idx
-    key = tl.where(valid, key, 2147483647)
-    order = tl.sort(key) % BLOCK  # the item at each position
+        heavy = valid & (length.to(tl.float32) > heavy_factor * mean)
+        light = valid & ~heavy
+        heavy_before = tl.cumsum(heavy.to(tl.int32), 0) - heavy.to(tl.int32)
+        light_before = tl.cumsum(light.to(tl.int32), 0) - light.to(tl.int32)
+        position = tl.where(heavy, heavy_before, tl.sum(heavy.to(tl.int32), 0) + light_before)
+        OrderAt = Scratch + 6 * BLOCK  # free until the runs' prefix sums below
+        tl.store(OrderAt + position, idx, mask=valid)
+        tl.debug_barrier()
+        order = tl.load(OrderAt + idx, mask=valid, other=0)
+        tl.debug_barrier()
     # the records by item, then read back in start order
     fields = Scratch + idx * 6
     tl.store(fields + 0, own, mask=valid)
