@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import inspect
 import io
 import json
 import pstats
@@ -101,7 +102,9 @@ def hopper_parts(q, k, v, do, index, geometry, causal: bool) -> dict:
 
             meta = fwd.launch._compiled.metadata.tensordesc_meta[0]
             desc = pipeline.row_descriptor(k, 128, layout)
-            parts["hopper fwd: Triton's descriptor encoding (one)"] = lambda: nv_driver.make_tensordesc_arg(desc, meta, None)
+            n_args = len(inspect.signature(nv_driver.make_tensordesc_arg).parameters)  # 2 or 3 by Triton version
+            extra = (None,) * (n_args - 2)
+            parts["hopper fwd: Triton's descriptor encoding (one)"] = lambda: nv_driver.make_tensordesc_arg(desc, meta, *extra)
         except Exception as e:  # noqa: BLE001
             print("descriptor encoding not timed:", type(e).__name__, e)
     if bwd is not None:
@@ -189,7 +192,7 @@ def main():
         json.dump({"us_per_call": results, "cprofile": sio.getvalue()}, f, indent=1)
     print(sio.getvalue())
     for name, us in results.items():
-        print(f"{name:36} {us:8.1f} us")
+        print(f"{name:60} {us:8.1f} us" if isinstance(us, float) else f"{name:60} {us}")
 
 
 if __name__ == "__main__":

@@ -49,7 +49,10 @@ def test_fullgraph_forward_and_backward(dense):
 
 
 def test_custom_ops_are_registered():
-    import sparse_flash.kernels  # noqa: F401
+    """The kernels' autograd function (loaded on first use) registers the custom ops that torch.compile traces."""
+    import sparse_flash.kernels
+
+    assert sparse_flash.kernels.BlockSparseAttentionFunction is not None  # loads function.py, which loads ops.py
 
     assert hasattr(torch.ops.sparse_flash, "attn_fwd") and hasattr(torch.ops.sparse_flash, "attn_bwd")
 

@@ -3,6 +3,7 @@
 
 import pytest
 import torch
+from conftest import DEVICE
 
 from sparse_flash import masks
 from sparse_flash.kernels import settings
@@ -127,7 +128,7 @@ def test_the_backward_runs_under_the_settings_of_its_forward_in_any_thread(monke
 
     monkeypatch.setattr(function, "attn_bwd", recording)
     before = settings.current()
-    q = torch.randn(1, 1, 32, 16, requires_grad=True)
+    q = torch.randn(1, 1, 32, 16, device=DEVICE, requires_grad=True)
     with settings.override(tma=not before.tma, hopper_d64=not before.hopper_d64) as inside:
         out = sparse_flash.flash_attention(q, q, q, backend="triton")
     worker = threading.Thread(target=lambda: out.sum().backward())
