@@ -28,7 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .kernels.launch import launch  # Triton's launcher costs tens of microseconds of host time per call
+
 FIELDS = 10  # int32 fields of a work item: `mask_index.ITEM_FIELDS`, in that order
+WARPS, STAGES = 4, 3  # Triton's default launch options, passed explicitly to the direct launches
 MAX_LISTS = 8192  # lists of one (batch, head) that a program sorts in its registers
 
 
@@ -67,9 +70,9 @@ def unsplit_plan(counts: torch.Tensor, full: tuple, part: tuple, heavy_above: fl
     slots = torch.empty(B * H * M, dtype=torch.int32, device=device)
     lead = torch.zeros(1, dtype=torch.int32, device=device) if lead is None else lead
     with _on(device):
-        _unsplit_plan_kernel[(B * H, )](counts, *full[:3], *part[:3], items, chunks, slots, lead, M, longest,
-                                        float(heavy_above), BLOCK=triton.next_power_of_2(M), FIELDS=FIELDS,
-                                        num_warps=4 if M <= 1024 else 8)
+        launch(_unsplit_plan_kernel, (B * H, ),
+               (counts, *full[:3], *part[:3], items, chunks, slots, lead, M, longest, float(heavy_above)),
+               dict(BLOCK=triton.next_power_of_2(M), FIELDS=FIELDS), 4 if M <= 1024 else 8, STAGES)
     return items, chunks, slots, lead
 
 
@@ -161,15 +164,18 @@ def topk_lists(selected: torch.Tensor, counts: torch.Tensor, partial: torch.Tens
     rows, col_lists = lists(Mq), lists(cols)
     n_cols = B * H * cols
     with _on(device):
-        _topk_rows_kernel[(B * H, )](selected, counts, partial, per_group, *[t for part in rows for t in part],
-                                     kind, B * H, H, G, Mq, cols, W, BLOCK=triton.next_power_of_2(Mq),
-                                     WIDTH=triton.next_power_of_2(W), GROUPS=triton.next_power_of_2(G), num_warps=8)
+        launch(_topk_rows_kernel, (B * H, ),
+               (selected, counts, partial, per_group, *[t for part in rows for t in part], kind, B * H, H, G, Mq,
+                cols, W),
+               dict(BLOCK=triton.next_power_of_2(Mq), WIDTH=triton.next_power_of_2(W),
+                    GROUPS=triton.next_power_of_2(G)), 8, STAGES)
         per_col = torch.empty((3, n_cols), dtype=torch.int32, device=device)
         block = triton.next_power_of_2(Mq)
-        _topk_col_counts_kernel[(n_cols, )](kind, per_col, n_cols, Mq, BLOCK=block)
+        launch(_topk_col_counts_kernel, (n_cols, ), (kind, per_col, n_cols, Mq), dict(BLOCK=block), WARPS, STAGES)
         ends = torch.cumsum(per_col, 1, dtype=torch.int32)  # each kind's column lists end here
-        _topk_col_write_kernel[(n_cols, )](kind, per_col, ends, *[t for part in col_lists for t in part], n_cols, Mq,
-                                           BLOCK=block)
+        launch(_topk_col_write_kernel, (n_cols, ),
+               (kind, per_col, ends, *[t for part in col_lists for t in part], n_cols, Mq), dict(BLOCK=block),
+               WARPS, STAGES)
     return rows, col_lists
 
 
@@ -270,12 +276,13 @@ KINDS = 6
 def layout_lists(layout: torch.Tensor, block_size: tuple, seq_len_q: int, seq_len_k: int):
     """The row and column lists of a bool layout `(B, H, Mq, Mk)` for both causal flags, on the GPU: one launch
     per side counts each list's kinds of entry (live, full, partial per flag, the classes of
-    `mask_index.build_index`), torch sums them up, the host reads the six totals (the one wait), and one launch
-    per side and flag writes the lists.
+    `mask_index.build_index`), torch sums them up, the host reads the six totals and the longest list of each
+    side and flag (the one wait), and one launch per side and flag writes the lists.
 
     Returns:
-        `(lists, totals)`: lists `{flag: (rows, cols)}`, each `(live, full, partial)` of `(counts, offsets,
-        indices)` as in `mask_index.BlockIndex`; totals `{flag: (full, partial)}` (host ints).
+        `(lists, totals, longest)`: lists `{flag: (rows, cols)}`, each `(live, full, partial)` of `(counts,
+        offsets, indices)` as in `mask_index.BlockIndex`; totals `{flag: (full, partial)}` and longest
+        `{flag: (most live blocks of a row, of a column)}` (host ints).
     """
     B, H, Mq, Mk = layout.shape
     device, layout = layout.device, layout.contiguous()
@@ -289,10 +296,13 @@ def _layout_lists(layout, B, H, Mq, Mk, device, geometry):
     kinds, ends = {}, {}
     for side, lists_per_head, length in ((0, Mq, Mk), (1, Mk, Mq)):
         kinds[side] = torch.empty((KINDS, B * H * lists_per_head), dtype=torch.int32, device=device)
-        _layout_counts_kernel[(B * H * lists_per_head, )](layout, kinds[side], B * H * lists_per_head, *geometry,
-                                                          SIDE=side, BLOCK=triton.next_power_of_2(length))
+        launch(_layout_counts_kernel, (B * H * lists_per_head, ),
+               (layout, kinds[side], B * H * lists_per_head, *geometry),
+               dict(SIDE=side, BLOCK=triton.next_power_of_2(length)), WARPS, STAGES)
         ends[side] = torch.cumsum(kinds[side], 1, dtype=torch.int32)  # each kind's lists end here
-    totals = ends[0][:, -1].tolist()  # the one wait: how many entries of each kind
+    # the one wait: how many entries of each kind, and the longest live list of each side and flag
+    read = torch.cat([ends[0][:, -1], kinds[0][0::3].amax(1), kinds[1][0::3].amax(1)]).tolist()
+    totals, (row_f, row_t, col_f, col_t) = read[:KINDS], read[KINDS:]
     out, sizes = {}, {}
     for flag in (False, True):
         live, full, part = totals[3 * flag:3 * flag + 3]
@@ -303,13 +313,13 @@ def _layout_lists(layout, B, H, Mq, Mk, device, geometry):
             made = [(torch.empty(shape, dtype=torch.int32, device=device),
                      torch.empty(B * H * lists_per_head + 1, dtype=torch.int32, device=device),
                      torch.empty(n, dtype=torch.int32, device=device)) for n in (live, full, part)]
-            _layout_write_kernel[(B * H * lists_per_head, )](layout, kinds[side], ends[side],
-                                                             *[t for kind in made for t in kind],
-                                                             B * H * lists_per_head, *geometry, SIDE=side,
-                                                             FLAG=int(flag), BLOCK=triton.next_power_of_2(length))
+            launch(_layout_write_kernel, (B * H * lists_per_head, ),
+                   (layout, kinds[side], ends[side], *[t for kind in made for t in kind], B * H * lists_per_head,
+                    *geometry),
+                   dict(SIDE=side, FLAG=int(flag), BLOCK=triton.next_power_of_2(length)), WARPS, STAGES)
             pair.append(made)
         out[flag] = tuple(pair)
-    return out, sizes
+    return out, sizes, {False: (row_f, col_f), True: (row_t, col_t)}
 
 
 @triton.jit
@@ -410,9 +420,10 @@ def choose_topk(scores: torch.Tensor, counts: torch.Tensor, width: int, causal: 
     selected = torch.empty((B, H, Mq, width), dtype=torch.int64, device=device)
     layout = torch.empty((B, H, Mq, Mk), dtype=torch.bool, device=device)
     with _on(device):
-        _choose_topk_kernel[(B * H * Mq, )](scores.contiguous(), counts.contiguous(), cand.contiguous(), selected,
-                                            layout, H, counts.shape[0], Mq, Mk, width, CAUSAL=causal,
-                                            SELECT=width <= SELECT_MAX, BLOCK=triton.next_power_of_2(Mk))
+        launch(_choose_topk_kernel, (B * H * Mq, ),
+               (scores.contiguous(), counts.contiguous(), cand.contiguous(), selected, layout, H, counts.shape[0], Mq,
+                Mk, width),
+               dict(CAUSAL=causal, SELECT=width <= SELECT_MAX, BLOCK=triton.next_power_of_2(Mk)), WARPS, STAGES)
     return selected, layout
 
 

@@ -505,17 +505,18 @@ def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: in
 
     Built eagerly (when a mask is made) so that attention calls inside `torch.compile` only read them. On a GPU
     the lists come from `index_gpu.layout_lists` (a few Triton launches) and the host waits for the device
-    twice: for the numbers of each kind of entry, and for the sizes of the four work plans (rows and columns of
-    each flag); every other size is known on the host. The torch path (`_layout_sides`) waits once more, for
-    the nonzero blocks.
+    once, for the numbers of each kind of entry and the longest lists; where a list is long enough to be cut
+    into chunks it waits once more, for the sizes of the four work plans (rows and columns of each flag). Every
+    other size is known on the host. The torch path (`_layout_sides`) waits three times: for the nonzero
+    blocks, the numbers of each kind and the plans' sizes.
     """
     B, H, Mq, Mk = layout.shape
     bq, bk = block_size
     on_gpu = _layout_sides_on_gpu(layout, block_size, seq_len_q, seq_len_k)
     if on_gpu is not None:
-        nnz, flag_sizes, sides = on_gpu
+        nnz, flag_sizes, sides, longest = on_gpu
     else:
-        nnz, flag_sizes, sides = _layout_sides(layout, block_size, seq_len_q, seq_len_k)
+        (nnz, flag_sizes, sides), longest = _layout_sides(layout, block_size, seq_len_q, seq_len_k), None
     rows, cols, kernel, long_lists, longest_row, inputs = {}, {}, {}, {}, {}, []
     covers_causal = False
     for causal in (False, True):
@@ -525,26 +526,35 @@ def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: in
         long_lists[causal] = total >= LONG_LIST_BLOCKS * B * H * Mq
         if causal:
             covers_causal = total == B * H * _causal_blocks(Mq, Mk, bq, bk, seq_len_q)
-    # The four work plans (rows and columns of each flag) in one batch, their sizes fetched from the device together
-    batch = _plan_batch(inputs)
-    plan_sizes = _plan_sizes(batch).tolist()
-    plans = (None if any(size[2] for size in plan_sizes) else  # no list cut into chunks: the GPU builds them whole
-             _unsplit_plans_on_gpu([plan._replace(chunk=0) for plan in inputs]))
-    plans = plans or _plan_items(batch, plan_sizes)
+    plans = None
+    if longest is not None:  # the longest lists are known: where none is cut into chunks, nothing more to wait for
+        most = [n for flag in (False, True) for n in longest[flag]]  # in the order of `inputs`
+        if all(n <= plan.chunk for n, plan in zip(most, inputs)):
+            plans = _unsplit_plans_on_gpu([plan._replace(chunk=0) for plan in inputs])
+            longest_row = {flag: longest[flag][0] for flag in (False, True)}
+    if plans is None:
+        # The four work plans (rows and columns of each flag) in one batch, their sizes read from the device together
+        batch = _plan_batch(inputs)
+        plan_sizes = _plan_sizes(batch).tolist()
+        plans = (None if any(size[2] for size in plan_sizes) else  # no list cut into chunks: the GPU builds them whole
+                 _unsplit_plans_on_gpu([plan._replace(chunk=0) for plan in inputs]))
+        plans = plans or _plan_items(batch, plan_sizes)
+        longest_row = {flag: plan_sizes[2 * flag][-1] for flag in (False, True)}
     for causal, (row_side, col_side) in sides.items():
-        rows[causal], cols[causal], longest_row[causal] = row_side.live, col_side.live, plan_sizes[2 * causal][-1]
+        rows[causal], cols[causal] = row_side.live, col_side.live
         kernel[causal] = _kernel_index(row_side, col_side, *plans[2 * causal:2 * causal + 2])
     return MaskIndex(nnz, nnz == layout.numel(), covers_causal, rows, cols, kernel, long_lists, longest_row)
 
 
 def _layout_sides_on_gpu(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int):
-    """`_layout_sides` by `index_gpu.layout_lists` (a few Triton launches and one wait for the sizes), or None
-    where that does not apply (`_on_gpu`, no Triton, more blocks along a side than one program holds)."""
+    """`_layout_sides` by `index_gpu.layout_lists` (a few Triton launches and one wait for the sizes) and the
+    longest lists `{flag: (row, column)}`, or None where that does not apply (`_on_gpu`, no Triton, more blocks
+    along a side than one program holds)."""
     index_gpu = gpu_builders(layout)
     B, H, Mq, Mk = layout.shape
     if index_gpu is None or max(Mq, Mk) > index_gpu.MAX_BLOCKS:
         return None
-    lists, flag_sizes = index_gpu.layout_lists(layout, block_size, seq_len_q, seq_len_k)
+    lists, flag_sizes, longest = index_gpu.layout_lists(layout, block_size, seq_len_q, seq_len_k)
     sides = {}
     for flag, (rows, cols) in lists.items():
         total = sum(flag_sizes[flag])
@@ -552,7 +562,7 @@ def _layout_sides_on_gpu(layout: torch.Tensor, block_size: tuple[int, int], seq_
             _unbacked(*((indices, 0) for _, _, indices in side))
         sides[flag] = (_Side(*(BlockIndex(*x) for x in rows), total / (B * H * Mq)),
                        _Side(*(BlockIndex(*x) for x in cols), total / (B * H * Mk)))
-    return sum(flag_sizes[False]), flag_sizes, sides
+    return sum(flag_sizes[False]), flag_sizes, sides, longest
 
 
 def _layout_sides(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int):

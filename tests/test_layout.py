@@ -178,11 +178,12 @@ def test_item_fields_agree_with_the_kernels():
 
 @pytest.mark.parametrize("builder", ["torch", "triton"])
 @pytest.mark.parametrize("layout_kind", ["random", "bigbird"])
-def test_index_build_waits_on_the_device_three_times_or_twice(layout_kind, builder, monkeypatch):
+def test_index_build_waits_on_the_device_three_times_twice_or_once(layout_kind, builder, monkeypatch):
     """The torch operators wait for the layout's nonzero blocks, the class sizes of both causal flags, and the
     sizes of the four work plans (rows and columns, for each flag) in one read; the Triton launches
-    (`index_gpu.layout_lists`, here under TRITON_INTERPRET=1) read their six totals instead of the first two.
-    Every other size is derived on the host or passed along."""
+    (`index_gpu.layout_lists`, here under TRITON_INTERPRET=1) read their six totals and the longest lists
+    instead of the first two, and skip the third where no list is long enough to be cut into chunks (random;
+    BigBird's global rows are cut). Every other size is derived on the host or passed along."""
     from sparse_flash import mask_index
 
     if builder == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -196,8 +197,9 @@ def test_index_build_waits_on_the_device_three_times_or_twice(layout_kind, build
             DeviceWaits(monkeypatch) as counter:
         m = BlockMask.from_layout(layout, 128, seq_len_q=n, seq_len_k=n)
     monkeypatch.undo()
-    assert counter.waits == (3 if builder == "torch" else 2)
-    assert m.kernel_index(False).row_plan.split.numel() == (2 if layout_kind == "bigbird" else 0)
+    cut = layout_kind == "bigbird"
+    assert counter.waits == (3 if builder == "torch" else 2 if cut else 1)
+    assert m.kernel_index(False).row_plan.split.numel() == (2 if cut else 0)
 
 
 def test_long_lists_and_causal_cover():

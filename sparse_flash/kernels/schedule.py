@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ..mask_index import HEAVY_FACTOR, ITEM_FIELDS, BlockIndex, KernelIndex, MaskGeometry
 from . import settings
+from .launch import launch
 
 # Time per item besides its key tiles (Q load, first S, last O += P V, O store), in key tiles, for balancing:
 # 3.2 us against 1.74 us per tile, fitted on local masks of 3 and 9 blocks per row (tuning log, step 44).
@@ -269,11 +270,12 @@ def placed_items(along: str, B, Hq, Hkv, Nq, Nk, causal: bool, full: BlockIndex,
     starts = torch.empty(num_programs + 1, dtype=torch.int32, device=device)
     balance = settings.current().hopper_balance and n > num_programs
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # Triton's current device
-        _placed_items_kernel[(1, )](full.offsets, part.offsets, scratch, placed, starts, n, tiles, heads, n_own,
-                                    other_heads, mul, div, n_other, g.batch, g.heads, blocks, block, num_programs,
-                                    run, sub, float(HEAVY_FACTOR), CAUSAL=causal, BALANCE=balance, TILE=tile,
-                                    ITEM_COST=ITEM_COST, BLOCK=BLOCK, RUNS=RUNS, PROGRAMS=PROGRAMS,
-                                    num_warps=max(4, min(32, BLOCK // 256)))  # compiles in 30-45 s at any size
+        launch(_placed_items_kernel, (1, ),
+               (full.offsets, part.offsets, scratch, placed, starts, n, tiles, heads, n_own, other_heads, mul, div,
+                n_other, g.batch, g.heads, blocks, block, num_programs, run, sub, float(HEAVY_FACTOR)),
+               dict(CAUSAL=causal, BALANCE=balance, TILE=tile, ITEM_COST=ITEM_COST, BLOCK=BLOCK, RUNS=RUNS,
+                    PROGRAMS=PROGRAMS),
+               max(4, min(32, BLOCK // 256)), 3)  # compiles in 30-45 s at any size
     return placed, starts
 
 
@@ -303,8 +305,8 @@ def deal_runs(costs, num_programs: int):
         return torch.tensor(owners, dtype=torch.long)
     owners = torch.zeros(costs.shape[0], dtype=torch.long, device=costs.device)
     with torch.cuda.device(costs.device) if costs.is_cuda else contextlib.nullcontext():  # Triton's current device
-        _deal_runs_kernel[(1, )](costs, owners, costs.shape[0], num_programs,
-                                 PROGRAMS=triton.next_power_of_2(num_programs), num_warps=4)
+        launch(_deal_runs_kernel, (1, ), (costs, owners, costs.shape[0], num_programs),
+               dict(PROGRAMS=triton.next_power_of_2(num_programs)), 4, 3)
     return owners
 
 
