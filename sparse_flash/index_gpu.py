@@ -4,7 +4,9 @@ with many small torch operators, each a kernel launch of its own:
 - `layout_lists`: every row and column list of a bool layout, both causal flags (`mask_index.build_index`);
 - `topk_lists`: those of a top-k mask, whose sizes the host knows (`mask_index.build_topk_index`);
 - `unsplit_plan`: the work plan of lists that no program splits (`mask_index._plan_items`): items ordered by
-  (batch, head), longest list first within, ties in list order; every item a whole list.
+  (batch, head), longest list first within, ties in list order; every item a whole list;
+- `split_plan`: the same where some lists are cut into chunks (global rows and columns): every chunk an item,
+  with its scratch slot, and the split lists' tables.
 
 `mask_index` calls them for tensors on a CUDA device outside torch.compile (inside, inductor fuses the torch
 operators itself); this is the only module of the mask layer that imports Triton, and only then. Each builds
@@ -113,6 +115,133 @@ def _unsplit_plan_kernel(Counts, FullCounts, FullOffsets, FullIndices, PartCount
     tl.store(Slots + lists, -one, mask=valid)
     heavy = tl.sum((valid & (length.to(tl.float32) > heavy_above)).to(tl.int32), 0)
     tl.atomic_max(Lead, heavy)
+
+
+def split_supported(lists_per_head: int, width: int, longest: int) -> bool:
+    """Whether one program orders the `width` items (chunks of lists) of one (batch, head) and holds its
+    `lists_per_head` lists (`split_plan`; the sort key, the length and the item number, must fit in 31 bits)."""
+    block = triton.next_power_of_2(width)
+    return block <= MAX_LISTS and triton.next_power_of_2(lists_per_head) <= MAX_LISTS and (longest + 1) * block < 2**31
+
+
+def split_plan(counts: torch.Tensor, full: tuple, part: tuple, n: torch.Tensor, firsts: torch.Tensor, base: int,
+               sizes: tuple, heavy_above: float, longest: int):
+    """The work plan of lists of which some are cut into chunks (`mask_index._plan_items`' policy), on the
+    lists' device: two launches, and no wait (the sizes are the host's already).
+
+    Args:
+        counts: int32 `(B, H, M)`: live blocks of each list.
+        full, part: `(counts, offsets, indices)` of the full and the partial lists (a `BlockIndex`).
+        n: int64 `(L,)`: chunks of every list of a batch of plans (`mask_index._plan_batch`), this plan's at
+            `[base, base + B * H * M)`.
+        firsts: int64 `(2, L + 1)`: exclusive prefix sums over that batch of the split lists' chunks (row 0,
+            their scratch slots) and of the split lists (row 1), with the grand totals last.
+        sizes: host ints `(items, the most items of one (b, h), split lists, scratch slots)` of this plan.
+        heavy_above: an item longer than this is heavy (`HEAVY_FACTOR` x the plan's mean list length).
+        longest: an upper bound of the lists' lengths.
+
+    Returns:
+        `mask_index.WorkPlan` fields `(items, chunks, slots, lead, split, slot_list)`.
+    """
+    B, H, M = counts.shape
+    device = counts.device
+    _, width, num_split, num_slots = sizes
+    items = torch.empty((B, H, width, FIELDS), dtype=torch.int32, device=device)
+    chunks = torch.empty(B * H * M, dtype=torch.int32, device=device)
+    slots = torch.empty(B * H * M, dtype=torch.int32, device=device)
+    lead = torch.zeros(1, dtype=torch.int32, device=device)
+    split = torch.empty(num_split, dtype=torch.int32, device=device)
+    slot_list = torch.empty(num_slots, dtype=torch.int32, device=device)
+    scratch = torch.empty((2, B * H, width), dtype=torch.int32, device=device)  # each item's list and chunk
+    WIDTH = triton.next_power_of_2(width)
+    with _on(device):
+        launch(_split_lists_kernel, (B * H, ),
+               (n, firsts, chunks, slots, split, slot_list, scratch, base, firsts.shape[1], M, width),
+               dict(BLOCK=triton.next_power_of_2(M)), WARPS, STAGES)
+        launch(_split_items_kernel, (B * H, ),
+               (counts, *full[:3], *part[:3], n, slots, scratch, items, lead, base, M, width, longest,
+                float(heavy_above)),
+               dict(WIDTH=WIDTH, FIELDS=FIELDS), 4 if WIDTH <= 1024 else 8, STAGES)
+    return items, chunks, slots, lead, split, slot_list
+
+
+@triton.jit
+def _split_lists_kernel(N, Firsts, Chunks, Slots, Split, SlotList, Scratch, base, stride, lists_per_head, width,
+                        BLOCK: tl.constexpr):
+    """Program bh: the chunk counts and first scratch slots of lists [bh * M, (bh + 1) * M), the split lists'
+    entries in Split and SlotList, and each of the (batch, head)'s items' list and chunk (in list order, the
+    chunks of a list in order; unused ranks -1) in Scratch."""
+    bh = tl.program_id(0)
+    idx = tl.arange(0, BLOCK)
+    valid = idx < lists_per_head
+    lst = bh * lists_per_head + idx  # the list's number in its plan
+    n = tl.load(N + base + lst, mask=valid, other=0).to(tl.int32)
+    is_split = valid & (n > 1)
+    slot0 = (tl.load(Firsts + base + lst, mask=valid, other=0) - tl.load(Firsts + base)).to(tl.int32)
+    at = (tl.load(Firsts + stride + base + lst, mask=valid, other=0) - tl.load(Firsts + stride + base)).to(tl.int32)
+    tl.store(Chunks + lst, n, mask=valid)
+    tl.store(Slots + lst, tl.where(is_split, slot0, -1), mask=valid)
+    tl.store(Split + at, lst, mask=is_split)
+    start = tl.cumsum(n, 0) - n  # the list's first item within its (batch, head)
+    row = Scratch + bh * width
+    for r in range(0, width, BLOCK):  # no rank without an item reads a stale value
+        tl.store(row + r + idx, -1 + 0 * idx, mask=r + idx < width)
+    tl.debug_barrier()  # before the items' stores, which other threads of this program make
+    for c in range(0, tl.max(n, 0)):
+        taken = c < n
+        tl.store(row + start + c, idx, mask=taken)
+        tl.store(row + tl.num_programs(0) * width + start + c, c + 0 * idx, mask=taken)
+        tl.store(SlotList + slot0 + c, lst, mask=is_split & taken)
+
+
+@triton.jit
+def _split_items_kernel(Counts, FullCounts, FullOffsets, FullIndices, PartCounts, PartOffsets, PartIndices, N,
+                        Slots, Scratch, Items, Lead, base, lists_per_head, width, longest, heavy_above, WIDTH: tl.constexpr,
+                        FIELDS: tl.constexpr):
+    """Program bh: the items of one (batch, head) from Scratch and Slots (`_split_lists_kernel`), ordered longest
+    first, ties in item order; item fields as `mask_index.ITEM_FIELDS`, unused ranks padded (no block, no slot);
+    its heavy items counted into Lead."""
+    bh = tl.program_id(0)
+    t = tl.arange(0, WIDTH)
+    used = t < width
+    i = tl.load(Scratch + bh * width + t, mask=used, other=-1)
+    real = i >= 0
+    lst = bh * lists_per_head + tl.where(real, i, 0)
+    count = tl.load(Counts + lst, mask=real, other=0)
+    n = tl.load(N + base + lst, mask=real, other=1).to(tl.int32)
+    length = count // n  # every chunk of a list has this length or one more
+    key = tl.where(real, (longest - length) * WIDTH + t, 2147483647)  # unused ranks last
+    order = tl.sort(key) % WIDTH  # the item at each rank
+    heavy = tl.sum((real & (length.to(tl.float32) > heavy_above)).to(tl.int32), 0)
+    tl.atomic_max(Lead, heavy)
+    # the fields of the item at rank r = t
+    i = tl.load(Scratch + bh * width + order, mask=used, other=-1)
+    c = tl.load(Scratch + tl.num_programs(0) * width + bh * width + order, mask=used, other=0)
+    real = used & (i >= 0)
+    lst = bh * lists_per_head + tl.where(real, i, 0)
+    n = tl.load(N + base + lst, mask=real, other=1).to(tl.int32)
+    n_full = tl.load(FullCounts + lst, mask=real, other=0)
+    n_part = tl.load(PartCounts + lst, mask=real, other=0)
+    full_off = tl.load(FullOffsets + lst, mask=real, other=0)
+    part_off = tl.load(PartOffsets + lst, mask=real, other=0)
+    total = n_full + n_part
+    lo, hi = c * total // n, (c + 1) * total // n  # chunk c of n: positions [c L // n, (c + 1) L // n)
+    full_lo, full_hi = full_off + tl.minimum(lo, n_full), full_off + tl.minimum(hi, n_full)
+    part_lo, part_hi = part_off + tl.maximum(lo - n_full, 0), part_off + tl.maximum(hi - n_full, 0)
+    full_first = tl.load(FullIndices + full_lo, mask=real & (full_hi > full_lo), other=0)
+    part_first = tl.load(PartIndices + part_lo, mask=real & (part_hi > part_lo), other=0)
+    item = Items + (bh * width + t).to(tl.int64) * FIELDS
+    tl.store(item + 0, tl.where(real, i, -1), mask=used)  # block
+    tl.store(item + 1, tl.where(real, c, 0), mask=used)  # chunk
+    tl.store(item + 2, tl.where(real, n, 0), mask=used)  # chunks
+    slot = tl.load(Slots + lst, mask=real & (n > 1), other=-1)
+    tl.store(item + 3, tl.where(slot >= 0, slot + c, -1), mask=used)  # slot
+    tl.store(item + 4, tl.where(real, full_lo, 0), mask=used)
+    tl.store(item + 5, tl.where(real, full_hi, 0), mask=used)
+    tl.store(item + 6, tl.where(real, part_lo, 0), mask=used)
+    tl.store(item + 7, tl.where(real, part_hi, 0), mask=used)
+    tl.store(item + 8, tl.where(real, full_first, 0), mask=used)
+    tl.store(item + 9, tl.where(real, part_first, 0), mask=used)
 
 
 MAX_ENTRIES = 16384  # kept blocks of one (batch, head) (rows x widest row, padded) that a program holds

@@ -496,6 +496,25 @@ def _unsplit_plans_on_gpu(plans: list[_PlanInput]) -> list[WorkPlan] | None:
     return out
 
 
+def _split_plans_on_gpu(batch: _PlanBatch, sizes: list[list[int]]) -> list[WorkPlan] | None:
+    """`_plan_items` of a batch in which some list is cut into chunks, two Triton launches per plan
+    (`sparse_flash.index_gpu.split_plan`), or None where that does not apply (`_on_gpu`, no Triton, more items
+    or lists per head than one program orders)."""
+    index_gpu = gpu_builders(batch.flat)
+    if index_gpu is None or not all(index_gpu.split_supported(plan.counts.shape[-1], size[1], size[4])
+                                    for plan, size in zip(batch.plans, sizes)):
+        return None
+    is_split = (batch.n > 1).long()
+    # exclusive prefix sums over the batch: the split lists' scratch slots and the split lists themselves
+    firsts = torch.nn.functional.pad(torch.stack([batch.n * is_split, is_split]).cumsum(1), (1, 0))
+    out = []
+    for p, (plan, size) in enumerate(zip(batch.plans, sizes)):
+        out.append(WorkPlan(*index_gpu.split_plan(plan.counts, plan.full, plan.part, batch.n, firsts, batch.base[p],
+                                                  tuple(size[:4]), HEAVY_FACTOR * plan.mean, size[4])))
+        _unbacked((out[-1].items, 2), (out[-1].split, 0), (out[-1].slot_list, 0))
+    return out
+
+
 def _kernel_index(rows: _Side, cols: _Side, row_plan: WorkPlan, col_plan: WorkPlan) -> KernelIndex:
     return KernelIndex(rows.full, rows.part, cols.full, cols.part, row_plan, col_plan)
 
@@ -536,8 +555,8 @@ def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: in
         # The four work plans (rows and columns of each flag) in one batch, their sizes read from the device together
         batch = _plan_batch(inputs)
         plan_sizes = _plan_sizes(batch).tolist()
-        plans = (None if any(size[2] for size in plan_sizes) else  # no list cut into chunks: the GPU builds them whole
-                 _unsplit_plans_on_gpu([plan._replace(chunk=0) for plan in inputs]))
+        plans = (_split_plans_on_gpu(batch, plan_sizes) if any(size[2] for size in plan_sizes) else
+                 _unsplit_plans_on_gpu([plan._replace(chunk=0) for plan in inputs]))  # no list cut: whole lists
         plans = plans or _plan_items(batch, plan_sizes)
         longest_row = {flag: plan_sizes[2 * flag][-1] for flag in (False, True)}
     for causal, (row_side, col_side) in sides.items():

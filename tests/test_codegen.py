@@ -66,6 +66,11 @@ def cases():
                dict(num_warps=4, num_stages=1, types={"Out": "*bf16", "Part": "*fp32", "Merges": "*i32"}))
     yield ("index_gpu.unsplit_plan", index_gpu._unsplit_plan_kernel, dict(BLOCK=8192, FIELDS=index_gpu.FIELDS), (),
            dict(num_warps=8))
+    plan_ints = {n: "*i32" for n in ("SlotList", "Scratch")} | {n: "*i64" for n in ("N", "Firsts")}
+    yield ("index_gpu.split_plan: lists", index_gpu._split_lists_kernel, dict(BLOCK=8192), (),
+           dict(num_warps=4, types=plan_ints))
+    yield ("index_gpu.split_plan: items", index_gpu._split_items_kernel, dict(WIDTH=2048, FIELDS=index_gpu.FIELDS),
+           (), dict(num_warps=8, types=plan_ints | {"heavy_above": "fp32"}))
     yield ("index_gpu.topk_lists: rows", index_gpu._topk_rows_kernel, dict(BLOCK=512, WIDTH=32, GROUPS=16), (),
            dict(num_warps=8, types={**{n: "*i64" for n in ("Selected", "Counts", "Partial", "PerGroup")},
                                        "Kind": "*i8", **{n: "i32" for n in ("H", "Mq", "Mk", "W")}}))

@@ -7,7 +7,7 @@ from unittest import mock
 import pytest
 import torch
 from conftest import DeviceWaits
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparse_flash import BlockMask, masks
@@ -334,6 +334,52 @@ def test_work_plans_built_on_the_gpu_equal_the_torch_ones(m, causal, topk):
             assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
+@st.composite
+def cut_layouts(draw):
+    """Layouts whose global rows (and columns) are long enough to be cut into chunks for some causal flag."""
+    B, H = draw(st.sampled_from([(1, 1), (1, 2), (2, 1)]))
+    Mq, Mk = draw(st.integers(16, 32)), draw(st.integers(48, 64))  # rows average under a quarter of a global one
+    bq, bk = draw(st.sampled_from([16, 32])), draw(st.sampled_from([16, 64]))
+    Nq = draw(st.integers((Mq - 1) * bq + 1, Mq * bq))
+    Nk = draw(st.integers((Mk - 1) * bk + 1, Mk * bk))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 10_000)))
+    layout = torch.rand(B, H, Mq, Mk, generator=g) < draw(st.sampled_from([0.0, 0.05]))
+    layout[..., : draw(st.integers(1, 2)), :] = True  # global rows
+    layout[..., :, : draw(st.integers(0, 1))] = True  # and columns
+    return layout, (bq, bk), Nq, Nk
+
+
+def _assert_same_index(got, want):
+    assert (got.nnz, got.is_dense, got.covers_causal) == (want.nnz, want.is_dense, want.covers_causal)
+    for causal in (False, True):
+        assert (got.long_lists[causal], got.longest_row[causal]) == (want.long_lists[causal], want.longest_row[causal])
+        for a, b in ((got.rows[causal], want.rows[causal]), (got.cols[causal], want.cols[causal]),
+                     *zip(got.kernel[causal], want.kernel[causal])):
+            for name, x, y in zip(a._fields, a, b):
+                assert x.dtype == y.dtype and torch.equal(x, y), (causal, type(a).__name__, name)
+
+
+@settings(max_examples=8, deadline=None)
+@given(case=cut_layouts())
+def test_plans_with_cut_lists_built_on_the_gpu_equal_the_torch_ones(case):
+    """`sparse_flash.index_gpu.split_plan` (two Triton launches per plan; here under TRITON_INTERPRET=1) builds
+    the plans that `mask_index._plan_items` builds where global rows or columns are cut into chunks: the same
+    items (chunk ranges, scratch slots, order, padding), chunk and slot tables, lead, split lists and slot
+    owners, for both causal flags."""
+    from sparse_flash import index_gpu, mask_index
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
+    layout, block, Nq, Nk = case
+    want = mask_index.build_index(layout, block, Nq, Nk)
+    with mock.patch.object(mask_index, "_on_gpu", lambda t: True), \
+            mock.patch.object(index_gpu, "split_plan", wraps=index_gpu.split_plan) as built:
+        got = mask_index.build_index(layout, block, Nq, Nk)
+    assert built.call_count == 4  # every plan of the batch, once some list is cut
+    assert any(plan.split.numel() for flag in (False, True) for plan in want.kernel[flag][4:])
+    _assert_same_index(got, want)
+
+
 @given(m=layouts())
 def test_lists_of_a_layout_built_on_the_gpu_equal_the_torch_ones(m):
     """`sparse_flash.index_gpu.layout_lists` (one Triton program per list; here under TRITON_INTERPRET=1, as on
@@ -348,10 +394,4 @@ def test_lists_of_a_layout_built_on_the_gpu_equal_the_torch_ones(m):
             mock.patch.object(index_gpu, "layout_lists", wraps=index_gpu.layout_lists) as built:
         got = mask_index.build_index(m.layout, m.block_size, m.seq_len_q, m.seq_len_k)
     assert built.call_count == 1
-    assert (got.nnz, got.is_dense, got.covers_causal) == (want.nnz, want.is_dense, want.covers_causal)
-    for causal in (False, True):
-        assert (got.long_lists[causal], got.longest_row[causal]) == (want.long_lists[causal], want.longest_row[causal])
-        for a, b in ((got.rows[causal], want.rows[causal]), (got.cols[causal], want.cols[causal]),
-                     *zip(got.kernel[causal], want.kernel[causal])):
-            for name, x, y in zip(a._fields, a, b):
-                assert x.dtype == y.dtype and torch.equal(x, y), (causal, type(a).__name__, name)
+    _assert_same_index(got, want)
