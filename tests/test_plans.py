@@ -80,3 +80,17 @@ def test_descriptors_built_directly_equal_checked_ones():
     t = torch.randn(2, 1, 40, 64, device=DEVICE)
     layout = descriptor_layout(t, 16, 64)
     assert make_descriptor(t, layout) == TensorDescriptor(t, *layout)
+
+
+def test_hopper_row_descriptors_built_directly_equal_checked_ones():
+    """The Hopper kernels' descriptors (Gluon's class, with a shared-memory layout) skip the constructor's
+    checks on every launch and equal the checked ones, field by field."""
+    hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    gl = pytest.importorskip("triton.experimental.gluon.language")
+    from sparse_flash.kernels.gluon import pipeline
+
+    layout = gl.NVMMASharedLayout.get_default_for([128, 64], gl.float16)
+    t = torch.randn(2, 3, 256, 64, dtype=torch.float16, device=DEVICE)
+    built = pipeline.row_descriptor(t, 128, layout)
+    assert type(built) is hopper.TensorDescriptor
+    assert built == hopper.TensorDescriptor(t, [2 * 3 * 256, 64], [64, 1], [128, 64], layout)

@@ -15,6 +15,7 @@ from .. import settings
 from ..launch import BoundLaunch
 from ...mask_index import MaskGeometry, WorkPlan
 from ..schedule import ITEM_WIDTH as _ITEM_FIELDS, ROW_BLOCK
+from ..triton.tma import unchecked_descriptor
 
 ITEM_WIDTH = gl.constexpr(_ITEM_FIELDS)  # int32 fields of an item record (`schedule.split_items`)
 FIRST_HALF, SECOND_HALF = gl.constexpr(0), gl.constexpr(1)  # which rows of an item a compute warpgroup takes
@@ -127,9 +128,11 @@ def takes_plan(plan: WorkPlan | None) -> bool:
 
 
 def row_descriptor(t, rows: int, layout):
-    """A TMA descriptor of contiguous t as a (rows of D) matrix, read or written `rows` rows at a time."""
+    """A TMA descriptor of contiguous t as a (rows of D) matrix, read or written `rows` rows at a time; built
+    without the constructor's checks, which `runs_on` has made (`tma.unchecked_descriptor`)."""
     D = t.shape[-1]
-    return TensorDescriptor(t, [t.numel() // D, D], [D, 1], [rows, D], layout)
+    return unchecked_descriptor(TensorDescriptor, base=t, shape=[t.numel() // D, D], strides=[D, 1],
+                                block_shape=[rows, D], layout=layout)
 
 
 def bound_launch(kernel, grid: int, tail: tuple, constexprs: dict, maxnreg: int) -> BoundLaunch:

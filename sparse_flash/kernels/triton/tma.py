@@ -65,33 +65,44 @@ def descriptor_layout(t: torch.Tensor, block_rows: int, block_d: int):
 
 
 @functools.cache
-def _descriptor_fields() -> dict | None:
-    """The defaults of the descriptor's other fields (padding, ...), or None if it cannot be built directly."""
+def _descriptor_defaults(cls) -> tuple[dict, frozenset] | None:
+    """A host descriptor class's field defaults (padding, ...) and the names of its fields without one, or
+    None if it cannot be built without its constructor (not a dataclass, slots, other field names)."""
     import dataclasses
 
-    cls = _descriptor_class()
-    if not dataclasses.is_dataclass(cls) or hasattr(cls, "__slots__"):
+    if cls is None or not dataclasses.is_dataclass(cls) or hasattr(cls, "__slots__"):
         return None
-    names = {f.name for f in dataclasses.fields(cls)}
-    if not {"base", "shape", "strides", "block_shape"} <= names:
+    fields = dataclasses.fields(cls)
+    if not {"base", "shape", "strides", "block_shape"} <= {f.name for f in fields}:
         return None
-    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    required = frozenset(f.name for f in fields
+                         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    return {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}, required
+
+
+def unchecked_descriptor(cls, **values):
+    """A host descriptor of class `cls` (Triton's, or Gluon's, which also takes `layout`) with `values`, the
+    other fields at their defaults, built without the constructor's checks: a microsecond instead of about
+    four on the benchmark host, for every descriptor of every launch. The caller has made those checks
+    (`descriptor_layout`, or the Hopper kernels' `runs_on`: contiguous, 16-byte aligned, non-empty).
+    Where the class is not a plain dataclass with these fields, its constructor builds it."""
+    found = _descriptor_defaults(cls)
+    if found is None or not found[1] <= values.keys():
+        return cls(**values)
+    desc = cls.__new__(cls)
+    desc.__dict__.update(found[0])
+    desc.__dict__.update(values)
+    return desc
 
 
 def make_descriptor(t: torch.Tensor, layout):
     """A descriptor of `t` with a layout from `descriptor_layout` (computed for a tensor like `t`).
 
     Called for every launch, so it skips the checks of the descriptor's constructor, which
-    `descriptor_layout` has done: a microsecond instead of about five on the benchmark host.
+    `descriptor_layout` has done (`unchecked_descriptor`).
     """
-    fields = _descriptor_fields()
-    cls = _descriptor_class()
-    if fields is None:
-        return cls(t, *layout)
-    desc = cls.__new__(cls)
-    desc.__dict__.update(fields)
-    desc.base, (desc.shape, desc.strides, desc.block_shape) = t, layout
-    return desc
+    shape, strides, block_shape = layout
+    return unchecked_descriptor(_descriptor_class(), base=t, shape=shape, strides=strides, block_shape=block_shape)
 
 
 def tile_descriptor(t: torch.Tensor, block_rows: int, block_d: int):
