@@ -496,6 +496,31 @@ def test_topk_tables_are_made_once_per_geometry_and_equal_the_plain_arithmetic()
     assert a is not mask_index.topk_tables((3, 2), True, geometry, "cpu")  # pushed out by the 40 newer ones
 
 
+def test_a_cuda_graph_capture_reads_the_tables_made_before_it_and_keeps_them():
+    """Inside a capture, `topk_tables` returns the tables a warm-up call made (no operators in the graph for
+    them) and keeps them past the cache's eviction, since the graph holds their addresses; tables not made
+    before the capture are made afresh. (The capture is stood in for on the CPU; the GPU test of replays is
+    `test_topk_choice_and_attention_replay_from_a_cuda_graph`.)"""
+    key = ((2, ), True, (4, 4, 64, 64, 256, 256), torch.device("cuda", 0))
+    warm = mask_index._make_topk_tables(*key[:3], "cpu")
+    made = []
+
+    def make(*args):
+        made.append(args)
+        return warm
+
+    with mock.patch.object(mask_index, "_TABLES", {key: warm}), mock.patch.object(mask_index, "_CAPTURED", {}), \
+            mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: True), \
+            mock.patch.object(mask_index, "_make_topk_tables", make):
+        assert mask_index.topk_tables(*key) is warm and not made
+        assert mask_index._CAPTURED == {key: warm}
+        mask_index._TABLES.clear()  # evicted from the cache: the graph still reads them
+        assert mask_index.topk_tables(*key) is warm and not made
+        other = ((3, ), True, *key[2:])
+        mask_index.topk_tables(*other)  # never made before the capture: made in it, not kept
+        assert made == [other] and other not in mask_index._CAPTURED
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False])
@@ -570,8 +595,10 @@ def test_topk_choice_and_attention_replay_from_a_cuda_graph():
         torch.cuda.current_stream().wait_stream(side)
         q.grad = k.grad = v.grad = None
         graph = torch.cuda.CUDAGraph()
+        mask_index._CAPTURED.clear()
         with torch.cuda.graph(graph):
             static_out, static_mask = step()
+        assert len(mask_index._CAPTURED) == 1  # the warm-up's tables, read by the graph, kept for it
         for seed in (1, 2):
             g = torch.Generator(device="cuda").manual_seed(seed)
             with torch.no_grad():
