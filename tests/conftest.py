@@ -89,7 +89,8 @@ class DeviceWaits(TorchDispatchMode):
 
     READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
     SIZED_BY_DATA = (torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default,
-                     torch.ops.aten.repeat_interleave.Tensor)
+                     torch.ops.aten.repeat_interleave.Tensor, torch.ops.aten._unique2.default,
+                     torch.ops.aten.unique_dim.default, torch.ops.aten.unique_consecutive.default)
     BOOL_INDEXED = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default)
 
     def __init__(self, monkeypatch, host=("_causal_blocks",), ops=()):

@@ -256,3 +256,44 @@ def test_unknown_pattern_name():
 def test_constructor_errors(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+CONSTRUCTORS = {
+    "butterfly": lambda: masks.butterfly(2000, 64),
+    "butterfly_size": lambda: masks.butterfly(2000, 64, butterfly_size=8, num_global_blocks=1),
+    "butterfly_cross": lambda: masks.butterfly(700, 64, seq_len_k=2000, n_factors=3),
+    "local": lambda: masks.local(2000, 64, window=2),
+    "random": lambda: masks.random(2000, 64, density=0.2, seed=0),
+    "bigbird": lambda: masks.bigbird(2000, 64, seed=0),
+    "longformer": lambda: masks.longformer(2000, 64),
+    "causal": lambda: masks.causal(2000, 64),
+    "dense": lambda: masks.dense(2000, 64, seq_len_k=900),
+    "global": lambda: masks.global_(2000, 64, num_global_blocks=2),
+    "fixed": lambda: masks.fixed(2000, 64, num_local_blocks=3, num_different_global_patterns=2, num_heads=2),
+    "strided": lambda: masks.strided(2000, 64),
+    "neighborhood_2d": lambda: masks.neighborhood_2d(32, 48, 8, window=1),
+    "neighborhood_3d": lambda: masks.neighborhood_3d(4, 16, 16, (2, 8, 8)),
+    "butterfly_2d": lambda: masks.butterfly_2d(32, 32, 8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONSTRUCTORS))
+def test_pattern_layouts_are_made_without_waiting_for_the_device(name, monkeypatch):
+    """Making a pattern's layout never waits for the device (no selection by a boolean tensor, no read of a
+    value): on a GPU the build's only waits are the index builder's (counted in test_layout). Seen failing with
+    the butterfly's coordinates selected by `keep` (two waits)."""
+    from conftest import DeviceWaits
+    from sparse_flash import mask as mask_module
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(mask_module, "build_index", stop)  # the layout is made by then
+    with DeviceWaits(monkeypatch) as counter:
+        with pytest.raises(Stop):
+            CONSTRUCTORS[name]()
+    monkeypatch.undo()
+    assert counter.waits == 0

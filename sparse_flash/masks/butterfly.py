@@ -67,19 +67,15 @@ def butterfly(
     all_factors = math.ceil(math.log2(size))
     n = all_factors if n is None else n
 
-    # Nonzero coordinates of the butterfly on its grid: (r, r) and (r, r ^ 2**k).
+    # Nonzero coordinates of the butterfly on its grid: (r, r) and (r, r ^ 2**k), one row of partners per factor.
     r = torch.arange(size, device=device)
-    partners = [r] + [r ^ (1 << k) for k in range(min(n, all_factors))]
-    rows = r.repeat(len(partners))
-    cols = torch.cat(partners)
+    powers = torch.arange(min(n, all_factors), device=device)
+    cols = torch.cat([r[None], r[None] ^ (1 << powers)[:, None]])
+    rows = r.expand_as(cols)
     if butterfly_size is None:  # one grid cell per block
-        keep = (rows < Mq) & (cols < Mk)
-        layout = torch.zeros(Mq, Mk, dtype=torch.bool, device=device)
-        layout[rows[keep], cols[keep]] = True
+        layout = _grid_with(rows, cols, (rows < Mq) & (cols < Mk), Mq, Mk)
     else:  # blow each cell up to a square of blocks
-        keep = cols < size
-        small = torch.zeros(size, size, dtype=torch.bool, device=device)
-        small[rows[keep], cols[keep]] = True
+        small = _grid_with(rows, cols, cols < size, size, size)
         layout = small[torch.arange(Mq, device=device) * size // Mq][:, torch.arange(Mk, device=device) * size // Mk]
     if num_global_blocks:
         layout[:num_global_blocks, :] = True
@@ -88,3 +84,12 @@ def butterfly(
     if butterfly_size is not None:
         name += f"[size {butterfly_size}]"
     return make(layout, geo, name)
+
+
+def _grid_with(rows: torch.Tensor, cols: torch.Tensor, keep: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """bool `(height, width)`, True at each `(rows, cols)` where `keep`. The coordinates that are not kept go to
+    a spare row past the end, cut off after: no selection by `keep`, which would wait for the device to count
+    them."""
+    grid = torch.zeros(height + 1, width, dtype=torch.bool, device=rows.device)
+    grid[torch.where(keep, rows, height), torch.where(keep, cols, 0)] = True
+    return grid[:height]

@@ -79,7 +79,8 @@ def fixed(
     for h in range(heads):
         first = L - (1 + h % P) * G  # offset of the global blocks inside each window
         starts = torch.clamp(torch.arange(0, M, L, device=device) + first, max=max(M - G, 0))
-        cols = (starts[:, None] + torch.arange(min(G, M), device=device)[None, :]).clamp(max=M - 1).unique()
+        # repeated columns (windows clamped at the end) set the same blocks again: no `unique`, which waits
+        cols = (starts[:, None] + torch.arange(min(G, M), device=device)[None, :]).clamp(max=M - 1).flatten()
         if causal:
             layout[h] |= (j == cols[:, None, None]).any(0) & (i >= j)
         else:
