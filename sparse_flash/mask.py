@@ -386,8 +386,10 @@ class BlockMask:
         known on the host: they are built with static shapes (`mask_index.build_topk_index`), inside
         torch.compile too. Which kept blocks need an element mask is not known without the data: a row's last
         kept blocks are put in the partial lists when they may (see `build_topk_index`; exact, and the same
-        lists as `from_layout` for square blocks without sequence tails). A non-causal top-k mask used with
-        `causal=True` attention builds those lists on first use, which waits for the device.
+        lists as `from_layout` for square blocks without sequence tails). Only the lists of the mask's own
+        flag are built at once: a causal mask used with `causal=False` attention builds those lists on first
+        use (no wait), a non-causal one used with `causal=True` too, which waits for the device. A mask made
+        inside a CUDA-graph capture takes only its own flag (a clear error otherwise).
 
         Returns:
             BlockMask with layout `(B, H, Mq, Mk)`.

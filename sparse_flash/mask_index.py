@@ -738,6 +738,11 @@ _TABLES_KEPT = 32
 _CAPTURED: dict = {}  # tables that a CUDA graph reads: kept for the life of the process, never evicted
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether work on `device` is being captured into a CUDA graph now (kernels recorded, not run)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def topk_tables(ks: tuple[int, ...], causal: bool, geometry: tuple[int, ...], device) -> TopkTables:
     """`TopkTables` on `device`, made once per (ks, causal, geometry, device) and reused (the last 32 kept):
     masks chosen per call from scores of one shape then launch about 30 fewer small operators each. The
@@ -757,7 +762,7 @@ def topk_tables(ks: tuple[int, ...], causal: bool, geometry: tuple[int, ...], de
     key = (ks, causal, geometry, device)
     if torch.compiler.is_compiling():
         return _make_topk_tables(ks, causal, geometry, device)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if _capturing(device):
         tables = _CAPTURED.get(key) or _TABLES.get(key)
         if tables is None:
             return _make_topk_tables(ks, causal, geometry, device)
@@ -789,6 +794,11 @@ class _BuiltOnUse(dict):
     def __missing__(self, flag):
         self._fill(flag)
         return dict.__getitem__(self, flag)
+
+
+def _unpack(index: MaskIndex) -> tuple:
+    """The per-flag dicts of an index: rows, cols, kernel, long_lists, longest_row."""
+    return index.rows, index.cols, index.kernel, index.long_lists, index.longest_row
 
 
 def _topk_entries(selected: torch.Tensor, counts: torch.Tensor, nnz: int, Mk: int) -> tuple:
@@ -848,41 +858,64 @@ def build_topk_index(selected: torch.Tensor, tables: TopkTables, ks: tuple[int, 
     tail. Square blocks without tails give exactly the lists of `build_index`.
 
     Lists are never split (each list is one work item; long columns, such as a block every row keeps, are
-    walked by one program). A non-causal top-k mask builds its causal lists (and, where it depends on the
-    choice, `covers_causal`) with `build_index`, which waits for the device: the lists on first use, the flag
-    at once.
+    walked by one program). Only the lists of the mask's own flag are built here: a causal top-k mask builds its
+    non-causal lists on first use (the same static path, no wait), a non-causal one its causal lists with
+    `build_index`, which waits for the device (and `covers_causal`, where it depends on the choice, at once).
+    Inside torch.compile every flag of `topk_sizes` is built at once. A mask made inside a CUDA-graph capture
+    refuses the other flag (its lists would be built from one replay's choice and not follow the next), and
+    a first use of the other flag inside a capture is refused too (the lists would only exist in the graph).
     """
     B, H, Mq, W = selected.shape
     Mk = layout.shape[-1]
     geometry = (Mq, Mk, *block_size, seq_len_q, seq_len_k)
     sizes = topk_sizes(ks, causal, B, H, geometry)
     counts = tables.counts
-    partials = {flag: tables.partials[flag] for flag in sizes.flags}  # (len(ks), Mq) each
-    flag_sizes = {flag: (sizes.nnz - sizes.partial[flag], sizes.partial[flag]) for flag in sizes.flags}
-    sides, entries = _topk_sides_on_gpu(selected, counts, partials, flag_sizes, Mk, tables.group_sizes), None
-    if sides is None:
-        entries = _topk_entries(selected, counts, sizes.nnz, Mk)
-        row, t, i, j, col, by_col = entries
-        n_rows = counts.expand(B, H, Mq).reshape(-1)
-        classes = {flag: torch.where(t >= (n_rows - partials[flag].expand(B, H, Mq).reshape(-1))[row], PARTIAL, FULL)
-                   for flag in sizes.flags}
-        sides = _sides(row, col, i, j, by_col, classes, flag_sizes, (B, H, Mq, Mk))
-    rows, cols, kernel, long_lists, longest_row = {}, {}, {}, {}, {}
-    for flag in sizes.flags:
-        rows[flag], cols[flag], longest_row[flag] = sides[flag][0].live, sides[flag][1].live, sizes.longest_row
-        long_lists[flag] = sizes.nnz >= LONG_LIST_BLOCKS * B * H * Mq
-    plans = _unsplit_plans([side for pair in sides.values() for side in pair])  # every flag's plans in one batch
-    for (flag, (row_side, col_side)), row_plan, col_plan in zip(sides.items(), plans[::2], plans[1::2]):
-        kernel[flag] = _kernel_index(row_side, col_side, row_plan, col_plan)
+    entries = []  # the torch builders' entries, made once where they are needed
+
+    def topk_entries():
+        if not entries:
+            entries.append(_topk_entries(selected, counts, sizes.nnz, Mk))
+        return entries[0]
+
+    def static_lists(flags):
+        """rows, cols, kernel, long_lists and longest_row of `flags` (each a subset of `sizes.flags`)."""
+        partials = {flag: tables.partials[flag] for flag in flags}  # (len(ks), Mq) each
+        flag_sizes = {flag: (sizes.nnz - sizes.partial[flag], sizes.partial[flag]) for flag in flags}
+        sides = _topk_sides_on_gpu(selected, counts, partials, flag_sizes, Mk, tables.group_sizes)
+        if sides is None:
+            row, t, i, j, col, by_col = topk_entries()
+            n_rows = counts.expand(B, H, Mq).reshape(-1)
+            classes = {flag: torch.where(t >= (n_rows - partials[flag].expand(B, H, Mq).reshape(-1))[row], PARTIAL,
+                                         FULL) for flag in flags}
+            sides = _sides(row, col, i, j, by_col, classes, flag_sizes, (B, H, Mq, Mk))
+        plans = _unsplit_plans([side for pair in sides.values() for side in pair])  # every flag's plans in one batch
+        out = tuple({} for _ in range(5))
+        for (flag, (row_side, col_side)), row_plan, col_plan in zip(sides.items(), plans[::2], plans[1::2]):
+            values = (row_side.live, col_side.live, _kernel_index(row_side, col_side, row_plan, col_plan),
+                      sizes.nnz >= LONG_LIST_BLOCKS * B * H * Mq, sizes.longest_row)
+            for mine, value in zip(out, values):
+                mine[flag] = value
+        return out
+
+    compiling = torch.compiler.is_compiling()
+    in_capture = _capturing(selected.device)
+    rows, cols, kernel, long_lists, longest_row = static_lists(sizes.flags if compiling else (causal, ))
     covers = sizes.covers_causal
     if covers is None:  # a non-causal choice that may hold every causal block: count the causal ones it kept
-        _, _, i, j, _, _ = entries or _topk_entries(selected, counts, sizes.nnz, Mk)
+        _, _, i, j, _, _ = topk_entries()
         q_last = torch.clamp((i + 1) * block_size[0], max=seq_len_q) - 1
         covers = int((j * block_size[1] <= q_last).sum()) == B * H * _causal_blocks(Mq, Mk, *block_size, seq_len_q)
-    if not causal:  # the causal lists: on first use
+    if len(rows) == 1:  # the other flag: on first use
         def fill(flag):
-            built = build_index(layout, block_size, seq_len_q, seq_len_k)
-            for mine, theirs in zip(lazy, (built.rows, built.cols, built.kernel, built.long_lists, built.longest_row)):
+            if in_capture or _capturing(selected.device):
+                where = "was made inside a CUDA-graph capture" if in_capture else "is first used so inside one"
+                raise RuntimeError(
+                    f"this top-k mask (chosen for causal={causal} attention) builds its lists for causal={flag} "
+                    f"attention on first use, and {where}: those lists would not follow the graph's replays. "
+                    f"Use it with causal={causal}, or once with causal={flag} outside the capture first")
+            built = (static_lists((flag, )) if causal else
+                     _unpack(build_index(layout, block_size, seq_len_q, seq_len_k)))
+            for mine, theirs in zip(lazy, built):
                 dict.__setitem__(mine, flag, theirs[flag])
 
         lazy = tuple(_BuiltOnUse(v, fill) for v in (rows, cols, kernel, long_lists, longest_row))

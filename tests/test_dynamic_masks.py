@@ -185,8 +185,10 @@ def test_topk_lists_and_plans_built_on_the_gpu_equal_the_torch_ones(p):
             mock.patch.object(index_gpu, "unsplit_plan", wraps=index_gpu.unsplit_plan) as plans, \
             mock.patch.object(index_gpu, "choose_topk", wraps=index_gpu.choose_topk) as choice:
         got = p.mask(scores)
-    assert lists.call_count == (2 if p.causal else 1) and plans.call_count == 2 * lists.call_count
-    assert choice.call_count == 1
+        assert (lists.call_count, plans.call_count, choice.call_count) == (1, 2, 1)  # the mask's own flag
+        if p.causal:  # its non-causal lists: on first use, by the same launches
+            got.kernel_index(False)
+            assert (lists.call_count, plans.call_count) == (2, 4)
     assert torch.equal(got.layout, want.layout) and (got.nnz, got.covers_causal) == (want.nnz, want.covers_causal)
     for causal in (True, False) if p.causal else (False, ):  # a non-causal mask builds its causal lists on use
         for a, b in ((got.row_index(causal), want.row_index(causal)), (got.col_index(causal), want.col_index(causal)),
@@ -494,6 +496,37 @@ def test_topk_tables_are_made_once_per_geometry_and_equal_the_plain_arithmetic()
         mask_index.topk_tables((1 + n, ), False, (64, 64, 16, 16, 1024, 1024), "cpu")
     assert len(mask_index._TABLES) == mask_index._TABLES_KEPT
     assert a is not mask_index.topk_tables((3, 2), True, geometry, "cpu")  # pushed out by the 40 newer ones
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_topk_mask_builds_the_other_flag_on_first_use_and_refuses_it_in_a_capture(causal, monkeypatch):
+    """A top-k mask builds the lists of its own causal flag; the other flag's on first use (a causal mask's
+    without waiting for the device), equal to a layout mask's. Inside a CUDA-graph capture (stood in for on the
+    CPU) the first use of the other flag is refused with a clear error, and a mask made inside a capture refuses
+    it for good: its lists would not follow the graph's replays."""
+    from conftest import DeviceWaits
+
+    scores = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(0))
+    kw = dict(causal=causal, block_size=32, seq_len_q=6 * 32, seq_len_k=6 * 32)  # square, no tails: exact lists
+    mask = BlockMask.from_topk(scores, 3, **kw)
+    assert list(mask._index.kernel) == [causal]
+    layout_mask = BlockMask.from_layout(mask.layout, 32, seq_len_q=kw["seq_len_q"], seq_len_k=kw["seq_len_k"])
+    with DeviceWaits(monkeypatch) as counter:
+        other = mask.kernel_index(not causal)
+    monkeypatch.undo()
+    assert (counter.waits == 0) == causal  # a non-causal mask reads its choice (build_index)
+    for x, y in zip(other, layout_mask.kernel_index(not causal)):
+        assert all(torch.equal(u, v) for u, v in zip(x, y))
+    fresh = BlockMask.from_topk(scores, 3, **kw)
+    with mock.patch.object(mask_index, "_capturing", lambda device: True), \
+            mock.patch.object(mask_index, "_CAPTURED", {}):
+        with pytest.raises(RuntimeError, match=f"causal={not causal} attention on first use, and is first used so"):
+            fresh.kernel_index(not causal)
+        captured = BlockMask.from_topk(scores, 3, check_finite=False, **kw)
+    assert torch.equal(captured.layout, mask.layout)
+    with pytest.raises(RuntimeError, match="was made inside a CUDA-graph capture"):
+        captured.kernel_index(not causal)
+    assert fresh.kernel_index(not causal) is not None  # refused inside the capture only
 
 
 def test_a_cuda_graph_capture_reads_the_tables_made_before_it_and_keeps_them():
