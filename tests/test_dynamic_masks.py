@@ -606,6 +606,23 @@ def test_a_moba_step_on_the_default_kernels_never_synchronises():
 
 
 @pytest.mark.gpu
+def test_a_causal_topk_mask_builds_its_non_causal_lists_on_the_gpu_without_waiting():
+    """On a GPU, a causal top-k mask and, on first use, its non-causal lists are built without a host
+    synchronisation (sync debug mode makes one an error), equal to a layout mask's lists."""
+    scores = torch.randn(2, 4, 64, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mask = BlockMask.from_topk(scores, 6, causal=True, block_size=128, check_finite=False)
+        lists = mask.kernel_index(False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = BlockMask.from_layout(mask.layout, 128).kernel_index(False)
+    for x, y in zip(lists, want):
+        assert all(torch.equal(u, v) for u, v in zip(x, y))
+
+
+@pytest.mark.gpu
 def test_topk_choice_and_attention_replay_from_a_cuda_graph():
     """from_topk and the attention's forward and backward captured together (Triton kernels; the Hopper ones
     schedule their work on the host per mask): replays on new scores and inputs give the eager results."""
