@@ -175,13 +175,15 @@ def _say(text: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- part 1
-def build_rows(sizes: Sizes, device) -> list[dict]:
-    """Mask build times: from_topk eager and from a CUDA graph, flex's from_kv_blocks and create_block_mask."""
+def build_rows(sizes: Sizes, device, compiled: bool = True) -> list[dict]:
+    """Mask build times: from_topk eager and from a CUDA graph, flex's from_kv_blocks and create_block_mask.
+    `compiled=False` leaves out the two builds that torch.compile first (from_topk compiled whole and
+    `create_block_mask`): the rest takes about a minute on an H200."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     rows = []
     H = sizes.build_heads
-    compiled_index = torch.compile(ours_topk_index, fullgraph=True, dynamic=False)
+    compiled_index = torch.compile(ours_topk_index, fullgraph=True, dynamic=False) if compiled else None
     for N in sizes.build_lengths:
         M = N // BLOCK
         gen = torch.Generator(device=device).manual_seed(0)
@@ -194,7 +196,7 @@ def build_rows(sizes: Sizes, device) -> list[dict]:
                 row["nnz"] = mask.nnz
                 builders = {"from_topk": lambda: ours_topk_mask(scores, k, causal),
                             "flex_from_kv_blocks": lambda: flex_topk_mask(scores, k, causal)}
-                if device.type == "cuda":  # the same build compiled whole (inductor fuses its small operators)
+                if device.type == "cuda" and compiled:  # the build compiled whole (inductor fuses its small operators)
                     builders["from_topk_compiled"] = lambda: compiled_index(scores, k, causal)
                 try:
                     fm = builders["flex_from_kv_blocks"]()
@@ -207,7 +209,7 @@ def build_rows(sizes: Sizes, device) -> list[dict]:
                             row[f"{name}_{how}_ms"] = timed(build, graph=graph)
                         except Exception as e:
                             row[f"{name}_{how}_error"] = _error(e)
-                if N in sizes.create_block_mask_lengths:
+                if N in sizes.create_block_mask_lengths and compiled:
                     if causal not in tables:
                         tables[causal] = TableMaskMod((1, H, M, M), causal, device)
                     tables[causal].table.copy_(mask.layout.as_subclass(torch.Tensor))
@@ -511,6 +513,9 @@ def main(argv=None) -> int:
                         help="sparse_flash backend (auto: triton on CUDA or under TRITON_INTERPRET=1, else torch)")
     parser.add_argument("--skip-build", action="store_true", help="skip part 1 (mask build)")
     parser.add_argument("--skip-step", action="store_true", help="skip part 2 (MoBA step)")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="part 1 without the builds that compile first (from_topk compiled whole, "
+                        "create_block_mask): a quick measurement of from_topk against the target")
     parser.add_argument("--profile", action="store_true",
                         help="instead of timing: operator tables (torch.profiler) of a from_topk build and of the "
                         "MoBA step, written to --out as profile_*.txt")
@@ -538,7 +543,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     if not args.skip_build:
         _say("part 1: building top-k masks (from_topk, flex from_kv_blocks, flex create_block_mask)")
-    build = [] if args.skip_build else build_rows(sizes, device)
+    build = [] if args.skip_build else build_rows(sizes, device, compiled=not args.no_compile)
     if not args.skip_step:
         _say(f"part 2 after {time.perf_counter() - start:.0f} s: MoBA-style steps (first calls compile kernels)")
     step = [] if args.skip_step else step_rows(sizes, device, backend)

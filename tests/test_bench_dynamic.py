@@ -36,6 +36,14 @@ def test_smoke_run_writes_the_record_and_prints_the_table_last(tmp_path, capsys)
     assert lines[0].startswith("bench_dynamic:") and lines[-1].startswith("moba top-2   fwd+bwd")
 
 
+def test_no_compile_run_times_the_builds_that_compile_nothing(tmp_path):
+    """`--no-compile --skip-step`: the quick measurement of from_topk (no create_block_mask, no compiled build)."""
+    assert bench.main(["--smoke", "--no-compile", "--skip-step", "--out", str(tmp_path)]) == 0
+    build = json.loads((tmp_path / "dynamic.json").read_text())["mask_build"]
+    assert len(build) == 8 and all("from_topk_eager_ms" in r and "flex_from_kv_blocks_eager_ms" in r for r in build)
+    assert not any(key.startswith(("flex_create_block_mask", "from_topk_compiled")) for r in build for key in r)
+
+
 @pytest.mark.parametrize("top_k", [1, 3, 8])
 def test_the_timed_choice_is_the_moba_layers(top_k):
     torch.manual_seed(0)
