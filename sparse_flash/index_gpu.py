@@ -71,38 +71,47 @@ def unsplit_plan(counts: torch.Tensor, full: tuple, part: tuple, heavy_above: fl
     chunks = torch.empty(B * H * M, dtype=torch.int32, device=device)
     slots = torch.empty(B * H * M, dtype=torch.int32, device=device)
     lead = torch.zeros(1, dtype=torch.int32, device=device) if lead is None else lead
+    block = triton.next_power_of_2(M)
+    chunk = max(1, min(block, PLAN_TILE // block))  # lists per program
     with _on(device):
-        launch(_unsplit_plan_kernel, (B * H, ),
+        launch(_unsplit_plan_kernel, (B * H * triton.cdiv(M, chunk), ),
                (counts, *full[:3], *part[:3], items, chunks, slots, lead, M, longest, float(heavy_above)),
-               dict(BLOCK=triton.next_power_of_2(M), FIELDS=FIELDS), 4 if M <= 1024 else 8, STAGES)
+               dict(BLOCK=block, CHUNK=chunk, FIELDS=FIELDS), WARPS, STAGES)
     return items, chunks, slots, lead
+
+
+PLAN_TILE = 8192  # (list, list) comparisons of one `_unsplit_plan_kernel` program
 
 
 @triton.jit
 def _unsplit_plan_kernel(Counts, FullCounts, FullOffsets, FullIndices, PartCounts, PartOffsets, PartIndices, Items,
                          Chunks, Slots, Lead, lists_per_head, longest, heavy_above, BLOCK: tl.constexpr,
-                         FIELDS: tl.constexpr):
-    """Program bh: the items of lists [bh * lists_per_head, (bh + 1) * lists_per_head), sorted longest first (a
-    stable order: the key is (longest - length, list)); item fields as `mask_index.ITEM_FIELDS`; its heavy lists
-    counted into Lead."""
-    bh = tl.program_id(0)
-    idx = tl.arange(0, BLOCK)
+                         CHUNK: tl.constexpr, FIELDS: tl.constexpr):
+    """Program (bh, c): the items of lists c CHUNK + [0, CHUNK) of head bh (lists [bh * lists_per_head, (bh + 1) *
+    lists_per_head)), each at its rank among the head's lists, longest first (a stable order: the key is
+    (longest - length, list), and a list's rank is how many keys are smaller); item fields as
+    `mask_index.ITEM_FIELDS`; the head's heavy lists counted into Lead."""
+    chunks = tl.cdiv(lists_per_head, CHUNK)
+    bh, c = tl.program_id(0) // chunks, tl.program_id(0) % chunks
+    every = tl.arange(0, BLOCK)
+    valid_all = every < lists_per_head
+    length_all = tl.load(Counts + bh * lists_per_head + every, mask=valid_all, other=0)
+    key_all = tl.where(valid_all, (longest - length_all) * BLOCK + every, 2147483647)  # unused slots rank last
+    idx = c * CHUNK + tl.arange(0, CHUNK)
     valid = idx < lists_per_head
     lists = bh * lists_per_head + idx
     length = tl.load(Counts + lists, mask=valid, other=0)
-    key = tl.where(valid, (longest - length) * BLOCK + idx, 2147483647)  # unused slots sort last
-    order = tl.sort(key) % BLOCK  # the list at each rank
-    at = bh * lists_per_head + order
-    full_lo = tl.load(FullOffsets + at, mask=valid, other=0)
-    full_n = tl.load(FullCounts + at, mask=valid, other=0)
-    part_lo = tl.load(PartOffsets + at, mask=valid, other=0)
-    part_n = tl.load(PartCounts + at, mask=valid, other=0)
+    rank = tl.sum((key_all[None, :] < ((longest - length) * BLOCK + idx)[:, None]).to(tl.int32), 1)
+    full_lo = tl.load(FullOffsets + lists, mask=valid, other=0)
+    full_n = tl.load(FullCounts + lists, mask=valid, other=0)
+    part_lo = tl.load(PartOffsets + lists, mask=valid, other=0)
+    part_n = tl.load(PartCounts + lists, mask=valid, other=0)
     full_first = tl.load(FullIndices + full_lo, mask=valid & (full_n > 0), other=0)
     part_first = tl.load(PartIndices + part_lo, mask=valid & (part_n > 0), other=0)
-    item = Items + lists.to(tl.int64) * FIELDS
-    one = tl.zeros_like(order) + 1
-    tl.store(item + 0, order, mask=valid)  # block
-    tl.store(item + 1, tl.zeros_like(order), mask=valid)  # chunk
+    item = Items + (bh * lists_per_head + rank).to(tl.int64) * FIELDS
+    one = tl.zeros_like(idx) + 1
+    tl.store(item + 0, idx, mask=valid)  # block
+    tl.store(item + 1, one * 0, mask=valid)  # chunk
     tl.store(item + 2, one, mask=valid)  # chunks
     tl.store(item + 3, -one, mask=valid)  # slot
     tl.store(item + 4, full_lo, mask=valid)
@@ -113,8 +122,8 @@ def _unsplit_plan_kernel(Counts, FullCounts, FullOffsets, FullIndices, PartCount
     tl.store(item + 9, part_first, mask=valid)
     tl.store(Chunks + lists, one, mask=valid)
     tl.store(Slots + lists, -one, mask=valid)
-    heavy = tl.sum((valid & (length.to(tl.float32) > heavy_above)).to(tl.int32), 0)
-    tl.atomic_max(Lead, heavy)
+    heavy = tl.sum((valid_all & (length_all.to(tl.float32) > heavy_above)).to(tl.int32), 0)
+    tl.atomic_max(Lead, heavy, mask=c == 0)
 
 
 def split_supported(lists_per_head: int, width: int, longest: int) -> bool:
@@ -256,14 +265,15 @@ def topk_supported(rows: int, width: int, cols: int) -> bool:
 
 def topk_lists(selected: torch.Tensor, counts: torch.Tensor, partial: torch.Tensor, cols: int, sizes: tuple,
                kind: torch.Tensor, per_group: torch.Tensor):
-    """The row and column lists of a top-k mask for one causal flag, on the GPU in four launches and two torch
-    operators, none waiting for the device.
+    """The row and column lists of a top-k mask for one causal flag, on the GPU in three launches, none waiting
+    for the device.
 
-    The row lists come from one program per (batch, head), as the kept blocks come (row-major, ascending). For
-    the column lists, one program per row marks each kept block's kind (1 full, 2 partial) in a table by
-    (batch, head, key block, query block); one program per column counts its kinds, torch sums them up, and one
-    program per column writes its lists by a prefix sum down the column (no sort: a whole column is one
-    program's vector).
+    The row lists come from programs of a few rows each, as the kept blocks come (row-major, ascending; a
+    program finds where its rows start from the kept counts of the rows before it). For the column lists,
+    the same programs mark each kept block's kind (1 full, 2 partial) in a table by (batch, head, key block,
+    query block); one program per column counts its kinds, and programs of a few columns each write their
+    lists by prefix sums down the columns (no sort: a whole column is in one program's registers), starting
+    where the counts of their head's earlier columns end.
 
     Args:
         selected: int64 `(B, H, Mq, W)`: row (b, h, i) keeps the key blocks `selected[b, h, i, :counts[g, i]]`,
@@ -292,20 +302,26 @@ def topk_lists(selected: torch.Tensor, counts: torch.Tensor, partial: torch.Tens
 
     rows, col_lists = lists(Mq), lists(cols)
     n_cols = B * H * cols
+    block, width, groups = triton.next_power_of_2(Mq), triton.next_power_of_2(W), triton.next_power_of_2(G)
+    chunk = max(1, min(block, ROW_TILE // width))  # rows per program
+    column_warps = max(1, block // 512)  # a column of up to 512 query blocks is one warp's
     with _on(device):
-        launch(_topk_rows_kernel, (B * H, ),
+        launch(_topk_rows_kernel, (B * H * triton.cdiv(Mq, chunk), ),
                (selected, counts, partial, per_group, *[t for part in rows for t in part], kind, B * H, H, G, Mq,
                 cols, W),
-               dict(BLOCK=triton.next_power_of_2(Mq), WIDTH=triton.next_power_of_2(W),
-                    GROUPS=triton.next_power_of_2(G)), 8, STAGES)
+               dict(BLOCK=block, ROWS=chunk, WIDTH=width, GROUPS=groups), WARPS, STAGES)
         per_col = torch.empty((3, n_cols), dtype=torch.int32, device=device)
-        block = triton.next_power_of_2(Mq)
-        launch(_topk_col_counts_kernel, (n_cols, ), (kind, per_col, n_cols, Mq), dict(BLOCK=block), WARPS, STAGES)
-        ends = torch.cumsum(per_col, 1, dtype=torch.int32)  # each kind's column lists end here
-        launch(_topk_col_write_kernel, (n_cols, ),
-               (kind, per_col, ends, *[t for part in col_lists for t in part], n_cols, Mq), dict(BLOCK=block),
-               WARPS, STAGES)
+        launch(_topk_col_counts_kernel, (n_cols, ), (kind, per_col, n_cols, Mq), dict(BLOCK=block), column_warps,
+               STAGES)
+        col_chunk = max(1, min(triton.next_power_of_2(cols), COLUMN_TILE // block))  # columns per program
+        launch(_topk_col_write_kernel, (B * H * triton.cdiv(cols, col_chunk), ),
+               (kind, per_col, per_group, *[t for part in col_lists for t in part], n_cols, H, G, Mq, cols),
+               dict(BLOCK=block, COLS=triton.next_power_of_2(cols), CHUNK=col_chunk, GROUPS=groups), WARPS, STAGES)
     return rows, col_lists
+
+
+ROW_TILE = 1024  # kept-block slots (rows x widest row) of one `_topk_rows_kernel` program
+COLUMN_TILE = 8192  # (column, query block) pairs of one `_topk_col_write_kernel` program
 
 
 @triton.jit
@@ -318,54 +334,56 @@ def _head_base(PerGroup, kind, b, h, bh, num_groups, GROUPS: tl.constexpr):
 
 
 @triton.jit
-def _store_list(Counts, Offsets, Indices, bh, heads, lists_per_head, base, counts, starts, n_lists, idx,
-                positions, values, ok):
-    """One head's lists of one kind: their counts and offsets, its entries at `positions`; the last head also
-    closes the offsets."""
-    valid = idx < n_lists
-    tl.store(Counts + bh * lists_per_head + idx, counts, mask=valid)
-    tl.store(Offsets + bh * lists_per_head + idx, base + starts, mask=valid)
-    tl.store(Offsets + heads * lists_per_head, base + tl.sum(tl.where(valid, counts, 0), 0), mask=bh == heads - 1)
-    tl.store(Indices + positions, values, mask=ok)
-
-
-@triton.jit
 def _topk_rows_kernel(Selected, Counts, Partial, PerGroup,
                       RowLiveCounts, RowLiveOffsets, RowLive, RowFullCounts, RowFullOffsets, RowFull,
                       RowPartCounts, RowPartOffsets, RowPart, Kind,
-                      heads, H, num_groups, Mq, Mk, W, BLOCK: tl.constexpr, WIDTH: tl.constexpr, GROUPS: tl.constexpr):
-    """Program bh: the row lists of head bh as the kept blocks come (row-major, ascending; each list's place
-    among all heads' from the per-group sizes), and each kept block's kind (1 full, 2 partial) in the
-    column-major table Kind `(B * H * Mk, Mq)`."""
-    bh = tl.program_id(0)
+                      heads, H, num_groups, Mq, Mk, W, BLOCK: tl.constexpr, ROWS: tl.constexpr, WIDTH: tl.constexpr,
+                      GROUPS: tl.constexpr):
+    """Program (bh, c): rows [c ROWS, (c + 1) ROWS) of head bh. Their row lists as the kept blocks come
+    (row-major, ascending; each list's place among all heads' from the per-group sizes and the head's earlier
+    rows), and each kept block's kind (1 full, 2 partial) in the column-major table Kind `(B * H * Mk, Mq)`."""
+    chunks = tl.cdiv(Mq, ROWS)
+    bh, c = tl.program_id(0) // chunks, tl.program_id(0) % chunks
     b, h = bh // H, bh % H
     g = tl.where(num_groups > 1, h, 0)
-    i = tl.arange(0, BLOCK)
+    every = tl.arange(0, BLOCK)  # all the head's rows: what comes before this program's, and the totals
+    n_all = tl.load(Counts + g * Mq + every, mask=every < Mq, other=0).to(tl.int32)
+    p_all = tl.load(Partial + g * Mq + every, mask=every < Mq, other=0).to(tl.int32)
+    earlier = every < c * ROWS
+    i = c * ROWS + tl.arange(0, ROWS)
     t = tl.arange(0, WIDTH)
-    n = tl.load(Counts + g * Mq + i, mask=i < Mq, other=0).to(tl.int32)  # (BLOCK,) kept per row
+    n = tl.load(Counts + g * Mq + i, mask=i < Mq, other=0).to(tl.int32)  # (ROWS,) kept per row
     p = tl.load(Partial + g * Mq + i, mask=i < Mq, other=0).to(tl.int32)  # of which partial (the last ones)
     f = n - p
-    kept = (i[:, None] < Mq) & (t[None, :] < n[:, None])  # (BLOCK, WIDTH)
+    kept = (i[:, None] < Mq) & (t[None, :] < n[:, None])  # (ROWS, WIDTH)
     is_full = kept & (t[None, :] < f[:, None])
     is_part = kept & (t[None, :] >= f[:, None])
     j = tl.load(Selected + (bh * Mq + i[:, None]).to(tl.int64) * W + t[None, :], mask=kept, other=0).to(tl.int32)
-    bases = (_head_base(PerGroup, 0, b, h, bh, num_groups, GROUPS), _head_base(PerGroup, 1, b, h, bh, num_groups, GROUPS),
-             _head_base(PerGroup, 2, b, h, bh, num_groups, GROUPS))
-    # rows: entry t of row i goes after the row's earlier entries of its kind
-    _store_rows(RowLiveCounts, RowLiveOffsets, RowLive, bh, heads, Mq, bases[0], n, i, t[None, :], j, kept)
-    _store_rows(RowFullCounts, RowFullOffsets, RowFull, bh, heads, Mq, bases[1], f, i, t[None, :], j, is_full)
-    _store_rows(RowPartCounts, RowPartOffsets, RowPart, bh, heads, Mq, bases[2], p, i, t[None, :] - f[:, None], j,
-                is_part)
+    last_head = bh == heads - 1
+    # rows: entry t of row i goes after the earlier rows' entries of its kind
+    _store_rows(RowLiveCounts, RowLiveOffsets, RowLive, bh, heads, Mq, _head_base(PerGroup, 0, b, h, bh, num_groups,
+                GROUPS), tl.sum(tl.where(earlier, n_all, 0), 0), tl.sum(n_all, 0), n, i, t[None, :], j, kept,
+                last_head)
+    _store_rows(RowFullCounts, RowFullOffsets, RowFull, bh, heads, Mq, _head_base(PerGroup, 1, b, h, bh, num_groups,
+                GROUPS), tl.sum(tl.where(earlier, n_all - p_all, 0), 0), tl.sum(n_all - p_all, 0), f, i,
+                t[None, :], j, is_full, last_head)
+    _store_rows(RowPartCounts, RowPartOffsets, RowPart, bh, heads, Mq, _head_base(PerGroup, 2, b, h, bh, num_groups,
+                GROUPS), tl.sum(tl.where(earlier, p_all, 0), 0), tl.sum(p_all, 0), p, i, t[None, :] - f[:, None], j,
+                is_part, last_head)
     # columns: the kind of (key block j, query block i), for the column programs
     tl.store(Kind + (bh * Mk + j).to(tl.int64) * Mq + i[:, None], tl.where(is_full, 1, 2).to(tl.int8), mask=kept)
 
 
 @triton.jit
-def _store_rows(Counts, Offsets, Indices, bh, heads, Mq, base, per_row, i, slot, j, ok):
-    """One head's row lists of one kind: `per_row` entries each, entry `slot` of row i at its place."""
-    starts = tl.cumsum(per_row, 0) - per_row
-    _store_list(Counts, Offsets, Indices, bh, heads, Mq, base, per_row, starts, Mq, i, base + starts[:, None] + slot,
-                j, ok)
+def _store_rows(Counts, Offsets, Indices, bh, heads, Mq, base, before, total, per_row, i, slot, j, ok, last_head):
+    """Some rows of one head's lists of one kind: `per_row` entries each, after the `before` entries of the
+    head's earlier rows; entry `slot` of row i at its place. The last head also closes the offsets."""
+    starts = before + tl.cumsum(per_row, 0) - per_row
+    rows = i < Mq
+    tl.store(Counts + bh * Mq + i, per_row, mask=rows)
+    tl.store(Offsets + bh * Mq + i, base + starts, mask=rows)
+    tl.store(Offsets + heads * Mq, base + total, mask=last_head)
+    tl.store(Indices + base + starts[:, None] + slot, j, mask=ok)
 
 
 @triton.jit
@@ -386,14 +404,58 @@ def _topk_col_counts_kernel(Kind, PerCol, lists, Mq, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _topk_col_write_kernel(Kind, PerCol, Ends, LiveCounts, LiveOffsets, Live, FullCounts, FullOffsets, Full,
-                           PartCounts, PartOffsets, Part, lists, Mq, BLOCK: tl.constexpr):
-    """Program `lst`: its column's live, full and partial lists, query blocks ascending."""
-    lst = tl.program_id(0)
-    i, k = _column_kinds(Kind, lst, Mq, BLOCK)
-    _write_kind(LiveCounts, LiveOffsets, Live, PerCol, Ends, 0, lst, lists, i, k != 0)
-    _write_kind(FullCounts, FullOffsets, Full, PerCol, Ends, 1, lst, lists, i, k == 1)
-    _write_kind(PartCounts, PartOffsets, Part, PerCol, Ends, 2, lst, lists, i, k == 2)
+def _topk_col_write_kernel(Kind, PerCol, PerGroup, LiveCounts, LiveOffsets, Live, FullCounts, FullOffsets, Full,
+                           PartCounts, PartOffsets, Part, lists, H, num_groups, Mq, Mk, BLOCK: tl.constexpr,
+                           COLS: tl.constexpr, CHUNK: tl.constexpr, GROUPS: tl.constexpr):
+    """Program (bh, c): columns [c CHUNK, (c + 1) CHUNK) of head bh, their live, full and partial lists (query
+    blocks ascending), after the lists of earlier heads (the per-group sizes) and of the head's earlier
+    columns (their counts in PerCol)."""
+    chunks = tl.cdiv(Mk, CHUNK)
+    bh, c = tl.program_id(0) // chunks, tl.program_id(0) % chunks
+    b, h = bh // H, bh % H
+    col = c * CHUNK + tl.arange(0, CHUNK)
+    i = tl.arange(0, BLOCK)
+    real = col < Mk
+    lst = bh * Mk + col
+    k = tl.load(Kind + lst[:, None].to(tl.int64) * Mq + i[None, :], mask=real[:, None] & (i[None, :] < Mq), other=0)
+    every = tl.arange(0, COLS)
+    earlier = bh * Mk + every
+    for kind in tl.static_range(3):
+        if kind == 0:
+            entries = k != 0
+        elif kind == 1:
+            entries = k == 1
+        else:
+            entries = k == 2
+        before = tl.load(PerCol + kind * lists + earlier, mask=every < c * CHUNK, other=0)
+        taken = entries.to(tl.int32)
+        n = tl.sum(taken, 1)  # (CHUNK,)
+        start = _head_base(PerGroup, kind, b, h, bh, num_groups, GROUPS) + tl.sum(before, 0) + tl.cumsum(n, 0) - n
+        at = start[:, None] + tl.cumsum(taken, 1) - 1
+        ends = lst == lists - 1
+        if kind == 0:
+            Counts, Offsets, Indices = LiveCounts, LiveOffsets, Live
+        elif kind == 1:
+            Counts, Offsets, Indices = FullCounts, FullOffsets, Full
+        else:
+            Counts, Offsets, Indices = PartCounts, PartOffsets, Part
+        tl.store(Counts + lst, n, mask=real)
+        tl.store(Offsets + lst, start, mask=real)
+        tl.store(Offsets + lists + 0 * lst, start + n, mask=ends)  # the last list closes the offsets
+        tl.store(Indices + at, tl.zeros_like(at) + i[None, :], mask=taken != 0)
+
+
+@triton.jit
+def _write_list(Counts, Offsets, Indices, start, lst, lists, idx, entries):
+    """List `lst` from `start`: its count, its offset (the last list also closes the offsets) and its entries
+    (block numbers `idx` where `entries`), in block order."""
+    taken = entries.to(tl.int32)
+    at = start + tl.cumsum(taken, 0) - 1
+    n = tl.sum(taken, 0)
+    tl.store(Counts + lst, n)
+    tl.store(Offsets + lst, start)
+    tl.store(Offsets + lists, start + n, mask=lst == lists - 1)
+    tl.store(Indices + at, idx, mask=taken != 0)
 
 
 MAX_BLOCKS = 8192  # blocks along one side that a program of `layout_lists` holds in its registers
@@ -494,17 +556,9 @@ def _layout_counts_kernel(Layout, Kinds, lists, H, Mq, Mk, bq, bk, seq_len_q, se
 
 @triton.jit
 def _write_kind(Counts, Offsets, Indices, Kinds, Ends, kind, lst, lists, idx, entries):
-    """One kind of list `lst`: its count, its offset (the last list also closes the offsets) and its entries
-    (block numbers `idx` where `entries`), in block order."""
-    n = tl.load(Kinds + kind * lists + lst)
-    end = tl.load(Ends + kind * lists + lst)
-    start = end - n
-    tl.store(Counts + lst, n)
-    tl.store(Offsets + lst, start)
-    tl.store(Offsets + lists, end, mask=lst == lists - 1)
-    taken = entries.to(tl.int32)
-    at = start + tl.cumsum(taken, 0) - 1
-    tl.store(Indices + at, idx, mask=taken != 0)
+    """One kind of list `lst`, which ends where `Ends` says (its count from `Kinds`): `_write_list`."""
+    start = tl.load(Ends + kind * lists + lst) - tl.load(Kinds + kind * lists + lst)
+    _write_list(Counts, Offsets, Indices, start, lst, lists, idx, entries)
 
 
 @triton.jit
@@ -523,11 +577,8 @@ def _layout_write_kernel(Layout, Kinds, Ends, LiveCounts, LiveOffsets, Live, Ful
     _write_kind(PartCounts, PartOffsets, Part, Kinds, Ends, 3 * FLAG + 2, lst, lists, idx, partial)
 
 
-MAX_CHOOSE = 2048  # key blocks of a row that `choose_topk` ranks (a register sort: 12 s to compile for sm_90 at
-# 2,048, 155 s at 8,192; longer rows take the torch choice)
-
-
-SELECT_MAX = 16  # rows keeping at most this many blocks find their last kept key by repeated minima, not a sort
+MAX_CHOOSE = 2048  # key blocks of a row that `choose_topk` ranks in one program (64 registers per thread at 4
+# warps; longer rows take the torch choice)
 
 
 def choose_supported(cols: int) -> bool:
@@ -541,28 +592,34 @@ def choose_topk(scores: torch.Tensor, counts: torch.Tensor, width: int, causal: 
 
     A row ranks its candidates by score, higher first and lower key block among equals (NaN as -inf, -0.0 as
     0.0), keeps `counts[g, i]` of them (with `causal`, the diagonal `cand[i] - 1` and the best `counts - 1`
-    before it), sorts them and marks them in its layout row. A row that keeps at most `SELECT_MAX` blocks finds
-    its last kept key by that many minimum reductions; longer choices sort the row's keys.
+    before it), sorts them and marks them in its layout row. The last kept score is found bit by bit, one
+    counting reduction per bit, until exactly the blocks to keep reach the bits found (about 15 bits for
+    scores drawn at random; all 32 and a prefix count for ties). A row of up to 512 key blocks is one warp's,
+    so its reductions need no shared memory (several rows per program, or several warps per row, measured
+    slower: tuning log, step 78).
     """
     B, H, Mq, Mk = scores.shape
     device = scores.device
     selected = torch.empty((B, H, Mq, width), dtype=torch.int64, device=device)
     layout = torch.empty((B, H, Mq, Mk), dtype=torch.bool, device=device)
+    block = triton.next_power_of_2(Mk)
     with _on(device):
         launch(_choose_topk_kernel, (B * H * Mq, ),
                (scores.contiguous(), counts.contiguous(), cand.contiguous(), selected, layout, H, counts.shape[0], Mq,
                 Mk, width),
-               dict(CAUSAL=causal, SELECT=width <= SELECT_MAX, BLOCK=triton.next_power_of_2(Mk)), WARPS, STAGES)
+               dict(CAUSAL=causal, BLOCK=block), max(1, block // 512), STAGES)
     return selected, layout
 
 
 @triton.jit
 def _choose_topk_kernel(Scores, Counts, Cand, Selected, Layout, H, num_groups, Mq, Mk, width, CAUSAL: tl.constexpr,
-                        SELECT: tl.constexpr, BLOCK: tl.constexpr):
-    """Program r = (b * H + h) * Mq + i: row r's choice. The ranking key of block j orders scores as floats
-    (their bits, made monotone), higher first, then j: unique, so the row keeps the keys up to its take-th
-    smallest: found by `take` minimum reductions (SELECT, a few kept blocks; `take` <= width) or one ascending
-    sort. The kept blocks leave in ascending order by a prefix count."""
+                        BLOCK: tl.constexpr):
+    """Program r = (b * H + h) * Mq + i: row r's choice. Each score becomes an unsigned key ascending with the
+    float (candidates only; everything else 0, below every candidate). A threshold `t` is built from its
+    highest bit down, a bit kept when at least `take` keys reach the value with it, until exactly `take` keys
+    reach `t` (they are the row's choice) or every bit is set (`t` is then the take-th largest key: the row
+    keeps the keys above it and, of those equal to it, the lowest blocks up to `take`). The kept blocks
+    leave in ascending order by a prefix count."""
     r = tl.program_id(0)
     h, i = (r // Mq) % H, r % Mq
     g = tl.where(num_groups > 1, h, 0)
@@ -572,34 +629,40 @@ def _choose_topk_kernel(Scores, Counts, Cand, Selected, Layout, H, num_groups, M
     s = tl.load(Scores + r.to(tl.int64) * Mk + j, mask=j < Mk, other=float("-inf")).to(tl.float32)
     s = tl.where(s != s, float("-inf"), s) + 0.0  # NaN ranks as -inf; -0.0 as 0.0
     if CAUSAL:
-        s = tl.where(j < last, s, float("-inf"))  # the diagonal is kept apart, blocks past it never
+        candidate = j < last  # the diagonal is kept apart, blocks past it never
         take = n - 1
     else:
+        candidate = j < Mk
         take = n
     bits = s.to(tl.int32, bitcast=True)
-    monotone = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # ascending with the float
-    key = (2147483647 - monotone.to(tl.int64)) * BLOCK + j  # higher score first, then lower j
-    key = tl.where(j < Mk, key, 9223372036854775807)
-    rank = tl.arange(0, BLOCK)
-    if SELECT:
-        kth = tl.full([], -1, tl.int64)  # the last kept key (-1: none)
-        for _ in range(0, take):
-            kth = tl.min(tl.where(key > kth, key, 9223372036854775807), 0)
-    else:
-        ranked = tl.sort(key)
-        kth = tl.max(tl.where(rank < take, ranked, -1), 0)  # the last kept key (-1: none)
-    kept = (key <= kth) & (j < Mk)
+    # a negative float has every bit flipped, a positive one its sign bit: ascending as unsigned; -inf is
+    # 0x007FFFFF, above the 0 of non-candidates
+    key = (bits ^ ((bits >> 31) | -2147483648)).to(tl.uint32, bitcast=True)
+    key = tl.where(candidate, key, tl.zeros_like(key))
+    t = tl.zeros([], tl.uint32)
+    reach = tl.full([], BLOCK, tl.int32)  # keys >= t
+    bit = 31
+    while (bit >= 0) & (reach != take):
+        c = t | (tl.full([], 1, tl.uint32) << bit)
+        at_c = tl.sum((key >= c).to(tl.int32), 0)
+        t = tl.where(at_c >= take, c, t)
+        reach = tl.where(at_c >= take, at_c, reach)
+        bit -= 1
+    above = key > t  # fewer than `take` (take <= 0: t ends at 0xFFFFFFFF, which no key reaches)
+    tie = key == t
+    need = take - tl.sum(above.to(tl.int32), 0)
+    kept = tl.where(reach == take, key >= t, above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= need)))
     if CAUSAL:
         on = kept | ((j == last) & (n > 0))
     else:
         on = kept
     tl.store(Layout + r.to(tl.int64) * Mk + j, on, mask=j < Mk)
-    # the `take` kept blocks ascending first, each at its place among them (a prefix count, not a second sort),
-    # then the diagonal of a causal row and Mk for the unused places
+    # the `take` kept blocks ascending first, each at its place among them (a prefix count, not a sort), then
+    # the diagonal of a causal row and Mk for the unused places
     place = tl.cumsum(kept.to(tl.int32), 0) - 1
     out = Selected + r.to(tl.int64) * width
     tl.store(out + place, j.to(tl.int64), mask=kept)
     rest = tl.full([BLOCK], Mk, tl.int64)
     if CAUSAL:
-        rest = tl.where((rank == take) & (n > 0), last.to(tl.int64), rest)
-    tl.store(out + rank, rest, mask=(rank >= take) & (rank < width))
+        rest = tl.where((j == take) & (n > 0), last.to(tl.int64), rest)
+    tl.store(out + j, rest, mask=(j >= take) & (j < width))

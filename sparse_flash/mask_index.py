@@ -898,7 +898,7 @@ def build_topk_index(selected: torch.Tensor, tables: TopkTables, ks: tuple[int, 
         return out
 
     compiling = torch.compiler.is_compiling()
-    in_capture = _capturing(selected.device)
+    in_capture = not compiling and _capturing(selected.device)  # dynamo cannot trace the capture query
     rows, cols, kernel, long_lists, longest_row = static_lists(sizes.flags if compiling else (causal, ))
     covers = sizes.covers_causal
     if covers is None:  # a non-causal choice that may hold every causal block: count the causal ones it kept

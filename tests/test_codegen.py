@@ -64,25 +64,27 @@ def cases():
 
         yield ("merge.ChunkSum", merge._sum_chunks, dict(HEAD_D=128, TILE=128, ROWS=merge.ROWS), (),
                dict(num_warps=4, num_stages=1, types={"Out": "*bf16", "Part": "*fp32", "Merges": "*i32"}))
-    yield ("index_gpu.unsplit_plan", index_gpu._unsplit_plan_kernel, dict(BLOCK=8192, FIELDS=index_gpu.FIELDS), (),
-           dict(num_warps=8))
+    for block, chunk in ((8192, 1), (512, 16)):
+        yield (f"index_gpu.unsplit_plan {chunk}x{block}", index_gpu._unsplit_plan_kernel,
+               dict(BLOCK=block, CHUNK=chunk, FIELDS=index_gpu.FIELDS), (), dict(num_warps=4))
     plan_ints = {n: "*i32" for n in ("SlotList", "Scratch")} | {n: "*i64" for n in ("N", "Firsts")}
     yield ("index_gpu.split_plan: lists", index_gpu._split_lists_kernel, dict(BLOCK=8192), (),
            dict(num_warps=4, types=plan_ints))
     yield ("index_gpu.split_plan: items", index_gpu._split_items_kernel, dict(WIDTH=2048, FIELDS=index_gpu.FIELDS),
            (), dict(num_warps=8, types=plan_ints | {"heavy_above": "fp32"}))
-    yield ("index_gpu.topk_lists: rows", index_gpu._topk_rows_kernel, dict(BLOCK=512, WIDTH=32, GROUPS=16), (),
-           dict(num_warps=8, types={**{n: "*i64" for n in ("Selected", "Counts", "Partial", "PerGroup")},
+    yield ("index_gpu.topk_lists: rows", index_gpu._topk_rows_kernel, dict(BLOCK=512, ROWS=32, WIDTH=32, GROUPS=16),
+           (), dict(num_warps=4, types={**{n: "*i64" for n in ("Selected", "Counts", "Partial", "PerGroup")},
                                        "Kind": "*i8", **{n: "i32" for n in ("H", "Mq", "Mk", "W")}}))
     yield ("index_gpu.topk_lists: column counts", index_gpu._topk_col_counts_kernel, dict(BLOCK=8192), (),
            dict(num_warps=4, types={"Kind": "*i8", "PerCol": "*i32", "Mq": "i32"}))
-    yield ("index_gpu.topk_lists: columns", index_gpu._topk_col_write_kernel, dict(BLOCK=8192), (),
-           dict(num_warps=4, types={"Kind": "*i8", "PerCol": "*i32", "Ends": "*i32", "Mq": "i32"}))
+    yield ("index_gpu.topk_lists: columns", index_gpu._topk_col_write_kernel, dict(BLOCK=512, COLS=512, CHUNK=16, GROUPS=16),
+           (), dict(num_warps=4, types={"Kind": "*i8", "PerCol": "*i32", "PerGroup": "*i64", "Mq": "i32",
+                                        "Mk": "i32", "H": "i32"}))
     ints = {n: "i32" for n in ("Mq", "Mk")}
-    for causal, select in ((False, False), (True, False), (False, True), (True, True)):
-        yield (f"index_gpu.choose_topk causal={causal} select={select}", index_gpu._choose_topk_kernel,
-               dict(CAUSAL=causal, SELECT=select, BLOCK=index_gpu.MAX_CHOOSE),
-               (), dict(num_warps=4, types={"Scores": "*fp32", "Counts": "*i64", "Cand": "*i64", "Selected": "*i64",
+    for causal, block, warps in ((False, index_gpu.MAX_CHOOSE, 4), (True, index_gpu.MAX_CHOOSE, 4), (True, 512, 1)):
+        yield (f"index_gpu.choose_topk causal={causal} {block}", index_gpu._choose_topk_kernel,
+               dict(CAUSAL=causal, BLOCK=block),
+               (), dict(num_warps=warps, types={"Scores": "*fp32", "Counts": "*i64", "Cand": "*i64", "Selected": "*i64",
                                             "Layout": "*i1", "H": "i32", **ints}))
     lists = {f"{kind}{part}": "*i32" for kind in ("Live", "Full", "Part") for part in ("Counts", "Offsets", "")}
     for side in (0, 1):

@@ -166,21 +166,23 @@ def test_topk_index_agrees_with_build_index(p):
                     assert torch.equal(a, b)
 
 
-@given(p=topk_problems())
-@example(p=EDGES[0])
-@example(p=EDGES[1])
-@example(p=EDGES[4])
-def test_topk_lists_and_plans_built_on_the_gpu_equal_the_torch_ones(p):
-    """`sparse_flash.index_gpu` (one Triton program per (batch, head) for the lists of each causal flag, one per
-    plan; here under TRITON_INTERPRET=1, as on a GPU) builds the index that the torch operators build: every
-    list and plan of every flag the mask builds without reading the device."""
+@given(p=topk_problems(), tile=st.sampled_from([1, 4, 16, 8192]))
+@example(p=EDGES[0], tile=8192)
+@example(p=EDGES[1], tile=1)
+@example(p=EDGES[4], tile=4)
+def test_topk_lists_and_plans_built_on_the_gpu_equal_the_torch_ones(p, tile):
+    """`sparse_flash.index_gpu` (programs of a few rows for the row lists, one per column, one per plan; here
+    under TRITON_INTERPRET=1, as on a GPU, with `tile` slots per row or column program: from one row or
+    column per program to whole heads) builds the index that the torch operators build: every list and plan of every flag the mask
+    builds without reading the device."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
     scores = p.scores()
     want = p.mask(scores)
     from sparse_flash import index_gpu
 
-    with mock.patch.object(mask_index, "_on_gpu", lambda t: True), \
+    with mock.patch.object(mask_index, "_on_gpu", lambda t: True), mock.patch.object(index_gpu, "ROW_TILE", tile), \
+            mock.patch.object(index_gpu, "COLUMN_TILE", tile), mock.patch.object(index_gpu, "PLAN_TILE", tile), \
             mock.patch.object(index_gpu, "topk_lists", wraps=index_gpu.topk_lists) as lists, \
             mock.patch.object(index_gpu, "unsplit_plan", wraps=index_gpu.unsplit_plan) as plans, \
             mock.patch.object(index_gpu, "choose_topk", wraps=index_gpu.choose_topk) as choice:
@@ -197,18 +199,16 @@ def test_topk_lists_and_plans_built_on_the_gpu_equal_the_torch_ones(p):
                 assert x.dtype == y.dtype and torch.equal(x, y), (causal, type(a).__name__, name)
 
 
-@pytest.mark.parametrize("select_max", [0, 64], ids=["sort", "select"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_topk_choice_on_the_gpu_ranks_nan_infinities_and_signed_zeros_as_torch_does(causal, select_max, monkeypatch):
+def test_topk_choice_on_the_gpu_ranks_nan_infinities_and_signed_zeros_as_torch_does(causal):
     """`index_gpu.choose_topk` (under TRITON_INTERPRET=1) makes the torch choice (`mask._choose_topk`) and its
-    layout: NaN ranks as -inf, -0.0 equals 0.0 (the lower block wins), infinities and ties, fp16 scores; both
-    ways of finding the last kept key (a sort, repeated minima)."""
+    layout: NaN ranks as -inf, -0.0 equals 0.0 (the lower block wins), infinities and ties, fp16 scores, rows
+    keeping none, some or all of their candidates."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
     from sparse_flash import index_gpu
     from sparse_flash.mask import _choose_topk
 
-    monkeypatch.setattr(index_gpu, "SELECT_MAX", select_max)
     values = torch.tensor([0.0, -0.0, 1.0, -1.0, float("nan"), float("inf"), float("-inf"), 2.0, 1.0, -0.0])
     gen = torch.Generator().manual_seed(1)
     scores = values[torch.randint(0, values.numel(), (1, 2, 9, 11), generator=gen)]

@@ -306,11 +306,14 @@ def test_single_and_partial_blocks(n):
     assert m.to_dense().all()
 
 
-@given(m=layouts(), causal=st.booleans(), topk=st.booleans())
-def test_work_plans_built_on_the_gpu_equal_the_torch_ones(m, causal, topk):
-    """`sparse_flash.index_gpu` (one Triton program per (batch, head); here under TRITON_INTERPRET=1) builds
-    the plans that `mask_index._plan_items` builds for lists that no program splits: the same items, chunk
-    and slot tables and lead, on layouts and on top-k masks (both flags)."""
+@given(m=layouts(), causal=st.booleans(), topk=st.booleans(), tile=st.sampled_from([1, 64, 8192]))
+def test_work_plans_built_on_the_gpu_equal_the_torch_ones(m, causal, topk, tile):
+    """`sparse_flash.index_gpu` (programs of a few lists of one (batch, head), `tile` comparisons each, from one
+    list to a whole head; here under TRITON_INTERPRET=1) builds the plans that `mask_index._plan_items` builds
+    for lists that no program splits: the same items, chunk and slot tables and lead, on layouts and on top-k
+    masks (both flags)."""
+    from sparse_flash import index_gpu
+
     from sparse_flash import mask_index
 
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -327,7 +330,7 @@ def test_work_plans_built_on_the_gpu_equal_the_torch_ones(m, causal, topk):
             return
         inputs.append(mask_index._PlanInput(live.counts, 0, live.counts.sum().item() / live.counts.numel(), full, part))
         plans.append(plan)
-    with mock.patch.object(mask_index, "_on_gpu", lambda t: True):
+    with mock.patch.object(mask_index, "_on_gpu", lambda t: True), mock.patch.object(index_gpu, "PLAN_TILE", tile):
         on_gpu = mask_index._unsplit_plans_on_gpu(inputs)
     for built, expected in zip(on_gpu, plans):
         for name, a, b in zip(mask_index.WorkPlan._fields, built, expected):
