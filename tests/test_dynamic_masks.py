@@ -467,6 +467,21 @@ def test_moba_layer_compiles_fullgraph(backend):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+def test_from_topk_never_asks_for_the_capture_state_inside_torch_compile(monkeypatch):
+    """Dynamo cannot trace `torch.cuda.is_current_stream_capturing` (it fails a fullgraph compile): a top-k
+    mask built inside torch.compile must not ask it. On the CPU the query is reached only for CUDA tensors, so
+    here every device is made to answer it, as on a GPU."""
+    scores = torch.randn(1, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    want = BlockMask.from_topk(scores, 2, causal=True, block_size=16).layout
+    monkeypatch.setattr(mask_index, "_capturing", lambda device: torch.cuda.is_current_stream_capturing())
+
+    def build(s):
+        return BlockMask.from_topk(s, 2, causal=True, block_size=16).layout
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(build, fullgraph=True, backend="aot_eager")(scores), want)
+
+
 def test_topk_tables_are_made_once_per_geometry_and_equal_the_plain_arithmetic():
     """`mask_index.topk_tables`: the same object for the same (ks, causal, geometry, device), so masks chosen
     per call reuse it; its values are those of `candidates`, `topk_counts` and `_partial_counts` (and the
