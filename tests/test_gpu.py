@@ -345,3 +345,71 @@ def test_dealing_runs_on_the_device_places_them_as_the_host_heap_and_never_waits
                 torch.cuda.set_sync_debug_mode(0)
             assert torch.equal(on_device.cpu(), on_host), (programs, n)
             assert starts.is_cuda and int(starts[-1]) == n and placed.shape == items.shape
+
+
+def test_calls_in_fresh_threads_after_the_kernels_loaded_in_another():
+    """The kernels load in this thread; then a forward in a new thread (as `nn.DataParallel` runs replicas)
+    and a backward run by `grad_fn` in one more: each launches before anything else touched the GPU in its
+    thread, and the results equal this thread's. Before `launch._bind_context`, Triton's descriptor
+    encoding failed there with "invalid device context"."""
+    import threading
+
+    mask = masks.butterfly(2048, 128, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(1, 4, 2048, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    q.requires_grad_()
+    out = sparse_flash.block_sparse_attention(q, k, v, mask)
+    (dq,) = torch.autograd.grad(out, q, do)
+    torch.cuda.synchronize()
+    results, errors = {}, []
+
+    def run(name, fn):
+        try:
+            results[name] = fn()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported below, with its thread
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+
+    again = sparse_flash.block_sparse_attention(q, k, v, mask)
+    for name, fn in (("forward", lambda: sparse_flash.block_sparse_attention(q.detach(), k, v, mask)),
+                     ("backward", lambda: again.grad_fn.apply(do, None)[0])):
+        thread = threading.Thread(target=run, args=(name, fn))
+        thread.start()
+        thread.join()
+    assert not errors, errors
+    assert torch.equal(results["forward"], out.detach())
+    assert torch.equal(results["backward"], dq)
+
+
+def test_hopper_launches_encode_their_descriptors_once_per_address():
+    """On the Triton this GPU machine runs (3.6), the Hopper passes launch below Triton's Python wrapper
+    (`launch._RawLaunch`), and a repeated call with the same tensors (and outputs at the same addresses)
+    encodes no descriptor again."""
+    from sparse_flash.kernels import dispatch, launch
+
+    if dispatch.gluon_modules() is None:
+        pytest.skip("no Hopper kernels on this GPU")
+    mask = masks.butterfly(2048, 128, device="cuda")
+    q, k, v, do = (torch.randn(1, 4, 2048, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q.requires_grad_()
+    plans = launch.mask_plans(mask)
+
+    def call():
+        q.grad = None  # the same allocations in the same order: the caching allocator's same addresses
+        sparse_flash.block_sparse_attention(q, k, v, mask).backward(do)
+
+    call()
+    call()
+    bounds = [p.launch for p in plans.values() if hasattr(p, "launch")]
+    bounds += [x.launch for p in plans.values() for x in (getattr(p, "dq", None), getattr(p, "dkdv", None))
+               if x is not None]
+    raws = [b._raw for b in bounds if isinstance(b, launch.BoundLaunch)]
+    if not raws or any(r is None for r in raws):
+        import triton
+
+        assert triton.__version__ != "3.6.0", f"Triton 3.6's launcher should take the raw launch: {raws}"
+        pytest.skip(f"Triton {triton.__version__}: its own launcher")
+    kept = [len(r.kept) for r in raws]
+    call()
+    torch.cuda.synchronize()
+    assert [len(r.kept) for r in raws] == kept

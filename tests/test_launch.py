@@ -1,5 +1,8 @@
 """The cached direct launch: same signature -> direct call; anything Triton specialises on -> normal path."""
 
+import sys
+import types
+
 import pytest
 import torch
 
@@ -40,6 +43,7 @@ def fast(monkeypatch):
     monkeypatch.setattr(launch_mod, "_current_device", lambda: 0)
     monkeypatch.setattr(launch_mod, "_raw_stream", lambda device: 7)
     monkeypatch.setattr(launch_mod, "_hooks_installed", lambda: False)
+    monkeypatch.setattr(launch_mod, "_bind_context", lambda device: None)  # no CUDA context on the CPU
     monkeypatch.setattr(launch_mod, "_CACHE", {})
     with settings.override(fast_launch=True):
         yield
@@ -257,3 +261,121 @@ def test_cached_plan_builds_once_per_key_and_stays_bounded(monkeypatch):
     monkeypatch.setattr(launch_mod, "PLAN_LIMIT", 2)
     launch_mod.cached_plan(cache, "c", lambda: 3)
     assert cache == {"c": 3}
+
+
+# A Triton launcher of the layout `launch._raw_launch` knows (Triton 3.6): a `CudaLauncher` whose `launch` wraps
+# the C launcher in a closure that encodes the descriptor arguments (by position) with `make_tensordesc_arg`.
+RAW_MODULE = "fake_triton_driver"
+
+
+class Desc:
+    """A host descriptor (what `DescriptorSpec.make` builds): its tensor as `base`."""
+
+    def __init__(self, base, rows):
+        self.base, self.rows = base, rows
+
+
+def make_desc(t, rows):
+    make_desc.built += 1
+    return Desc(t, rows)
+
+
+def fake_driver(monkeypatch, log, **changes):
+    module = types.ModuleType(RAW_MODULE)
+    module._BASE_ARGS_FORMAT_LEN = changes.get("base_len", 13)
+
+    def make_tensordesc_arg(arg, meta):
+        log.append(("encode", arg.base.data_ptr(), meta))
+        return [f"map{arg.base.data_ptr()}:{arg.rows}", arg.rows, 1]
+
+    module.make_tensordesc_arg = make_tensordesc_arg
+    monkeypatch.setitem(sys.modules, RAW_MODULE, module)
+
+    def c_launch(*args):
+        log.append(("raw", args))
+
+    def wrap(launcher, tensordesc_indices, tensordesc_meta):
+        def inner(*args):
+            raise AssertionError(f"the raw launch goes below this wrapper ({launcher}, {tensordesc_indices}, "
+                                 f"{tensordesc_meta})")
+        return inner
+
+    class CudaLauncher:
+        global_scratch_size = changes.get("scratch", 0)
+        profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = False, True
+
+        def __init__(self):
+            self.launch = wrap(c_launch, changes.get("positions", {0, 2}), changes.get("metas", ["m0", "m2"]))
+
+        def __call__(self, *args):
+            log.append(("wrapped", args))
+
+    CudaLauncher.__module__ = RAW_MODULE
+    return CudaLauncher()
+
+
+class RawCompiled(FakeCompiled):
+    def __init__(self, log, runner):
+        super().__init__(log)
+        self.run = runner
+
+
+class RawKernel(FakeKernel):
+    arg_names = ["A", "n", "B", "X", "scale", "BLOCK", "FLAG"]
+
+    def __init__(self, runner):
+        super().__init__()
+        self.runner = runner
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            self.log.append(("normal", grid, args, kw))
+            return RawCompiled(self.log, self.runner)
+        return run
+
+
+def test_bound_launch_encodes_each_descriptor_once_per_data_pointer(fast, monkeypatch):
+    """Below a known launcher layout, direct calls pass each descriptor argument in its encoded form, kept
+    per position and data pointer: a `DescriptorSpec` is built and encoded only for an address not met
+    before, and the other arguments pass as they are, then the tail and the constexprs."""
+    log = []
+    kernel = RawKernel(fake_driver(monkeypatch, log))
+    make_desc.built = 0
+    index = torch.arange(8, dtype=torch.int32)
+    bound = launch_mod.BoundLaunch(kernel, 5, (index, 0.5), {"BLOCK": 16, "FLAG": True}, 4, 3)
+    a, b, c = torch.zeros(64), torch.zeros(64), torch.zeros(64)
+
+    def spec(t, rows=32):
+        return launch_mod.DescriptorSpec(t, make_desc, (rows,))
+
+    bound(spec(a), 7, spec(b, 16))  # Triton's path: descriptors built, no encoding here
+    assert kinds(kernel) == ["normal"] and isinstance(kernel.log[0][2][0], Desc) and make_desc.built == 2
+    for _ in range(2):
+        bound(spec(a), 7, spec(b, 16))
+    bound(spec(c), 7, spec(b, 16))
+    raw = [entry[1] for entry in log if entry[0] == "raw"]
+    encoded = [entry[1:] for entry in log if entry[0] == "encode"]
+    assert len(raw) == 3 and not any(entry[0] == "wrapped" for entry in log)
+    assert encoded == [(a.data_ptr(), "m0"), (b.data_ptr(), "m2"), (c.data_ptr(), "m0")]
+    assert make_desc.built == 5  # two for Triton's path, then a, b once, c once
+    assert raw[0][:13] == (5, 1, 1, 7, "fn", False, True, None, None, FakeCompiled.packed_metadata, None, None, None)
+    assert raw[0][13:] == (f"map{a.data_ptr()}:32", 32, 1, 7, f"map{b.data_ptr()}:16", 16, 1, index.data_ptr(),
+                           0.5, 16, True)
+    assert raw[2][13] == f"map{c.data_ptr()}:32"
+
+
+@pytest.mark.parametrize("change", [dict(base_len=14), dict(scratch=64), dict(metas=["m0", None]),
+                                    dict(positions={0, 3})])
+def test_bound_launch_takes_tritons_launcher_where_the_raw_call_does_not_apply(fast, monkeypatch, change):
+    """Another launcher layout, a kernel needing scratch memory, a descriptor without encoding metadata or
+    among the trailing arguments: direct calls go through Triton's launcher with built descriptors."""
+    log = []
+    kernel = RawKernel(fake_driver(monkeypatch, log, **change))
+    make_desc.built = 0
+    bound = launch_mod.BoundLaunch(kernel, 5, (torch.zeros(2), 0.5), {"BLOCK": 16, "FLAG": True}, 4, 3)
+    a = torch.zeros(64)
+    for _ in range(3):
+        bound(launch_mod.DescriptorSpec(a, make_desc, (32,)), 7, launch_mod.DescriptorSpec(a, make_desc, (16,)))
+    assert kinds(kernel) == ["normal"] and [entry[0] for entry in log] == ["wrapped", "wrapped"]
+    assert make_desc.built == 6 and isinstance(log[0][1][9], Desc)  # built on every call

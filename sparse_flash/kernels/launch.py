@@ -13,7 +13,12 @@ installed (profilers), every call takes the normal path.
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
+import threading
+import types
 import weakref
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -57,6 +62,7 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
         # value (it checks == 1, divisibility by 16 and the 32/64-bit range); floats it does not (`_arg_key`).
         # Most arguments are ints, which are their own key: no call for them.
         device = _current_device()
+        _bind_context(device)
         key = (id(kernel), num_warps, num_stages, maxnreg, device, *constexprs.values(),
                *[a if a.__class__ is int else _arg_key(a) for a in args])
         compiled = _CACHE.get(key)
@@ -76,6 +82,8 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
         return None
     if settings.interpreting():  # the CPU tests check the order that the direct call relies on
         _check_order(kernel, len(args), constexprs)
+    else:
+        _bind_context(_current_device())
     _compile_and_launch(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg)
     return None
 
@@ -104,9 +112,29 @@ def _options(num_warps: int, num_stages: int, maxnreg: int) -> dict:
     return options
 
 
+class DescriptorSpec(NamedTuple):
+    """A TMA descriptor argument of a `BoundLaunch`, given by what makes it: `make(tensor, *params)` builds the
+    descriptor. A launch that encodes descriptors itself (`_RawLaunch`) keeps the encoded form per data
+    pointer and builds the descriptor only the first time it meets that pointer; any other launch builds it
+    on every call."""
+
+    tensor: torch.Tensor
+    make: Callable
+    params: tuple
+
+    def build(self):
+        return self.make(self.tensor, *self.params)
+
+
+def _built(a):
+    """A launch argument as Triton takes it: a `DescriptorSpec` becomes its descriptor."""
+    return a.build() if a.__class__ is DescriptorSpec else a
+
+
 class BoundLaunch:
     """A launch prepared once: kernel, grid, trailing arguments, constexprs and options are fixed, and each
-    call passes only the leading arguments, the tensors that change from call to call.
+    call passes only the leading arguments, the tensors that change from call to call (descriptors as
+    `DescriptorSpec`s or built).
 
     Whoever keeps a BoundLaunch for reuse must key it on everything Triton specialises the leading tensors
     on (dtype, 16-byte alignment, a descriptor's shape and strides) and on the current device: the compiled
@@ -116,25 +144,119 @@ class BoundLaunch:
     addresses as ints, which Triton's launcher takes as pointers without asking the tensor (a Python call)
     and the driver (a pointer-attribute query) again on every launch. This object holds the tensors, so
     the addresses stay valid.
+
+    Where Triton's launcher is one this module knows (`_raw_launch`), the direct call goes below its Python
+    wrapper: descriptors are encoded once per data pointer instead of built and encoded on every call.
     """
 
-    __slots__ = ("kernel", "grid", "tail", "constexprs", "num_warps", "num_stages", "maxnreg", "_compiled", "_rest")
+    __slots__ = ("kernel", "grid", "tail", "constexprs", "num_warps", "num_stages", "maxnreg", "_compiled", "_rest",
+                 "_raw")
 
     def __init__(self, kernel, grid: int, tail: tuple, constexprs: dict, num_warps: int, num_stages: int,
                  maxnreg: int = 0):
         self.kernel, self.grid, self.tail, self.constexprs = kernel, grid, tail, constexprs
         self.num_warps, self.num_stages, self.maxnreg = num_warps, num_stages, maxnreg
         addresses = (a.data_ptr() if isinstance(a, torch.Tensor) else a for a in tail)
-        self._compiled, self._rest = None, (*addresses, *constexprs.values())
+        self._compiled, self._rest, self._raw = None, (*addresses, *constexprs.values()), None
 
     def __call__(self, *head) -> None:
         compiled = self._compiled
         if compiled is not None and settings.current().fast_launch and not _hooks_installed():
-            compiled.run(self.grid, 1, 1, _raw_stream(_current_device()), compiled.function, compiled.packed_metadata,
-                         None, None, None, *head, *self._rest)
+            device = _current_device()
+            _bind_context(device)
+            if self._raw is not None:
+                self._raw(self.grid, _raw_stream(device), head, self._rest)
+                return
+            compiled.run(self.grid, 1, 1, _raw_stream(device), compiled.function, compiled.packed_metadata,
+                         None, None, None, *[_built(a) for a in head], *self._rest)
             return
-        self._compiled = launch(self.kernel, (self.grid,), (*head, *self.tail), self.constexprs, self.num_warps,
-                                self.num_stages, self.maxnreg)
+        self._compiled = launch(self.kernel, (self.grid,), (*[_built(a) for a in head], *self.tail),
+                                self.constexprs, self.num_warps, self.num_stages, self.maxnreg)
+        self._raw = None if self._compiled is None else _raw_launch(self._compiled, len(head))
+
+
+class _RawLaunch:
+    """Triton's CUDA launcher (the 3.6 layout) called below its Python wrapper, with each descriptor argument
+    encoded once per data pointer by Triton's own encoder (`make_tensordesc_arg`) and kept.
+
+    An encoded descriptor depends on its tensor's address, shape and strides and on the kernel's fixed
+    block shape and swizzle; a `BoundLaunch` has fixed shapes and strides (its contract), so the address
+    (with the element count, as a check) keys it. The kept encodings hold no tensor: a freed tensor's
+    address reused by a new tensor of the same shape has the same encoding.
+    """
+
+    LIMIT = 64  # encodings kept per launch and argument position (a training loop reuses a few addresses)
+
+    def __init__(self, c_launch, compiled, runner, metas: dict, encode):
+        self.c_launch, self.encode, self.metas = c_launch, encode, metas  # metas: {head position: Triton's meta}
+        self.function, self.packed = compiled.function, compiled.packed_metadata
+        self.cooperative, self.pdl = runner.launch_cooperative_grid, runner.launch_pdl
+        self.kept: dict = {}
+
+    def __call__(self, grid: int, stream: int, head: tuple, rest: tuple) -> None:
+        args = []
+        metas, kept = self.metas, self.kept
+        for i, a in enumerate(head):
+            meta = metas.get(i)
+            if meta is None:
+                args.append(a)
+                continue
+            t = a.tensor if a.__class__ is DescriptorSpec else a.base
+            key = (i, t.data_ptr(), t.numel())
+            encoded = kept.get(key)
+            if encoded is None:
+                if len(kept) >= self.LIMIT * len(metas):
+                    kept.clear()
+                encoded = kept[key] = self.encode(_built(a), meta)
+            args += encoded
+        self.c_launch(grid, 1, 1, stream, self.function, self.cooperative, self.pdl, None, None, self.packed, None,
+                      None, None, *args, *rest)
+
+
+def _raw_launch(compiled, n_head: int) -> _RawLaunch | None:
+    """The raw launch of `compiled` (see `_RawLaunch`), or None where Triton's launcher is not the known
+    layout (another Triton version, a kernel that needs scratch memory or several CTAs, descriptors among
+    the trailing arguments or without encoding metadata): those calls take Triton's launcher."""
+    try:
+        runner = compiled.run
+        module = sys.modules.get(type(runner).__module__)
+        if (type(runner).__name__ != "CudaLauncher" or getattr(module, "_BASE_ARGS_FORMAT_LEN", None) != 13
+                or runner.global_scratch_size or runner.profile_scratch_size or getattr(runner, "num_ctas", 1) != 1):
+            return None
+        wrapper = runner.launch
+        if isinstance(wrapper, types.BuiltinFunctionType):  # a kernel without descriptors: the C launcher itself
+            return _RawLaunch(wrapper, compiled, runner, {}, None)
+        cells = dict(zip(wrapper.__code__.co_freevars, (c.cell_contents for c in wrapper.__closure__)))
+        encode = getattr(module, "make_tensordesc_arg", None)
+        positions, metas = cells.get("tensordesc_indices"), cells.get("tensordesc_meta")
+        if (not callable(cells.get("launcher")) or positions is None or not metas or any(m is None for m in metas)
+                or encode is None or len(inspect.signature(encode).parameters) != 2
+                or len(metas) != len(positions) or max(positions) >= n_head):
+            return None
+        return _RawLaunch(cells["launcher"], compiled, runner, dict(zip(sorted(positions), metas)), encode)
+    except Exception:  # noqa: BLE001 - an unknown launcher layout is only a slower path
+        return None
+
+
+_THREAD = threading.local()
+
+
+def _bind_context(device: int) -> None:
+    """Make `device`'s CUDA context current in this thread (once per thread and device).
+
+    Triton encodes TMA descriptors through the driver before its launcher binds a context, so in a thread
+    where nothing has touched the GPU yet (autograd's device thread running a backward first, a thread of
+    `nn.DataParallel`), with the kernel loaded in another thread, the encoding failed with "invalid device
+    context". Any runtime call binds the device's primary context; a stream query is the cheapest, and a
+    stream capturing a CUDA graph (which a query would end) was begun by a runtime call already."""
+    bound = _THREAD.__dict__.get("devices")
+    if bound is None:
+        bound = _THREAD.devices = set()
+    if device not in bound:
+        with torch.cuda.device(device):
+            if not torch.cuda.is_current_stream_capturing():
+                torch.cuda.current_stream().query()
+        bound.add(device)
 
 
 def _arg_key(a):

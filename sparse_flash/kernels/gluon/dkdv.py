@@ -35,7 +35,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...mask_index import KernelIndex, MaskGeometry
 from ..aot import compile_gluon_sm90, descriptor_type
@@ -45,7 +44,7 @@ from ..triton.common import LOG2E
 from ..triton.split import SplitPlan
 from .merge import ChunkSum
 from .pipeline import (FIRST_HALF, GL_DTYPES, ITEM_WIDTH, SECOND_HALF, bound_launch, list_tile_start, num_sms,
-                       partition_barrier, release, release_after_store, ring_barriers, row_descriptor, runs_on,
+                       partition_barrier, release, release_after_store, ring_barriers, row_spec, runs_on, vector_spec,
                        shapes_fit, takes_plan, tma_load, tma_store)
 
 BLOCK_N = 128  # keys per item (64 per compute warpgroup)
@@ -297,11 +296,10 @@ class DkdvPlan:
         dv = new_output(self.k_shape, self.dtype, self.device)
         dk_part, dv_part = self.chunk_sum.scratch(self.device), self.chunk_sum.scratch(self.device)
         half = BLOCK_N // 2  # each compute warpgroup stores its 64 rows
-        descs = (row_descriptor(q, BLOCK_M, self.q_layout), row_descriptor(do, BLOCK_M, self.q_layout),
-                 row_descriptor(k, BLOCK_N, self.kv_layout), row_descriptor(v, BLOCK_N, self.kv_layout),
-                 TensorDescriptor(lse, [lse.numel()], [1], [BLOCK_M], self.row_layout),
-                 TensorDescriptor(delta, [delta.numel()], [1], [BLOCK_M], self.row_layout),
-                 row_descriptor(dk, half, self.kv_layout), row_descriptor(dv, half, self.kv_layout))
+        descs = (row_spec(q, BLOCK_M, self.q_layout), row_spec(do, BLOCK_M, self.q_layout),
+                 row_spec(k, BLOCK_N, self.kv_layout), row_spec(v, BLOCK_N, self.kv_layout),
+                 vector_spec(lse, BLOCK_M, self.row_layout), vector_spec(delta, BLOCK_M, self.row_layout),
+                 row_spec(dk, half, self.kv_layout), row_spec(dv, half, self.kv_layout))
         self.launch(*descs, dk_part, dv_part)
         self.chunk_sum(dk, dk_part)
         self.chunk_sum(dv, dv_part)

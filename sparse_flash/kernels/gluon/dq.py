@@ -37,7 +37,7 @@ from ..triton.common import LOG2E
 from ..triton.split import SplitPlan
 from .merge import ChunkSum
 from .pipeline import (FIRST_HALF, GL_DTYPES, ITEM_WIDTH, SECOND_HALF, bound_launch, list_tile_start, load_kv,
-                       num_sms, partition_barrier, release, release_after_store, ring_barriers, row_descriptor,
+                       num_sms, partition_barrier, release, release_after_store, ring_barriers, row_spec,
                        runs_on, shapes_fit, takes_plan, tma_load, tma_store)
 
 BLOCK_N = 64  # keys per step
@@ -298,9 +298,9 @@ class DqPlan:
         """dQ; also writes `delta` (float32 `(B, Hq, Nq)`), which the dK/dV launch reads."""
         dq = new_output(self.q_shape, self.dtype, self.device)
         part = self.chunk_sum.scratch(self.device)
-        descs = (row_descriptor(q, ROW_BLOCK, self.q_layout), row_descriptor(do, ROW_BLOCK, self.q_layout),
-                 row_descriptor(k, BLOCK_N, self.kv_layout), row_descriptor(v, BLOCK_N, self.kv_layout),
-                 row_descriptor(dq, ROW_BLOCK // 2, self.q_layout))  # dQ: each warpgroup stores its 64 rows
+        descs = (row_spec(q, ROW_BLOCK, self.q_layout), row_spec(do, ROW_BLOCK, self.q_layout),
+                 row_spec(k, BLOCK_N, self.kv_layout), row_spec(v, BLOCK_N, self.kv_layout),
+                 row_spec(dq, ROW_BLOCK // 2, self.q_layout))  # dQ: each warpgroup stores its 64 rows
         self.launch(*descs, out, lse, delta, part, k, v)  # k and v also as pointers: `_diagonal_dq_exact` reads them
         self.chunk_sum(dq, part)
         return dq

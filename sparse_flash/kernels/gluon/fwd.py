@@ -44,7 +44,7 @@ from ..triton.common import LOG2E
 from ..triton.split import SplitPlan
 from .merge import RowMerge
 from .pipeline import (FIRST_HALF, GL_DTYPES, ITEM_WIDTH, SECOND_HALF, bound_launch, list_tile_start, load_kv,
-                       num_sms, partition_barrier, release, release_after_store, ring_barriers, row_descriptor,
+                       num_sms, partition_barrier, release, release_after_store, ring_barriers, row_spec,
                        runs_on, shapes_fit, takes_plan, tma_load, tma_store)
 
 BLOCK = 128  # query rows per item and key rows per K/V stage
@@ -407,7 +407,7 @@ class FwdPlan:
         out = new_output(self.out_shape, self.dtype, self.device)
         lse = new_output(self.lse_shape, torch.float32, self.device)
         part, _, lse_part = self.split.scratch()
-        descs = [row_descriptor(t, rows, self.layout)
+        descs = [row_spec(t, rows, self.layout)
                  for t, rows in ((q, BLOCK), (k, BLOCK), (v, BLOCK), (out, BLOCK // 2))]  # out: per warpgroup
         self.launch(*descs, lse, part, lse_part, k, v)  # k and v also as pointers: `_diagonal_exact` reads them
         if self.merge is not None:

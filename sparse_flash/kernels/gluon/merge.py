@@ -17,7 +17,7 @@ import triton.language as tl
 
 from ..launch import BoundLaunch
 from ..memory import new_output
-from ..triton.split import MERGE_ROWS, SplitPlan, store_chunk_merge
+from ..triton.split import MERGE_ROWS, SplitPlan, placeholder, store_chunk_merge
 
 ROWS = 16  # rows of a tile per program: a cut list's tile spreads over TILE / ROWS programs
 
@@ -65,7 +65,10 @@ class ChunkSum:
                                       dict(HEAD_D=head_dim, TILE=tile, ROWS=ROWS), 4, 1)
 
     def scratch(self, device) -> torch.Tensor:
-        """float32 `(slots, tile, head_dim)` for the chunks to write into (one row block if none)."""
+        """float32 `(slots, tile, head_dim)` for the chunks to write into; where nothing is split, a placeholder
+        that no item writes (their scratch slot is -1), and no allocation."""
+        if not self.slots:
+            return placeholder(device, torch.float32)
         return new_output(self.shape, torch.float32, device)
 
     def __call__(self, out: torch.Tensor, part: torch.Tensor) -> None:

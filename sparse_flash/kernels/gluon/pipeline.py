@@ -12,7 +12,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import settings
-from ..launch import BoundLaunch
+from ..launch import BoundLaunch, DescriptorSpec
 from ...mask_index import MaskGeometry, WorkPlan
 from ..schedule import ITEM_WIDTH as _ITEM_FIELDS, ROW_BLOCK
 from ..triton.tma import unchecked_descriptor
@@ -133,6 +133,24 @@ def row_descriptor(t, rows: int, layout):
     D = t.shape[-1]
     return unchecked_descriptor(TensorDescriptor, base=t, shape=[t.numel() // D, D], strides=[D, 1],
                                 block_shape=[rows, D], layout=layout)
+
+
+def vector_descriptor(t, rows: int, layout):
+    """A TMA descriptor of contiguous t as one vector (float32 per row: a log-sum-exp, a delta), read `rows`
+    elements at a time; unchecked as `row_descriptor`."""
+    return unchecked_descriptor(TensorDescriptor, base=t, shape=[t.numel()], strides=[1], block_shape=[rows],
+                                layout=layout)
+
+
+def row_spec(t, rows: int, layout) -> DescriptorSpec:
+    """`row_descriptor(t, rows, layout)` as a launch argument: built only where the launch needs it built
+    (`launch.DescriptorSpec`; an encoded descriptor is kept per data pointer)."""
+    return DescriptorSpec(t, row_descriptor, (rows, layout))
+
+
+def vector_spec(t, rows: int, layout) -> DescriptorSpec:
+    """`vector_descriptor(t, rows, layout)` as a launch argument (see `row_spec`)."""
+    return DescriptorSpec(t, vector_descriptor, (rows, layout))
 
 
 def bound_launch(kernel, grid: int, tail: tuple, constexprs: dict, maxnreg: int) -> BoundLaunch:
