@@ -6,7 +6,8 @@ row, in opposite orders, and the faster median counts, so neither pays for runni
 (compilation, an idle GPU). Effective TFLOP/s count only the nonzero blocks:
 forward 4·B·H·N²·D·density, forward+backward 3.5x that (backward = 2.5x forward). Rows of up to 4,096
 tokens, where one call's host time can exceed its GPU time, are also timed as CUDA-graph replays
-(`do_bench_cudagraph`) for sparse_flash and FlexAttention, which separates the kernels from the host.
+(`do_bench_cudagraph`) for sparse_flash and FlexAttention, which separates the kernels from the host. The
+run first waits (up to 90 s) for the host's 1-minute load to fall below 1.5, and records it.
 
     python benchmarks/bench_attention.py                 # the full table (about 10 minutes on an H200)
     python benchmarks/bench_attention.py --quick         # two shapes, fewer masks
@@ -345,6 +346,20 @@ def environment() -> dict:
             "commit": git_commit(), "command": " ".join(sys.argv), "host": host_info()}
 
 
+SETTLE_LOAD, SETTLE_SECONDS = 1.5, 90  # the 1-minute load the run waits for, and for how long at most
+
+
+def settle_host(limit: float = SETTLE_LOAD, seconds: float = SETTLE_SECONDS, sleep=time.sleep) -> float:
+    """Wait until the host's 1-minute load average is below `limit` (at most `seconds`); returns the seconds
+    waited. Eager rows of 4,096 tokens are as fast as the host: a run started right after an 8-worker test run
+    (load 4.1) had them at 0.81-0.94x FlexAttention where an idle host gave 1.15-1.68x (2026-12-04)."""
+    waited = 0.0
+    while hasattr(os, "getloadavg") and os.getloadavg()[0] >= limit and waited < seconds:
+        sleep(5.0)
+        waited += 5.0
+    return waited
+
+
 def host_info() -> dict:
     """The host that small, host-bound rows depend on: CPU model, cores, and load when the run started."""
     model = platform.processor() or "unknown"
@@ -445,7 +460,10 @@ def main(argv=None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {**environment(), "block_size": BLOCK}
+    waited = settle_host()
+    meta = {**environment(), "block_size": BLOCK, "settle_wait_s": waited}
+    print(f"host load {meta['host']['load_1min']} after waiting {waited:.0f} s for it to fall below {SETTLE_LOAD}",
+          flush=True)
     shapes = QUICK_SHAPES if args.quick else SHAPES
     mask_names = QUICK_MASKS if args.quick else MASKS
     log_file = open(out / "bench.jsonl", "w")

@@ -82,3 +82,15 @@ def test_ab_rows_outside_the_benchmark_parse_or_say_what_a_row_is():
     for bad in ("1,2,3", "1,16,16,16384,64,dense,yes", "a,16,16,16384,64,dense,true"):
         with pytest.raises(ab.argparse.ArgumentTypeError, match="B,Hq,Hkv,N,D,MASK,CAUSAL"):
             ab.parse_row(bad)
+
+
+def test_the_run_waits_for_a_loaded_host_to_settle_and_no_longer_than_its_limit(monkeypatch):
+    loads = iter([4.1, 3.0, 1.7, 1.2, 9.0])
+    monkeypatch.setattr(bench.os, "getloadavg", lambda: (next(loads), 0.0, 0.0))
+    slept = []
+    assert bench.settle_host(1.5, 90, sleep=slept.append) == 15.0  # three waits until the load fell below 1.5
+    assert slept == [5.0] * 3
+    monkeypatch.setattr(bench.os, "getloadavg", lambda: (8.0, 0.0, 0.0))
+    slept.clear()
+    assert bench.settle_host(1.5, 20, sleep=slept.append) == 20.0  # a host that never settles: the limit
+    assert len(slept) == 4

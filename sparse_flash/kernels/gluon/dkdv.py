@@ -131,9 +131,11 @@ def _bwd_step(k, v, q_smem, do_smem, lse_smem, delta_smem, step_ready, step_empt
         pt = gl.where(queries[None, :] >= keys[:, None], pt, 0.0)
     dv = warpgroup_mma(gl.convert_layout(pt.to(q.dtype), p_layout), do, dv, is_async=True)
     delta = delta_smem.index(s).load(cols)  # (BM,) rowsum(dO * O)
-    dst = pt * (dpt - delta[None, :])  # (64, BM) dS^T
-    if MASKED:  # a pair left out (P = 0) has dS = 0 even where dP or delta is not finite (never 0 x NaN)
-        dst = gl.where(pt == 0.0, 0.0, dst)
+    ds_in = dpt - delta[None, :]
+    if MASKED:  # a pair left out (P = 0) has dS = 0 even where dP or delta is not finite (never 0 x NaN);
+        # selected on the factor, not on the product: that made ptxas fence the dK product (tuning log, step 80)
+        ds_in = gl.where(pt == 0.0, 0.0, ds_in)
+    dst = pt * ds_in  # (64, BM) dS^T
     dk = warpgroup_mma(gl.convert_layout(dst.to(q.dtype), p_layout), q, dk, is_async=True)
     dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
     release(step_empty.index(s))
