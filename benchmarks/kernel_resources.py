@@ -7,6 +7,13 @@ other's prologue and epilogue (docs/tuning-log.md, steps 25 and 26).
 
     python benchmarks/kernel_resources.py            # needs triton with its CUDA backend; no GPU
     python benchmarks/kernel_resources.py --dkdv     # the dK/dV kernel at candidate tiles, both load paths
+    python benchmarks/kernel_resources.py --hopper   # the Hopper (Gluon) forward, dQ and dK/dV kernels
+
+The Hopper kernels hold one program per SM and cap their registers at launch (each warpgroup then sets its
+own share), so their report is the spills and the fences ptxas injects into their tensor-core pipelines
+("warpgroup.arrive is injected", ptxas info C7519: a product then waits for the warpgroup's earlier ones;
+tuning log, step 80). Compile with the Triton the GPU machine runs (its ptxas decides), e.g. a wheel
+unpacked ahead on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import argparse
 import os
 import subprocess
 import tempfile
+from functools import partial
 
 import torch
 import triton
@@ -38,18 +46,29 @@ def ptxas_path() -> str:
         return os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
 
 
+def ptxas_report(ptx: str) -> dict:
+    """`ptxas -v` for sm_90a on PTX text: registers, spill-store bytes and injected warpgroup fences."""
+    folder = tempfile.mkdtemp()
+    with open(f"{folder}/k.ptx", "w") as f:
+        f.write(ptx)
+    run = subprocess.run([ptxas_path(), "-v", "-arch=sm_90a", f"{folder}/k.ptx", "-o", f"{folder}/k.cubin"],
+                         capture_output=True, text=True)
+    return parse_ptxas((run.stderr + run.stdout).splitlines())
+
+
+def parse_ptxas(lines: list[str]) -> dict:
+    """Registers, spill-store bytes and injected warpgroup fences (C7519) from `ptxas -v`'s lines."""
+    regs = int(next(line for line in lines if "Used" in line).split("Used")[1].split("registers")[0])
+    spills = int(next(line for line in lines if "spill stores" in line).split(",")[1].split("bytes")[0])
+    fences = sum("warpgroup.arrive is injected" in line for line in lines)
+    return {"registers": regs, "spill_bytes": spills, "injected_fences": fences}
+
+
 def compile_report(kernel, constexprs: dict, warps: int, stages: int, descriptors=(), maxnreg: int = 0) -> dict:
     """Compile for sm_90a; registers and spills from ptxas, shared memory from Triton, programs per SM."""
     compiled = compile_sm90(kernel, constexprs, descriptors, warps, stages, aligned=True, maxnreg=maxnreg)
-    ptxas = ptxas_path()
-    folder = tempfile.mkdtemp()
-    with open(f"{folder}/k.ptx", "w") as f:
-        f.write(compiled.asm["ptx"])
-    run = subprocess.run([ptxas, "-v", "-arch=sm_90a", f"{folder}/k.ptx", "-o", f"{folder}/k.cubin"],
-                         capture_output=True, text=True)
-    lines = (run.stderr + run.stdout).splitlines()
-    regs = int(next(line for line in lines if "Used" in line).split("Used")[1].split("registers")[0])
-    spills = int(next(line for line in lines if "spill stores" in line).split(",")[1].split("bytes")[0])
+    report = ptxas_report(compiled.asm["ptx"])
+    regs, spills = report["registers"], report["spill_bytes"]
     shared = compiled.metadata.shared
     threads = 32 * warps
     fits = min(SM_REGISTERS // (max(regs, 1) * threads), SM_SHARED // (shared + BLOCK_SHARED_RESERVED),
@@ -106,10 +125,37 @@ def dkdv_candidate_rows(D: int):
                    stages, ("Q", "DO") if tma else (), 0)
 
 
+def hopper_rows(D: int):
+    """(label, compile) of the Hopper forward, dQ and dK/dV kernels for sparse and dense rows, causal or not
+    (block 128, bf16), as their launchers compile them."""
+    from sparse_flash.kernels import dispatch
+
+    gluon = dispatch.gluon_modules()
+    for label, dense, causal in (("sparse", False, False), ("dense", True, False), ("sparse causal", False, True),
+                                 ("dense causal", True, True)):
+        yield f"hopper fwd D={D} {label}", partial(gluon.fwd.compile_sm90, torch.bfloat16, dense, causal, head_dim=D)
+        yield f"hopper dQ D={D} {label}", partial(gluon.dq.compile_sm90, torch.bfloat16, dense, causal, head_dim=D)
+        yield f"hopper dK/dV D={D} {label}", partial(gluon.dkdv.compile_sm90, torch.bfloat16, dense, causal, head_dim=D)
+
+
+def hopper_report():
+    print(f"triton {triton.__version__}, sm_90a, bf16, one program per SM")
+    print(f"{'kernel':34} {'regs cap':>8} {'spill B':>7} {'fences':>6} {'smem KB':>7}")
+    for D in (64, 128):
+        for label, build in hopper_rows(D):
+            compiled = build()
+            r = ptxas_report(compiled.asm["ptx"])
+            print(f"{label:34} {r['registers']:8d} {r['spill_bytes']:7d} {r['injected_fences']:6d} "
+                  f"{compiled.metadata.shared / 1024:7.1f}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dkdv", action="store_true", help="the dK/dV candidates instead of the defaults")
+    parser.add_argument("--hopper", action="store_true", help="the Hopper kernels instead of the Triton ones")
     args = parser.parse_args()
+    if args.hopper:
+        return hopper_report()
     print(f"triton {triton.__version__}, sm_90a, bf16; limits per SM: {SM_REGISTERS} registers, "
           f"{SM_SHARED // 1024} KB shared memory, {SM_THREADS} threads")
     print(f"{'kernel and tiles':42} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>7} {'smem KB':>7} {'per SM':>6}")

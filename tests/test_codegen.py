@@ -101,7 +101,36 @@ def cases():
 
 
 def gluon_cases():
-    """(dtype, dense, causal, mask block, split lists) of the warp-specialised Hopper forward (Gluon), or none
+    """(dtype, dense, causal, mask block, split lists, head dim) of the warp-specialised Hopper forward (Gluon),
+    or none where this Triton has no Gluon."""
+    import torch
+
+    from sparse_flash.kernels import dispatch
+
+    if dispatch.gluon_modules() is None:
+        return []
+    return [(torch.bfloat16, False, False, 128, False, 128), (torch.float16, True, False, 128, False, 128),
+            (torch.bfloat16, True, True, 128, False, 128), (torch.float16, False, True, 256, False, 128),
+            (torch.bfloat16, False, False, 128, True, 128), (torch.bfloat16, False, True, 256, True, 128),
+            (torch.bfloat16, False, True, 128, False, 64)]
+
+
+def gluon_bwd_cases():
+    """(dtype, dense, causal, mask block_q, query heads per KV head, head dim) of the warp-specialised Hopper
+    dK/dV kernel (Gluon), or none where this Triton has no Gluon."""
+    import torch
+
+    from sparse_flash.kernels import dispatch
+
+    if dispatch.gluon_modules() is None:
+        return []
+    return [(torch.bfloat16, False, False, 128, 1, 128), (torch.float16, True, False, 128, 1, 128),
+            (torch.bfloat16, True, True, 128, 1, 128), (torch.float16, False, True, 256, 1, 128),
+            (torch.bfloat16, False, False, 128, 4, 128), (torch.bfloat16, False, True, 128, 1, 64)]
+
+
+def gluon_dq_cases():
+    """(dtype, dense, causal, mask block_k, head dim) of the warp-specialised Hopper dQ kernel (Gluon), or none
     where this Triton has no Gluon."""
     import torch
 
@@ -109,36 +138,9 @@ def gluon_cases():
 
     if dispatch.gluon_modules() is None:
         return []
-    return [(torch.bfloat16, False, False, 128, False), (torch.float16, True, False, 128, False),
-            (torch.bfloat16, True, True, 128, False), (torch.float16, False, True, 256, False),
-            (torch.bfloat16, False, False, 128, True), (torch.bfloat16, False, True, 256, True)]
-
-
-def gluon_bwd_cases():
-    """(dtype, dense, causal, mask block_q, query heads per KV head) of the warp-specialised Hopper dK/dV
-    kernel (Gluon), or none where this Triton has no Gluon."""
-    import torch
-
-    from sparse_flash.kernels import dispatch
-
-    if dispatch.gluon_modules() is None:
-        return []
-    return [(torch.bfloat16, False, False, 128, 1), (torch.float16, True, False, 128, 1),
-            (torch.bfloat16, True, True, 128, 1), (torch.float16, False, True, 256, 1),
-            (torch.bfloat16, False, False, 128, 4)]
-
-
-def gluon_dq_cases():
-    """(dtype, dense, causal, mask block_k) of the warp-specialised Hopper dQ kernel (Gluon), or none where
-    this Triton has no Gluon."""
-    import torch
-
-    from sparse_flash.kernels import dispatch
-
-    if dispatch.gluon_modules() is None:
-        return []
-    return [(torch.bfloat16, False, False, 128), (torch.float16, True, False, 128), (torch.bfloat16, True, True, 128),
-            (torch.float16, False, True, 256)]
+    return [(torch.bfloat16, False, False, 128, 128), (torch.float16, True, False, 128, 128),
+            (torch.bfloat16, True, True, 128, 128), (torch.float16, False, True, 256, 128),
+            (torch.bfloat16, False, True, 128, 64)]
 
 
 def main() -> int:
@@ -156,12 +158,12 @@ def main() -> int:
         except Exception as e:
             failed += 1
             print(f"FAIL {name}: {type(e).__name__}: {e}")
-    for dtype, dense, causal, block, split in gluon_cases():
-        name = f"hopper fwd {dtype} dense={dense} causal={causal} block={block} split={split}"
+    for dtype, dense, causal, block, split, head_dim in gluon_cases():
+        name = f"hopper fwd {dtype} dense={dense} causal={causal} block={block} split={split} D={head_dim}"
         try:
             from sparse_flash.kernels.gluon import merge
 
-            kernel = dispatch.gluon_modules().fwd.compile_sm90(dtype, dense, causal, block, split)
+            kernel = dispatch.gluon_modules().fwd.compile_sm90(dtype, dense, causal, block, split, head_dim=head_dim)
             shared = kernel.metadata.shared
             assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
             if split:  # and the launch that merges the chunks
@@ -170,19 +172,21 @@ def main() -> int:
         except Exception as e:
             failed += 1
             print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
-    for dtype, dense, causal, block_q, groups in gluon_bwd_cases():
-        name = f"hopper dkdv {dtype} dense={dense} causal={causal} block_q={block_q} groups={groups}"
+    for dtype, dense, causal, block_q, groups, head_dim in gluon_bwd_cases():
+        name = f"hopper dkdv {dtype} dense={dense} causal={causal} block_q={block_q} groups={groups} D={head_dim}"
         try:
-            shared = dispatch.gluon_modules().dkdv.compile_sm90(dtype, dense, causal, block_q, groups).metadata.shared
+            shared = dispatch.gluon_modules().dkdv.compile_sm90(dtype, dense, causal, block_q, groups,
+                                                                head_dim=head_dim).metadata.shared
             assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
             print(f"ok {name} ({shared} bytes of shared memory)")
         except Exception as e:
             failed += 1
             print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
-    for dtype, dense, causal, block_k in gluon_dq_cases():
-        name = f"hopper dq {dtype} dense={dense} causal={causal} block_k={block_k}"
+    for dtype, dense, causal, block_k, head_dim in gluon_dq_cases():
+        name = f"hopper dq {dtype} dense={dense} causal={causal} block_k={block_k} D={head_dim}"
         try:
-            shared = dispatch.gluon_modules().dq.compile_sm90(dtype, dense, causal, block_k).metadata.shared
+            shared = dispatch.gluon_modules().dq.compile_sm90(dtype, dense, causal, block_k,
+                                                              head_dim=head_dim).metadata.shared
             assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
             print(f"ok {name} ({shared} bytes of shared memory)")
         except Exception as e:
@@ -247,6 +251,21 @@ def test_edge_launches_compile_as_the_gpu_specialises_them():
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert run.stdout.count("ok ") == len(records)
+
+
+def test_resource_report_reads_registers_spills_and_injected_fences_from_ptxas():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+    from kernel_resources import parse_ptxas
+
+    lines = ["ptxas info    : (C7519) warpgroup.arrive is injected in around line 2022 by compiler to allow use of "
+             "registers in GMMA in function 'k'",
+             "ptxas info    : (C7519) warpgroup.arrive is injected in around line 4347 by compiler to allow use of "
+             "registers in GMMA in function 'k'",
+             "ptxas info    : Function properties for k",
+             "    40 bytes stack frame, 68 bytes spill stores, 68 bytes spill loads",
+             "ptxas info    : Used 168 registers, used 3 barriers, 40 bytes cumulative stack size"]
+    assert parse_ptxas(lines) == {"registers": 168, "spill_bytes": 68, "injected_fences": 2}
+    assert parse_ptxas(lines[2:])["injected_fences"] == 0
 
 
 def test_kernels_compile_for_sm90():

@@ -307,10 +307,10 @@ class DqPlan:
 
 
 def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causal: bool = False,
-                 block_k: int = ROW_BLOCK):
+                 block_k: int = ROW_BLOCK, head_dim: int = 128):
     """The kernel compiled for sm_90a on any machine (no GPU needed), as the launcher would launch it at
-    D = 128; for compile checks (tests/test_codegen.py)."""
-    D = 128
+    D = `head_dim`; for compile checks (tests/test_codegen.py) and `benchmarks/kernel_resources.py`."""
+    D = head_dim
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
     q_layout = gl.NVMMASharedLayout.get_default_for([ROW_BLOCK, D], GL_DTYPES[dtype])
     kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], GL_DTYPES[dtype])

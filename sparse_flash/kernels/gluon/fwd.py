@@ -431,10 +431,10 @@ def attn_fwd(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, 
 
 
 def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causal: bool = False, block_k: int = BLOCK,
-                 split: bool = False, block_q: int | None = None):
+                 split: bool = False, block_q: int | None = None, head_dim: int = 128):
     """The kernel compiled for sm_90a on any machine (no GPU needed), as the launcher would launch it at
-    D = 128; for compile checks (tests/test_codegen.py)."""
-    D = 128
+    D = `head_dim`; for compile checks (tests/test_codegen.py) and `benchmarks/kernel_resources.py`."""
+    D = head_dim
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], GL_DTYPES[dtype])
     desc = descriptor_type(name, (BLOCK, D), layout)
