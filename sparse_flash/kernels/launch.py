@@ -8,6 +8,11 @@ value of every integer argument, the dtype and 16-byte alignment of every pointe
 launch options) and calls it directly; anything new goes through Triton's normal path once, which compiles
 or finds the kernel and returns it for the cache. Under the interpreter, and while a Triton launch hook is
 installed (profilers), every call takes the normal path.
+
+`BoundLaunch` goes further for launches prepared once and repeated (the Hopper kernels' plans): its TMA
+descriptor arguments are encoded once per tensor address and Triton's C launcher is called directly, where
+Triton's launcher has a layout this module knows (`_raw_launch`). Every launch first makes the device's CUDA
+context current in its thread (`_bind_context`).
 """
 
 from __future__ import annotations
