@@ -581,9 +581,10 @@ MAX_CHOOSE = 2048  # key blocks of a row that `choose_topk` ranks in one program
 # warps; longer rows take the torch choice)
 
 
-def choose_supported(cols: int) -> bool:
-    """Whether one program can rank a row of `cols` key blocks (`choose_topk`)."""
-    return triton.next_power_of_2(cols) <= MAX_CHOOSE
+def choose_supported(cols: int, dtype: torch.dtype) -> bool:
+    """Whether one program can rank a row of `cols` key blocks of scores of `dtype` (`choose_topk`): it ranks
+    32-bit keys, so float64 scores, which would round to ties (or to infinities) there, take the torch sort."""
+    return dtype != torch.float64 and triton.next_power_of_2(cols) <= MAX_CHOOSE
 
 
 def choose_topk(scores: torch.Tensor, counts: torch.Tensor, width: int, causal: bool, cand: torch.Tensor):

@@ -173,13 +173,19 @@ def _check_flag(value, name: str) -> bool:
     return as_bool(value, name)
 
 
+_SCORE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _check_scores(scores, block_size, seq_len_q, seq_len_k):
     """Block scores `(B, H, Mq, Mk)` and their geometry `(scores, (block_q, block_k), seq_len_q, seq_len_k)`,
     or a clear error (nothing read from the device)."""
     if not isinstance(scores, torch.Tensor):
         raise TypeError(f"scores must be a torch.Tensor, got {type(scores).__name__}")
-    if not scores.is_floating_point():
-        raise TypeError(f"scores must be a floating-point tensor, got dtype {scores.dtype}")
+    if scores.is_nested or scores.layout != torch.strided:
+        layout = "nested" if scores.is_nested else str(scores.layout)
+        raise TypeError(f"scores must be a dense (torch.strided) tensor, got a {layout} one")
+    if scores.dtype not in _SCORE_DTYPES:
+        raise TypeError(f"scores must be float16, bfloat16, float32 or float64, got dtype {scores.dtype}")
     if scores.dim() != 4:
         raise ValueError(f"scores must have shape (B, H, Mq, Mk) (B or H may be 1), got shape {tuple(scores.shape)}")
     if min(scores.shape) < 1:
@@ -196,8 +202,10 @@ def _check_scores(scores, block_size, seq_len_q, seq_len_k):
 
 def _check_k(k, heads: int, Mk: int) -> tuple[int, ...]:
     """`k` as host ints: `(k,)`, or one per head (a CUDA tensor is read: one wait for the device)."""
-    if isinstance(k, torch.Tensor) and k.dim() == 0 and not (k.is_floating_point() or k.is_complex()
-                                                             or k.dtype == torch.bool):
+    given = type(k).__name__
+    if isinstance(k, torch.Tensor) and k.dim() == 0:
+        if k.is_floating_point() or k.is_complex() or k.dtype == torch.bool:
+            raise TypeError(f"k must be an int (or an integer tensor), got a 0-d tensor of dtype {k.dtype}")
         k = int(k)  # a 0-d int tensor: one k for all heads
     elif type(k).__module__ == "numpy" and hasattr(k, "tolist") and getattr(k, "ndim", 0) == 1:
         k = k.tolist()  # a NumPy array of ints: a sequence (its dtype is checked as a sequence's items)
@@ -213,7 +221,7 @@ def _check_k(k, heads: int, Mk: int) -> tuple[int, ...]:
         ks = tuple(int(x) for x in (k.tolist() if isinstance(k, torch.Tensor) else k))
     else:
         raise TypeError(f"k must be an int, or an int tensor or sequence of ints of shape (H,), got "
-                        f"{type(k).__name__} {k!r}")
+                        f"{given} {k!r}")
     for h, value in enumerate(ks):
         if not 1 <= value <= Mk:
             head = f" for head {h}" if len(ks) > 1 else ""
@@ -221,7 +229,7 @@ def _check_k(k, heads: int, Mk: int) -> tuple[int, ...]:
     return ks
 
 
-def _check_finite(scores: torch.Tensor) -> None:
+def _check_finite(scores: torch.Tensor, hint: str = "") -> None:
     """Refuse NaN and infinite scores: one read from the device, skipped where it cannot happen (inside
     torch.compile, during CUDA-graph capture)."""
     if torch.compiler.is_compiling() or (scores.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -229,7 +237,21 @@ def _check_finite(scores: torch.Tensor) -> None:
     bad = int((~torch.isfinite(scores)).sum())
     if bad:
         raise ValueError(f"scores must be finite (NaN and infinities have no rank), got {bad} non-finite values "
-                         f"among {scores.numel()}")
+                         f"among {scores.numel()}{hint}")
+
+
+def _above(scores: torch.Tensor, threshold: float) -> torch.Tensor:
+    """bool `scores > threshold`, exactly: torch would round the threshold to the scores' dtype first (0.9999
+    becomes 1.0 in bfloat16, and a score of 1.0 would no longer count as above it). 16- and 32-bit scores are
+    compared in float32 (exact for them) with the smallest float32 above the threshold, which needs no
+    float64 on the device."""
+    if scores.dtype == torch.float64:
+        return scores > threshold  # a Python float is a float64: exact
+    t = torch.tensor(threshold, dtype=torch.float64)
+    least = t.to(torch.float32)  # the nearest float32, rounded either way
+    if least.double() <= t:  # not above the threshold: the next float32 up is
+        least = torch.nextafter(least, torch.tensor(float("inf")))
+    return scores.float() >= least.item()
 
 
 def _choose_topk(scores: torch.Tensor, counts: torch.Tensor, width: int, causal: bool,
@@ -271,7 +293,10 @@ class BlockMask:
     A BlockMask is an immutable value: it owns a copy of its layout, `mask.layout` is read-only (in-place
     writes raise), attributes cannot be assigned, and two masks are equal (and hash equal) when their
     layouts, block sizes and lengths are. Masks pickle, deep-copy and `torch.save` at any time; the index
-    lists and launch plans derived from the layout are rebuilt, never stored.
+    lists and launch plans derived from the layout are rebuilt, never stored. The read-only views share the
+    mask's memory (no copy per access): the escapes that strip their protection on purpose
+    (`.as_subclass(torch.Tensor)`, `untyped_storage()`, `torch.from_numpy` of the read-only NumPy array)
+    reach it too, and a write through them leaves the mask undefined; `.clone()` gives a writable copy.
 
     Attributes:
         layout: bool `(B|1, H|1, Mq, Mk)`, read-only; a batch or head dimension of 1 broadcasts.
@@ -404,13 +429,13 @@ class BlockMask:
         causal, check_finite = _check_flag(causal, "causal"), _check_flag(check_finite, "check_finite")
         ks = _check_k(k, H, Mk)
         if check_finite:
-            _check_finite(scores)
+            _check_finite(scores, " (check_finite=False ranks a NaN as -inf)")
         geometry = (Mq, Mk, bq, bk, seq_len_q, seq_len_k)
         tables = topk_tables(ks, causal, geometry, scores.device)  # candidates, counts (len(ks), Mq), partials
         cand, counts = tables.cand, tables.counts
         width = topk_sizes(ks, causal, B, H, geometry).longest_row
         gpu = gpu_builders(scores)
-        if gpu is not None and gpu.choose_supported(Mk):  # one Triton launch for the choice and the layout
+        if gpu is not None and gpu.choose_supported(Mk, scores.dtype):  # one Triton launch for the choice and the layout
             selected, layout = gpu.choose_topk(scores, counts, width, causal, cand)
         else:
             selected = _choose_topk(scores, counts, width, causal, cand)
@@ -443,12 +468,12 @@ class BlockMask:
         """
         scores, (bq, bk), seq_len_q, seq_len_k = _check_scores(scores, block_size, seq_len_q, seq_len_k)
         causal = _check_flag(causal, "causal")
-        finite_float(threshold, "threshold")
+        threshold = finite_float(threshold, "threshold")
         _check_finite(scores)
         B, H, Mq, Mk = scores.shape
         cand = candidates(True, (Mq, Mk, bq, bk, seq_len_q, seq_len_k), scores.device)
         j = torch.arange(Mk, device=scores.device)
-        keep = scores.detach() > threshold
+        keep = _above(scores, threshold)
         if causal:
             keep = keep & (j < cand[:, None])
         keep = keep | (j == cand[:, None] - 1)  # the diagonal block

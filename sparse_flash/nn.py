@@ -402,6 +402,9 @@ class MoBAAttention(BlockSparseAttention):
     (`BlockMask.from_topk`: ties go to the lower block, and no gradient flows through the choice); with
     `causal`, only blocks holding a causal pair compete and the diagonal block is always kept, counting among
     the `top_k`, as in MoBA. The chosen mask then runs `block_sparse_attention` with the layer's `causal` flag.
+    A gate that is not finite (a NaN or an infinity among a block's keys or queries) ranks first: a key block
+    holding one is chosen wherever it competes, so the value reaches the rows that attend it as in dense
+    attention; a query block whose gates are all NaN (a NaN among its queries) keeps its first candidates.
 
     Args:
         embed_dim, num_heads: as in `BlockSparseAttention`.
@@ -424,10 +427,16 @@ class MoBAAttention(BlockSparseAttention):
                  num_kv_heads: int | None = None, kdim: int | None = None, vdim: int | None = None,
                  dropout: float = 0.0, bias: bool = True, backend: str = "auto", device=None, dtype=None):
         pair, top_k = block_pair(block_size), positive_int(top_k, "top_k")
+        if backend == "triton" and (pair[0] % 16 or pair[1] % 16):
+            raise ValueError(f"backend='triton' needs block sizes that are multiples of 16, got block_size "
+                             f"{block_size!r}")
         super().__init__(embed_dim, num_heads, num_kv_heads=num_kv_heads, kdim=kdim, vdim=vdim, mask=None,
                          block_size=block_size, causal=causal, dropout=dropout, bias=bias, backend=backend,
                          device=device, dtype=dtype)
-        self.block_pair, self.top_k = pair, top_k
+        for name, value in (("block_pair", pair), ("top_k", top_k)):  # fixed, as `block_size` (`__setattr__`)
+            object.__setattr__(self, name, value)
+
+    _FIXED = BlockSparseAttention._FIXED + ("block_pair", "top_k")
 
     def prepare(self, seq_len_q: int, seq_len_k: int | None = None, device=None) -> None:
         """Nothing to build ahead: the layer chooses its mask in each call (kept for layers used alike)."""
@@ -440,8 +449,10 @@ class MoBAAttention(BlockSparseAttention):
         with torch.no_grad():
             keys = _block_means(k, bk).repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
             scores = _block_means(q, bq) @ keys.transpose(-1, -2)  # (B, H, Mq, Mk)
-        # The scores come from q and k: a non-finite one reaches the output through attention anyway (the
-        # reference's rule), so the choice reads nothing from the device to check them.
+            # A NaN gate ranks first: a key block holding a NaN or an infinity is chosen wherever it may be, so
+            # the value reaches the rows that attend it, as in attention (ranked last, it would vanish). The
+            # choice reads nothing from the device to check the scores.
+            scores = torch.nan_to_num(scores, nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
         return BlockMask.from_topk(scores, min(self.top_k, scores.shape[-1]), causal=self.causal,
                                    block_size=self.block_pair, seq_len_q=q.shape[2], seq_len_k=k.shape[2],
                                    check_finite=False, name="moba")

@@ -334,7 +334,7 @@ GOOD = dict(block_size=16, seq_len_q=64, seq_len_k=64)
     (torch.randn(1, 1, 4, 4), True, {}, TypeError, r"k must be an int.*got bool True"),
     (torch.randn(4, 4), 1, {}, ValueError, r"scores must have shape \(B, H, Mq, Mk\).*got shape \(4, 4\)"),
     (torch.randn(1, 1, 1, 4, 4), 1, {}, ValueError, r"got shape \(1, 1, 1, 4, 4\)"),
-    (torch.randint(0, 3, (1, 1, 4, 4)), 1, {}, TypeError, r"floating-point tensor, got dtype torch.int64"),
+    (torch.randint(0, 3, (1, 1, 4, 4)), 1, {}, TypeError, r"float16, bfloat16, float32 or float64, got dtype torch.int64"),
     ([[0.0]], 1, {}, TypeError, r"scores must be a torch.Tensor, got list"),
     (torch.tensor([[[[0.0, math.nan], [1.0, 2.0]]]]), 1, dict(seq_len_q=32, seq_len_k=32), ValueError,
      r"scores must be finite .*got 1 non-finite"),
@@ -706,3 +706,104 @@ def test_index_built_by_triton_on_the_gpu_equals_the_torch_one(kind):
                      *zip(got.kernel_index(causal), want.kernel_index(causal))):
             for name, x, y in zip(a._fields, a, b):
                 assert x.dtype == y.dtype and torch.equal(x, y), (causal, type(a).__name__, name)
+
+
+# ------------------------------------------------------------------------ findings of the dynamic-mask probe
+@pytest.mark.parametrize("values", [(1.0, 1.0 + 1e-12, 0.5, 0.0), (1e39, 2e39, 0.0, 0.0), (1e-46, 3e-46, 0.0, 0.0)],
+                         ids=["below-float32-precision", "past-float32-range", "below-float32-subnormals"])
+def test_float64_scores_are_ranked_in_float64_by_every_builder(values):
+    """float64 scores that differ only below float32's precision, or past its range, are distinct: the GPU
+    builder ranks 32-bit keys, so float64 scores take the torch sort there too (they became ties, the lower
+    block winning)."""
+    scores = torch.tensor(values, dtype=torch.float64).reshape(1, 1, 1, 4)
+    want = torch.zeros(1, 1, 1, 4, dtype=torch.bool)
+    want[..., scores.argmax()] = True  # torch's own top-1 of the float64 scores
+    assert torch.equal(BlockMask.from_topk(scores, 1, block_size=16).layout.cpu(), want)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        with mock.patch.object(mask_index, "_on_gpu", lambda t: True):
+            assert torch.equal(BlockMask.from_topk(scores, 1, block_size=16).layout.cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_from_scores_keeps_exactly_the_scores_above_the_threshold(dtype):
+    """`score > threshold` as real numbers: torch would round a Python threshold to the scores' dtype first
+    (0.9999 is 1.0 in bfloat16, so a score of 1.0 was dropped)."""
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(2, 3, 6, 6, generator=gen).to(dtype)
+    exact = scores.double()
+    thresholds = [0.9999, 0.1, -0.3333333333, 1e-30, -1e-30, 1e39, -1e39, 0.0,
+                  *exact.flatten()[:8].tolist()]  # the scores themselves: never above themselves
+    for t in thresholds:
+        mask = BlockMask.from_scores(scores, t, block_size=16)
+        diagonal = torch.eye(6, dtype=torch.bool)
+        assert torch.equal(mask.layout, (exact > t) | diagonal), (dtype, t)
+    ones = torch.tensor([0.0, 1.0, 1.0, 0.0], dtype=dtype).expand(1, 1, 4, 4).contiguous()
+    assert BlockMask.from_scores(ones, 0.9999, block_size=16).layout[0, 0, 0].tolist() == [True, True, True, False]
+
+
+def test_from_scores_takes_any_finite_real_threshold():
+    from fractions import Fraction
+
+    scores = torch.tensor([[0.2, 0.4], [0.6, 0.8]]).expand(1, 1, 2, 2)
+    for t, row0 in ((10**30, [True, False]), (-2**63 - 1, [True, True]), (Fraction(1, 3), [True, True]),
+                    (Fraction(1, 2), [True, False])):
+        assert BlockMask.from_scores(scores, t, block_size=16).layout[0, 0, 0].tolist() == row0, t
+    with pytest.raises(ValueError, match="threshold must be finite"):
+        BlockMask.from_scores(scores, 10**400, block_size=16)
+
+
+@pytest.mark.parametrize("make", ["sparse", "nested", "float8"])
+def test_scores_of_another_layout_or_dtype_get_a_type_error_naming_them(make):
+    scores = torch.randn(1, 1, 4, 4)
+    if make == "sparse":
+        scores = scores.to_sparse()
+    elif make == "nested":
+        scores = torch.nested.nested_tensor([torch.randn(1, 4, 4), torch.randn(1, 3, 4)])
+    else:
+        if not hasattr(torch, "float8_e4m3fn"):
+            pytest.skip("this torch has no float8")
+        scores = scores.to(torch.float8_e4m3fn)
+    for build in (lambda: BlockMask.from_topk(scores, 2, block_size=16),
+                  lambda: BlockMask.from_scores(scores, 0.0, block_size=16)):
+        with pytest.raises(TypeError, match="scores must be"):
+            build()
+
+
+def test_k_messages_name_what_was_given():
+    scores = torch.randn(1, 2, 4, 4)
+    with pytest.raises(TypeError, match="0-d tensor of dtype torch.float32"):
+        BlockMask.from_topk(scores, torch.tensor(2.0), block_size=16)
+    np = pytest.importorskip("numpy")
+    with pytest.raises(TypeError, match="got ndarray"):
+        BlockMask.from_topk(scores, np.array([1.0, 2.0]), block_size=16)
+    with pytest.raises(ValueError, match="check_finite=False"):
+        BlockMask.from_topk(torch.full((1, 1, 2, 2), float("nan")), 1, block_size=16)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_moba_a_non_finite_key_reaches_the_rows_that_attend_it(causal):
+    """A key block holding a NaN ranks first in the gate, so the NaN reaches the output as in attention (it
+    ranked last and vanished); a NaN among a query block's tokens shows in that token's output row."""
+    torch.manual_seed(0)
+    layer = MoBAAttention(16, 1, 4, 2 if causal else 1, causal=causal, backend="torch")  # causal: the diagonal and one
+    x, kv = torch.randn(1, 16, 16), torch.randn(1, 16, 16)
+    kv[0, 5] = float("nan")  # key block 1
+    out = layer(x, kv)
+    reach = torch.arange(16) >= 5 if causal else torch.ones(16, dtype=torch.bool)  # rows that may attend key 5
+    assert torch.isnan(out[0, reach]).all() and not torch.isnan(out[0, ~reach]).any()
+    x = torch.randn(1, 16, 16)
+    x[0, 9] = float("nan")
+    out = layer(x)
+    assert torch.isnan(out[0, 9]).all()
+
+
+def test_moba_block_size_and_top_k_are_fixed_and_checked_for_the_backend():
+    layer = MoBAAttention(16, 2, 4, 2)
+    for name, value in (("block_pair", (8, 8)), ("top_k", 0), ("block_size", 8)):
+        with pytest.raises(AttributeError, match="fixed at construction"):
+            setattr(layer, name, value)
+    assert (layer.block_pair, layer.top_k) == ((4, 4), 2)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        MoBAAttention(16, 2, 8, 2, backend="triton")
+    copy = __import__("copy").deepcopy(layer)
+    assert (copy.block_pair, copy.top_k) == ((4, 4), 2)
