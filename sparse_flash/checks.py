@@ -7,7 +7,6 @@ their arguments with these (torch only, no import of the rest of the package).
 
 from __future__ import annotations
 
-import math
 import numbers
 import sys
 
@@ -35,9 +34,14 @@ def finite_float(value, name: str, what: str = "a finite float") -> float:
     if is_bool(value) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be {what}, got {type(value).__name__} {repr(value)[:40]}")
     try:
-        return float(value) if math.isfinite(value) else _not_finite(value, name, what)
-    except OverflowError:  # an int past every float
+        as_float = float(value)
+    except OverflowError:  # an int or a Fraction past every float
         return _not_finite(value, name, what)
+    # comparisons rather than math.isfinite: traceable where torch.compile makes the value symbolic (a guard
+    # on its finiteness, not a graph break)
+    if as_float == as_float and abs(as_float) <= sys.float_info.max:
+        return as_float
+    return _not_finite(value, name, what)
 
 
 def _not_finite(value, name: str, what: str):

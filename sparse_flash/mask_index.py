@@ -838,6 +838,25 @@ def _topk_sides_on_gpu(selected: torch.Tensor, counts: torch.Tensor, partials: d
     return out
 
 
+def _eager_only(reason: str):
+    """`torch.compiler.disable` with a reason where this torch takes one (a graph break there, an error under
+    fullgraph that gives the reason)."""
+    try:
+        return torch.compiler.disable(reason=reason)
+    except TypeError:
+        return torch.compiler.disable
+
+
+@_eager_only((
+    "a top-k mask chosen with causal=False builds its causal=True lists on first use, and their sizes depend on "
+    "the choice: that waits for the device, which torch.compile(fullgraph=True) cannot trace. Use the mask once "
+    "with causal=True before the compiled call (or call mask.row_index(True)), or choose it with causal=True"))
+def _causal_lists_of_choice(layout: torch.Tensor, block_size, seq_len_q: int, seq_len_k: int) -> tuple:
+    """The per-flag dicts (`_unpack`) of a non-causal top-k choice's layout, built by `build_index` (it waits for
+    the device); always eager: inside torch.compile a graph break, under fullgraph=True an error saying why."""
+    return _unpack(build_index(layout, block_size, seq_len_q, seq_len_k))
+
+
 def build_topk_index(selected: torch.Tensor, tables: TopkTables, ks: tuple[int, ...], causal: bool,
                      block_size: tuple[int, int], seq_len_q: int, seq_len_k: int, layout: torch.Tensor) -> MaskIndex:
     """The index lists of a top-k mask, with static shapes: nothing here waits for the device.
@@ -913,8 +932,8 @@ def build_topk_index(selected: torch.Tensor, tables: TopkTables, ks: tuple[int, 
                     f"this top-k mask (chosen for causal={causal} attention) builds its lists for causal={flag} "
                     f"attention on first use, and {where}: those lists would not follow the graph's replays. "
                     f"Use it with causal={causal}, or once with causal={flag} outside the capture first")
-            built = (static_lists((flag, )) if causal else
-                     _unpack(build_index(layout, block_size, seq_len_q, seq_len_k)))
+            built = static_lists((flag, )) if causal else _causal_lists_of_choice(layout, block_size, seq_len_q,
+                                                                                  seq_len_k)
             for mine, theirs in zip(lazy, built):
                 dict.__setitem__(mine, flag, theirs[flag])
 

@@ -38,6 +38,14 @@ def _row_chunks(counts: torch.Tensor, longest: int, block_elements: int):
     return chunks, order
 
 
+def _blocks(t: torch.Tensor, num_blocks: int, block: int) -> torch.Tensor:
+    """`t` `(B, H, N, D)` zero-padded to `num_blocks * block` rows and split into blocks: `(B * H * num_blocks,
+    block, D)`. Made contiguous before the pad: a pad of zero rows keeps the input's strides (a transposed q, for
+    one) where the traced graph takes its result for contiguous and splits it with a view."""
+    B, H, N, D = t.shape
+    return F.pad(t.contiguous(), (0, 0, 0, num_blocks * block - N)).reshape(B * H * num_blocks, block, D)
+
+
 def _dense_attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The all-ones mask: every key for each query, in chunks of query rows that bound the score memory (no
     index lists, so no mask to build, also inside torch.compile)."""
@@ -90,14 +98,12 @@ def attention_torch(
     starts = index.offsets[:-1].reshape(index.counts.shape).expand(B, Hq, Mq).reshape(-1)
 
     (qc, q_bad), (kc, k_bad), (vc, v_bad) = (split_non_finite(t.to(compute)) for t in (q, k, v))
-    q_blocks = F.pad(qc, (0, 0, 0, Mq * bq - Nq)).reshape(B * Hq * Mq, bq, D)
-    k_blocks = F.pad(kc, (0, 0, 0, Mk * bk - Nk)).reshape(B * Hkv * Mk, bk, D)
-    v_blocks = F.pad(vc, (0, 0, 0, Mk * bk - Nk)).reshape(B * Hkv * Mk, bk, D)
-    q_bad_blocks = F.pad(q_bad, (0, Mq * bq - Nq)).reshape(B * Hq * Mq, bq)
-    k_bad_blocks, v_bad_blocks = (F.pad(b, (0, Mk * bk - Nk)).reshape(B * Hkv * Mk, bk) for b in (k_bad, v_bad))
+    q_blocks = _blocks(qc, Mq, bq)  # (B * Hq * Mq, bq, D)
+    k_blocks, v_blocks = _blocks(kc, Mk, bk), _blocks(vc, Mk, bk)  # (B * Hkv * Mk, bk, D)
+    q_bad_blocks = _blocks(q_bad[..., None], Mq, bq)[..., 0]  # (B * Hq * Mq, bq)
+    k_bad_blocks, v_bad_blocks = (_blocks(b[..., None], Mk, bk)[..., 0] for b in (k_bad, v_bad))
     if any_non_finite(q_bad, k_bad):  # the raw blocks, for the exact scores of the pairs that touch them
-        q_raw_blocks = F.pad(q.detach(), (0, 0, 0, Mq * bq - Nq)).reshape(B * Hq * Mq, bq, D)
-        k_raw_blocks = F.pad(k.detach(), (0, 0, 0, Mk * bk - Nk)).reshape(B * Hkv * Mk, bk, D)
+        q_raw_blocks, k_raw_blocks = _blocks(q.detach(), Mq, bq), _blocks(k.detach(), Mk, bk)
     else:
         q_raw_blocks = k_raw_blocks = None
     offs_q = torch.arange(bq, device=q.device)
@@ -119,7 +125,9 @@ def attention_torch(
 
         n = len(rows)
         s = torch.matmul(q_blocks[rows], k_blocks[kv_rows].reshape(n, width * bk, D).transpose(-1, -2)) * scale
-        k_pos = (kb[:, :, None] * bk + offs_k).reshape(n, 1, width * bk)
+        # key positions built flat, never as a (n, width, bk) view reshaped and then broadcast over the query
+        # axis: inductor's CPU code indexed such a view by the query offset when `width` was symbolic
+        k_pos = (kb.repeat_interleave(bk, dim=1) * bk + offs_k.repeat(width))[:, None, :]  # (n, 1, width * bk)
         allowed = valid.repeat_interleave(bk, dim=1)[:, None, :] & (k_pos < Nk)  # (n, 1 or bq, width * bk)
         if causal:
             allowed = allowed & (k_pos <= (i[:, None] * bq + offs_q)[:, :, None])

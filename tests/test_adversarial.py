@@ -12,6 +12,7 @@ import torch
 import sparse_flash
 from sparse_flash import BlockMask, masks
 from sparse_flash.mask import Tiling
+from sparse_flash.reference import attention_reference
 
 
 # ---------------------------------------------------------------- masks are immutable values
@@ -445,6 +446,80 @@ def test_torch_backend_compiles_fullgraph(compiler):
     for g, e in zip(grads, expected_grads):
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
 
+
+
+def _reference_out(q, k, v, mask, causal, scale=None):
+    q, k, v = (t.detach().double() for t in (q, k, v))
+    return attention_reference(q, k, v, mask, causal=causal, scale=scale)[0]
+
+
+@pytest.mark.parametrize("layout", [torch.eye(2, dtype=torch.bool), torch.tensor([[1, 1], [0, 1]], dtype=torch.bool)],
+                         ids=["diagonal", "upper"])
+def test_torch_backend_under_inductor_with_dynamic_shapes_and_one_block_rows(layout):
+    """Causal rows one block long, compiled with dynamic shapes: inductor's CPU code once read the key positions
+    of every query block but the first at the wrong place (every output row but the first block's wrong)."""
+    mask = BlockMask.from_layout(layout, 16)
+    q, k, v = (torch.randn(1, 1, 32, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+
+    def attend(q, k, v):
+        return sparse_flash.block_sparse_attention(q, k, v, mask, causal=True, backend="torch")
+
+    torch._dynamo.reset()
+    out = torch.compile(attend, fullgraph=True, dynamic=True)(q, k, v)
+    torch.testing.assert_close(out.double(), _reference_out(q, k, v, mask, True), atol=1e-5, rtol=1e-5)
+
+
+def test_torch_backend_with_transposed_inputs_under_dynamic_shapes():
+    """q, k, v transposed from (B, N, H, D) at a length that is a multiple of the block: a traced pad of zero
+    rows kept the transposed strides, and splitting it into blocks failed."""
+    mask = masks.butterfly(64, 16)
+    q, k, v = (torch.randn(2, 64, 2, 16, generator=torch.Generator().manual_seed(i)).transpose(1, 2)
+               for i in range(3))
+
+    def attend(q, k, v):
+        return sparse_flash.block_sparse_attention(q, k, v, mask, backend="torch")
+
+    torch._dynamo.reset()
+    out = torch.compile(attend, fullgraph=True, dynamic=True, backend="aot_eager")(q, k, v)
+    torch.testing.assert_close(out.double(), _reference_out(q, k, v, mask, False), atol=1e-5, rtol=1e-5)
+
+
+def test_a_symbolic_scale_traces_under_fullgraph():
+    """With dynamic=True dynamo makes a float scale symbolic: the finiteness check must trace (it once called
+    math.isfinite, a graph break), and a non-finite one must still be refused."""
+    mask = masks.butterfly(64, 16)
+    q, k, v = _inputs(torch.float32, n=64)
+
+    def attend(q, k, v, scale):
+        return sparse_flash.block_sparse_attention(q, k, v, mask, scale=scale, backend="torch")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True, dynamic=True, backend="aot_eager")
+    for scale in (0.3, -0.7):
+        torch.testing.assert_close(compiled(q, k, v, scale).double(), _reference_out(q, k, v, mask, False, scale),
+                                   atol=1e-5, rtol=1e-5)
+    with pytest.raises(Exception, match="scale must be finite"):
+        compiled(q, k, v, float("inf"))
+
+
+def test_a_non_causal_top_k_mask_first_used_causally_inside_fullgraph_says_what_to_do():
+    """Its causal lists have sizes that depend on the choice (the build waits for the device): fullgraph says
+    so and how to avoid it; without fullgraph the build runs eagerly at a graph break; built once first, the
+    fullgraph call works."""
+    scores = torch.randn(1, 2, 4, 4, generator=torch.Generator().manual_seed(3))
+    q, k, v = _inputs(torch.float32, n=64)
+
+    def attend(q, k, v, mask):
+        return sparse_flash.block_sparse_attention(q, k, v, mask, causal=True, backend="torch")
+
+    torch._dynamo.reset()
+    mask = BlockMask.from_topk(scores, 2, block_size=16)
+    with pytest.raises(Exception, match=r"row_index\(True\)"):
+        torch.compile(attend, fullgraph=True, backend="aot_eager")(q, k, v, mask)
+    for fullgraph in (False, True):  # the graph break builds them; then fullgraph finds them built
+        torch._dynamo.reset()
+        out = torch.compile(attend, fullgraph=fullgraph, backend="aot_eager")(q, k, v, mask)
+        torch.testing.assert_close(out.double(), _reference_out(q, k, v, mask, True), atol=1e-5, rtol=1e-5)
 
 def test_nn_layer_compiles_on_cpu_with_backend_auto():
     layer = sparse_flash.nn.BlockSparseAttention(32, 2, mask="bigbird", block_size=16)
