@@ -462,6 +462,7 @@ MAX_BLOCKS = 8192  # blocks along one side that a program of `layout_lists` hold
 
 # The six kinds of entry one list counts, per list: live, full, partial without the causal flag, then with it
 KINDS = 6
+SUMMARY = 8  # ints a side's lists add up to: the KINDS totals and the longest live list of each flag
 
 
 def layout_lists(layout: torch.Tensor, block_size: tuple, seq_len_q: int, seq_len_k: int):
@@ -485,31 +486,31 @@ def layout_lists(layout: torch.Tensor, block_size: tuple, seq_len_q: int, seq_le
 def _layout_lists(layout, B, H, Mq, Mk, device, geometry):
     """`layout_lists` on the layout's device (its current CUDA device)."""
     kinds, ends = {}, {}
+    summary = torch.zeros(2 * SUMMARY, dtype=torch.int32, device=device)
     for side, lists_per_head, length in ((0, Mq, Mk), (1, Mk, Mq)):
         kinds[side] = torch.empty((KINDS, B * H * lists_per_head), dtype=torch.int32, device=device)
         launch(_layout_counts_kernel, (B * H * lists_per_head, ),
-               (layout, kinds[side], B * H * lists_per_head, *geometry),
-               dict(SIDE=side, BLOCK=triton.next_power_of_2(length)), WARPS, STAGES)
+               (layout, kinds[side], summary, B * H * lists_per_head, *geometry),
+               dict(SIDE=side, BLOCK=triton.next_power_of_2(length), SUMMARY=SUMMARY), WARPS, STAGES)
+    # the one wait: how many entries of each kind (both sides hold them all), and the longest live list of each
+    # side and flag
+    read = summary.tolist()
+    totals, (row_f, row_t), (col_f, col_t) = read[:KINDS], read[KINDS:SUMMARY], read[SUMMARY + KINDS:]
+    for side in (0, 1):  # launched after the wait, behind the device's work
         ends[side] = torch.cumsum(kinds[side], 1, dtype=torch.int32)  # each kind's lists end here
-    # the one wait: how many entries of each kind, and the longest live list of each side and flag
-    read = torch.cat([ends[0][:, -1], kinds[0][0::3].amax(1), kinds[1][0::3].amax(1)]).tolist()
-    totals, (row_f, row_t, col_f, col_t) = read[:KINDS], read[KINDS:]
-    out, sizes = {}, {}
-    for flag in (False, True):
-        live, full, part = totals[3 * flag:3 * flag + 3]
-        sizes[flag] = (full, part)
-        pair = []
-        for side, lists_per_head, length in ((0, Mq, Mk), (1, Mk, Mq)):
-            shape = (B, H, lists_per_head)
-            made = [(torch.empty(shape, dtype=torch.int32, device=device),
-                     torch.empty(B * H * lists_per_head + 1, dtype=torch.int32, device=device),
-                     torch.empty(n, dtype=torch.int32, device=device)) for n in (live, full, part)]
-            launch(_layout_write_kernel, (B * H * lists_per_head, ),
-                   (layout, kinds[side], ends[side], *[t for kind in made for t in kind], B * H * lists_per_head,
-                    *geometry),
-                   dict(SIDE=side, FLAG=int(flag), BLOCK=triton.next_power_of_2(length)), WARPS, STAGES)
-            pair.append(made)
-        out[flag] = tuple(pair)
+    sizes = {flag: tuple(totals[3 * flag + 1:3 * flag + 3]) for flag in (False, True)}  # (full, partial)
+    made = {}  # (side, flag): the (counts, offsets, indices) of its live, full and partial lists
+    for side, lists_per_head, length in ((0, Mq, Mk), (1, Mk, Mq)):
+        for flag in (False, True):
+            made[side, flag] = [(torch.empty((B, H, lists_per_head), dtype=torch.int32, device=device),
+                                 torch.empty(B * H * lists_per_head + 1, dtype=torch.int32, device=device),
+                                 torch.empty(n, dtype=torch.int32, device=device))
+                                for n in totals[3 * flag:3 * flag + 3]]
+        launch(_layout_write_kernel, (B * H * lists_per_head, ),
+               (layout, kinds[side], ends[side], *[t for flag in (False, True) for kind in made[side, flag]
+                                                   for t in kind], B * H * lists_per_head, *geometry),
+               dict(SIDE=side, BLOCK=triton.next_power_of_2(length)), WARPS, STAGES)
+    out = {flag: (made[0, flag], made[1, flag]) for flag in (False, True)}
     return out, sizes, {False: (row_f, col_f), True: (row_t, col_t)}
 
 
@@ -537,9 +538,11 @@ def _list_entries(Layout, lst, Mq, Mk, bq, bk, seq_len_q, seq_len_k, SIDE: tl.co
 
 
 @triton.jit
-def _layout_counts_kernel(Layout, Kinds, lists, H, Mq, Mk, bq, bk, seq_len_q, seq_len_k, SIDE: tl.constexpr,
-                          BLOCK: tl.constexpr):
-    """Program `lst`: how many entries of each kind its list holds (`KINDS` rows of Kinds)."""
+def _layout_counts_kernel(Layout, Kinds, Summary, lists, H, Mq, Mk, bq, bk, seq_len_q, seq_len_k,
+                          SIDE: tl.constexpr, BLOCK: tl.constexpr, SUMMARY: tl.constexpr):
+    """Program `lst`: how many entries of each kind its list holds (`KINDS` rows of Kinds), added into the
+    side's `SUMMARY` ints of Summary: the `KINDS` totals, then the longest live list without and with the causal
+    flag."""
     lst = tl.program_id(0)
     idx, on, part, live_c, part_c = _list_entries(Layout, lst, Mq, Mk, bq, bk, seq_len_q, seq_len_k, SIDE, BLOCK)
     n = tl.sum(on.to(tl.int32), 0)
@@ -552,6 +555,15 @@ def _layout_counts_kernel(Layout, Kinds, lists, H, Mq, Mk, bq, bk, seq_len_q, se
     tl.store(Kinds + 3 * lists + lst, nc)
     tl.store(Kinds + 4 * lists + lst, nc - pc)
     tl.store(Kinds + 5 * lists + lst, pc)
+    totals = Summary + SIDE * SUMMARY
+    tl.atomic_add(totals + 0, n)
+    tl.atomic_add(totals + 1, n - p)
+    tl.atomic_add(totals + 2, p)
+    tl.atomic_add(totals + 3, nc)
+    tl.atomic_add(totals + 4, nc - pc)
+    tl.atomic_add(totals + 5, pc)
+    tl.atomic_max(totals + 6, n)
+    tl.atomic_max(totals + 7, nc)
 
 
 @triton.jit
@@ -562,19 +574,20 @@ def _write_kind(Counts, Offsets, Indices, Kinds, Ends, kind, lst, lists, idx, en
 
 
 @triton.jit
-def _layout_write_kernel(Layout, Kinds, Ends, LiveCounts, LiveOffsets, Live, FullCounts, FullOffsets, Full,
-                         PartCounts, PartOffsets, Part, lists, H, Mq, Mk, bq, bk, seq_len_q, seq_len_k,
-                         SIDE: tl.constexpr, FLAG: tl.constexpr, BLOCK: tl.constexpr):
-    """Program `lst`: its live, full and partial lists for causal flag FLAG."""
+def _layout_write_kernel(Layout, Kinds, Ends, LiveCounts0, LiveOffsets0, Live0, FullCounts0, FullOffsets0, Full0,
+                         PartCounts0, PartOffsets0, Part0, LiveCounts1, LiveOffsets1, Live1, FullCounts1, FullOffsets1,
+                         Full1, PartCounts1, PartOffsets1, Part1, lists, H, Mq, Mk, bq, bk, seq_len_q, seq_len_k,
+                         SIDE: tl.constexpr, BLOCK: tl.constexpr):
+    """Program `lst`: its live, full and partial lists for both causal flags (the arguments ending in 0: without
+    the flag, in 1: with it), from one read of its layout row or column."""
     lst = tl.program_id(0)
     idx, on, part, live_c, part_c = _list_entries(Layout, lst, Mq, Mk, bq, bk, seq_len_q, seq_len_k, SIDE, BLOCK)
-    if FLAG:
-        live, partial = live_c, part_c
-    else:
-        live, partial = on, part
-    _write_kind(LiveCounts, LiveOffsets, Live, Kinds, Ends, 3 * FLAG + 0, lst, lists, idx, live)
-    _write_kind(FullCounts, FullOffsets, Full, Kinds, Ends, 3 * FLAG + 1, lst, lists, idx, live ^ partial)
-    _write_kind(PartCounts, PartOffsets, Part, Kinds, Ends, 3 * FLAG + 2, lst, lists, idx, partial)
+    _write_kind(LiveCounts0, LiveOffsets0, Live0, Kinds, Ends, 0, lst, lists, idx, on)
+    _write_kind(FullCounts0, FullOffsets0, Full0, Kinds, Ends, 1, lst, lists, idx, on ^ part)
+    _write_kind(PartCounts0, PartOffsets0, Part0, Kinds, Ends, 2, lst, lists, idx, part)
+    _write_kind(LiveCounts1, LiveOffsets1, Live1, Kinds, Ends, 3, lst, lists, idx, live_c)
+    _write_kind(FullCounts1, FullOffsets1, Full1, Kinds, Ends, 4, lst, lists, idx, live_c ^ part_c)
+    _write_kind(PartCounts1, PartOffsets1, Part1, Kinds, Ends, 5, lst, lists, idx, part_c)
 
 
 MAX_CHOOSE = 2048  # key blocks of a row that `choose_topk` ranks in one program (64 registers per thread at 4

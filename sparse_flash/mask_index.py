@@ -366,6 +366,7 @@ def _item_ranges(batch: _PlanBatch, lists, chunk_id, n) -> list[torch.Tensor]:
     return out + firsts
 
 
+@functools.lru_cache(maxsize=256)  # masks of one geometry ask again (host operators: tens of microseconds)
 def _causal_blocks(Mq: int, Mk: int, bq: int, bk: int, seq_len_q: int) -> int:
     """Blocks of a full Mq x Mk layout that hold a causal pair (key <= query): per query block i, the key
     blocks starting at or before its last query."""

@@ -86,12 +86,14 @@ def cases():
                dict(CAUSAL=causal, BLOCK=block),
                (), dict(num_warps=warps, types={"Scores": "*fp32", "Counts": "*i64", "Cand": "*i64", "Selected": "*i64",
                                             "Layout": "*i1", "H": "i32", **ints}))
-    lists = {f"{kind}{part}": "*i32" for kind in ("Live", "Full", "Part") for part in ("Counts", "Offsets", "")}
+    lists = {f"{kind}{part}{flag}": "*i32" for kind in ("Live", "Full", "Part") for part in ("Counts", "Offsets", "")
+             for flag in (0, 1)}
     for side in (0, 1):
         yield (f"index_gpu.layout_lists side {side}: counts", index_gpu._layout_counts_kernel,
-               dict(SIDE=side, BLOCK=8192), (), dict(num_warps=4, types={"Layout": "*i1", "Kinds": "*i32", **ints}))
+               dict(SIDE=side, BLOCK=8192, SUMMARY=index_gpu.SUMMARY), (),
+               dict(num_warps=4, types={"Layout": "*i1", "Kinds": "*i32", "Summary": "*i32", **ints}))
         yield (f"index_gpu.layout_lists side {side}: lists", index_gpu._layout_write_kernel,
-               dict(SIDE=side, FLAG=side, BLOCK=8192), (),
+               dict(SIDE=side, BLOCK=8192), (),
                dict(num_warps=4, types={"Layout": "*i1", "Kinds": "*i32", "Ends": "*i32", **ints, **lists}))
     cfg = fwd_config(128, torch.bfloat16, 128, 128, False, 16384, long_lists=True)
     yield (f"fwd sparse long lists D=128 {tuple(cfg)}", fwd._attn_fwd_kernel,
