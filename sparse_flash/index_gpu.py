@@ -3,6 +3,7 @@ with many small torch operators, each a kernel launch of its own:
 
 - `layout_lists`: every row and column list of a bool layout, both causal flags (`mask_index.build_index`);
 - `topk_lists`: those of a top-k mask, whose sizes the host knows (`mask_index.build_topk_index`);
+- `plan_sizes`: the chunks of every list and the sizes of the work plans where some list is cut;
 - `unsplit_plan`: the work plan of lists that no program splits (`mask_index._plan_items`): items ordered by
   (batch, head), longest list first within, ties in list order; every item a whole list;
 - `split_plan`: the same where some lists are cut into chunks (global rows and columns): every chunk an item,
@@ -124,6 +125,60 @@ def _unsplit_plan_kernel(Counts, FullCounts, FullOffsets, FullIndices, PartCount
     tl.store(Slots + lists, -one, mask=valid)
     heavy = tl.sum((valid_all & (length_all.to(tl.float32) > heavy_above)).to(tl.int32), 0)
     tl.atomic_max(Lead, heavy, mask=c == 0)
+
+
+def sizes_supported(lists_per_head: int) -> bool:
+    """Whether one program holds the `lists_per_head` lists of one (batch, head) (`plan_sizes`)."""
+    return triton.next_power_of_2(lists_per_head) <= MAX_LISTS
+
+
+def plan_sizes(counts: list[torch.Tensor], chunks: list[int], max_chunks: int):
+    """`mask_index._plan_batch`'s chunks per list and `_plan_sizes`' sizes of several work plans, one launch
+    per plan (where the torch operators take about sixty).
+
+    Args:
+        counts: int32 `(B, H, M_p)` per plan: live blocks of each list.
+        chunks: per plan, its split threshold in blocks (`mask_index._chunk_size`).
+        max_chunks: the most chunks of one list (`mask_index.SPLIT_MAX_CHUNKS`).
+
+    Returns:
+        `(n, base, sizes)`: int64 `(L,)` chunks of every list, plan p's at `[base[p], base[p + 1])` (host ints);
+        int32 `(P, 5)` per plan: items, the most items of one (batch, head), split lists, scratch slots, longest
+        list.
+    """
+    device = counts[0].device
+    base = [0]
+    for c in counts:
+        base.append(base[-1] + c.numel())
+    n = torch.empty(base[-1], dtype=torch.int64, device=device)
+    sizes = torch.zeros((len(counts), 5), dtype=torch.int32, device=device)
+    with _on(device):
+        for p, (c, chunk) in enumerate(zip(counts, chunks)):
+            B, H, M = c.shape
+            launch(_plan_sizes_kernel, (B * H, ), (c, n, sizes[p], base[p], M, chunk, max_chunks),
+                   dict(BLOCK=triton.next_power_of_2(M)), WARPS, STAGES)
+    return n, tuple(base), sizes
+
+
+@triton.jit
+def _plan_sizes_kernel(Counts, N, Sizes, base, lists_per_head, chunk, max_chunks, BLOCK: tl.constexpr):
+    """Program bh: the chunks of the lists of one (batch, head) (a list longer than `chunk` is cut into
+    ceil(length / chunk) of them, at most `max_chunks`), stored at `base` in N, and added into the plan's
+    Sizes: items, the most items of one (batch, head), split lists, scratch slots, longest list."""
+    bh = tl.program_id(0)
+    idx = tl.arange(0, BLOCK)
+    valid = idx < lists_per_head
+    length = tl.load(Counts + bh * lists_per_head + idx, mask=valid, other=0)
+    n = tl.where(length > chunk, tl.minimum((length + chunk - 1) // chunk, max_chunks), 1)
+    n = tl.where(valid, n, 0)
+    tl.store(N + base + bh * lists_per_head + idx, n.to(tl.int64), mask=valid)
+    split = valid & (n > 1)
+    items = tl.sum(n, 0)
+    tl.atomic_add(Sizes + 0, items)
+    tl.atomic_max(Sizes + 1, items)
+    tl.atomic_add(Sizes + 2, tl.sum(split.to(tl.int32), 0))
+    tl.atomic_add(Sizes + 3, tl.sum(tl.where(split, n, 0), 0))
+    tl.atomic_max(Sizes + 4, tl.max(length, 0))
 
 
 def split_supported(lists_per_head: int, width: int, longest: int) -> bool:

@@ -497,20 +497,31 @@ def _unsplit_plans_on_gpu(plans: list[_PlanInput]) -> list[WorkPlan] | None:
     return out
 
 
-def _split_plans_on_gpu(batch: _PlanBatch, sizes: list[list[int]]) -> list[WorkPlan] | None:
-    """`_plan_items` of a batch in which some list is cut into chunks, two Triton launches per plan
-    (`sparse_flash.index_gpu.split_plan`), or None where that does not apply (`_on_gpu`, no Triton, more items
-    or lists per head than one program orders)."""
-    index_gpu = gpu_builders(batch.flat)
-    if index_gpu is None or not all(index_gpu.split_supported(plan.counts.shape[-1], size[1], size[4])
-                                    for plan, size in zip(batch.plans, sizes)):
+def _plan_sizes_on_gpu(plans: list[_PlanInput]):
+    """`(n, base, sizes)`: the chunks of every list (`_PlanBatch.n`, `.base`) and the plans' sizes
+    (`_plan_sizes`, still on the device), one Triton launch per plan (`sparse_flash.index_gpu.plan_sizes`), or
+    None where that does not apply (`_on_gpu`, no Triton, more lists per head than one program holds)."""
+    index_gpu = gpu_builders(plans[0].counts)
+    if index_gpu is None or not all(index_gpu.sizes_supported(plan.counts.shape[-1]) for plan in plans):
         return None
-    is_split = (batch.n > 1).long()
+    return index_gpu.plan_sizes([plan.counts for plan in plans], [plan.chunk for plan in plans], SPLIT_MAX_CHUNKS)
+
+
+def _split_plans_on_gpu(plans: list[_PlanInput], base: tuple[int, ...], n: torch.Tensor,
+                        sizes: list[list[int]]) -> list[WorkPlan] | None:
+    """`_plan_items` of plans in which some list is cut into chunks (`n`: every list's chunks, plan p's at
+    `base[p]`), two Triton launches per plan (`sparse_flash.index_gpu.split_plan`), or None where that does not
+    apply (`_on_gpu`, no Triton, more items or lists per head than one program orders)."""
+    index_gpu = gpu_builders(n)
+    if index_gpu is None or not all(index_gpu.split_supported(plan.counts.shape[-1], size[1], size[4])
+                                    for plan, size in zip(plans, sizes)):
+        return None
+    is_split = (n > 1).long()
     # exclusive prefix sums over the batch: the split lists' scratch slots and the split lists themselves
-    firsts = torch.nn.functional.pad(torch.stack([batch.n * is_split, is_split]).cumsum(1), (1, 0))
+    firsts = torch.nn.functional.pad(torch.stack([n * is_split, is_split]).cumsum(1), (1, 0))
     out = []
-    for p, (plan, size) in enumerate(zip(batch.plans, sizes)):
-        out.append(WorkPlan(*index_gpu.split_plan(plan.counts, plan.full, plan.part, batch.n, firsts, batch.base[p],
+    for p, (plan, size) in enumerate(zip(plans, sizes)):
+        out.append(WorkPlan(*index_gpu.split_plan(plan.counts, plan.full, plan.part, n, firsts, base[p],
                                                   tuple(size[:4]), HEAVY_FACTOR * plan.mean, size[4])))
         _unbacked((out[-1].items, 2), (out[-1].split, 0), (out[-1].slot_list, 0))
     return out
@@ -554,11 +565,15 @@ def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: in
             longest_row = {flag: longest[flag][0] for flag in (False, True)}
     if plans is None:
         # The four work plans (rows and columns of each flag) in one batch, their sizes read from the device together
-        batch = _plan_batch(inputs)
-        plan_sizes = _plan_sizes(batch).tolist()
-        plans = (_split_plans_on_gpu(batch, plan_sizes) if any(size[2] for size in plan_sizes) else
+        on_gpu, batch = _plan_sizes_on_gpu(inputs), None
+        if on_gpu is None:
+            batch = _plan_batch(inputs)
+            n, base, plan_sizes = batch.n, batch.base, _plan_sizes(batch).tolist()
+        else:
+            n, base, plan_sizes = on_gpu[0], on_gpu[1], on_gpu[2].tolist()
+        plans = (_split_plans_on_gpu(inputs, base, n, plan_sizes) if any(size[2] for size in plan_sizes) else
                  _unsplit_plans_on_gpu([plan._replace(chunk=0) for plan in inputs]))  # no list cut: whole lists
-        plans = plans or _plan_items(batch, plan_sizes)
+        plans = plans or _plan_items(batch or _plan_batch(inputs), plan_sizes)
         longest_row = {flag: plan_sizes[2 * flag][-1] for flag in (False, True)}
     for causal, (row_side, col_side) in sides.items():
         rows[causal], cols[causal] = row_side.live, col_side.live

@@ -68,6 +68,8 @@ def cases():
         yield (f"index_gpu.unsplit_plan {chunk}x{block}", index_gpu._unsplit_plan_kernel,
                dict(BLOCK=block, CHUNK=chunk, FIELDS=index_gpu.FIELDS), (), dict(num_warps=4))
     plan_ints = {n: "*i32" for n in ("SlotList", "Scratch")} | {n: "*i64" for n in ("N", "Firsts")}
+    yield ("index_gpu.plan_sizes", index_gpu._plan_sizes_kernel, dict(BLOCK=8192), (),
+           dict(num_warps=4, types={"Counts": "*i32", "N": "*i64", "Sizes": "*i32"}))
     yield ("index_gpu.split_plan: lists", index_gpu._split_lists_kernel, dict(BLOCK=8192), (),
            dict(num_warps=4, types=plan_ints))
     yield ("index_gpu.split_plan: items", index_gpu._split_items_kernel, dict(WIDTH=2048, FIELDS=index_gpu.FIELDS),

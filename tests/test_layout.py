@@ -365,8 +365,8 @@ def _assert_same_index(got, want):
 @settings(max_examples=8, deadline=None)
 @given(case=cut_layouts())
 def test_plans_with_cut_lists_built_on_the_gpu_equal_the_torch_ones(case):
-    """`sparse_flash.index_gpu.split_plan` (two Triton launches per plan; here under TRITON_INTERPRET=1) builds
-    the plans that `mask_index._plan_items` builds where global rows or columns are cut into chunks: the same
+    """`sparse_flash.index_gpu.plan_sizes` and `split_plan` (one and two Triton launches per plan; here under
+    TRITON_INTERPRET=1, with no torch plan batch) build the plans that `mask_index._plan_items` builds where global rows or columns are cut into chunks: the same
     items (chunk ranges, scratch slots, order, padding), chunk and slot tables, lead, split lists and slot
     owners, for both causal flags."""
     from sparse_flash import index_gpu, mask_index
@@ -376,9 +376,12 @@ def test_plans_with_cut_lists_built_on_the_gpu_equal_the_torch_ones(case):
     layout, block, Nq, Nk = case
     want = mask_index.build_index(layout, block, Nq, Nk)
     with mock.patch.object(mask_index, "_on_gpu", lambda t: True), \
-            mock.patch.object(index_gpu, "split_plan", wraps=index_gpu.split_plan) as built:
+            mock.patch.object(index_gpu, "split_plan", wraps=index_gpu.split_plan) as built, \
+            mock.patch.object(index_gpu, "plan_sizes", wraps=index_gpu.plan_sizes) as sized, \
+            mock.patch.object(mask_index, "_plan_batch", side_effect=AssertionError("the torch plan batch")):
         got = mask_index.build_index(layout, block, Nq, Nk)
     assert built.call_count == 4  # every plan of the batch, once some list is cut
+    assert sized.call_count == 1  # the chunks and sizes of the four plans
     assert any(plan.split.numel() for flag in (False, True) for plan in want.kernel[flag][4:])
     _assert_same_index(got, want)
 
