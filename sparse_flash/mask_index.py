@@ -854,23 +854,31 @@ def _topk_sides_on_gpu(selected: torch.Tensor, counts: torch.Tensor, partials: d
     return out
 
 
-def _eager_only(reason: str):
-    """`torch.compiler.disable` with a reason where this torch takes one (a graph break there, an error under
-    fullgraph that gives the reason)."""
-    try:
-        return torch.compiler.disable(reason=reason)
-    except TypeError:
-        return torch.compiler.disable
-
-
-@_eager_only((
+_CAUSAL_LISTS_OF_CHOICE = (
     "a top-k mask chosen with causal=False builds its causal=True lists on first use, and their sizes depend on "
     "the choice: that waits for the device, which torch.compile(fullgraph=True) cannot trace. Use the mask once "
-    "with causal=True before the compiled call (or call mask.row_index(True)), or choose it with causal=True"))
+    "with causal=True before the compiled call (or call mask.row_index(True)), or choose it with causal=True")
+
+
 def _causal_lists_of_choice(layout: torch.Tensor, block_size, seq_len_q: int, seq_len_k: int) -> tuple:
     """The per-flag dicts (`_unpack`) of a non-causal top-k choice's layout, built by `build_index` (it waits for
-    the device); always eager: inside torch.compile a graph break, under fullgraph=True an error saying why."""
+    the device). Called through `_eager_causal_lists`."""
     return _unpack(build_index(layout, block_size, seq_len_q, seq_len_k))
+
+
+_EAGER = {}
+
+
+def _eager_causal_lists():
+    """`_causal_lists_of_choice` marked for torch.compile as never traced: inside it a graph break, under
+    fullgraph=True an error that says why. Made on first use outside torch.compile (marking it at import would
+    load Dynamo, and Dynamo Triton; marking it inside a compiled region is itself a graph break)."""
+    if not _EAGER:
+        try:
+            _EAGER["fn"] = torch.compiler.disable(_causal_lists_of_choice, reason=_CAUSAL_LISTS_OF_CHOICE)
+        except TypeError:  # a torch without the reason
+            _EAGER["fn"] = torch.compiler.disable(_causal_lists_of_choice)
+    return _EAGER["fn"]
 
 
 def build_topk_index(selected: torch.Tensor, tables: TopkTables, ks: tuple[int, ...], causal: bool,
@@ -941,6 +949,8 @@ def build_topk_index(selected: torch.Tensor, tables: TopkTables, ks: tuple[int, 
         q_last = torch.clamp((i + 1) * block_size[0], max=seq_len_q) - 1
         covers = int((j * block_size[1] <= q_last).sum()) == B * H * _causal_blocks(Mq, Mk, *block_size, seq_len_q)
     if len(rows) == 1:  # the other flag: on first use
+        causal_lists = None if causal else _eager_causal_lists()  # (only outside torch.compile: see above)
+
         def fill(flag):
             if in_capture or _capturing(selected.device):
                 where = "was made inside a CUDA-graph capture" if in_capture else "is first used so inside one"
@@ -948,8 +958,7 @@ def build_topk_index(selected: torch.Tensor, tables: TopkTables, ks: tuple[int, 
                     f"this top-k mask (chosen for causal={causal} attention) builds its lists for causal={flag} "
                     f"attention on first use, and {where}: those lists would not follow the graph's replays. "
                     f"Use it with causal={causal}, or once with causal={flag} outside the capture first")
-            built = static_lists((flag, )) if causal else _causal_lists_of_choice(layout, block_size, seq_len_q,
-                                                                                  seq_len_k)
+            built = static_lists((flag, )) if causal else causal_lists(layout, block_size, seq_len_q, seq_len_k)
             for mine, theirs in zip(lazy, built):
                 dict.__setitem__(mine, flag, theirs[flag])
 
