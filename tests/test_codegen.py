@@ -133,6 +133,19 @@ def gluon_bwd_cases():
             (torch.bfloat16, False, False, 128, 4, 128), (torch.bfloat16, False, True, 128, 1, 64)]
 
 
+def gluon_one_pass_cases():
+    """(dtype, dense, causal, mask block_q, query heads per KV head, head dim, ordered) of the one-pass Hopper
+    backward (Gluon), or none where this Triton has no Gluon."""
+    import torch
+
+    from sparse_flash.kernels import dispatch
+
+    if dispatch.gluon_modules() is None:
+        return []
+    return [(torch.bfloat16, True, False, 128, 1, 128, True), (torch.bfloat16, False, True, 256, 1, 128, True),
+            (torch.float16, False, True, 128, 4, 64, False)]
+
+
 def gluon_dq_cases():
     """(dtype, dense, causal, mask block_k, head dim) of the warp-specialised Hopper dQ kernel (Gluon), or none
     where this Triton has no Gluon."""
@@ -181,6 +194,17 @@ def main() -> int:
         try:
             shared = dispatch.gluon_modules().dkdv.compile_sm90(dtype, dense, causal, block_q, groups,
                                                                 head_dim=head_dim).metadata.shared
+            assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
+            print(f"ok {name} ({shared} bytes of shared memory)")
+        except Exception as e:
+            failed += 1
+            print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
+    for dtype, dense, causal, block_q, groups, head_dim, ordered in gluon_one_pass_cases():
+        name = (f"hopper one-pass {dtype} dense={dense} causal={causal} block_q={block_q} groups={groups} "
+                f"D={head_dim} ordered={ordered}")
+        try:
+            shared = dispatch.gluon_modules().bwd.compile_sm90(dtype, dense, causal, block_q, groups, head_dim,
+                                                               ordered).metadata.shared
             assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
             print(f"ok {name} ({shared} bytes of shared memory)")
         except Exception as e:
@@ -279,7 +303,8 @@ def test_kernels_compile_for_sm90():
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     # every kernel and path compiled
-    compiled = len(list(cases())) + len(gluon_cases()) + len(gluon_bwd_cases()) + len(gluon_dq_cases())
+    compiled = (len(list(cases())) + len(gluon_cases()) + len(gluon_bwd_cases()) + len(gluon_one_pass_cases())
+                + len(gluon_dq_cases()))
     assert run.stdout.count("ok ") == compiled
 
 

@@ -182,7 +182,7 @@ def test_hopper_backward_serves_and_matches_reference(dtype, mask_name, heads, c
     n = 1024
     mask = HOPPER_MASKS[mask_name](n, heads[0])
     q, k, v = make_qkv(2, *heads, n, n, 128, dtype=dtype, device="cuda", seed=9)
-    with settings.override(hopper_backward=True):
+    with settings.override(hopper_backward=True, hopper_one_pass=False):
         result = compare_to_reference(q, k, v, mask, causal=causal, backend="triton")
     assert not result.failures(), result.failures()
     per_head_gqa = heads[0] != heads[1] and mask.shape[1] > 1
@@ -210,10 +210,69 @@ def test_hopper_kernels_at_head_dim_64_match_reference(mask_name, causal, monkey
     n = 1024
     mask = HOPPER_MASKS[mask_name](n, 4)
     q, k, v = make_qkv(2, 4, 2, n, n, 64, dtype=torch.bfloat16, device="cuda", seed=11)
-    with settings.override(hopper_d64=True):
+    with settings.override(hopper_d64=True, hopper_one_pass=False):
         result = compare_to_reference(q, k, v, mask, causal=causal, backend="triton")
     assert not result.failures(), result.failures()
     assert min(served.values()) > 0, served
+
+
+@pytest.mark.skipif(not SM90, reason="the Hopper backward kernels need sm_90")
+@pytest.mark.parametrize("mask_name", list(HOPPER_MASKS))
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("ordered", [True, False], ids=["deterministic", "any_order"])
+def test_hopper_one_pass_backward_matches_reference(mask_name, heads, causal, head_dim, ordered, monkeypatch):
+    """The one-pass backward (`gluon/bwd.py`: dK, dV and dQ in one launch, dQ added by TMA reductions) takes
+    these calls (D = 64 and 128, rows with no block, blocks of 256, per-head layouts, GQA where one layout
+    serves the group, causal), and the gradients pass the 2x rule against the float64 reference, outputs
+    NaN-poisoned. With `settings.deterministic` (the default) the additions go in a fixed order: a second
+    backward gives the same gradients bit for bit."""
+    from sparse_flash.kernels import settings
+    from sparse_flash.kernels.gluon import bwd as gluon_bwd
+    from sparse_flash.testing import compare_to_reference, make_qkv
+
+    served = []
+    real = gluon_bwd.BwdPlan.__call__
+    monkeypatch.setattr(gluon_bwd.BwdPlan, "__call__", lambda *a: served.append(1) or real(*a))
+    n = 1024
+    mask = HOPPER_MASKS[mask_name](n, heads[0])
+    q, k, v = make_qkv(2, *heads, n, n, head_dim, dtype=torch.bfloat16, device="cuda", seed=13)
+    per_head_gqa = heads[0] != heads[1] and mask.shape[1] > 1
+    with settings.override(hopper_one_pass=True, deterministic=ordered):
+        result = compare_to_reference(q, k, v, mask, causal=causal, backend="triton")
+        assert not result.failures(), result.failures()
+        assert bool(served) != per_head_gqa, served
+        if ordered and served:
+            grads = []
+            for _ in range(2):
+                inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+                out = sparse_flash.block_sparse_attention(*inputs, mask, causal=causal)
+                grads.append(torch.autograd.grad(out, inputs, torch.ones_like(out)))
+            for a, b in zip(*grads):
+                assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not SM90, reason="the Hopper backward kernels need sm_90")
+def test_one_pass_backward_serves_dense_full_calls_where_order_is_free():
+    """The dispatch policy (tuning log, step 82): by default every backward takes the two deterministic passes;
+    with `deterministic` off the dense non-causal backward takes the one-pass kernel (faster there) and every
+    other call the two passes; `hopper_one_pass` puts every call it serves on it."""
+    from sparse_flash.kernels import dispatch, settings
+
+    q = torch.randn(1, 2, 1024, 128, device="cuda", dtype=torch.bfloat16)
+    mask = masks.butterfly(1024, 128, device="cuda")
+    calls = {"dense full": (None, None, False), "dense causal": (None, None, True),
+             "butterfly": (mask.kernel_index(False), mask.kernel_geometry(False), False)}
+
+    def chosen(**switches):
+        with settings.override(**switches):
+            return {name: dispatch.families(q, q, q, i, g, q, q, c).dq for name, (i, g, c) in calls.items()}
+
+    assert set(chosen().values()) == {"gluon"}
+    assert chosen(deterministic=False) == {"dense full": "gluon-one-pass", "dense causal": "gluon",
+                                           "butterfly": "gluon"}
+    assert set(chosen(hopper_one_pass=True).values()) == {"gluon-one-pass"}
 
 
 @pytest.mark.skipif(not SM90, reason="the Hopper forward needs sm_90")

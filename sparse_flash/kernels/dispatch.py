@@ -5,7 +5,9 @@ warp-specialised Gluon kernels (`gluon/`) serve the calls they were written for 
 H200: 16-bit inputs, D = 64 or 128, lengths and mask blocks multiples of 128; each module's `supported` says
 exactly), where they are faster, unless switched off (`settings.hopper_forward`, `settings.hopper_backward`).
 The forward, the dQ pass and the dK/dV pass are chosen separately; the dQ pass stores delta = rowsum(dO * O)
-for the dK/dV pass whichever families run them.
+for the dK/dV pass whichever families run them. The one-pass Gluon backward (`gluon/bwd.py`: both passes in one
+launch, family "gluon-one-pass") serves the dense non-causal calls where `settings.deterministic` is off (there it
+is faster), and every call it serves with `settings.hopper_one_pass` (tuning log, step 82).
 
 A choice is made once per launch plan (the plan's key holds the shapes, strides, alignment and settings
 that the choice depends on), so repeated calls pay nothing for it.
@@ -28,9 +30,12 @@ from .triton import fwd as triton_fwd
 
 __all__ = ["Families", "attn_bwd", "attn_fwd", "families"]
 
+ONE_PASS = "gluon-one-pass"
+
 
 class Families(NamedTuple):
-    """The family ("gluon" or "triton") of each pass of one call."""
+    """The family ("gluon" or "triton"; "gluon-one-pass": both backward passes in one launch) of each pass of
+    one call."""
 
     forward: str
     dq: str
@@ -41,10 +46,10 @@ class Families(NamedTuple):
 def gluon_modules():
     """The Gluon kernels' modules, or None where this Triton has no Gluon (or one older than their names)."""
     try:
-        from .gluon import dkdv, dq, fwd
+        from .gluon import bwd, dkdv, dq, fwd
     except (ImportError, AttributeError):
         return None
-    return SimpleNamespace(fwd=fwd, dq=dq, dkdv=dkdv)
+    return SimpleNamespace(fwd=fwd, dq=dq, dkdv=dkdv, bwd=bwd)
 
 
 def _gluon():
@@ -53,7 +58,8 @@ def _gluon():
     return None if settings.interpreting() else gluon_modules()
 
 
-def families(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, out=None, do=None) -> Families:
+def families(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, out=None, do=None,
+             causal: bool = False) -> Families:
     """The family of each pass for a call with these tensors and mask (`index` and `geometry` None: the dense
     path); `out` and `do` (like q) decide the backward passes, which read them."""
     gluon, switches = _gluon(), settings.current()
@@ -62,6 +68,9 @@ def families(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, 
         if switches.hopper_forward and gluon.fwd.supported(q, k, v, index, geometry):
             forward = "gluon"
         if switches.hopper_backward and out is not None and do is not None:
+            wanted = switches.hopper_one_pass or (not switches.deterministic and index is None and not causal)
+            if wanted and gluon.bwd.supported(do, q, k, v, index, geometry):
+                return Families(forward, ONE_PASS, ONE_PASS)
             if gluon.dq.supported(do, q, k, v, out, index, geometry):
                 dq = "gluon"
             if gluon.dkdv.supported(do, q, k, v, index, geometry):
@@ -99,8 +108,12 @@ class _BackwardPlan:
     """The two backward passes of one call signature, each by the family that serves it."""
 
     def __init__(self, do, q, k, v, out, index, geometry, causal: bool, scale: float):
-        chosen, gluon = families(q, k, v, index, geometry, out, do), gluon_modules()
+        chosen, gluon = families(q, k, v, index, geometry, out, do, causal), gluon_modules()
         self.families = chosen
+        if chosen.dq == ONE_PASS:
+            self.one_pass = gluon.bwd.BwdPlan(q, k, index, geometry, causal, scale, settings.current().deterministic)
+            return
+        self.one_pass = None
         self.dq = (gluon.dq.DqPlan(q, k, index, geometry, causal, scale) if chosen.dq == "gluon" else
                    triton_bwd.DqPlan(do, q, k, v, out, index, geometry, causal, scale))
         self.dkdv = (gluon.dkdv.DkdvPlan(q, k, index, geometry, causal, scale) if chosen.dkdv == "gluon" else
@@ -108,6 +121,8 @@ class _BackwardPlan:
         self.delta_shape, self.device = q.shape[:3], q.device
 
     def __call__(self, do, q, k, v, out, lse):
+        if self.one_pass is not None:
+            return self.one_pass(q, k, v, out, do, lse)
         delta = new_output(self.delta_shape, torch.float32, self.device)  # written by the dQ pass, read by dK/dV
         dq = self.dq(q, k, v, out, do, lse, delta)
         dk, dv = self.dkdv(q, k, v, do, lse, delta)

@@ -462,3 +462,64 @@ def _placed_items_kernel(FullOffsets, PartOffsets, Scratch, Placed, Starts,
     ends = tl.cumsum(tl.load(CountAt + lanes), 0)
     tl.store(Starts + 1 + lanes, ends, mask=lanes < num_programs)
     tl.store(Starts + lanes, tl.zeros_like(lanes), mask=lanes == 0)
+
+
+def turn_order(items, num_programs: int, Nk: int):
+    """Items placed for the one-pass backward (`gluon/bwd.py`), which adds into each dQ tile in ascending key
+    tile: all items in ascending key position (field 0 is the first K/V row; ties as given) dealt out in
+    waves of `num_programs`, alternately forwards and backwards (a causal call's lists shorten along the
+    keys), so that every program walks its items in ascending key tile (a wait for a turn is only ever for a
+    smaller key tile) and the programs in flight work on neighbouring key tiles of many heads (few waits).
+    Returns the items grouped by program and `starts` (int32, `num_programs + 1`). No host synchronisation.
+
+    Example: six items of key tiles 2, 0, 1, 0, 2, 1 (128 keys each) on two programs.
+        >>> items = torch.tensor([[128 * t, 0, 0, 1, 0, 0] for t in (2, 0, 1, 0, 2, 1)], dtype=torch.int32)
+        >>> placed, starts = turn_order(items, 2, 4096)
+        >>> (placed[:, 0] // 128).tolist(), starts.tolist()
+        ([0, 1, 2, 0, 1, 2], [0, 3, 6])
+    """
+    n, dev, P = items.shape[0], items.device, num_programs
+    ordered = items[torch.argsort(items[:, 0].long() % Nk, stable=True)]
+    position = torch.arange(n, device=dev)
+    wave, i = position // P, position % P
+    program = torch.where(wave % 2 == 0, i, P - 1 - i)
+    placed = ordered[torch.argsort(program * n + position)]
+    counts = torch.zeros(P, dtype=torch.long, device=dev).scatter_add_(0, program, torch.ones_like(program))
+    starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+    return placed.contiguous(), starts
+
+
+def column_ranks(index: KernelIndex, geometry: MaskGeometry, tiles_per_block: int):
+    """int32 ranks parallel to the column lists' entries (`index.col_full`, `index.col_partial`): for the entry
+    of mask block (r, c), the number of blocks of row r left of c (full and partial lists together), times
+    `tiles_per_block` (key tiles of the one-pass backward per mask block): the turn of c's first key tile among
+    those that add into row r's dQ (`gluon/bwd.py`). No host synchronisation.
+
+    Example: blocks (0, 0), (1, 0), (1, 1) of a 2 x 2 layout; column 0 holds rows 0 and 1, column 1 row 1.
+        >>> from sparse_flash import BlockMask
+        >>> m = BlockMask.from_layout(torch.tensor([[1, 0], [1, 1]], dtype=torch.bool), 128)
+        >>> full, part = column_ranks(m.kernel_index(False), m.kernel_geometry(False), 1)
+        >>> full.tolist()  # (0, 0) first in row 0; (1, 0) first in row 1; (1, 1) second in row 1
+        [0, 0, 1]
+    """
+    g, dev = geometry, index.col_full.indices.device
+    lists = g.batch * g.heads
+
+    def row_keys(side: BlockIndex):  # (list row) * Mk + block, ascending over the row lists
+        rows = torch.repeat_interleave(torch.arange(lists * g.blocks_q, device=dev), side.counts.flatten().long(),
+                                       output_size=side.indices.numel())
+        return rows * g.blocks_k + side.indices.long()
+
+    keys = (row_keys(index.row_full), row_keys(index.row_partial))
+    offsets = (index.row_full.offsets.long(), index.row_partial.offsets.long())
+
+    def ranks(side: BlockIndex):
+        cols = torch.repeat_interleave(torch.arange(lists * g.blocks_k, device=dev), side.counts.flatten().long(),
+                                       output_size=side.indices.numel())
+        row = cols // g.blocks_k * g.blocks_q + side.indices.long()  # the entry's list row
+        key = row * g.blocks_k + cols % g.blocks_k
+        rank = sum(torch.searchsorted(k, key) - off[row] for k, off in zip(keys, offsets))
+        rank = (rank * tiles_per_block).to(torch.int32)
+        return rank if rank.numel() else torch.zeros(1, dtype=torch.int32, device=dev)
+
+    return ranks(index.col_full), ranks(index.col_partial)

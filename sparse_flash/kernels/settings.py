@@ -7,6 +7,8 @@ so a bad value never stops `import sparse_flash`; an empty value counts as unset
 |---|---|---|---|
 | `hopper_forward` | `SPARSE_FLASH_HOPPER_FWD` | on | the warp-specialised Gluon forward where it serves a call (`gluon/fwd.py`) |
 | `hopper_backward` | `SPARSE_FLASH_HOPPER_BWD` | on | the Gluon dQ and dK/dV kernels where they serve a call (`gluon/dq.py`, `gluon/dkdv.py`) |
+| `deterministic` | `SPARSE_FLASH_DETERMINISTIC` | on | gradients bit-identical from run to run; off: the dense non-causal backward takes the one-pass Gluon kernel with dQ added in any order, 1.05-1.16x faster than the two passes on the H200 (`gluon/bwd.py`; tuning log, step 82) |
+| `hopper_one_pass` | `SPARSE_FLASH_HOPPER_ONE_PASS` | off | the one-pass Gluon backward wherever it serves a call (in a fixed order while `deterministic`), in place of the two Gluon passes: 0.4-1.0x their speed where deterministic, 0.7-1.16x in any order (step 82) |
 | `hopper_split` | `SPARSE_FLASH_HOPPER_SPLIT` | on | the Gluon kernels also take masks whose work plan splits long lists |
 | `hopper_balance` | `SPARSE_FLASH_HOPPER_BALANCE` | on | Gluon work items placed on programs by load (off: in turn) |
 | `hopper_d64` | `SPARSE_FLASH_HOPPER_D64` | on | the Gluon kernels also at head dim 64 (off: 128 only); measured against the Triton kernels at 64: forward 0.96-1.76x, backward 1.12-1.34x (tuning log, step 58) |
@@ -45,6 +47,8 @@ __all__ = ["Settings", "applied", "configure", "current", "interpreting", "overr
 class Settings:
     hopper_forward: bool = True
     hopper_backward: bool = True
+    deterministic: bool = True
+    hopper_one_pass: bool = False
     hopper_split: bool = True
     hopper_balance: bool = True
     hopper_d64: bool = True
@@ -61,6 +65,8 @@ class Settings:
 ENVIRONMENT = {  # field: the variable that sets it
     "hopper_forward": "SPARSE_FLASH_HOPPER_FWD",
     "hopper_backward": "SPARSE_FLASH_HOPPER_BWD",
+    "deterministic": "SPARSE_FLASH_DETERMINISTIC",
+    "hopper_one_pass": "SPARSE_FLASH_HOPPER_ONE_PASS",
     "hopper_split": "SPARSE_FLASH_HOPPER_SPLIT",
     "hopper_balance": "SPARSE_FLASH_HOPPER_BALANCE",
     "hopper_d64": "SPARSE_FLASH_HOPPER_D64",

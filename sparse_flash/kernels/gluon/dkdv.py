@@ -76,16 +76,18 @@ def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q
                         PartIdx, Nq, GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
                         DENSE: gl.constexpr):
     """The load warp: for each of this program's items, K and V into a free K/V buffer, then for each query
-    head of the group the query tiles of the full list and then of the partial list into the next slots."""
+    head of the group the query tiles of the full list and then of the partial list into the next slots.
+    Also the load warp of the one-pass backward (`gluon/bwd.py`)."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
+    KV_BUFFERS: gl.constexpr = k_smem.type.shape[0]  # two here; one in the one-pass backward (`gluon/bwd.py`)
     t = 0  # steps issued so far (slot positions)
     c = 0  # items issued so far (K/V buffer position)
     for it in range(gl.load(Starts + gl.program_id(0)), gl.load(Starts + gl.program_id(0) + 1)):
         rec = Items + it * ITEM_WIDTH
         kv_row = gl.load(rec)
         q_row0 = gl.load(rec + 1)
-        kb = c % 2
-        mbarrier.wait(kv_empty.index(kb), ((c // 2) & 1) ^ 1)
+        kb = c % KV_BUFFERS
+        mbarrier.wait(kv_empty.index(kb), ((c // KV_BUFFERS) & 1) ^ 1)
         mbarrier.expect(kv_ready.index(kb), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma_load(k_desc, [kv_row, 0], kv_ready.index(kb), k_smem.index(kb))
         tma_load(v_desc, [kv_row, 0], kv_ready.index(kb), v_smem.index(kb))

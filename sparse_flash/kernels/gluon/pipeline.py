@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton._C.libtriton import ir
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -27,6 +29,17 @@ WARPS = 4  # per compute partition (a warpgroup); the launch's num_warps
 partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+
+@builtin
+def _tma_add_3_6(tensor_desc, coord, src, _semantic=None):
+    """Triton 3.6's Gluon has no name for a TMA reduction; its IR builder has the operation."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+# A tile of shared memory added into global memory by TMA (the one-pass backward's dQ).
+tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_3_6
 
 
 @gluon.jit
@@ -140,6 +153,19 @@ def vector_descriptor(t, rows: int, layout):
     elements at a time; unchecked as `row_descriptor`."""
     return unchecked_descriptor(TensorDescriptor, base=t, shape=[t.numel()], strides=[1], block_shape=[rows],
                                 layout=layout)
+
+
+def tile_descriptor(t, block_shape, layout):
+    """A TMA descriptor of contiguous t as a (rows of its last dim) matrix, taken in tiles of `block_shape`
+    (fewer columns than a row: the one-pass backward's dQ halves); unchecked as `row_descriptor`."""
+    D = t.shape[-1]
+    return unchecked_descriptor(TensorDescriptor, base=t, shape=[t.numel() // D, D], strides=[D, 1],
+                                block_shape=list(block_shape), layout=layout)
+
+
+def tile_spec(t, block_shape, layout) -> DescriptorSpec:
+    """`tile_descriptor(t, block_shape, layout)` as a launch argument (see `row_spec`)."""
+    return DescriptorSpec(t, tile_descriptor, (tuple(block_shape), layout))
 
 
 def row_spec(t, rows: int, layout) -> DescriptorSpec:

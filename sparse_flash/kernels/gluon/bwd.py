@@ -1,0 +1,569 @@
+"""One-pass backward for Hopper GPUs, written in Gluon: dK, dV and dQ in one launch, five products per tile
+pair where the two-pass backward (`gluon/dq.py`, then `gluon/dkdv.py`) computes seven.
+
+The work items are the dK/dV kernel's (a 128-key tile of one (batch, KV head) with the lists of 64-row query
+tiles that see it, for every query head of the group) and so is the load warp (`dkdv._bwd_load_partition`).
+Per query tile, each of the two compute warpgroups (one per 64-key half of the item) runs S^T = K Q^T and
+dP^T = V dO^T, P^T = exp2(S^T - lse), dV += P^T dO, dS^T = P^T (dP^T - delta), dK += dS^T Q, and a share of
+this tile's dQ = dS K, which it adds into a float32 buffer by a TMA reduction:
+
+- D = 128: both halves write dS^T to shared memory, and each warpgroup takes half of D over all 128 keys
+  (a 64 x 64 product), so one reduction per tile and warpgroup, to its half of the columns;
+- D = 64: each warpgroup takes its own 64 keys over all of D, into a copy of the buffer of its own; the
+  conversion launch after the kernel adds the two copies.
+
+Deterministic: the additions into one dQ tile happen in a fixed order, by ascending key tile. A semaphore per
+(dQ tile, warpgroup) counts the additions made; a warpgroup waits until it equals its key tile's rank among
+the tiles that reach that query tile (`schedule.column_ranks`; dense: the key tile's number), adds, and after
+the reduction has completed (checked one step later, so that the wait overlaps the next tile) counts one.
+Items are dealt to the programs in waves by ascending key tile (`schedule.turn_order`): every program walks
+its items in ascending key tile, so a wait is only ever for a smaller key tile, which some resident program
+reaches first (the kernel needs all its programs resident at once: one per SM, `num_sms`, as persistent
+kernels are), and the programs in flight work on neighbouring key tiles of many heads, so waits are few.
+
+Three small launches surround it: `_prepare_kernel` (delta = rowsum(dO * O), the float32 buffer and the
+semaphores set to zero) and `_convert_kernel` (dQ = scale x the buffer, in the inputs' dtype).
+
+Exactness under non-finite inputs, as the two-pass kernels: a left-out pair on the causal diagonal has
+dS = 0, but 0 x NaN is NaN where K holds a NaN or infinity; an item whose K half (the dQ product's operand)
+is not finite sums its diagonal tiles' dQ again on the CUDA cores over the allowed pairs only
+(`_exact_dq_tile`; only such inputs pay for it).
+
+It serves (`supported`) what the dK/dV kernel serves, except masks whose work plan cuts long lists (BigBird,
+Longformer: the two-pass backward takes them). `dispatch.py` runs it unless `settings.hopper_one_pass` is off.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from ...mask_index import KernelIndex, MaskGeometry
+from ..aot import compile_gluon_sm90, descriptor_type
+from ..memory import new_output
+from ..schedule import column_ranks, turn_order, whole_plan
+from ..triton.common import LOG2E
+from .dkdv import _bwd_load_partition
+from ..launch import BoundLaunch
+from .pipeline import (FIRST_HALF, GL_DTYPES, ITEM_WIDTH, SECOND_HALF, bound_launch, list_tile_start, num_sms,
+                       partition_barrier, release, release_after_store, ring_barriers, row_spec, runs_on, tile_spec, tma_add,
+                       tma_store, vector_spec)
+
+BLOCK_N = 128  # keys per item (64 per compute warpgroup)
+BLOCK_M = 64  # query rows per step
+STEP_BUFFERS = 2  # Q / dO / lse / delta slots in flight
+LOAD_REGS = 24
+COMPUTE_REGS = 240
+MAX_REGS = 168
+
+
+@gluon.jit
+def _wait_turn(sem, rank):
+    """Spin until the semaphore reaches `rank` (acquire), then order the TMA reductions that follow after the
+    read (a cross-proxy fence)."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 a; WAIT_${:uid}: ld.acquire.gpu.global.b32 a, [$1]; setp.lt.s32 p, a, $2; "
+        "@p bra WAIT_${:uid}; fence.proxy.async.global; mov.b32 $0, a; }",
+        "=r,l,r", [sem, rank], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _complete_but_two(x):
+    """Wait until every TMA reduction this thread issued, but the last two, has completed (written, not only
+    read its shared memory), and order them before what follows."""
+    return gl.inline_asm_elementwise("cp.async.bulk.wait_group 2; fence.proxy.async.global; mov.b32 $0, 0;",
+                                     "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _complete_all(x):
+    """Wait until every TMA reduction this thread issued has completed."""
+    return gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.b32 $0, 0;",
+                                     "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _count_one(sem, first):
+    """Add one to the semaphore, by one thread (`first` nonzero), with release semantics."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p red.release.gpu.global.add.s32 [$1], 1; mov.b32 $0, 0; }",
+        "=r,l,r", [sem, first], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _step_rank(FullIdx, PartIdx, RankFull, RankPart, j, n_full, full_lo, part_lo, tile_rank, SUB: gl.constexpr,
+               MASK_BLOCK_Q: gl.constexpr, BM: gl.constexpr, DENSE: gl.constexpr):
+    """Step j of an item (the full list's tiles, then the partial list's): its query tile's first position and
+    the item's turn among the key tiles that add into that tile's dQ."""
+    if j >= n_full:
+        entry = j - n_full + part_lo
+        q_tok0 = list_tile_start(PartIdx, entry, SUB, MASK_BLOCK_Q, BM, DENSE)
+        if DENSE:
+            rank = tile_rank
+        else:
+            rank = tile_rank + gl.load(RankPart + entry // SUB)
+    else:
+        entry = j + full_lo
+        q_tok0 = list_tile_start(FullIdx, entry, SUB, MASK_BLOCK_Q, BM, DENSE)
+        if DENSE:
+            rank = tile_rank
+        else:
+            rank = tile_rank + gl.load(RankFull + entry // SUB)
+    return q_tok0, rank
+
+
+@gluon.jit
+def _item_turn(item_row, Nk, MASK_BLOCK_K: gl.constexpr, BLOCK: gl.constexpr, DENSE: gl.constexpr):
+    """The part of an item's turn that its own key tile sets: its number (dense: every smaller key tile reaches
+    each of its query tiles), or its tile within its mask block (the block's rank comes with each list entry)."""
+    if DENSE:
+        tile_rank = (item_row % Nk) // BLOCK
+    else:
+        tile_rank = ((item_row % Nk) % MASK_BLOCK_K) // BLOCK
+    return tile_rank
+
+
+@gluon.jit
+def _dq_add_partition(dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, Sem, RankFull, RankPart, Items, Starts, FullIdx,
+                      PartIdx, Nq, Nk, copy_rows, tiles, GROUPS: gl.constexpr, SUB: gl.constexpr,
+                      MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr,
+                      BLOCK: gl.constexpr, SPLIT_D: gl.constexpr, ORDERED: gl.constexpr):
+    """The add warp: for each step, once both compute warpgroups have put their dQ tiles in shared memory, adds
+    them into the float32 buffer by TMA reductions and frees the previous step's buffers once its reductions
+    have read them. ORDERED (deterministic): first waits for the step's turn on the dQ tile's semaphore, and
+    counts the previous step's once its reductions have completed; an item's last step is counted at the item's
+    end (a later item's turns may wait for larger key tiles)."""
+    BM: gl.constexpr = dq_smem0.type.shape[1]
+    DQ_D: gl.constexpr = dq_smem0.type.shape[2]
+    lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    first = (lanes == 0).to(gl.int32)  # the thread that counts
+    zero = lanes * 0
+    prev = Sem + tiles + zero  # the previous step's semaphore (at first a spare one)
+    t = 0  # steps taken (dQ buffer positions, as in the compute warpgroups)
+    for it in range(gl.load(Starts + gl.program_id(0)), gl.load(Starts + gl.program_id(0) + 1)):
+        rec = Items + it * ITEM_WIDTH
+        item_row = gl.load(rec)
+        q_row0 = gl.load(rec + 1)
+        full_lo = gl.load(rec + 2) * SUB
+        n_full = gl.load(rec + 3) * SUB - full_lo
+        part_lo = gl.load(rec + 4) * SUB
+        part_hi = gl.load(rec + 5) * SUB
+        tile_rank = _item_turn(item_row, Nk, MASK_BLOCK_K, BLOCK, DENSE)
+        n = n_full + part_hi - part_lo
+        for g in range(GROUPS):
+            q_row = q_row0 + g * Nq
+            for j in range(n):
+                q_tok0, rank = _step_rank(FullIdx, PartIdx, RankFull, RankPart, j, n_full, full_lo, part_lo,
+                                          tile_rank, SUB, MASK_BLOCK_Q, BM, DENSE)
+                row = q_row + q_tok0
+                sem = Sem + row // BM + zero
+                b = t % 2
+                mbarrier.wait(dq_full.index(b), (t // 2) & 1)
+                if ORDERED:
+                    if rank > 0:  # the first key tile of a dQ tile waits for nobody
+                        _wait_turn(sem, rank + zero)
+                tma_add(dq_desc, [row, 0], dq_smem0.index(b))
+                if SPLIT_D:  # the second warpgroup's half of the columns
+                    tma_add(dq_desc, [row, DQ_D], dq_smem1.index(b))
+                else:  # its own copy
+                    tma_add(dq_desc, [copy_rows + row, 0], dq_smem1.index(b))
+                if g + j > 0:  # the previous step of this item: read (and, ordered, completed and counted)
+                    if ORDERED:
+                        _complete_but_two(first)
+                        _count_one(prev, first)
+                    else:
+                        tma.store_wait(2)
+                    mbarrier.arrive(dq_empty.index((t + 1) % 2), count=1)
+                prev = sem
+                t += 1
+        if n * GROUPS > 0:  # the item's last step
+            if ORDERED:
+                _complete_all(first)
+                _count_one(prev, first)
+            else:
+                tma.store_wait(0)
+            mbarrier.arrive(dq_empty.index((t + 1) % 2), count=1)
+
+
+@gluon.jit
+def _finite_keys(K, k_row, col0, KEYS: gl.constexpr, DQ_D: gl.constexpr, HEAD_D: gl.constexpr, blk: gl.constexpr):
+    """1 if K rows [k_row, k_row + KEYS), columns [col0, col0 + DQ_D) (rows of HEAD_D) are all finite, else 0
+    (16 rows at a time)."""
+    offs_r = gl.arange(0, 16, layout=gl.SliceLayout(1, blk))
+    offs_c = col0 + gl.arange(0, DQ_D, layout=gl.SliceLayout(0, blk))
+    ok = 1
+    for r in range(0, KEYS, 16):
+        kk = gl.load(K + (k_row + r + offs_r).to(gl.int64)[:, None] * HEAD_D + offs_c[None, :]).to(gl.float32)
+        ok = gl.minimum(ok, gl.min(gl.min(((kk == kk) & (gl.abs(kk) < float("inf"))).to(gl.int32), 1), 0))
+    return ok
+
+
+@gluon.jit
+def _exact_dq_into(out, q, do, lse_s, delta_s, K, V, k_row, key0, q_tok, qk_scale, col0, KEYS: gl.constexpr,
+                   blk: gl.constexpr):
+    """dS K of a causal diagonal tile over its allowed pairs only (key <= query), into shared memory `out`
+    ((BM, DQ_D) float32), 16 rows at a time and one key at a time on the CUDA cores: `KEYS` keys from K/V
+    row `k_row` (sequence position `key0`), dQ columns [col0, col0 + DQ_D). S and dP from Q and dO (shared
+    memory, (BM, D)) and K and V (global memory), with the rows' lse and delta (shared memory); dS rounded to
+    the inputs' dtype as the tensor cores take it. `blk`: a blocked layout of (16, D) tiles."""
+    BM: gl.constexpr = q.shape[0]
+    HEAD_D: gl.constexpr = q.shape[1]
+    DQ_D: gl.constexpr = out.shape[1]
+    rows_layout: gl.constexpr = gl.SliceLayout(1, blk)
+    offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, blk))  # (HEAD_D,)
+    offs_c = col0 + gl.arange(0, DQ_D, layout=gl.SliceLayout(0, blk))  # (DQ_D,)
+    for r0 in gl.static_range(0, BM, 16):
+        rows = q_tok + r0 + gl.arange(0, 16, layout=rows_layout)  # (16,)
+        lse = lse_s.slice(r0, 16).load(rows_layout)
+        lse = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # log2; empty rows: P = 0
+        delta = delta_s.slice(r0, 16).load(rows_layout)
+        q_r = q.slice(r0, 16).load(blk).to(gl.float32)  # (16, HEAD_D)
+        do_r = do.slice(r0, 16).load(blk).to(gl.float32)
+        acc = gl.zeros([16, DQ_D], gl.float32, blk)
+        for j in range(KEYS):
+            base = (k_row + j).to(gl.int64) * HEAD_D
+            k_j = gl.load(K + base + offs_d).to(gl.float32)  # (HEAD_D,)
+            v_j = gl.load(V + base + offs_d).to(gl.float32)
+            p_j = gl.exp2(gl.sum(q_r * k_j[None, :], 1) * qk_scale - lse)  # (16,)
+            ds_j = (p_j * (gl.sum(do_r * v_j[None, :], 1) - delta)).to(q.dtype).to(gl.float32)  # as the MMA takes it
+            kc_j = gl.load(K + base + offs_c).to(gl.float32)  # (DQ_D,)
+            acc += gl.where((key0 + j <= rows)[:, None], ds_j[:, None] * kc_j[None, :], 0.0)
+        out.slice(r0, 16).store(acc)
+
+
+@gluon.jit
+def _one_pass_step(k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, step_ready, step_empty,
+                   ds_ready, dq_full, dq_empty, K, V, dk, dv, t, u, qk_scale, key0, dq_kv_row, dq_key0, q_tok0, dq_col,
+                   MASKED: gl.constexpr, SPLIT_D: gl.constexpr, HALF: gl.constexpr, s_layout: gl.constexpr,
+                   p_layout: gl.constexpr, dq_layout: gl.constexpr, blk: gl.constexpr):
+    """One query tile (slot t % STAGES) into this warpgroup's dK and dV (64 keys), and its share of the tile's
+    dQ into its dQ buffer t % 2 for the add warp. The dQ product's keys start at K/V row dq_kv_row, sequence
+    position dq_key0; its columns at dq_col. MASKED: a tile on the causal diagonal (query < key gets P = 0)."""
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    BM: gl.constexpr = q_smem.type.shape[1]
+    BN: gl.constexpr = k.shape[0]
+    DQ_D: gl.constexpr = dq_smem.type.shape[2]
+    s = t % STAGES
+    mbarrier.wait(step_ready.index(s), (t // STAGES) & 1)
+    q = q_smem.index(s)  # (BM, D)
+    do = do_smem.index(s)  # (BM, D)
+    zero_s = gl.zeros([BN, BM], gl.float32, s_layout)  # unused (use_acc=False)
+    st = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (64, BM) scores^T
+    dpt = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (64, BM) dP^T
+    cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
+    lse = lse_smem.index(s).load(cols)  # (BM,) natural log; -inf for a query row with no allowed key
+    lse = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # log2; empty rows get P = 0
+    pt = gl.exp2(st * qk_scale - lse[None, :])  # (64, BM) P^T
+    if MASKED:
+        keys = key0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))  # (64,)
+        queries = q_tok0 + gl.arange(0, BM, layout=cols)  # (BM,)
+        pt = gl.where(queries[None, :] >= keys[:, None], pt, 0.0)
+    dv = warpgroup_mma(gl.convert_layout(pt.to(q.dtype), p_layout), do, dv, is_async=True)
+    delta = delta_smem.index(s).load(cols)  # (BM,) rowsum(dO * O)
+    ds_in = dpt - delta[None, :]
+    if MASKED:  # a pair left out (P = 0) has dS = 0 even where dP or delta is not finite (never 0 x NaN)
+        ds_in = gl.where(pt == 0.0, 0.0, ds_in)
+    dst = (pt * ds_in).to(q.dtype)  # (64, BM) dS^T
+    r = u % 2
+    if SPLIT_D:  # both halves' dS^T in one (128, BM) tile
+        ds_tile = ds_smem.index(r)
+        ds_tile.slice(HALF * BN, BN).store(dst)
+    else:  # this warpgroup's own keys
+        ds_tile = ds_smem.index(r * 2 + HALF)
+        ds_tile.store(dst)
+    dk = warpgroup_mma(gl.convert_layout(dst, p_layout), q, dk, is_async=True)
+    fence_async_shared()
+    partition_barrier()
+    if SPLIT_D:  # the other half's dS^T written too
+        mbarrier.arrive(ds_ready.index(r), count=1)
+        mbarrier.wait(ds_ready.index(r), (u // 2) & 1)
+    dq = warpgroup_mma(ds_tile.permute((1, 0)), k_dq, gl.zeros([BM, DQ_D], gl.float32, dq_layout), use_acc=False,
+                       is_async=True)  # (BM, DQ_D)
+    dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+    b = t % 2
+    mbarrier.wait(dq_empty.index(b), ((t // 2) & 1) ^ 1)  # the add warp's reductions from it two steps ago read it
+    exact = 0
+    if MASKED:  # a non-finite tile with a non-finite key in the product (0 x NaN): the allowed pairs again
+        if gl.max(gl.max(((dq != dq) | (gl.abs(dq) == float("inf"))).to(gl.int32), 1), 0) > 0:
+            keys_dq: gl.constexpr = 2 * BN if SPLIT_D else BN
+            if _finite_keys(K, dq_kv_row, dq_col, keys_dq, DQ_D, q.shape[1], blk) == 0:
+                _exact_dq_into(dq_smem.index(b), q, do, lse_smem.index(s), delta_smem.index(s), K, V, dq_kv_row,
+                               dq_key0, q_tok0, qk_scale, dq_col, keys_dq, blk)
+                exact = 1
+    if exact == 0:
+        dq_smem.index(b).store(dq)
+    release(step_empty.index(s))
+    fence_async_shared()
+    partition_barrier()
+    mbarrier.arrive(dq_full.index(b), count=1)
+    return dk, dv
+
+
+@gluon.jit
+def _one_pass_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready,
+                                kv_empty, step_ready, step_empty, ds_ready, dq_full, dq_empty, dk_desc, dv_desc, K, V,
+                                Items, Starts, FullIdx, PartIdx, Nq, Nk, qk_scale, sm_scale, GROUPS: gl.constexpr,
+                                SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, DENSE: gl.constexpr,
+                                CAUSAL: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
+    """One compute warpgroup: keys [HALF * 64, HALF * 64 + 64) of each item; dK and dV accumulate over the
+    item's query tiles (every head of the group) and leave through this half of the K/V buffer by TMA; each
+    tile's share of dQ goes to the add warp through this warpgroup's dQ buffers."""
+    BN: gl.constexpr = k_smem.type.shape[1] // 2  # this warpgroup's keys
+    HEAD_D: gl.constexpr = k_smem.type.shape[2]
+    BM: gl.constexpr = q_smem.type.shape[1]
+    DQ_D: gl.constexpr = dq_smem.type.shape[2]
+    SPLIT_D: gl.constexpr = DQ_D < HEAD_D
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, BM, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                         instr_shape=[16, HEAD_D, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                        instr_shape=[16, DQ_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])  # (16, 64-128) tiles
+    t = 0  # steps consumed so far (slot positions, as in the load warp; dQ buffer positions, as in the add warp)
+    c = 0  # items taken so far (K/V buffer phase)
+    u = 0  # dS rounds (steps and, at D = 128, item ends)
+    for it in range(gl.load(Starts + gl.program_id(0)), gl.load(Starts + gl.program_id(0) + 1)):
+        rec = Items + it * ITEM_WIDTH
+        item_row = gl.load(rec)  # the item's first K/V row
+        kv_row = item_row + HALF * BN  # this warpgroup's first K/V row
+        key0 = kv_row % Nk  # its position in the sequence
+        q_row0 = gl.load(rec + 1)
+        full_lo = gl.load(rec + 2) * SUB
+        n_full = gl.load(rec + 3) * SUB - full_lo
+        part_lo = gl.load(rec + 4) * SUB
+        part_hi = gl.load(rec + 5) * SUB
+        if SPLIT_D:  # dQ's columns [HALF * DQ_D, ...) over all 128 keys
+            dq_col = HALF * DQ_D
+            dq_kv_row = item_row
+        else:  # all of dQ's columns over this warpgroup's keys, into its own copy
+            dq_col = 0
+            dq_kv_row = kv_row
+        dq_key0 = dq_kv_row % Nk
+        mbarrier.wait(kv_ready.index(0), c & 1)
+        k = k_smem.index(0).slice(HALF * BN, BN)  # (64, D) in shared memory
+        v = v_smem.index(0).slice(HALF * BN, BN)
+        if SPLIT_D:
+            k_dq = k_smem.index(0).slice(HALF * DQ_D, DQ_D, dim=1)  # (128 keys, D / 2)
+        else:
+            k_dq = k
+        dk = gl.zeros([BN, HEAD_D], gl.float32, acc_layout)  # (64, D)
+        dv = gl.zeros([BN, HEAD_D], gl.float32, acc_layout)  # (64, D)
+        for g in range(GROUPS):
+            # the full list's tiles, then the partial list's (on the causal diagonal: masked where query < key),
+            # in one loop (as in gluon/dkdv.py)
+            for j in range(n_full + part_hi - part_lo):
+                if CAUSAL and j >= n_full:
+                    q_tok0 = list_tile_start(PartIdx, j - n_full + part_lo, SUB, MASK_BLOCK_Q, BM, DENSE)
+                    dk, dv = _one_pass_step(
+                        k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, step_ready, step_empty,
+                        ds_ready, dq_full, dq_empty, K, V, dk, dv, t, u, qk_scale, key0, dq_kv_row, dq_key0, q_tok0,
+                        dq_col, True, SPLIT_D, HALF, s_layout, p_layout, dq_layout, blk)
+                else:
+                    dk, dv = _one_pass_step(
+                        k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, step_ready, step_empty,
+                        ds_ready, dq_full, dq_empty, K, V, dk, dv, t, u, qk_scale, key0, dq_kv_row, dq_key0, key0,
+                        dq_col, False, SPLIT_D, HALF, s_layout, p_layout, dq_layout, blk)
+                t += 1
+                u += 1
+        if SPLIT_D:  # both warpgroups past their last dQ product (it reads all 128 rows of K) before dK takes K's
+            mbarrier.arrive(ds_ready.index(u % 2), count=1)
+            mbarrier.wait(ds_ready.index(u % 2), (u // 2) & 1)
+            u += 1
+        k.store((dk * sm_scale).to(k.dtype))  # dK and dV out through this half of the K/V buffer
+        v.store(dv.to(v.dtype))
+        fence_async_shared()
+        partition_barrier()
+        tma_store(dk_desc, [kv_row, 0], k)
+        tma_store(dv_desc, [kv_row, 0], v)
+        release_after_store(kv_empty.index(0))  # the next item's K and V may load
+        c += 1
+
+
+@gluon.jit
+def _one_pass_bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc, K, V, Sem,
+                         RankFull, RankPart, Items, Starts, FullIdx, PartIdx, Nq, Nk, copy_rows, tiles, qk_scale,
+                         sm_scale, GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
+                         MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr,
+                         ORDERED: gl.constexpr, STAGES: gl.constexpr, LOAD_WARP_REGS: gl.constexpr, COMPUTE_REGS: gl.constexpr,
+                         num_warps: gl.constexpr):
+    """One resident program per SM; program p walks items [Starts[p], Starts[p + 1]) in ascending key tile."""
+    BM: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    BN: gl.constexpr = k_desc.block_type.shape[0]
+    DQ_D: gl.constexpr = dq_desc.block_type.shape[1]
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BM, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BM, HEAD_D], do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], delta_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [1, BN, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [1, BN, HEAD_D], v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], q_desc.dtype)
+    if DQ_D < HEAD_D:  # D = 128: both halves' dS^T in one tile, two rounds
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BN, BM], ds_layout)
+    else:  # D = 64: each warpgroup's own, two rounds
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [4, BN // 2, BM], ds_layout)
+    dq_smem0 = gl.allocate_shared_memory(gl.float32, [2, BM, DQ_D], dq_desc.layout)
+    dq_smem1 = gl.allocate_shared_memory(gl.float32, [2, BM, DQ_D], dq_desc.layout)
+    kv_ready, kv_empty = ring_barriers(1)
+    step_ready, step_empty = ring_barriers(STAGES)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=2)
+        mbarrier.init(dq_full.index(i), count=2)
+        mbarrier.init(dq_empty.index(i), count=1)
+    gl.warp_specialize([
+        (_one_pass_compute_partition, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem0,
+                                       kv_ready, kv_empty, step_ready, step_empty, ds_ready, dq_full, dq_empty,
+                                       dk_desc, dv_desc, K, V, Items, Starts, FullIdx, PartIdx, Nq, Nk, qk_scale,
+                                       sm_scale, GROUPS, SUB, MASK_BLOCK_Q, DENSE, CAUSAL, FIRST_HALF, num_warps)),
+        (_one_pass_compute_partition, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem1,
+                                       kv_ready, kv_empty, step_ready, step_empty, ds_ready, dq_full, dq_empty,
+                                       dk_desc, dv_desc, K, V, Items, Starts, FullIdx, PartIdx, Nq, Nk, qk_scale,
+                                       sm_scale, GROUPS, SUB, MASK_BLOCK_Q, DENSE, CAUSAL, SECOND_HALF, num_warps)),
+        (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
+                               v_smem, lse_smem, delta_smem, kv_ready, kv_empty, step_ready, step_empty, Items,
+                               Starts, FullIdx, PartIdx, Nq, GROUPS, SUB, MASK_BLOCK_Q, DENSE)),
+        (_dq_add_partition, (dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, Sem, RankFull, RankPart, Items, Starts,
+                             FullIdx, PartIdx, Nq, Nk, copy_rows, tiles, GROUPS, SUB, MASK_BLOCK_Q, MASK_BLOCK_K,
+                             DENSE, BN, DQ_D < HEAD_D, ORDERED)),
+    ], [num_warps, 1, 1], [COMPUTE_REGS, LOAD_WARP_REGS, LOAD_WARP_REGS])
+
+
+@triton.jit
+def _prepare_kernel(Out, DO, Delta, Acc, Sem, rows, semaphores, D: tl.constexpr, COPIES: tl.constexpr,
+                    ROWS: tl.constexpr):
+    """Rows [pid * ROWS, ...): delta = rowsum(dO * O), their dQ buffer rows (each copy) zero; and ROWS of the
+    semaphores zero."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs = r.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
+    o = tl.load(Out + offs).to(tl.float32)
+    do = tl.load(DO + offs).to(tl.float32)
+    tl.store(Delta + r, tl.sum(o * do, 1))
+    zero = tl.zeros([ROWS, D], tl.float32)
+    tl.store(Acc + offs, zero)
+    if COPIES == 2:
+        tl.store(Acc + rows.to(tl.int64) * D + offs, zero)
+    tl.store(Sem + r, tl.zeros([ROWS], tl.int32), mask=r < semaphores)
+
+
+@triton.jit
+def _convert_kernel(Acc, DQ, rows, scale, D: tl.constexpr, COPIES: tl.constexpr, ROWS: tl.constexpr):
+    """dQ rows [pid * ROWS, ...) = scale x the buffer's rows (the sum of both copies), in DQ's dtype."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs = r.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
+    acc = tl.load(Acc + offs)
+    if COPIES == 2:
+        acc += tl.load(Acc + rows.to(tl.int64) * D + offs)
+    tl.store(DQ + offs, (acc * scale).to(DQ.dtype.element_ty))
+
+
+def supported(do, q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None) -> bool:
+    """Whether this kernel serves the backward of the call (see module); the two-pass backward serves the rest."""
+    return runs_on(q, k, v, do) and shape_supported(q.shape, k.shape, q.dtype, index, geometry)
+
+
+def shape_supported(q_shape, k_shape, dtype, index: KernelIndex | None, geometry: MaskGeometry | None) -> bool:
+    """The part of `supported` that does not ask the GPU: the dK/dV kernel's conditions, and a work plan that
+    cuts no list."""
+    from .dkdv import shape_supported as dkdv_supported
+    return dkdv_supported(q_shape, k_shape, dtype, index, geometry) and (index is None
+                                                                        or index.col_plan.split.shape[0] == 0)
+
+
+def _layouts(D: int, dtype):
+    """Shared layouts: Q/dO tiles, K/V tiles, row vectors, dQ buffer tiles; and the dQ tile's columns."""
+    dq_d = D // 2 if D == 128 else D
+    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], dtype),
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype),
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1),
+            gl.NVMMASharedLayout.get_default_for([BLOCK_M, dq_d], gl.float32), dq_d)
+
+
+class BwdPlan:
+    """What one call signature fixes: the items (in ascending key tile per program), the ranks of the list
+    entries, descriptor layouts, grid, constexprs and the three launches."""
+
+    def __init__(self, q, k, index: KernelIndex | None, geometry: MaskGeometry | None, causal: bool, scale: float,
+                 ordered: bool = True):
+        B, Hq, Nq, D = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        dense = index is None
+        block_q = BLOCK_M if dense else geometry.block_q
+        block_k = BLOCK_N if dense else geometry.block_k
+        sub = block_q // BLOCK_M
+        grid = min(B * Hkv * (Nk // BLOCK_N), num_sms(q.device))
+        self.items, self.starts = whole_plan("cols", B, Hq, Hkv, Nq, Nk, causal, index, geometry, q.device, grid,
+                                             sub * (Hq // Hkv), BLOCK_N, BLOCK_M)
+        self.rank_full = self.rank_part = self.items  # read only in order, and then only for a mask's lists
+        if ordered:
+            self.items, self.starts = turn_order(self.items, grid, Nk)
+            if not dense:
+                self.rank_full, self.rank_part = column_ranks(index, geometry, block_k // BLOCK_N)
+        self.full_idx, self.part_idx = ((self.items, self.items) if dense else
+                                        (index.col_full.indices, index.col_partial.indices))
+        self.q_layout, self.kv_layout, self.row_layout, self.dq_layout, dq_d = _layouts(D, GL_DTYPES[q.dtype])
+        self.rows = B * Hq * Nq
+        self.copies = 1 if dq_d < D else 2  # D = 64: one float32 copy of dQ per warpgroup
+        self.dq_block = (BLOCK_M, dq_d)
+        tiles = self.rows // BLOCK_M
+        self.semaphores = tiles + 1 if ordered else 0  # one per dQ tile, and a spare
+        self.launch = bound_launch(_one_pass_bwd_kernel, grid, (
+            self.rank_full, self.rank_part, self.items, self.starts, self.full_idx, self.part_idx, Nq, Nk,
+            self.rows if self.copies == 2 else 0, tiles, scale * LOG2E, scale),
+            dict(GROUPS=Hq // Hkv, SUB=sub, MASK_BLOCK_Q=block_q, MASK_BLOCK_K=block_k, DENSE=dense, CAUSAL=causal,
+                 ORDERED=ordered, STAGES=STEP_BUFFERS, LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS), MAX_REGS)
+        programs = self.rows // BLOCK_M
+        consts = dict(D=D, COPIES=self.copies, ROWS=BLOCK_M)
+        self.prepare = BoundLaunch(_prepare_kernel, programs, (self.rows, self.semaphores), consts, 4, 1)
+        self.convert = BoundLaunch(_convert_kernel, programs, (self.rows, scale), consts, 4, 1)
+        self.q_shape, self.k_shape, self.dtype, self.device = q.shape, k.shape, q.dtype, q.device
+
+    def __call__(self, q, k, v, out, do, lse):
+        delta = new_output(self.q_shape[:3], torch.float32, self.device)
+        acc = torch.empty((self.copies * self.rows, self.q_shape[3]), dtype=torch.float32, device=self.device)
+        sem = torch.empty(max(self.semaphores, 1), dtype=torch.int32, device=self.device)
+        self.prepare(out, do, delta, acc, sem)
+        dk = new_output(self.k_shape, self.dtype, self.device)
+        dv = new_output(self.k_shape, self.dtype, self.device)
+        half = BLOCK_N // 2  # each compute warpgroup stores its 64 rows
+        descs = (row_spec(q, BLOCK_M, self.q_layout), row_spec(do, BLOCK_M, self.q_layout),
+                 row_spec(k, BLOCK_N, self.kv_layout), row_spec(v, BLOCK_N, self.kv_layout),
+                 vector_spec(lse, BLOCK_M, self.row_layout), vector_spec(delta, BLOCK_M, self.row_layout),
+                 row_spec(dk, half, self.kv_layout), row_spec(dv, half, self.kv_layout),
+                 tile_spec(acc, self.dq_block, self.dq_layout))
+        self.launch(*descs, k, v, sem)
+        dq = new_output(self.q_shape, self.dtype, self.device)
+        self.convert(acc, dq)
+        return dq, dk, dv
+
+
+def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causal: bool = False,
+                 block_q: int = BLOCK_N, groups: int = 1, head_dim: int = 128, ordered: bool = True):
+    """The kernel compiled for sm_90a on any machine (no GPU needed), as the launcher would launch it at
+    D = `head_dim`; for compile checks (tests/test_codegen.py) and `benchmarks/kernel_resources.py`."""
+    D = head_dim
+    name = "bf16" if dtype == torch.bfloat16 else "fp16"
+    q_layout, kv_layout, row_layout, dq_layout, dq_d = _layouts(D, GL_DTYPES[dtype])
+    q_desc, kv_desc = descriptor_type(name, (BLOCK_M, D), q_layout), descriptor_type(name, (BLOCK_N, D), kv_layout)
+    out_desc = descriptor_type(name, (BLOCK_N // 2, D), kv_layout)
+    row_desc = descriptor_type("fp32", (BLOCK_M, ), row_layout)
+    dq_desc = descriptor_type("fp32", (BLOCK_M, dq_d), dq_layout)
+    sig = dict(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, lse_desc=row_desc, delta_desc=row_desc,
+               dk_desc=out_desc, dv_desc=out_desc, dq_desc=dq_desc, K=f"*{name}", V=f"*{name}", Sem="*i32",
+               RankFull="*i32", RankPart="*i32", Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32",
+               Nq="i32", Nk="i32", copy_rows="i32", tiles="i32", qk_scale="fp32", sm_scale="fp32")
+    constexprs = dict(GROUPS=groups, SUB=1 if dense else block_q // BLOCK_M, MASK_BLOCK_Q=BLOCK_M if dense else block_q,
+                      MASK_BLOCK_K=BLOCK_N if dense else block_q, DENSE=dense, CAUSAL=causal, ORDERED=ordered,
+                      STAGES=STEP_BUFFERS,
+                      LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS, num_warps=4)
+    return compile_gluon_sm90(_one_pass_bwd_kernel, sig, constexprs, MAX_REGS)
