@@ -48,7 +48,7 @@ from ..aot import compile_gluon_sm90, descriptor_type
 from ..memory import new_output
 from ..schedule import column_ranks, turn_order, whole_plan
 from ..triton.common import LOG2E
-from .dkdv import _bwd_load_partition
+from .dkdv import _bwd_load_partition, probabilities_t, scores_grad_t
 from ..launch import BoundLaunch
 from .pipeline import (FIRST_HALF, GL_DTYPES, ITEM_WIDTH, SECOND_HALF, bound_launch, list_tile_start, num_sms,
                        partition_barrier, release, release_after_store, ring_barriers, row_spec, runs_on, tile_spec, tma_add,
@@ -93,6 +93,24 @@ def _count_one(sem, first):
     return gl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p red.release.gpu.global.add.s32 [$1], 1; mov.b32 $0, 0; }",
         "=r,l,r", [sem, first], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _retire(sem, first, empty, ORDERED: gl.constexpr, LAST: gl.constexpr):
+    """A step's reductions done with: read (ORDERED: completed, and its semaphore `sem` counted), then its dQ
+    buffers freed (`empty`). LAST: no later step's reductions are in flight (else the last two may be)."""
+    if ORDERED:
+        if LAST:
+            _complete_all(first)
+        else:
+            _complete_but_two(first)
+        _count_one(sem, first)
+    else:
+        if LAST:
+            tma.store_wait(0)
+        else:
+            tma.store_wait(2)
+    mbarrier.arrive(empty, count=1)
 
 
 @gluon.jit
@@ -172,22 +190,12 @@ def _dq_add_partition(dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, Sem, RankF
                     tma_add(dq_desc, [row, DQ_D], dq_smem1.index(b))
                 else:  # its own copy
                     tma_add(dq_desc, [copy_rows + row, 0], dq_smem1.index(b))
-                if g + j > 0:  # the previous step of this item: read (and, ordered, completed and counted)
-                    if ORDERED:
-                        _complete_but_two(first)
-                        _count_one(prev, first)
-                    else:
-                        tma.store_wait(2)
-                    mbarrier.arrive(dq_empty.index((t + 1) % 2), count=1)
+                if g + j > 0:  # the previous step of this item
+                    _retire(prev, first, dq_empty.index((t + 1) % 2), ORDERED, False)
                 prev = sem
                 t += 1
         if n * GROUPS > 0:  # the item's last step
-            if ORDERED:
-                _complete_all(first)
-                _count_one(prev, first)
-            else:
-                tma.store_wait(0)
-            mbarrier.arrive(dq_empty.index((t + 1) % 2), count=1)
+            _retire(prev, first, dq_empty.index((t + 1) % 2), ORDERED, True)
 
 
 @gluon.jit
@@ -255,21 +263,10 @@ def _one_pass_step(k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, d
     zero_s = gl.zeros([BN, BM], gl.float32, s_layout)  # unused (use_acc=False)
     st = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (64, BM) scores^T
     dpt = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (64, BM) dP^T
-    cols: gl.constexpr = gl.SliceLayout(0, s_layout)
     st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
-    lse = lse_smem.index(s).load(cols)  # (BM,) natural log; -inf for a query row with no allowed key
-    lse = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # log2; empty rows get P = 0
-    pt = gl.exp2(st * qk_scale - lse[None, :])  # (64, BM) P^T
-    if MASKED:
-        keys = key0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))  # (64,)
-        queries = q_tok0 + gl.arange(0, BM, layout=cols)  # (BM,)
-        pt = gl.where(queries[None, :] >= keys[:, None], pt, 0.0)
+    pt = probabilities_t(st, lse_smem.index(s), qk_scale, key0, q_tok0, MASKED)  # (64, BM) P^T
     dv = warpgroup_mma(gl.convert_layout(pt.to(q.dtype), p_layout), do, dv, is_async=True)
-    delta = delta_smem.index(s).load(cols)  # (BM,) rowsum(dO * O)
-    ds_in = dpt - delta[None, :]
-    if MASKED:  # a pair left out (P = 0) has dS = 0 even where dP or delta is not finite (never 0 x NaN)
-        ds_in = gl.where(pt == 0.0, 0.0, ds_in)
-    dst = (pt * ds_in).to(q.dtype)  # (64, BM) dS^T
+    dst = scores_grad_t(pt, dpt, delta_smem.index(s), MASKED).to(q.dtype)  # (64, BM) dS^T
     r = u % 2
     if SPLIT_D:  # both halves' dS^T in one (128, BM) tile
         ds_tile = ds_smem.index(r)

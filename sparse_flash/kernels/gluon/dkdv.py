@@ -107,6 +107,35 @@ def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q
 
 
 @gluon.jit
+def probabilities_t(st, lse_slot, qk_scale, key0, q_tok0, MASKED: gl.constexpr):
+    """P^T = exp2(S^T * qk_scale - lse) of a (keys, BM) tile of scores^T (keys from position key0, queries
+    from q_tok0), lse read from its shared-memory slot (natural log; -inf for a query row with no allowed key:
+    P = 0). MASKED: a tile on the causal diagonal (query < key gets P = 0). Also the one-pass backward's."""
+    s_layout: gl.constexpr = st.type.layout
+    cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    lse = lse_slot.load(cols)  # (BM,)
+    lse = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # log2; empty rows get P = 0
+    pt = gl.exp2(st * qk_scale - lse[None, :])
+    if MASKED:
+        keys = key0 + gl.arange(0, st.shape[0], layout=gl.SliceLayout(1, s_layout))
+        queries = q_tok0 + gl.arange(0, st.shape[1], layout=cols)
+        pt = gl.where(queries[None, :] >= keys[:, None], pt, 0.0)
+    return pt
+
+
+@gluon.jit
+def scores_grad_t(pt, dpt, delta_slot, MASKED: gl.constexpr):
+    """dS^T = P^T (dP^T - delta), delta = rowsum(dO * O) read from its shared-memory slot. MASKED: a pair
+    left out (P = 0) has dS = 0 even where dP or delta is not finite (never 0 x NaN); selected on the factor,
+    not on the product: that made ptxas fence the dK product (tuning log, step 80)."""
+    delta = delta_slot.load(gl.SliceLayout(0, pt.type.layout))  # (BM,)
+    ds_in = dpt - delta[None, :]
+    if MASKED:
+        ds_in = gl.where(pt == 0.0, 0.0, ds_in)
+    return pt * ds_in
+
+
+@gluon.jit
 def _bwd_step(k, v, q_smem, do_smem, lse_smem, delta_smem, step_ready, step_empty, dk, dv, t, qk_scale, key0,
               q_tok0, MASKED: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr):
     """One query tile (slot t % STAGES) into this warpgroup's dK and dV (64 keys):
@@ -122,22 +151,10 @@ def _bwd_step(k, v, q_smem, do_smem, lse_smem, delta_smem, step_ready, step_empt
     zero_s = gl.zeros([BN, BM], gl.float32, s_layout)  # unused (use_acc=False)
     st = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (64, BM) scores^T
     dpt = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (64, BM) dP^T
-    cols: gl.constexpr = gl.SliceLayout(0, s_layout)
     st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
-    lse = lse_smem.index(s).load(cols)  # (BM,) natural log; -inf for a query row with no allowed key
-    lse = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # log2; empty rows get P = 0
-    pt = gl.exp2(st * qk_scale - lse[None, :])  # (64, BM) P^T
-    if MASKED:
-        keys = key0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))  # (64,)
-        queries = q_tok0 + gl.arange(0, BM, layout=cols)  # (BM,)
-        pt = gl.where(queries[None, :] >= keys[:, None], pt, 0.0)
+    pt = probabilities_t(st, lse_smem.index(s), qk_scale, key0, q_tok0, MASKED)  # (64, BM) P^T
     dv = warpgroup_mma(gl.convert_layout(pt.to(q.dtype), p_layout), do, dv, is_async=True)
-    delta = delta_smem.index(s).load(cols)  # (BM,) rowsum(dO * O)
-    ds_in = dpt - delta[None, :]
-    if MASKED:  # a pair left out (P = 0) has dS = 0 even where dP or delta is not finite (never 0 x NaN);
-        # selected on the factor, not on the product: that made ptxas fence the dK product (tuning log, step 80)
-        ds_in = gl.where(pt == 0.0, 0.0, ds_in)
-    dst = pt * ds_in  # (64, BM) dS^T
+    dst = scores_grad_t(pt, dpt, delta_smem.index(s), MASKED)  # (64, BM) dS^T
     dk = warpgroup_mma(gl.convert_layout(dst.to(q.dtype), p_layout), q, dk, is_async=True)
     dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
     release(step_empty.index(s))
