@@ -48,7 +48,7 @@ from ..aot import compile_gluon_sm90, descriptor_type
 from ..memory import new_output
 from ..schedule import column_ranks, turn_order, whole_plan
 from ..triton.common import LOG2E
-from .dkdv import _bwd_load_partition, probabilities_t, scores_grad_t
+from .dkdv import _bwd_load_partition, probabilities_t, scores_grad_t, step_buffers
 from ..launch import BoundLaunch
 from .pipeline import (FIRST_HALF, GL_DTYPES, ITEM_WIDTH, SECOND_HALF, bound_launch, list_tile_start, num_sms,
                        partition_barrier, release, release_after_store, ring_barriers, row_spec, runs_on, tile_spec, tma_add,
@@ -396,12 +396,8 @@ def _one_pass_bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, 
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BN: gl.constexpr = k_desc.block_type.shape[0]
     DQ_D: gl.constexpr = dq_desc.block_type.shape[1]
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BM, HEAD_D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BM, HEAD_D], do_desc.layout)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], lse_desc.layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], delta_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [1, BN, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [1, BN, HEAD_D], v_desc.layout)
+    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem = step_buffers(q_desc, do_desc, lse_desc, delta_desc,
+                                                                         k_desc, v_desc, STAGES, 1)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], q_desc.dtype)
     if DQ_D < HEAD_D:  # D = 128: both halves' dS^T in one tile, two rounds
         ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BN, BM], ds_layout)

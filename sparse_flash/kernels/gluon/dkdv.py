@@ -226,12 +226,10 @@ def _bwd_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem
 
 
 @gluon.jit
-def _attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, DkPart,
-                                 DvPart, Items, Starts, FullIdx, PartIdx, Nq, Nk, qk_scale, sm_scale,
-                                 GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-                                 DENSE: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                                 LOAD_WARP_REGS: gl.constexpr, COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """One resident program per SM; program p walks items [Starts[p], Starts[p + 1]) (`schedule.column_items`)."""
+def step_buffers(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, STAGES: gl.constexpr,
+                 KV_BUFFERS: gl.constexpr):
+    """The shared buffers that the load warp fills (`_bwd_load_partition`): STAGES slots of a query tile's Q, dO,
+    lse and delta, and KV_BUFFERS of an item's K and V. Also the one-pass backward's."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -239,8 +237,20 @@ def _attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delt
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BM, HEAD_D], do_desc.layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], lse_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], delta_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BN, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BN, HEAD_D], v_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [KV_BUFFERS, BN, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [KV_BUFFERS, BN, HEAD_D], v_desc.layout)
+    return q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem
+
+
+@gluon.jit
+def _attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, DkPart,
+                                 DvPart, Items, Starts, FullIdx, PartIdx, Nq, Nk, qk_scale, sm_scale,
+                                 GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
+                                 DENSE: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                                 LOAD_WARP_REGS: gl.constexpr, COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """One resident program per SM; program p walks items [Starts[p], Starts[p + 1]) (`schedule.column_items`)."""
+    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem = step_buffers(q_desc, do_desc, lse_desc, delta_desc,
+                                                                         k_desc, v_desc, STAGES, 2)
     kv_ready, kv_empty = ring_barriers(2)
     step_ready, step_empty = ring_barriers(STAGES)
     gl.warp_specialize([
