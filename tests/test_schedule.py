@@ -412,3 +412,60 @@ def test_one_program_orders_and_places_items_as_the_torch_operators_do(along, B,
     with settings.override(hopper_balance=balance):
         got, got_starts = schedule.placed_items(along, B, Hq, Hkv, N, N, causal, *side, geometry, programs, sub)
     assert torch.equal(got, want) and torch.equal(got_starts, want_starts)
+
+
+def _layout_of(index, geometry):
+    """The (lists, Mq, Mk) layout a KernelIndex's row lists hold, full and partial together."""
+    layout = torch.zeros(geometry.batch * geometry.heads * geometry.blocks_q, geometry.blocks_k, dtype=torch.bool)
+    for side in (index.row_full, index.row_partial):
+        offsets, indices = side.offsets.tolist(), side.indices.tolist()
+        for r in range(len(offsets) - 1):
+            layout[r, indices[offsets[r]:offsets[r + 1]]] = True
+    return layout
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", ["butterfly", "local_256", "random_heads", "empty_rows"])
+def test_column_ranks_count_the_blocks_left_in_each_row(case, causal):
+    """The one-pass backward's turns (`schedule.column_ranks`): the entry of block (r, c) in column c's full or
+    partial list holds the number of blocks of row r left of c, times the key tiles per mask block."""
+    n = 2048
+    mask = {"butterfly": lambda: masks.butterfly(n, 128),
+            "local_256": lambda: masks.local(n, 256, window=2),
+            "random_heads": lambda: masks.random(n, 128, density=0.3, seed=2, num_heads=3),
+            "empty_rows": lambda: masks.random(n, 128, density=0.05, seed=5)}[case]()
+    index, geometry = mask.kernel_index(causal), mask.kernel_geometry(causal)
+    tiles = geometry.block_k // 128
+    ranks = schedule.column_ranks(index, geometry, tiles)
+    layout = _layout_of(index, geometry)
+    Mq, Mk = geometry.blocks_q, geometry.blocks_k
+    for side, rank in zip((index.col_full, index.col_partial), ranks):
+        offsets, indices = side.offsets.tolist(), side.indices.tolist()
+        assert rank.dtype == torch.int32 and rank.numel() == max(len(indices), 1)
+        for col in range(len(offsets) - 1):
+            bh, c = divmod(col, Mk)
+            for e in range(offsets[col], offsets[col + 1]):
+                row = bh * Mq + indices[e]
+                assert int(rank[e]) == int(layout[row, :c].sum()) * tiles
+
+
+@pytest.mark.parametrize("programs", [1, 5, 132])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_turn_order_walks_every_program_in_ascending_key_tiles(causal, programs):
+    """`schedule.turn_order` (the one-pass backward's placement): every item once, each program's items in
+    ascending key position (a wait for a turn is only ever for a smaller key tile: the kernel cannot deadlock),
+    programs' counts within one of each other, `starts` consistent."""
+    B, Hq, Hkv, N = 2, 4, 2, 4096
+    mask = masks.local(N, 128, window=3) | masks.global_(N, 128)
+    index, geometry = mask.kernel_index(causal), mask.kernel_geometry(causal)
+    items = schedule.column_items(B, Hq, Hkv, N, N, causal, index, geometry, "cpu", 128, 64)
+    items = schedule.whole_items(items)
+    placed, starts = schedule.turn_order(items, programs, N)
+    assert starts.dtype == torch.int32 and starts.tolist()[0] == 0 and starts.tolist()[-1] == items.shape[0]
+    assert sorted(map(tuple, placed.tolist())) == sorted(map(tuple, items.tolist()))
+    counts = starts.diff()
+    assert int(counts.max()) - int(counts.min()) <= 1
+    s = starts.tolist()
+    for p in range(programs):
+        keys = (placed[s[p]:s[p + 1], 0] % N).tolist()
+        assert keys == sorted(keys)
