@@ -52,6 +52,10 @@ def test_the_interpreter_runs_the_triton_family_for_every_pass():
     q = torch.randn(1, 2, 1024, 128, dtype=torch.float16)
     chosen = dispatch.families(q, q, q, mask.kernel_index(False), mask.kernel_geometry(False), out=q, do=q)
     assert chosen == dispatch.Families("triton", "triton", "triton")
+    for switches in (dict(deterministic=False), dict(hopper_one_pass=True)):  # the one-pass kernel is Gluon's
+        with settings.override(**switches):
+            assert dispatch.families(q, q, q, None, None, out=q, do=q) == dispatch.Families("triton", "triton",
+                                                                                             "triton")
 
 
 def test_an_override_holds_in_its_own_thread_and_context_only():
