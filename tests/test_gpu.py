@@ -273,6 +273,12 @@ def test_one_pass_backward_serves_dense_full_calls_where_order_is_free():
     assert chosen(deterministic=False) == {"dense full": "gluon-one-pass", "dense causal": "gluon",
                                            "butterfly": "gluon"}
     assert set(chosen(hopper_one_pass=True).values()) == {"gluon-one-pass"}
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)  # PyTorch's switch outranks the setting
+        assert set(chosen(deterministic=False).values()) == {"gluon"}
+    finally:
+        torch.use_deterministic_algorithms(was)
 
 
 @pytest.mark.skipif(not SM90, reason="the Hopper forward needs sm_90")

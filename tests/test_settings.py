@@ -146,3 +146,21 @@ def test_applied_takes_settings_only():
     with pytest.raises(TypeError, match="Settings"):
         with settings.applied({"tma": True}):
             pass
+
+
+def test_pytorch_deterministic_mode_outranks_the_setting():
+    """`dispatch.deterministic()`: the setting, or PyTorch's `use_deterministic_algorithms`, which a user who
+    switched it on expects every library to honour."""
+    pytest.importorskip("triton")
+    from sparse_flash.kernels import dispatch
+
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        assert dispatch.deterministic()
+        with settings.override(deterministic=False):
+            assert not dispatch.deterministic()
+            torch.use_deterministic_algorithms(True)
+            assert dispatch.deterministic()
+    finally:
+        torch.use_deterministic_algorithms(was)

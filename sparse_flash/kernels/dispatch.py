@@ -7,7 +7,8 @@ exactly), where they are faster, unless switched off (`settings.hopper_forward`,
 The forward, the dQ pass and the dK/dV pass are chosen separately; the dQ pass stores delta = rowsum(dO * O)
 for the dK/dV pass whichever families run them. The one-pass Gluon backward (`gluon/bwd.py`: both passes in one
 launch, family "gluon-one-pass") serves the dense non-causal calls where `settings.deterministic` is off (there it
-is faster), and every call it serves with `settings.hopper_one_pass` (tuning log, step 82).
+is faster), and every call it serves with `settings.hopper_one_pass`, in a fixed order while `deterministic()`
+(tuning log, step 82).
 
 A choice is made once per launch plan (the plan's key holds the shapes, strides, alignment and settings
 that the choice depends on), so repeated calls pay nothing for it.
@@ -28,7 +29,7 @@ from .memory import new_output
 from .triton import bwd as triton_bwd
 from .triton import fwd as triton_fwd
 
-__all__ = ["Families", "attn_bwd", "attn_fwd", "families"]
+__all__ = ["Families", "attn_bwd", "attn_fwd", "deterministic", "families"]
 
 ONE_PASS = "gluon-one-pass"
 
@@ -58,6 +59,12 @@ def _gluon():
     return None if settings.interpreting() else gluon_modules()
 
 
+def deterministic() -> bool:
+    """Whether the backward must give bit-identical gradients from run to run: `settings.deterministic`, or
+    PyTorch's own switch (`torch.use_deterministic_algorithms(True)`), which outranks the setting."""
+    return settings.current().deterministic or torch.are_deterministic_algorithms_enabled()
+
+
 def families(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, out=None, do=None,
              causal: bool = False) -> Families:
     """The family of each pass for a call with these tensors and mask (`index` and `geometry` None: the dense
@@ -68,7 +75,7 @@ def families(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, 
         if switches.hopper_forward and gluon.fwd.supported(q, k, v, index, geometry):
             forward = "gluon"
         if switches.hopper_backward and out is not None and do is not None:
-            wanted = switches.hopper_one_pass or (not switches.deterministic and index is None and not causal)
+            wanted = switches.hopper_one_pass or (index is None and not causal and not deterministic())
             if wanted and gluon.bwd.supported(do, q, k, v, index, geometry):
                 return Families(forward, ONE_PASS, ONE_PASS)
             if gluon.dq.supported(do, q, k, v, out, index, geometry):
@@ -111,7 +118,7 @@ class _BackwardPlan:
         chosen, gluon = families(q, k, v, index, geometry, out, do, causal), gluon_modules()
         self.families = chosen
         if chosen.dq == ONE_PASS:
-            self.one_pass = gluon.bwd.BwdPlan(q, k, index, geometry, causal, scale, settings.current().deterministic)
+            self.one_pass = gluon.bwd.BwdPlan(q, k, index, geometry, causal, scale, deterministic())
             return
         self.one_pass = None
         self.dq = (gluon.dq.DqPlan(q, k, index, geometry, causal, scale) if chosen.dq == "gluon" else
@@ -138,6 +145,6 @@ def attn_bwd(do, q, k, v, out, lse, index: KernelIndex | None, geometry: MaskGeo
         lse: float32 `(B, Hq, Nq)` from the forward.
         index, geometry, causal, scale, plans: as in `attn_fwd`.
     """
-    key = plan_key((do, q, k, v, out, lse), "bwd", causal, scale)
+    key = plan_key((do, q, k, v, out, lse), "bwd", causal, scale, torch.are_deterministic_algorithms_enabled())
     plan = cached_plan(plans, key, lambda: _BackwardPlan(do, q, k, v, out, index, geometry, causal, scale))
     return plan(do, q, k, v, out, lse)

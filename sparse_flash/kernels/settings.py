@@ -7,7 +7,7 @@ so a bad value never stops `import sparse_flash`; an empty value counts as unset
 |---|---|---|---|
 | `hopper_forward` | `SPARSE_FLASH_HOPPER_FWD` | on | the warp-specialised Gluon forward where it serves a call (`gluon/fwd.py`) |
 | `hopper_backward` | `SPARSE_FLASH_HOPPER_BWD` | on | the Gluon dQ and dK/dV kernels where they serve a call (`gluon/dq.py`, `gluon/dkdv.py`) |
-| `deterministic` | `SPARSE_FLASH_DETERMINISTIC` | on | gradients bit-identical from run to run; off: the dense non-causal backward takes the one-pass Gluon kernel with dQ added in any order, 1.05-1.16x faster than the two passes on the H200 (`gluon/bwd.py`; tuning log, step 82) |
+| `deterministic` | `SPARSE_FLASH_DETERMINISTIC` | on | gradients bit-identical from run to run; off (and `torch.use_deterministic_algorithms` off): the dense non-causal backward takes the one-pass Gluon kernel with dQ added in any order, 1.05-1.16x faster than the two passes on the H200 (`gluon/bwd.py`; tuning log, step 82) |
 | `hopper_one_pass` | `SPARSE_FLASH_HOPPER_ONE_PASS` | off | the one-pass Gluon backward wherever it serves a call (in a fixed order while `deterministic`), in place of the two Gluon passes: 0.4-1.0x their speed where deterministic, 0.7-1.16x in any order (step 82) |
 | `hopper_split` | `SPARSE_FLASH_HOPPER_SPLIT` | on | the Gluon kernels also take masks whose work plan splits long lists |
 | `hopper_balance` | `SPARSE_FLASH_HOPPER_BALANCE` | on | Gluon work items placed on programs by load (off: in turn) |
