@@ -126,8 +126,8 @@ def dkdv_candidate_rows(D: int):
 
 
 def hopper_rows(D: int):
-    """(label, compile) of the Hopper forward, dQ and dK/dV kernels for sparse and dense rows, causal or not
-    (block 128, bf16), as their launchers compile them."""
+    """(label, compile) of the Hopper forward, dQ, dK/dV and one-pass backward kernels for sparse and dense rows,
+    causal or not (block 128, bf16), as their launchers compile them."""
     from sparse_flash.kernels import dispatch
 
     gluon = dispatch.gluon_modules()
@@ -136,6 +136,8 @@ def hopper_rows(D: int):
         yield f"hopper fwd D={D} {label}", partial(gluon.fwd.compile_sm90, torch.bfloat16, dense, causal, head_dim=D)
         yield f"hopper dQ D={D} {label}", partial(gluon.dq.compile_sm90, torch.bfloat16, dense, causal, head_dim=D)
         yield f"hopper dK/dV D={D} {label}", partial(gluon.dkdv.compile_sm90, torch.bfloat16, dense, causal, head_dim=D)
+        yield f"hopper one-pass D={D} {label}", partial(gluon.bwd.compile_sm90, torch.bfloat16, dense, causal,
+                                                        head_dim=D)
 
 
 def hopper_report():

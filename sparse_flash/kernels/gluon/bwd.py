@@ -1,36 +1,38 @@
-"""One-pass backward for Hopper GPUs, written in Gluon: dK, dV and dQ in one launch, five products per tile
-pair where the two-pass backward (`gluon/dq.py`, then `gluon/dkdv.py`) computes seven.
+"""One-pass backward for Hopper GPUs, written in Gluon: dK, dV and dQ in one launch, five tensor-core products
+per tile pair where the two-pass backward (`gluon/dq.py`, then `gluon/dkdv.py`) computes seven.
 
 The work items are the dK/dV kernel's (a 128-key tile of one (batch, KV head) with the lists of 64-row query
-tiles that see it, for every query head of the group) and so is the load warp (`dkdv._bwd_load_partition`).
-Per query tile, each of the two compute warpgroups (one per 64-key half of the item) runs S^T = K Q^T and
-dP^T = V dO^T, P^T = exp2(S^T - lse), dV += P^T dO, dS^T = P^T (dP^T - delta), dK += dS^T Q, and a share of
-this tile's dQ = dS K, which it adds into a float32 buffer by a TMA reduction:
+tiles that see it, for every query head of the group), and so is the load warp (`dkdv._bwd_load_partition`,
+here with one K/V buffer: 226 KB of shared memory at D = 128). Per query tile, each of the two compute
+warpgroups (one per 64-key half of the item) runs S^T = K Q^T and dP^T = V dO^T, P^T = exp2(S^T - lse),
+dV += P^T dO, dS^T = P^T (dP^T - delta), dK += dS^T Q, and its share of the tile's dQ = dS K, which it leaves
+in shared memory for the *add warp*:
 
-- D = 128: both halves write dS^T to shared memory, and each warpgroup takes half of D over all 128 keys
-  (a 64 x 64 product), so one reduction per tile and warpgroup, to its half of the columns;
-- D = 64: each warpgroup takes its own 64 keys over all of D, into a copy of the buffer of its own; the
-  conversion launch after the kernel adds the two copies.
+- D = 128: both halves write dS^T to shared memory, and each warpgroup takes half of D over all 128 keys;
+- D = 64: each warpgroup takes its own 64 keys over all of D, for a float32 copy of its own (the conversion
+  launch adds the two copies).
 
-Deterministic: the additions into one dQ tile happen in a fixed order, by ascending key tile. A semaphore per
-(dQ tile, warpgroup) counts the additions made; a warpgroup waits until it equals its key tile's rank among
-the tiles that reach that query tile (`schedule.column_ranks`; dense: the key tile's number), adds, and after
-the reduction has completed (checked one step later, so that the wait overlaps the next tile) counts one.
-Items are dealt to the programs in waves by ascending key tile (`schedule.turn_order`): every program walks
-its items in ascending key tile, so a wait is only ever for a smaller key tile, which some resident program
-reaches first (the kernel needs all its programs resident at once: one per SM, `num_sms`, as persistent
-kernels are), and the programs in flight work on neighbouring key tiles of many heads, so waits are few.
+The add warp adds each step's two tiles into a float32 buffer by TMA reductions (`pipeline.tma_add`). With
+`ordered` (deterministic: `dispatch.deterministic()`), the additions into one dQ tile go in ascending key tile:
+a semaphore per dQ tile counts them; the add warp waits until it reaches its key tile's rank among the tiles
+that reach that query tile (`schedule.column_ranks`; dense: the key tile's number), adds, and counts once the
+reductions have completed (one step later, or at the item's end). Items are dealt to the programs in waves by
+ascending key tile (`schedule.turn_order`), so every program walks its items in ascending key tile and a wait
+is only ever for a smaller key tile, which a resident program reaches first: the kernel needs all its programs
+resident at once (one per SM, `num_sms`), as persistent kernels do. Without `ordered` the additions go in any
+order (faster; dQ varies in its last bits from run to run).
 
-Three small launches surround it: `_prepare_kernel` (delta = rowsum(dO * O), the float32 buffer and the
-semaphores set to zero) and `_convert_kernel` (dQ = scale x the buffer, in the inputs' dtype).
+Two small Triton launches surround it: `_prepare_kernel` (delta = rowsum(dO * O); the float32 buffer and the
+semaphores zero) and `_convert_kernel` (dQ = scale x the buffer, in the inputs' dtype).
 
-Exactness under non-finite inputs, as the two-pass kernels: a left-out pair on the causal diagonal has
-dS = 0, but 0 x NaN is NaN where K holds a NaN or infinity; an item whose K half (the dQ product's operand)
-is not finite sums its diagonal tiles' dQ again on the CUDA cores over the allowed pairs only
-(`_exact_dq_tile`; only such inputs pay for it).
+Exactness under non-finite inputs, as the two-pass kernels: a left-out pair on the causal diagonal has dS = 0,
+but 0 x NaN is NaN where K holds a NaN or infinity; a diagonal tile whose dQ share comes out non-finite, with a
+non-finite key in its product, is summed again on the CUDA cores over the allowed pairs only (`_exact_dq_into`;
+only such inputs pay for it).
 
-It serves (`supported`) what the dK/dV kernel serves, except masks whose work plan cuts long lists (BigBird,
-Longformer: the two-pass backward takes them). `dispatch.py` runs it unless `settings.hopper_one_pass` is off.
+Measured on the H200 (tuning log, step 82): in order 0.42-0.98x the two passes, in any order 1.05-1.16x on
+dense non-causal calls and 0.67-0.99x on causal and sparse ones. It serves (`supported`) what the dK/dV kernel
+serves, except masks whose work plan cuts long lists; `dispatch.py` decides when it runs.
 """
 
 from __future__ import annotations
@@ -48,11 +50,11 @@ from ..aot import compile_gluon_sm90, descriptor_type
 from ..memory import new_output
 from ..schedule import column_ranks, turn_order, whole_plan
 from ..triton.common import LOG2E
-from .dkdv import _bwd_load_partition, probabilities_t, scores_grad_t, step_buffers
 from ..launch import BoundLaunch
+from .dkdv import _bwd_load_partition, probabilities_t, scores_grad_t, step_buffers
 from .pipeline import (FIRST_HALF, GL_DTYPES, ITEM_WIDTH, SECOND_HALF, bound_launch, list_tile_start, num_sms,
-                       partition_barrier, release, release_after_store, ring_barriers, row_spec, runs_on, tile_spec, tma_add,
-                       tma_store, vector_spec)
+                       partition_barrier, release, release_after_store, ring_barriers, row_spec, runs_on, tile_spec,
+                       tma_add, tma_store, vector_spec)
 
 BLOCK_N = 128  # keys per item (64 per compute warpgroup)
 BLOCK_M = 64  # query rows per step
@@ -389,9 +391,10 @@ def _one_pass_bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, 
                          RankFull, RankPart, Items, Starts, FullIdx, PartIdx, Nq, Nk, copy_rows, tiles, qk_scale,
                          sm_scale, GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
                          MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr,
-                         ORDERED: gl.constexpr, STAGES: gl.constexpr, LOAD_WARP_REGS: gl.constexpr, COMPUTE_REGS: gl.constexpr,
-                         num_warps: gl.constexpr):
-    """One resident program per SM; program p walks items [Starts[p], Starts[p + 1]) in ascending key tile."""
+                         ORDERED: gl.constexpr, STAGES: gl.constexpr, LOAD_WARP_REGS: gl.constexpr,
+                         COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """One resident program per SM; program p walks items [Starts[p], Starts[p + 1]) (in ascending key tile
+    when ORDERED)."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -483,8 +486,8 @@ def _layouts(D: int, dtype):
 
 
 class BwdPlan:
-    """What one call signature fixes: the items (in ascending key tile per program), the ranks of the list
-    entries, descriptor layouts, grid, constexprs and the three launches."""
+    """What one call signature fixes: the items (`ordered`: in ascending key tile per program, with the ranks of
+    the list entries), descriptor layouts, grid, constexprs and the three launches."""
 
     def __init__(self, q, k, index: KernelIndex | None, geometry: MaskGeometry | None, causal: bool, scale: float,
                  ordered: bool = True):
