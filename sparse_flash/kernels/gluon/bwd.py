@@ -19,8 +19,11 @@ that reach that query tile (`schedule.column_ranks`; dense: the key tile's numbe
 reductions have completed (one step later, or at the item's end). Items are dealt to the programs in waves by
 ascending key tile (`schedule.turn_order`), so every program walks its items in ascending key tile and a wait
 is only ever for a smaller key tile, which a resident program reaches first: the kernel needs all its programs
-resident at once (one per SM, `num_sms`), as persistent kernels do. Without `ordered` the additions go in any
-order (faster; dQ varies in its last bits from run to run).
+resident at once (one per SM, `num_sms`). A kernel on another stream that holds SMs for the whole backward
+(a collective overlapping it, waiting on other ranks) would leave some programs waiting for SMs while the resident
+ones wait for them; the dispatcher therefore never picks this order by itself (`settings.hopper_one_pass`).
+Without `ordered` the additions go in any order (no program waits for another; faster; dQ varies in its last
+bits from run to run).
 
 Two small Triton launches surround it: `_prepare_kernel` (delta = rowsum(dO * O); the float32 buffer and the
 semaphores zero) and `_convert_kernel` (dQ = scale x the buffer, in the inputs' dtype).
