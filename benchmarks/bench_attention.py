@@ -42,6 +42,7 @@ SHAPES = [(4, 16, 16, 4096, 64), (4, 16, 16, 4096, 128), (1, 16, 16, 16384, 128)
 QUICK_SHAPES = [(4, 16, 16, 4096, 128), (1, 16, 16, 16384, 128)]
 MASKS = ["dense", "causal", "local", "butterfly", "random", "bigbird", "longformer"]
 QUICK_MASKS = ["dense", "causal", "butterfly", "bigbird"]
+ANY_ORDER = "sparse_flash_any_order"  # dense forward+backward with dQ added in any order (not deterministic)
 
 
 def build_mask(name: str, n: int, device) -> tuple[sparse_flash.BlockMask, bool]:
@@ -110,6 +111,15 @@ class Competitors:
     def ours(q, k, v, mask, causal):
         return sparse_flash.block_sparse_attention(q, k, v, mask, causal=causal, backend="triton")
 
+    @staticmethod
+    def ours_any_order(q, k, v, mask, causal):
+        """sparse_flash with `settings.deterministic` off (`SPARSE_FLASH_DETERMINISTIC=0`): its dense non-causal
+        backward adds dQ in any order (the one-pass kernel); a call's backward runs under its forward's settings."""
+        from sparse_flash.kernels import settings
+
+        with settings.override(deterministic=False):
+            return sparse_flash.block_sparse_attention(q, k, v, mask, causal=causal, backend="triton")
+
     def flex_attention(self, q, k, v, mask, causal):
         cached = self._flex_masks.get(causal)
         if cached is None or cached[0] is not mask:  # one conversion per mask, outside the timed region
@@ -153,6 +163,8 @@ def run_rows(shapes, mask_names, dtypes, log) -> list[dict]:
                 if mname in ("dense", "causal"):
                     impls["sdpa_cudnn"] = comp.sdpa("cudnn")
                     impls["sdpa_flash"] = comp.sdpa("flash")
+                if mname == "dense" and dtype == torch.bfloat16:
+                    impls[ANY_ORDER] = comp.ours_any_order
                 if mname == "butterfly" and dtype == torch.bfloat16:
                     impls["sdpa_bool_mask"] = comp.sdpa_bool_mask
                 try:
@@ -163,7 +175,8 @@ def run_rows(shapes, mask_names, dtypes, log) -> list[dict]:
                 # sparse_flash and flex run twice, in opposite orders, and keep the faster median: whichever
                 # runs first after a new mask (compiles, idle GPU) would otherwise pay for it.
                 tasks = [(impl, mode) for impl in impls for mode in ("fwd", "fwd+bwd")
-                         if not (impl == "sdpa_bool_mask" and mode == "fwd+bwd")]
+                         if not (impl == "sdpa_bool_mask" and mode == "fwd+bwd") and not (impl == ANY_ORDER
+                                                                                        and mode == "fwd")]
                 tasks += [t for t in reversed(tasks) if t[0] in ("sparse_flash", "flex")]
                 done = {}
                 for impl, mode in tasks:
@@ -219,6 +232,13 @@ def add_ratios(rows: list[dict]) -> None:
 
     table = {key(r, impl=r["impl"]): r for r in rows if "ms" in r}
     for r in rows:
+        if r["impl"] == ANY_ORDER and "ms" in r:
+            cudnn = table.get(key(r, impl="sdpa_cudnn", mask="dense"))
+            default = table.get(key(r, impl="sparse_flash"))
+            if cudnn:
+                r["speedup_vs_cudnn_dense"] = cudnn["ms"] / r["ms"]
+            if default:
+                r["speedup_vs_deterministic"] = default["ms"] / r["ms"]
         if r["impl"] != "sparse_flash" or "ms" not in r:
             continue
         flex = table.get(key(r, impl="flex"))
@@ -342,6 +362,12 @@ def summarize(rows: list[dict]) -> dict:
     if dense128:
         s["dense_fwd_d128_vs_cudnn"] = min(r.get("speedup_vs_cudnn_dense", 0) for r in dense128)
         s["dense_fwd_d128_vs_sdpa_flash"] = min(r.get("speedup_vs_sdpa_flash", 0) for r in dense128)
+    for impl, name in (("sparse_flash", "dense_fwd_bwd_vs_cudnn"), (ANY_ORDER, "dense_fwd_bwd_any_order_vs_cudnn")):
+        dense_bwd = [r for r in rows if r["impl"] == impl and r["mask"] == "dense" and r["mode"] == "fwd+bwd"
+                     and r["dtype"] == "bfloat16" and "speedup_vs_cudnn_dense" in r]
+        if dense_bwd:
+            s[name] = {f"{r['N']},{r['D']}" + ("" if r["Hq"] == r["Hkv"] else " gqa"):
+                       round(r["speedup_vs_cudnn_dense"], 3) for r in dense_bwd}
     follow = [r for r in ours if r["N"] >= 16384 and "time_over_dense" in r and r["mask"] != "dense"]
     s["density_rule_violations"] = [
         f"{r['N']},{r['D']} {r['mask']} {r['mode']}: {r['time_over_dense']:.3f} > {1.15 * r['density'] + 0.01:.3f}"
@@ -439,6 +465,18 @@ def markdown(meta: dict, rows: list[dict], costs: list[dict], summary: dict) -> 
         if r["impl"].startswith("sdpa"):
             val = f"{r['ms']:.3f} | {r['tflops']:.0f}" if "ms" in r else f"n/a | {r.get('error', '')[:60]}"
             lines.append(f"| {r['B']},{r['Hq']},{r['Hkv']},{r['N']},{r['D']} | {r['dtype']} | {r['mask']} | {r['mode']} | {r['impl']} | {val} |")
+    any_order = [r for r in rows if r["impl"] == ANY_ORDER]
+    if any_order:
+        lines += ["", "## Dense forward+backward with dQ added in any order (`SPARSE_FLASH_DETERMINISTIC=0`)", "",
+                  "The one-pass backward kernel (not deterministic: dQ varies in its last bits from run to run).", "",
+                  "| B,Hq,Hkv,N,D | dtype | ms | vs deterministic | vs cuDNN dense |", "|---|---|---|---|---|"]
+        for r in any_order:
+            def ratio(name):
+                return f"{r[name]:.2f}x" if name in r else "n/a"
+
+            val = f"{r['ms']:.3f}" if "ms" in r else f"n/a ({r.get('error', '')[:60]})"
+            lines.append(f"| {r['B']},{r['Hq']},{r['Hkv']},{r['N']},{r['D']} | {r['dtype']} | {val} | "
+                         f"{ratio('speedup_vs_deterministic')} | {ratio('speedup_vs_cudnn_dense')} |")
     lines += ["", "## Mask construction on the GPU (with index lists)", "",
               f"Host time from the call until the device is idle, median (and min) of {MASK_COST_REPEATS} builds "
               "taken in turns with `create_block_mask` of the same pattern (random and bigbird: a lookup in our "

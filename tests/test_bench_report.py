@@ -94,3 +94,23 @@ def test_the_run_waits_for_a_loaded_host_to_settle_and_no_longer_than_its_limit(
     slept.clear()
     assert bench.settle_host(1.5, 20, sleep=slept.append) == 20.0  # a host that never settles: the limit
     assert len(slept) == 4
+
+
+def test_dense_backward_in_any_order_is_compared_with_the_default_and_cudnn():
+    """The any-order row (`SPARSE_FLASH_DETERMINISTIC=0`, dense forward+backward only) gets its ratios against
+    the deterministic default and cuDNN of the same row, a section of the table, and the summary lists the dense
+    forward+backward against cuDNN for both."""
+    dense = dict(mask="dense", N=16384, D=128, density=1.0)
+    rs = [row("sparse_flash", "fwd+bwd", 15.0, **dense), row("flex", "fwd+bwd", 18.0, **dense),
+          row("sdpa_cudnn", "fwd+bwd", 13.5, **dense), row(bench.ANY_ORDER, "fwd+bwd", 13.0, **dense)]
+    bench.add_ratios(rs)
+    fast = rs[-1]
+    assert fast["speedup_vs_deterministic"] == pytest.approx(15.0 / 13.0)
+    assert fast["speedup_vs_cudnn_dense"] == pytest.approx(13.5 / 13.0)
+    assert "speedup_vs_flex" not in fast
+    s = bench.summarize(rs)
+    assert s["dense_fwd_bwd_vs_cudnn"] == {"16384,128": pytest.approx(0.9)}
+    assert s["dense_fwd_bwd_any_order_vs_cudnn"] == {"16384,128": pytest.approx(1.038, abs=1e-3)}
+    meta = {"date": "d", "gpu": "g", "torch": "t", "triton": "tr", "cuda": "c", "host": {}}
+    text = bench.markdown(meta, rs, [], s)
+    assert "| 4,16,16,16384,128 | bfloat16 | 13.000 | 1.15x | 1.04x |" in text
