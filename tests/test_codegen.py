@@ -236,7 +236,7 @@ def recorded_launches() -> list[dict]:
 
     records = []
 
-    def record(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg=0):
+    def record(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg=0, cooperative=False):
         records.append(launch_record(kernel, args, constexprs, num_warps, num_stages, maxnreg))
 
     with pytest.MonkeyPatch.context() as mp:

@@ -254,29 +254,30 @@ def test_hopper_one_pass_backward_matches_reference(mask_name, heads, causal, he
 
 
 @pytest.mark.skipif(not SM90, reason="the Hopper backward kernels need sm_90")
-def test_one_pass_backward_serves_dense_full_calls_where_order_is_free():
-    """The dispatch policy (tuning log, step 82): by default every backward takes the two deterministic passes;
-    with `deterministic` off the dense non-causal backward takes the one-pass kernel (faster there) and every
-    other call the two passes; `hopper_one_pass` puts every call it serves on it."""
+def test_one_pass_backward_serves_dense_full_calls_where_it_is_faster():
+    """The dispatch policy (tuning log, steps 82-83): the dense non-causal backward takes the one-pass kernel at
+    D = 128 (in a fixed order by default), at D = 64 only with `deterministic` off; every other call the two
+    passes; `hopper_one_pass` puts every call it serves on it."""
     from sparse_flash.kernels import dispatch, settings
 
-    q = torch.randn(1, 2, 1024, 128, device="cuda", dtype=torch.bfloat16)
     mask = masks.butterfly(1024, 128, device="cuda")
     calls = {"dense full": (None, None, False), "dense causal": (None, None, True),
              "butterfly": (mask.kernel_index(False), mask.kernel_geometry(False), False)}
 
-    def chosen(**switches):
+    def chosen(D, **switches):
+        q = torch.randn(1, 2, 1024, D, device="cuda", dtype=torch.bfloat16)
         with settings.override(**switches):
             return {name: dispatch.families(q, q, q, i, g, q, q, c).dq for name, (i, g, c) in calls.items()}
 
-    assert set(chosen().values()) == {"gluon"}
-    assert chosen(deterministic=False) == {"dense full": "gluon-one-pass", "dense causal": "gluon",
-                                           "butterfly": "gluon"}
-    assert set(chosen(hopper_one_pass=True).values()) == {"gluon-one-pass"}
+    one_pass_dense = {"dense full": "gluon-one-pass", "dense causal": "gluon", "butterfly": "gluon"}
+    assert chosen(128) == chosen(128, deterministic=False) == one_pass_dense
+    assert set(chosen(64).values()) == {"gluon"} and chosen(64, deterministic=False) == one_pass_dense
+    assert set(chosen(64, hopper_one_pass=True).values()) == {"gluon-one-pass"}
     was = torch.are_deterministic_algorithms_enabled()
     try:
         torch.use_deterministic_algorithms(True)  # PyTorch's switch outranks the setting
-        assert set(chosen(deterministic=False).values()) == {"gluon"}
+        assert set(chosen(64, deterministic=False).values()) == {"gluon"}
+        assert chosen(128, deterministic=False) == one_pass_dense  # in a fixed order
     finally:
         torch.use_deterministic_algorithms(was)
 

@@ -414,58 +414,100 @@ def test_one_program_orders_and_places_items_as_the_torch_operators_do(along, B,
     assert torch.equal(got, want) and torch.equal(got_starts, want_starts)
 
 
-def _layout_of(index, geometry):
-    """The (lists, Mq, Mk) layout a KernelIndex's row lists hold, full and partial together."""
-    layout = torch.zeros(geometry.batch * geometry.heads * geometry.blocks_q, geometry.blocks_k, dtype=torch.bool)
-    for side in (index.row_full, index.row_partial):
-        offsets, indices = side.offsets.tolist(), side.indices.tolist()
-        for r in range(len(offsets) - 1):
-            layout[r, indices[offsets[r]:offsets[r + 1]]] = True
-    return layout
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("case", ["butterfly", "local_256", "random_heads", "empty_rows"])
-def test_column_ranks_count_the_blocks_left_in_each_row(case, causal):
-    """The one-pass backward's turns (`schedule.column_ranks`): the entry of block (r, c) in column c's full or
-    partial list holds the number of blocks of row r left of c, times the key tiles per mask block."""
-    n = 2048
-    mask = {"butterfly": lambda: masks.butterfly(n, 128),
-            "local_256": lambda: masks.local(n, 256, window=2),
-            "random_heads": lambda: masks.random(n, 128, density=0.3, seed=2, num_heads=3),
-            "empty_rows": lambda: masks.random(n, 128, density=0.05, seed=5)}[case]()
-    index, geometry = mask.kernel_index(causal), mask.kernel_geometry(causal)
-    tiles = geometry.block_k // 128
-    ranks = schedule.column_ranks(index, geometry, tiles)
-    layout = _layout_of(index, geometry)
-    Mq, Mk = geometry.blocks_q, geometry.blocks_k
-    for side, rank in zip((index.col_full, index.col_partial), ranks):
-        offsets, indices = side.offsets.tolist(), side.indices.tolist()
-        assert rank.dtype == torch.int32 and rank.numel() == max(len(indices), 1)
-        for col in range(len(offsets) - 1):
-            bh, c = divmod(col, Mk)
-            for e in range(offsets[col], offsets[col + 1]):
-                row = bh * Mq + indices[e]
-                assert int(rank[e]) == int(layout[row, :c].sum()) * tiles
-
-
-@pytest.mark.parametrize("programs", [1, 5, 132])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_turn_order_walks_every_program_in_ascending_key_tiles(causal, programs):
-    """`schedule.turn_order` (the one-pass backward's placement): every item once, each program's items in
-    ascending key position (a wait for a turn is only ever for a smaller key tile: the kernel cannot deadlock),
-    programs' counts within one of each other, `starts` consistent."""
-    B, Hq, Hkv, N = 2, 4, 2, 4096
-    mask = masks.local(N, 128, window=3) | masks.global_(N, 128)
-    index, geometry = mask.kernel_index(causal), mask.kernel_geometry(causal)
+def _one_pass_case(case, causal, B=2, Hq=4, Hkv=2, N=2048, programs=5):
+    """Placed one-pass items of a test case (dense or a mask), their walks and turns, and the sizes."""
+    mask = {"dense": None,
+            "butterfly": lambda: masks.butterfly(N, 128),
+            "local_256": lambda: masks.local(N, 256, window=2),
+            "global_local": lambda: masks.local(N, 128, window=3) | masks.global_(N, 128),
+            "empty_rows": lambda: masks.random(N, 128, density=0.05, seed=5)}[case]
+    mask = None if mask is None else mask()
+    index = None if mask is None else mask.kernel_index(causal)
+    geometry = None if mask is None else mask.kernel_geometry(causal)
+    block_q = 64 if mask is None else geometry.block_q
+    sub, G = block_q // 64, Hq // Hkv
     items = schedule.column_items(B, Hq, Hkv, N, N, causal, index, geometry, "cpu", 128, 64)
-    items = schedule.whole_items(items)
-    placed, starts = schedule.turn_order(items, programs, N)
-    assert starts.dtype == torch.int32 and starts.tolist()[0] == 0 and starts.tolist()[-1] == items.shape[0]
-    assert sorted(map(tuple, placed.tolist())) == sorted(map(tuple, items.tolist()))
-    counts = starts.diff()
-    assert int(counts.max()) - int(counts.min()) <= 1
-    s = starts.tolist()
-    for p in range(programs):
-        keys = (placed[s[p]:s[p + 1], 0] % N).tolist()
-        assert keys == sorted(keys)
+    placed, starts = schedule.assign_programs(schedule.whole_items(items), programs, sub * G)
+    total = schedule.walk_tiles(B, Hkv, N, N, causal, index, geometry, sub, 128, 64)
+    walked, turns, step_starts = schedule.one_pass_walks(placed, starts, N, N, G, sub, block_q, 64, index, total, True)
+    return placed, starts, walked, turns, step_starts, index, sub, G, N, total
+
+
+def _list_tiles(record, index, sub):
+    """The query tiles (64 rows, within the head) of an item's list tiles: the full list's, then the partial's."""
+    _, _, lo, hi, plo, phi = record[:6]
+    if index is None:
+        return list(range(lo, hi)) + list(range(plo, phi))
+    full, part = index.col_full.indices.tolist(), index.col_partial.indices.tolist()
+    return ([full[e // sub] * sub + e % sub for e in range(lo * sub, hi * sub)]
+            + [part[e // sub] * sub + e % sub for e in range(plo * sub, phi * sub)])
+
+
+CASES = ["dense", "butterfly", "local_256", "global_local", "empty_rows"]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", CASES)
+def test_walk_tiles_counts_the_items_list_tiles_from_host_sizes(case, causal):
+    """`schedule.walk_tiles` (the one-pass plan's sizes without a host synchronisation) equals the list tiles
+    that the column items walk, for the dense path and masks (broadcast over batch and heads, GQA, 256-token
+    blocks)."""
+    for B, Hq, Hkv in ((2, 4, 2), (1, 1, 1), (3, 3, 3)):
+        placed, *_, index, sub, G, N, total = _one_pass_case(case, causal, B=B, Hq=Hq, Hkv=Hkv, N=1024, programs=3)
+        assert total == sum(len(_list_tiles(r, index, sub)) for r in placed.tolist())
+    mask = masks.random(1024, 128, density=0.3, seed=2, num_heads=3)  # one layout per head
+    index, geometry = mask.kernel_index(causal), mask.kernel_geometry(causal)
+    items = schedule.column_items(2, 3, 3, 1024, 1024, causal, index, geometry, "cpu", 128, 64)
+    total = schedule.walk_tiles(2, 3, 1024, 1024, causal, index, geometry, 2, 128, 64)
+    assert total == sum(len(_list_tiles(r, index, 2)) for r in items.tolist())
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", CASES)
+def test_one_pass_walks_start_on_the_diagonal_and_turns_cannot_deadlock(case, causal):
+    """`schedule.one_pass_walks`: each item's rotation is the list tile where its walk starts: the first tile
+    at or past its keys (dense self-attention: the diagonal), 0 where none is. The turns of every dQ tile are
+    0, 1, ..., count - 1, and a run of the kernel's protocol (a step proceeds once its tile has counted its
+    turn, then counts one) finishes whatever order the programs move in: no wait can last for ever."""
+    placed, starts, walked, turns, step_starts, index, sub, G, N, total = _one_pass_case(case, causal)
+    assert torch.equal(walked[:, :7], placed[:, :7]) and turns.dtype == torch.int32
+    steps = []  # per program: (dQ tile, turn) of its steps in order
+    s, t0 = starts.tolist(), step_starts.tolist()
+    for p in range(len(s) - 1):
+        own, t = [], t0[p]
+        for rec in walked[s[p]:s[p + 1]].tolist():
+            tiles, rot = _list_tiles(rec, index, sub), rec[7]
+            n = len(tiles)
+            key_tile = (rec[0] % N) // 64
+            later = [e for e in range(n) if tiles[e] >= key_tile]
+            assert rot == (min(later, key=lambda e: (tiles[e], e)) if later else 0)
+            for g in range(G):
+                for j in range(n):
+                    own.append(((rec[1] + g * N) // 64 + tiles[(j + rot) % n], int(turns[t])))
+                    t += 1
+        steps.append(own)
+    assert t0[-1] == sum(map(len, steps)) == total * G
+    by_tile = {}
+    for own in steps:
+        for tile, turn in own:
+            by_tile.setdefault(tile, []).append(turn)
+    assert all(sorted(v) == list(range(len(v))) for v in by_tile.values())
+    for seed in range(3):  # programs move in a random order each round; a round where none can is a deadlock
+        rng = torch.Generator().manual_seed(seed)
+        count, at = {}, [0] * len(steps)
+        while any(at[p] < len(steps[p]) for p in range(len(steps))):
+            moved = False
+            for p in torch.randperm(len(steps), generator=rng).tolist():
+                if at[p] < len(steps[p]) and count.get(steps[p][at[p]][0], 0) == steps[p][at[p]][1]:
+                    tile = steps[p][at[p]][0]
+                    count[tile] = count.get(tile, 0) + 1
+                    at[p] += 1
+                    moved = True
+            assert moved, "deadlock"
+
+
+def test_dense_walks_start_each_key_tile_on_its_diagonal():
+    """Dense self-attention: the item of key tile k starts at query tile 2k (rows 128k), so the items of one head
+    in flight reach each dQ tile two steps apart."""
+    placed, _, walked, *_ = _one_pass_case("dense", False, B=1, Hq=1, Hkv=1, N=1024, programs=8)
+    assert sorted((r[0] // 128, r[7]) for r in walked.tolist()) == [(k, 2 * k) for k in range(8)]

@@ -52,12 +52,14 @@ def _hooks_installed() -> bool:
     return bool(getattr(enter, "calls", enter)) or bool(getattr(leave, "calls", leave))
 
 
-def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int, maxnreg: int = 0):
+def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int, maxnreg: int = 0,
+           cooperative: bool = False):
     """Launch `kernel` on a 1-D `grid` with positional runtime `args` followed by `constexprs`.
 
     `constexprs` must name the kernel's constexpr parameters, which follow its runtime parameters, in
     signature order (their values are passed positionally to the compiled kernel). `maxnreg` caps the
-    registers per thread (0: the compiler's choice).
+    registers per thread (0: the compiler's choice). `cooperative`: a cooperative launch (the driver starts
+    the grid only when all its programs can be resident at once: for programs that wait for each other).
 
     Returns the compiled kernel that ran, or None where the cached direct launch is off (interpreter,
     launch hooks, `settings.fast_launch` off).
@@ -68,14 +70,14 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
         # Most arguments are ints, which are their own key: no call for them.
         device = _current_device()
         _bind_context(device)
-        key = (id(kernel), num_warps, num_stages, maxnreg, device, *constexprs.values(),
+        key = (id(kernel), num_warps, num_stages, maxnreg, cooperative, device, *constexprs.values(),
                *[a if a.__class__ is int else _arg_key(a) for a in args])
         compiled = _CACHE.get(key)
         if compiled is not None and not _hooks_installed():
             compiled.run(grid[0], 1, 1, _raw_stream(device), compiled.function, compiled.packed_metadata, None, None,
                          None, *args, *constexprs.values())
             return compiled
-        compiled = _compile_and_launch(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg)
+        compiled = _compile_and_launch(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg, cooperative)
         if hasattr(compiled, "result"):  # a compile still in flight
             compiled = compiled.result()
         if hasattr(compiled, "packed_metadata"):
@@ -89,12 +91,12 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, n
         _check_order(kernel, len(args), constexprs)
     else:
         _bind_context(_current_device())
-    _compile_and_launch(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg)
+    _compile_and_launch(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg, cooperative)
     return None
 
 
 def _compile_and_launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int,
-                        maxnreg: int):
+                        maxnreg: int, cooperative: bool = False):
     """Triton's normal launch path. The tile settings are tuned on an H200 (228 KB of shared memory per
     SM); on a GPU with less, a kernel whose pipeline does not fit runs with fewer stages (each stage holds
     one set of streamed tiles), down to one, the only setting that changes: results are the same. If one
@@ -102,18 +104,20 @@ def _compile_and_launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_
     while True:
         try:
             # a constexpr may also be a launch option (Gluon kernels take num_warps as their last parameter)
-            return kernel[grid](*args, **{**_options(num_warps, num_stages, maxnreg), **constexprs})
+            return kernel[grid](*args, **{**_options(num_warps, num_stages, maxnreg, cooperative), **constexprs})
         except Exception as error:
             if num_stages <= 1 or getattr(error, "name", None) != "shared memory":  # Triton's OutOfResources
                 raise
             num_stages -= 1
 
 
-def _options(num_warps: int, num_stages: int, maxnreg: int) -> dict:
-    """Triton's launch options; the register cap only where one is set."""
+def _options(num_warps: int, num_stages: int, maxnreg: int, cooperative: bool = False) -> dict:
+    """Triton's launch options; the register cap and the cooperative launch only where set."""
     options = dict(num_warps=num_warps, num_stages=num_stages)
     if maxnreg:
         options["maxnreg"] = maxnreg
+    if cooperative:
+        options["launch_cooperative_grid"] = True
     return options
 
 
@@ -154,13 +158,13 @@ class BoundLaunch:
     wrapper: descriptors are encoded once per data pointer instead of built and encoded on every call.
     """
 
-    __slots__ = ("kernel", "grid", "tail", "constexprs", "num_warps", "num_stages", "maxnreg", "_compiled", "_rest",
-                 "_raw")
+    __slots__ = ("kernel", "grid", "tail", "constexprs", "num_warps", "num_stages", "maxnreg", "cooperative",
+                 "_compiled", "_rest", "_raw")
 
     def __init__(self, kernel, grid: int, tail: tuple, constexprs: dict, num_warps: int, num_stages: int,
-                 maxnreg: int = 0):
+                 maxnreg: int = 0, cooperative: bool = False):
         self.kernel, self.grid, self.tail, self.constexprs = kernel, grid, tail, constexprs
-        self.num_warps, self.num_stages, self.maxnreg = num_warps, num_stages, maxnreg
+        self.num_warps, self.num_stages, self.maxnreg, self.cooperative = num_warps, num_stages, maxnreg, cooperative
         addresses = (a.data_ptr() if isinstance(a, torch.Tensor) else a for a in tail)
         self._compiled, self._rest, self._raw = None, (*addresses, *constexprs.values()), None
 
@@ -176,7 +180,7 @@ class BoundLaunch:
                          None, None, None, *[_built(a) for a in head], *self._rest)
             return
         self._compiled = launch(self.kernel, (self.grid,), (*[_built(a) for a in head], *self.tail),
-                                self.constexprs, self.num_warps, self.num_stages, self.maxnreg)
+                                self.constexprs, self.num_warps, self.num_stages, self.maxnreg, self.cooperative)
         self._raw = None if self._compiled is None else _raw_launch(self._compiled, len(head))
 
 

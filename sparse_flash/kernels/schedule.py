@@ -464,62 +464,111 @@ def _placed_items_kernel(FullOffsets, PartOffsets, Scratch, Placed, Starts,
     tl.store(Starts + lanes, tl.zeros_like(lanes), mask=lanes == 0)
 
 
-def turn_order(items, num_programs: int, Nk: int):
-    """Items placed for the one-pass backward (`gluon/bwd.py`), which adds into each dQ tile in ascending key
-    tile: all items in ascending key position (field 0 is the first K/V row; ties as given) dealt out in
-    waves of `num_programs`, alternately forwards and backwards (a causal call's lists shorten along the
-    keys), so that every program walks its items in ascending key tile (a wait for a turn is only ever for a
-    smaller key tile) and the programs in flight work on neighbouring key tiles of many heads (few waits).
-    Returns the items grouped by program and `starts` (int32, `num_programs + 1`). No host synchronisation.
+def walk_tiles(B, Hkv, Nq, Nk, causal: bool, index: KernelIndex | None, geometry: MaskGeometry | None, sub: int,
+               BLOCK_N: int, BLOCK_M: int) -> int:
+    """How many BLOCK_M-row query tiles the `column_items` of a call walk in all (each query head of a group
+    once), from host sizes only: no synchronisation. A mask's column lists serve every batch and KV head that
+    they broadcast to, and each of their blocks' BLOCK_N-key tiles; `sub` query tiles per list block."""
+    if index is None:
+        q_tiles, tiles = Nq // BLOCK_M, Nk // BLOCK_N
+        per_head = (sum(max(q_tiles - (n * BLOCK_N) // BLOCK_M, 0) for n in range(tiles)) if causal
+                    else q_tiles * tiles)
+        return B * Hkv * per_head
+    g = geometry
+    entries = index.col_full.indices.numel() + index.col_partial.indices.numel()
+    return entries * sub * (B // g.batch) * (Hkv // g.heads) * (g.block_k // BLOCK_N)
 
-    Example: six items of key tiles 2, 0, 1, 0, 2, 1 (128 keys each) on two programs.
-        >>> items = torch.tensor([[128 * t, 0, 0, 1, 0, 0] for t in (2, 0, 1, 0, 2, 1)], dtype=torch.int32)
-        >>> placed, starts = turn_order(items, 2, 4096)
-        >>> (placed[:, 0] // 128).tolist(), starts.tolist()
-        ([0, 1, 2, 0, 1, 2], [0, 3, 6])
+
+def _walk(f, lengths, total: int):
+    """(item, position) of each of the `total` steps of items walking `lengths` steps each, in item order."""
+    first = torch.cumsum(lengths, 0) - lengths
+    item = torch.repeat_interleave(torch.arange(f.shape[0], device=f.device), lengths, output_size=total)
+    return item, torch.arange(total, device=f.device) - first[item]
+
+
+def _query_tile(f, item, e, sub: int, q_per_block: int, blocks):
+    """The query tile (BLOCK_M rows, counted within the head) of list tile e of each item's list tiles (the full
+    list's, then the partial list's). `blocks`: the mask's full and partial column lists as one tensor, or
+    None for the dense items (whose lists count tiles)."""
+    n_full = (f[item, 3] - f[item, 2]) * sub
+    full = e < n_full
+    entry = torch.where(full, f[item, 2] * sub + e, f[item, 4] * sub + e - n_full)
+    if blocks is None:
+        return entry
+    at = entry // sub + torch.where(full, 0, blocks[1])
+    return blocks[0][at].long() * q_per_block + entry % sub
+
+
+def one_pass_walks(items, starts, Nq: int, Nk: int, groups: int, sub: int, block_q: int, BLOCK_M: int,
+                   index: KernelIndex | None, total: int, ordered: bool):
+    """The walks of the one-pass backward's items (`gluon/bwd.py`) and, `ordered`, the turn of every step.
+
+    Rotation (item field 7): each item walks its list tiles (full list, then partial list) starting at the
+    first tile at or past its own keys' position (the tile on the diagonal for self-attention; the first one
+    where none is) and wraps around. Items of neighbouring key tiles that run at once then reach each query tile
+    a step or two apart instead of all at once.
+
+    Turns: the dQ tile of every step gets the additions of all the steps that reach it in a fixed order. The
+    order follows a model of the run (each program walks its items one after the other from time 0, one unit
+    per step and `ITEM_COST` per item): the steps that reach a tile are ranked by (model time, program). Each
+    program's steps rise in that order, so a step waits only for steps that come before it in one total order:
+    with all programs resident, some step can always proceed (no deadlock), and where the run follows the
+    model the wait is short. `turns` (int32, one per step, the programs' steps one after the other) gives each
+    step its rank; `step_starts` (int32, programs + 1) where each program's steps begin.
+
+    `items`, `starts`: placed items (`whole_plan`) of `groups` query heads each; `total`: their list tiles
+    (`walk_tiles`). No host synchronisation. Returns (items, turns, step_starts); turns and step_starts are
+    None unless `ordered`.
+
+    Example: two dense items of 4 query tiles (keys 0-127 and 128-255 of 256) on two programs.
+        >>> items = torch.tensor([[0, 0, 0, 4, 0, 0, -1, 0], [128, 0, 0, 4, 0, 0, -1, 0]], dtype=torch.int32)
+        >>> walked, turns, step_starts = one_pass_walks(items, torch.tensor([0, 1, 2]), 256, 256, 1, 1, 64, 64,
+        ...                                             None, 8, True)
+        >>> walked[:, 7].tolist()  # the second starts at tile 2 (rows 128-191)
+        [0, 2]
+        >>> turns.tolist()  # each reaches its first two tiles first and the other's second
+        [0, 0, 1, 1, 0, 0, 1, 1]
     """
-    n, dev, P = items.shape[0], items.device, num_programs
-    ordered = items[torch.argsort(items[:, 0].long() % Nk, stable=True)]
-    position = torch.arange(n, device=dev)
-    wave, i = position // P, position % P
-    program = torch.where(wave % 2 == 0, i, P - 1 - i)
-    placed = ordered[torch.argsort(program * n + position)]
-    counts = torch.zeros(P, dtype=torch.long, device=dev).scatter_add_(0, program, torch.ones_like(program))
-    starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
-    return placed.contiguous(), starts
-
-
-def column_ranks(index: KernelIndex, geometry: MaskGeometry, tiles_per_block: int):
-    """int32 ranks parallel to the column lists' entries (`index.col_full`, `index.col_partial`): for the entry
-    of mask block (r, c), the number of blocks of row r left of c (full and partial lists together), times
-    `tiles_per_block` (key tiles of the one-pass backward per mask block): the turn of c's first key tile among
-    those that add into row r's dQ (`gluon/bwd.py`). No host synchronisation.
-
-    Example: blocks (0, 0), (1, 0), (1, 1) of a 2 x 2 layout; column 0 holds rows 0 and 1, column 1 row 1.
-        >>> from sparse_flash import BlockMask
-        >>> m = BlockMask.from_layout(torch.tensor([[1, 0], [1, 1]], dtype=torch.bool), 128)
-        >>> full, part = column_ranks(m.kernel_index(False), m.kernel_geometry(False), 1)
-        >>> full.tolist()  # (0, 0) first in row 0; (1, 0) first in row 1; (1, 1) second in row 1
-        [0, 0, 1]
-    """
-    g, dev = geometry, index.col_full.indices.device
-    lists = g.batch * g.heads
-
-    def row_keys(side: BlockIndex):  # (list row) * Mk + block, ascending over the row lists
-        rows = torch.repeat_interleave(torch.arange(lists * g.blocks_q, device=dev), side.counts.flatten().long(),
-                                       output_size=side.indices.numel())
-        return rows * g.blocks_k + side.indices.long()
-
-    keys = (row_keys(index.row_full), row_keys(index.row_partial))
-    offsets = (index.row_full.offsets.long(), index.row_partial.offsets.long())
-
-    def ranks(side: BlockIndex):
-        cols = torch.repeat_interleave(torch.arange(lists * g.blocks_k, device=dev), side.counts.flatten().long(),
-                                       output_size=side.indices.numel())
-        row = cols // g.blocks_k * g.blocks_q + side.indices.long()  # the entry's list row
-        key = row * g.blocks_k + cols % g.blocks_k
-        rank = sum(torch.searchsorted(k, key) - off[row] for k, off in zip(keys, offsets))
-        rank = (rank * tiles_per_block).to(torch.int32)
-        return rank if rank.numel() else torch.zeros(1, dtype=torch.int32, device=dev)
-
-    return ranks(index.col_full), ranks(index.col_partial)
+    dev = items.device
+    f = items.long()
+    n = ((f[:, 3] - f[:, 2]) + (f[:, 5] - f[:, 4])) * sub
+    q_per_block = block_q // BLOCK_M
+    blocks = None if index is None else (torch.cat([index.col_full.indices, index.col_partial.indices]),
+                                         index.col_full.indices.numel())
+    item, e = _walk(f, n, total)
+    tile = _query_tile(f, item, e, sub, q_per_block, blocks)
+    own = (f[:, 0] % Nk) * Nq // Nk // BLOCK_M  # the query tile level with the item's first key
+    span = Nq // BLOCK_M + 1
+    candidate = torch.where(tile >= own[item], tile * span + e, span * span)
+    first = torch.full_like(n, span * span).scatter_reduce_(0, item, candidate, "amin")
+    rotation = torch.where(first < span * span, first % span, 0)
+    items = torch.cat([items[:, :7], rotation.to(items.dtype)[:, None]], 1).contiguous()
+    if not ordered:
+        return items, None, None
+    f = items.long()
+    item, t = _walk(f, n * groups, total * groups)
+    length = n[item]
+    g = t // length
+    e = t - g * length + f[item, 7]
+    e = torch.where(e >= length, e - length, e)
+    dq_tile = (f[item, 1] + g * Nq) // BLOCK_M + _query_tile(f, item, e, sub, q_per_block, blocks)
+    P = starts.numel() - 1
+    cost = n * groups + ITEM_COST
+    done = torch.cat([cost.new_zeros(1), torch.cumsum(cost, 0)])  # model time at each item's start, all programs
+    program = torch.repeat_interleave(torch.arange(P, device=dev), starts.diff().long(), output_size=f.shape[0])
+    begin = done[:-1] - done[starts.long()][program]  # at its start, on its own program
+    when = (begin[item] + ITEM_COST + t) * P + program[item]
+    order = torch.argsort(when, stable=True)
+    order = order[torch.argsort(dq_tile[order], stable=True)]  # by tile, each tile's steps by (time, program)
+    sorted_tile = dq_tile[order]
+    position = torch.arange(order.numel(), device=dev)
+    new = torch.ones_like(sorted_tile, dtype=torch.bool)
+    new[1:] = sorted_tile[1:] != sorted_tile[:-1]
+    first_of_tile = torch.cummax(torch.where(new, position, 0), 0).values
+    turns = torch.empty(order.numel(), dtype=torch.int32, device=dev)
+    turns[order] = (position - first_of_tile).to(torch.int32)
+    steps = torch.cat([n.new_zeros(1), torch.cumsum(n * groups, 0)])
+    step_starts = steps[starts.long()].to(torch.int32)
+    if turns.numel() == 0:
+        turns = torch.zeros(1, dtype=torch.int32, device=dev)
+    return items, turns, step_starts

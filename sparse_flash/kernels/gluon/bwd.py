@@ -12,18 +12,17 @@ in shared memory for the *add warp*:
 - D = 64: each warpgroup takes its own 64 keys over all of D, for a float32 copy of its own (the conversion
   launch adds the two copies).
 
-The add warp adds each step's two tiles into a float32 buffer by TMA reductions (`pipeline.tma_add`). With
-`ordered` (deterministic: `dispatch.deterministic()`), the additions into one dQ tile go in ascending key tile:
-a semaphore per dQ tile counts them; the add warp waits until it reaches its key tile's rank among the tiles
-that reach that query tile (`schedule.column_ranks`; dense: the key tile's number), adds, and counts once the
-reductions have completed (one step later, or at the item's end). Items are dealt to the programs in waves by
-ascending key tile (`schedule.turn_order`), so every program walks its items in ascending key tile and a wait
-is only ever for a smaller key tile, which a resident program reaches first: the kernel needs all its programs
-resident at once (one per SM, `num_sms`). A kernel on another stream that holds SMs for the whole backward
-(a collective overlapping it, waiting on other ranks) would leave some programs waiting for SMs while the resident
-ones wait for them; the dispatcher therefore never picks this order by itself (`settings.hopper_one_pass`).
-Without `ordered` the additions go in any order (no program waits for another; faster; dQ varies in its last
-bits from run to run).
+Each item walks its list tiles from the one level with its own keys on (the diagonal), wrapping around
+(`schedule.one_pass_walks`; item field 7), so the items of neighbouring key tiles in flight reach each query
+tile a step or two apart. The add warp adds each step's two tiles into a float32 buffer by TMA reductions
+(`pipeline.tma_add`). With `ordered` (deterministic: `dispatch.deterministic()`) the additions into each dQ
+tile go in a fixed order: every step has a turn (`one_pass_walks`: the steps that reach a tile ranked by the
+time a model of the run gives them, then by program), a semaphore per dQ tile counts the additions done, and
+the add warp waits until its tile's semaphore reaches the step's turn, adds, waits for the reductions to
+complete and counts. Every program's steps rise in that one total order, so some step can always proceed
+once all programs are resident; the launch is cooperative (the driver starts the grid only when they all can
+be), so a kernel holding SMs beside it delays it rather than deadlocking it. Without `ordered` the additions
+go in any order (no program waits for another; dQ varies in its last bits from run to run).
 
 Two small Triton launches surround it: `_prepare_kernel` (delta = rowsum(dO * O); the float32 buffer and the
 semaphores zero) and `_convert_kernel` (dQ = scale x the buffer, in the inputs' dtype).
@@ -33,8 +32,10 @@ but 0 x NaN is NaN where K holds a NaN or infinity; a diagonal tile whose dQ sha
 non-finite key in its product, is summed again on the CUDA cores over the allowed pairs only (`_exact_dq_into`;
 only such inputs pay for it).
 
-Measured on the H200 (tuning log, step 82): in order 0.42-0.98x the two passes, in any order 1.05-1.16x on
-dense non-causal calls and 0.67-0.99x on causal and sparse ones. It serves (`supported`) what the dK/dV kernel
+Measured on the H200 (tuning log, step 83), backward only: on dense non-causal calls 1.09-1.16x the two passes
+in order at D = 128 (0.77-0.82x at D = 64, where a step is shorter than the add warp's wait, add, complete,
+count) and 1.05-1.2x in any order; on causal and sparse calls 0.53-0.89x in order, 0.64-1.02x in any order. It
+serves (`supported`) what the dK/dV kernel
 serves, except masks whose work plan cuts long lists; `dispatch.py` decides when it runs.
 """
 
@@ -51,13 +52,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ...mask_index import KernelIndex, MaskGeometry
 from ..aot import compile_gluon_sm90, descriptor_type
 from ..memory import new_output
-from ..schedule import column_ranks, turn_order, whole_plan
+from ..schedule import one_pass_walks, walk_tiles, whole_plan
 from ..triton.common import LOG2E
 from ..launch import BoundLaunch
 from .dkdv import _bwd_load_partition, probabilities_t, scores_grad_t, step_buffers
 from .pipeline import (FIRST_HALF, GL_DTYPES, ITEM_WIDTH, SECOND_HALF, bound_launch, list_tile_start, num_sms,
                        partition_barrier, release, release_after_store, ring_barriers, row_spec, runs_on, tile_spec,
-                       tma_add, tma_store, vector_spec)
+                       tma_add, tma_store, vector_spec, walk_position, walk_tile_start)
 
 BLOCK_N = 128  # keys per item (64 per compute warpgroup)
 BLOCK_M = 64  # query rows per step
@@ -78,14 +79,6 @@ def _wait_turn(sem, rank):
 
 
 @gluon.jit
-def _complete_but_two(x):
-    """Wait until every TMA reduction this thread issued, but the last two, has completed (written, not only
-    read its shared memory), and order them before what follows."""
-    return gl.inline_asm_elementwise("cp.async.bulk.wait_group 2; fence.proxy.async.global; mov.b32 $0, 0;",
-                                     "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _complete_all(x):
     """Wait until every TMA reduction this thread issued has completed."""
     return gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.b32 $0, 0;",
@@ -101,106 +94,59 @@ def _count_one(sem, first):
 
 
 @gluon.jit
-def _retire(sem, first, empty, ORDERED: gl.constexpr, LAST: gl.constexpr):
-    """A step's reductions done with: read (ORDERED: completed, and its semaphore `sem` counted), then its dQ
-    buffers freed (`empty`). LAST: no later step's reductions are in flight (else the last two may be)."""
-    if ORDERED:
-        if LAST:
-            _complete_all(first)
-        else:
-            _complete_but_two(first)
-        _count_one(sem, first)
-    else:
-        if LAST:
-            tma.store_wait(0)
-        else:
-            tma.store_wait(2)
-    mbarrier.arrive(empty, count=1)
-
-
-@gluon.jit
-def _step_rank(FullIdx, PartIdx, RankFull, RankPart, j, n_full, full_lo, part_lo, tile_rank, SUB: gl.constexpr,
-               MASK_BLOCK_Q: gl.constexpr, BM: gl.constexpr, DENSE: gl.constexpr):
-    """Step j of an item (the full list's tiles, then the partial list's): its query tile's first position and
-    the item's turn among the key tiles that add into that tile's dQ."""
-    if j >= n_full:
-        entry = j - n_full + part_lo
-        q_tok0 = list_tile_start(PartIdx, entry, SUB, MASK_BLOCK_Q, BM, DENSE)
-        if DENSE:
-            rank = tile_rank
-        else:
-            rank = tile_rank + gl.load(RankPart + entry // SUB)
-    else:
-        entry = j + full_lo
-        q_tok0 = list_tile_start(FullIdx, entry, SUB, MASK_BLOCK_Q, BM, DENSE)
-        if DENSE:
-            rank = tile_rank
-        else:
-            rank = tile_rank + gl.load(RankFull + entry // SUB)
-    return q_tok0, rank
-
-
-@gluon.jit
-def _item_turn(item_row, Nk, MASK_BLOCK_K: gl.constexpr, BLOCK: gl.constexpr, DENSE: gl.constexpr):
-    """The part of an item's turn that its own key tile sets: its number (dense: every smaller key tile reaches
-    each of its query tiles), or its tile within its mask block (the block's rank comes with each list entry)."""
-    if DENSE:
-        tile_rank = (item_row % Nk) // BLOCK
-    else:
-        tile_rank = ((item_row % Nk) % MASK_BLOCK_K) // BLOCK
-    return tile_rank
-
-
-@gluon.jit
-def _dq_add_partition(dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, Sem, RankFull, RankPart, Items, Starts, FullIdx,
-                      PartIdx, Nq, Nk, copy_rows, tiles, GROUPS: gl.constexpr, SUB: gl.constexpr,
-                      MASK_BLOCK_Q: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr,
-                      BLOCK: gl.constexpr, SPLIT_D: gl.constexpr, ORDERED: gl.constexpr):
+def _dq_add_partition(dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, Sem, Turns, StepStarts, Items, Starts, FullIdx,
+                      PartIdx, Nq, copy_rows, GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
+                      DENSE: gl.constexpr, SPLIT_D: gl.constexpr, ORDERED: gl.constexpr):
     """The add warp: for each step, once both compute warpgroups have put their dQ tiles in shared memory, adds
-    them into the float32 buffer by TMA reductions and frees the previous step's buffers once its reductions
-    have read them. ORDERED (deterministic): first waits for the step's turn on the dQ tile's semaphore, and
-    counts the previous step's once its reductions have completed; an item's last step is counted at the item's
-    end (a later item's turns may wait for larger key tiles)."""
+    them into the float32 buffer by TMA reductions. ORDERED (deterministic): first waits until the dQ tile's
+    semaphore reaches the step's turn (`schedule.one_pass_walks`), then frees the step's buffers and counts the
+    semaphore once its reductions have completed: a step waits only for steps that come before it in one total
+    order. Otherwise the buffers of a step are freed once its reductions have read them (one step later, or at
+    the item's end)."""
     BM: gl.constexpr = dq_smem0.type.shape[1]
     DQ_D: gl.constexpr = dq_smem0.type.shape[2]
     lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
     first = (lanes == 0).to(gl.int32)  # the thread that counts
     zero = lanes * 0
-    prev = Sem + tiles + zero  # the previous step's semaphore (at first a spare one)
+    turns = Turns + gl.load(StepStarts + gl.program_id(0))  # this program's steps' turns
     t = 0  # steps taken (dQ buffer positions, as in the compute warpgroups)
     for it in range(gl.load(Starts + gl.program_id(0)), gl.load(Starts + gl.program_id(0) + 1)):
         rec = Items + it * ITEM_WIDTH
-        item_row = gl.load(rec)
         q_row0 = gl.load(rec + 1)
         full_lo = gl.load(rec + 2) * SUB
         n_full = gl.load(rec + 3) * SUB - full_lo
         part_lo = gl.load(rec + 4) * SUB
-        part_hi = gl.load(rec + 5) * SUB
-        tile_rank = _item_turn(item_row, Nk, MASK_BLOCK_K, BLOCK, DENSE)
-        n = n_full + part_hi - part_lo
+        n = n_full + gl.load(rec + 5) * SUB - part_lo
+        rot = gl.load(rec + 7)
         for g in range(GROUPS):
             q_row = q_row0 + g * Nq
             for j in range(n):
-                q_tok0, rank = _step_rank(FullIdx, PartIdx, RankFull, RankPart, j, n_full, full_lo, part_lo,
-                                          tile_rank, SUB, MASK_BLOCK_Q, BM, DENSE)
-                row = q_row + q_tok0
-                sem = Sem + row // BM + zero
+                row = q_row + walk_tile_start(FullIdx, PartIdx, walk_position(j, rot, n), n_full, full_lo, part_lo,
+                                              SUB, MASK_BLOCK_Q, BM, DENSE)
                 b = t % 2
                 mbarrier.wait(dq_full.index(b), (t // 2) & 1)
                 if ORDERED:
-                    if rank > 0:  # the first key tile of a dQ tile waits for nobody
-                        _wait_turn(sem, rank + zero)
+                    sem = Sem + row // BM + zero
+                    turn = gl.load(turns + t)
+                    if turn > 0:  # the first step to reach a dQ tile waits for nobody
+                        _wait_turn(sem, turn + zero)
                 tma_add(dq_desc, [row, 0], dq_smem0.index(b))
                 if SPLIT_D:  # the second warpgroup's half of the columns
                     tma_add(dq_desc, [row, DQ_D], dq_smem1.index(b))
                 else:  # its own copy
                     tma_add(dq_desc, [copy_rows + row, 0], dq_smem1.index(b))
-                if g + j > 0:  # the previous step of this item
-                    _retire(prev, first, dq_empty.index((t + 1) % 2), ORDERED, False)
-                prev = sem
+                if ORDERED:
+                    done = _complete_all(first)
+                    _count_one(sem, first + done)
+                    mbarrier.arrive(dq_empty.index(b), count=1)
+                elif g + j > 0:  # the previous step of this item: read by its reductions
+                    tma.store_wait(2)
+                    mbarrier.arrive(dq_empty.index((t + 1) % 2), count=1)
                 t += 1
-        if n * GROUPS > 0:  # the item's last step
-            _retire(prev, first, dq_empty.index((t + 1) % 2), ORDERED, True)
+        if not ORDERED:
+            if n * GROUPS > 0:  # the item's last step
+                tma.store_wait(0)
+                mbarrier.arrive(dq_empty.index((t + 1) % 2), count=1)
 
 
 @gluon.jit
@@ -341,7 +287,8 @@ def _one_pass_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta
         full_lo = gl.load(rec + 2) * SUB
         n_full = gl.load(rec + 3) * SUB - full_lo
         part_lo = gl.load(rec + 4) * SUB
-        part_hi = gl.load(rec + 5) * SUB
+        n = n_full + gl.load(rec + 5) * SUB - part_lo
+        rot = gl.load(rec + 7)  # the list tile the walk starts at (`schedule.one_pass_walks`)
         if SPLIT_D:  # dQ's columns [HALF * DQ_D, ...) over all 128 keys
             dq_col = HALF * DQ_D
             dq_kv_row = item_row
@@ -359,11 +306,12 @@ def _one_pass_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta
         dk = gl.zeros([BN, HEAD_D], gl.float32, acc_layout)  # (64, D)
         dv = gl.zeros([BN, HEAD_D], gl.float32, acc_layout)  # (64, D)
         for g in range(GROUPS):
-            # the full list's tiles, then the partial list's (on the causal diagonal: masked where query < key),
-            # in one loop (as in gluon/dkdv.py)
-            for j in range(n_full + part_hi - part_lo):
-                if CAUSAL and j >= n_full:
-                    q_tok0 = list_tile_start(PartIdx, j - n_full + part_lo, SUB, MASK_BLOCK_Q, BM, DENSE)
+            # the list tiles from `rot` on, wrapping around (a partial list's, on the causal diagonal: masked
+            # where query < key)
+            for j in range(n):
+                e = walk_position(j, rot, n)
+                if CAUSAL and e >= n_full:
+                    q_tok0 = list_tile_start(PartIdx, e - n_full + part_lo, SUB, MASK_BLOCK_Q, BM, DENSE)
                     dk, dv = _one_pass_step(
                         k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, step_ready, step_empty,
                         ds_ready, dq_full, dq_empty, K, V, dk, dv, t, u, qk_scale, key0, dq_kv_row, dq_key0, q_tok0,
@@ -391,13 +339,13 @@ def _one_pass_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta
 
 @gluon.jit
 def _one_pass_bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc, K, V, Sem,
-                         RankFull, RankPart, Items, Starts, FullIdx, PartIdx, Nq, Nk, copy_rows, tiles, qk_scale,
-                         sm_scale, GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-                         MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr,
+                         Turns, StepStarts, Items, Starts, FullIdx, PartIdx, Nq, Nk, copy_rows, qk_scale, sm_scale,
+                         GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, DENSE: gl.constexpr,
+                         CAUSAL: gl.constexpr,
                          ORDERED: gl.constexpr, STAGES: gl.constexpr, LOAD_WARP_REGS: gl.constexpr,
                          COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """One resident program per SM; program p walks items [Starts[p], Starts[p + 1]) (in ascending key tile
-    when ORDERED)."""
+    """One resident program per SM; program p walks items [Starts[p], Starts[p + 1]) (ORDERED: its steps'
+    turns from Turns[StepStarts[p]] on)."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -431,10 +379,10 @@ def _one_pass_bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, 
                                        sm_scale, GROUPS, SUB, MASK_BLOCK_Q, DENSE, CAUSAL, SECOND_HALF, num_warps)),
         (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                                v_smem, lse_smem, delta_smem, kv_ready, kv_empty, step_ready, step_empty, Items,
-                               Starts, FullIdx, PartIdx, Nq, GROUPS, SUB, MASK_BLOCK_Q, DENSE)),
-        (_dq_add_partition, (dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, Sem, RankFull, RankPart, Items, Starts,
-                             FullIdx, PartIdx, Nq, Nk, copy_rows, tiles, GROUPS, SUB, MASK_BLOCK_Q, MASK_BLOCK_K,
-                             DENSE, BN, DQ_D < HEAD_D, ORDERED)),
+                               Starts, FullIdx, PartIdx, Nq, GROUPS, SUB, MASK_BLOCK_Q, DENSE, True)),
+        (_dq_add_partition, (dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, Sem, Turns, StepStarts, Items, Starts,
+                             FullIdx, PartIdx, Nq, copy_rows, GROUPS, SUB, MASK_BLOCK_Q, DENSE, DQ_D < HEAD_D,
+                             ORDERED)),
     ], [num_warps, 1, 1], [COMPUTE_REGS, LOAD_WARP_REGS, LOAD_WARP_REGS])
 
 
@@ -489,38 +437,39 @@ def _layouts(D: int, dtype):
 
 
 class BwdPlan:
-    """What one call signature fixes: the items (`ordered`: in ascending key tile per program, with the ranks of
-    the list entries), descriptor layouts, grid, constexprs and the three launches."""
+    """What one call signature fixes: the items and their walks (`ordered`: with the turn of every step,
+    `schedule.one_pass_walks`), descriptor layouts, grid, constexprs and the three launches. In order the
+    kernel is launched cooperatively: the driver starts it only when all its programs can be resident at once,
+    which its waits need."""
 
     def __init__(self, q, k, index: KernelIndex | None, geometry: MaskGeometry | None, causal: bool, scale: float,
                  ordered: bool = True):
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
+        G = Hq // Hkv
         dense = index is None
         block_q = BLOCK_M if dense else geometry.block_q
-        block_k = BLOCK_N if dense else geometry.block_k
         sub = block_q // BLOCK_M
         grid = min(B * Hkv * (Nk // BLOCK_N), num_sms(q.device))
-        self.items, self.starts = whole_plan("cols", B, Hq, Hkv, Nq, Nk, causal, index, geometry, q.device, grid,
-                                             sub * (Hq // Hkv), BLOCK_N, BLOCK_M)
-        self.rank_full = self.rank_part = self.items  # read only in order, and then only for a mask's lists
-        if ordered:
-            self.items, self.starts = turn_order(self.items, grid, Nk)
-            if not dense:
-                self.rank_full, self.rank_part = column_ranks(index, geometry, block_k // BLOCK_N)
+        items, self.starts = whole_plan("cols", B, Hq, Hkv, Nq, Nk, causal, index, geometry, q.device, grid, sub * G,
+                                        BLOCK_N, BLOCK_M)
+        total = walk_tiles(B, Hkv, Nq, Nk, causal, index, geometry, sub, BLOCK_N, BLOCK_M)
+        self.items, turns, step_starts = one_pass_walks(items, self.starts, Nq, Nk, G, sub, block_q, BLOCK_M, index,
+                                                        total, ordered)
+        self.turns, self.step_starts = (turns, step_starts) if ordered else (self.items, self.starts)  # unread
         self.full_idx, self.part_idx = ((self.items, self.items) if dense else
                                         (index.col_full.indices, index.col_partial.indices))
         self.q_layout, self.kv_layout, self.row_layout, self.dq_layout, dq_d = _layouts(D, GL_DTYPES[q.dtype])
         self.rows = B * Hq * Nq
         self.copies = 1 if dq_d < D else 2  # D = 64: one float32 copy of dQ per warpgroup
         self.dq_block = (BLOCK_M, dq_d)
-        tiles = self.rows // BLOCK_M
-        self.semaphores = tiles + 1 if ordered else 0  # one per dQ tile, and a spare
+        self.semaphores = self.rows // BLOCK_M if ordered else 0  # one per dQ tile
         self.launch = bound_launch(_one_pass_bwd_kernel, grid, (
-            self.rank_full, self.rank_part, self.items, self.starts, self.full_idx, self.part_idx, Nq, Nk,
-            self.rows if self.copies == 2 else 0, tiles, scale * LOG2E, scale),
-            dict(GROUPS=Hq // Hkv, SUB=sub, MASK_BLOCK_Q=block_q, MASK_BLOCK_K=block_k, DENSE=dense, CAUSAL=causal,
-                 ORDERED=ordered, STAGES=STEP_BUFFERS, LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS), MAX_REGS)
+            self.turns, self.step_starts, self.items, self.starts, self.full_idx, self.part_idx, Nq, Nk,
+            self.rows if self.copies == 2 else 0, scale * LOG2E, scale),
+            dict(GROUPS=G, SUB=sub, MASK_BLOCK_Q=block_q, DENSE=dense, CAUSAL=causal, ORDERED=ordered,
+                 STAGES=STEP_BUFFERS, LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS), MAX_REGS,
+            cooperative=ordered)
         programs = self.rows // BLOCK_M
         consts = dict(D=D, COPIES=self.copies, ROWS=BLOCK_M)
         self.prepare = BoundLaunch(_prepare_kernel, programs, (self.rows, self.semaphores), consts, 4, 1)
@@ -559,10 +508,9 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
     dq_desc = descriptor_type("fp32", (BLOCK_M, dq_d), dq_layout)
     sig = dict(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, lse_desc=row_desc, delta_desc=row_desc,
                dk_desc=out_desc, dv_desc=out_desc, dq_desc=dq_desc, K=f"*{name}", V=f"*{name}", Sem="*i32",
-               RankFull="*i32", RankPart="*i32", Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32",
-               Nq="i32", Nk="i32", copy_rows="i32", tiles="i32", qk_scale="fp32", sm_scale="fp32")
+               Turns="*i32", StepStarts="*i32", Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32",
+               Nq="i32", Nk="i32", copy_rows="i32", qk_scale="fp32", sm_scale="fp32")
     constexprs = dict(GROUPS=groups, SUB=1 if dense else block_q // BLOCK_M, MASK_BLOCK_Q=BLOCK_M if dense else block_q,
-                      MASK_BLOCK_K=BLOCK_N if dense else block_q, DENSE=dense, CAUSAL=causal, ORDERED=ordered,
-                      STAGES=STEP_BUFFERS,
-                      LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS, num_warps=4)
+                      DENSE=dense, CAUSAL=causal, ORDERED=ordered, STAGES=STEP_BUFFERS, LOAD_WARP_REGS=LOAD_REGS,
+                      COMPUTE_REGS=COMPUTE_REGS, num_warps=4)
     return compile_gluon_sm90(_one_pass_bwd_kernel, sig, constexprs, MAX_REGS)

@@ -45,7 +45,7 @@ from ..triton.split import SplitPlan
 from .merge import ChunkSum
 from .pipeline import (FIRST_HALF, GL_DTYPES, ITEM_WIDTH, SECOND_HALF, bound_launch, list_tile_start, num_sms,
                        partition_barrier, release, release_after_store, ring_barriers, row_spec, runs_on, vector_spec,
-                       shapes_fit, takes_plan, tma_load, tma_store)
+                       shapes_fit, takes_plan, tma_load, tma_store, walk_position, walk_tile_start)
 
 BLOCK_N = 128  # keys per item (64 per compute warpgroup)
 BLOCK_M = 64  # query rows per step
@@ -74,10 +74,11 @@ def _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
 def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                         lse_smem, delta_smem, kv_ready, kv_empty, step_ready, step_empty, Items, Starts, FullIdx,
                         PartIdx, Nq, GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-                        DENSE: gl.constexpr):
+                        DENSE: gl.constexpr, ROTATE: gl.constexpr = False):
     """The load warp: for each of this program's items, K and V into a free K/V buffer, then for each query
     head of the group the query tiles of the full list and then of the partial list into the next slots.
-    Also the load warp of the one-pass backward (`gluon/bwd.py`)."""
+    Also the load warp of the one-pass backward (`gluon/bwd.py`), whose items walk their list tiles from the
+    one in their field 7 on (ROTATE, `pipeline.walk_position`)."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     KV_BUFFERS: gl.constexpr = k_smem.type.shape[0]  # two here; one in the one-pass backward (`gluon/bwd.py`)
     t = 0  # steps issued so far (slot positions)
@@ -91,18 +92,33 @@ def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q
         mbarrier.expect(kv_ready.index(kb), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma_load(k_desc, [kv_row, 0], kv_ready.index(kb), k_smem.index(kb))
         tma_load(v_desc, [kv_row, 0], kv_ready.index(kb), v_smem.index(kb))
-        for g in range(GROUPS):
-            q_row = q_row0 + g * Nq
-            for j in range(gl.load(rec + 2) * SUB, gl.load(rec + 3) * SUB):
-                start = list_tile_start(FullIdx, j, SUB, MASK_BLOCK_Q, BM, DENSE)
-                _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, step_ready,
-                           step_empty, q_row + start, t)
-                t += 1
-            for j in range(gl.load(rec + 4) * SUB, gl.load(rec + 5) * SUB):
-                start = list_tile_start(PartIdx, j, SUB, MASK_BLOCK_Q, BM, DENSE)
-                _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, step_ready,
-                           step_empty, q_row + start, t)
-                t += 1
+        if ROTATE:
+            rot = gl.load(rec + 7)
+            full_lo = gl.load(rec + 2) * SUB
+            n_full = gl.load(rec + 3) * SUB - full_lo
+            part_lo = gl.load(rec + 4) * SUB
+            n = n_full + gl.load(rec + 5) * SUB - part_lo
+            for g in range(GROUPS):
+                q_row = q_row0 + g * Nq
+                for j in range(n):
+                    start = walk_tile_start(FullIdx, PartIdx, walk_position(j, rot, n), n_full, full_lo, part_lo, SUB,
+                                            MASK_BLOCK_Q, BM, DENSE)
+                    _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
+                               step_ready, step_empty, q_row + start, t)
+                    t += 1
+        else:
+            for g in range(GROUPS):
+                q_row = q_row0 + g * Nq
+                for j in range(gl.load(rec + 2) * SUB, gl.load(rec + 3) * SUB):
+                    start = list_tile_start(FullIdx, j, SUB, MASK_BLOCK_Q, BM, DENSE)
+                    _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
+                               step_ready, step_empty, q_row + start, t)
+                    t += 1
+                for j in range(gl.load(rec + 4) * SUB, gl.load(rec + 5) * SUB):
+                    start = list_tile_start(PartIdx, j, SUB, MASK_BLOCK_Q, BM, DENSE)
+                    _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
+                               step_ready, step_empty, q_row + start, t)
+                    t += 1
         c += 1
 
 

@@ -54,6 +54,28 @@ def list_tile_start(Idx, j, SUB: gl.constexpr, MASK_BLOCK: gl.constexpr, BLOCK: 
 
 
 @gluon.jit
+def walk_position(j, rot, n):
+    """Step j of an item that walks its n list tiles from tile `rot` on and wraps around: the list tile it
+    takes (`schedule.one_pass_walks`)."""
+    e = j + rot
+    if e >= n:
+        e -= n
+    return e
+
+
+@gluon.jit
+def walk_tile_start(FullIdx, PartIdx, e, n_full, full_lo, part_lo, SUB: gl.constexpr, MASK_BLOCK: gl.constexpr,
+                    BLOCK: gl.constexpr, DENSE: gl.constexpr):
+    """First row of list tile e of an item whose list tiles are the full list's n_full from tile full_lo, then
+    the partial list's from tile part_lo."""
+    if e >= n_full:
+        start = list_tile_start(PartIdx, e - n_full + part_lo, SUB, MASK_BLOCK, BLOCK, DENSE)
+    else:
+        start = list_tile_start(FullIdx, e + full_lo, SUB, MASK_BLOCK, BLOCK, DENSE)
+    return start
+
+
+@gluon.jit
 def load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, row, t):
     """K and V rows [row, row + BLOCK_N) into the next buffers of the rings, once those are free."""
     K_STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -179,11 +201,12 @@ def vector_spec(t, rows: int, layout) -> DescriptorSpec:
     return DescriptorSpec(t, vector_descriptor, (rows, layout))
 
 
-def bound_launch(kernel, grid: int, tail: tuple, constexprs: dict, maxnreg: int) -> BoundLaunch:
+def bound_launch(kernel, grid: int, tail: tuple, constexprs: dict, maxnreg: int,
+                 cooperative: bool = False) -> BoundLaunch:
     """The prepared launch of a Hopper kernel (`launch.BoundLaunch`): a few microseconds of host time per
     call where `kernel[grid](...)` took tens per kernel, which eager calls of short lists waited on. The
     kernels take num_warps as their last constexpr."""
-    return BoundLaunch(kernel, grid, tail, {**constexprs, "num_warps": WARPS}, WARPS, 3, maxnreg)
+    return BoundLaunch(kernel, grid, tail, {**constexprs, "num_warps": WARPS}, WARPS, 3, maxnreg, cooperative)
 
 
 def num_sms(device) -> int:
