@@ -182,7 +182,7 @@ def test_hopper_backward_serves_and_matches_reference(dtype, mask_name, heads, c
     n = 1024
     mask = HOPPER_MASKS[mask_name](n, heads[0])
     q, k, v = make_qkv(2, *heads, n, n, 128, dtype=dtype, device="cuda", seed=9)
-    with settings.override(hopper_backward=True, hopper_one_pass=False):
+    with settings.override(hopper_backward=True, hopper_one_pass=False, hopper_one_pass_dense=False):
         result = compare_to_reference(q, k, v, mask, causal=causal, backend="triton")
     assert not result.failures(), result.failures()
     per_head_gqa = heads[0] != heads[1] and mask.shape[1] > 1
@@ -210,7 +210,7 @@ def test_hopper_kernels_at_head_dim_64_match_reference(mask_name, causal, monkey
     n = 1024
     mask = HOPPER_MASKS[mask_name](n, 4)
     q, k, v = make_qkv(2, 4, 2, n, n, 64, dtype=torch.bfloat16, device="cuda", seed=11)
-    with settings.override(hopper_d64=True, hopper_one_pass=False):
+    with settings.override(hopper_d64=True, hopper_one_pass=False, hopper_one_pass_dense=False):
         result = compare_to_reference(q, k, v, mask, causal=causal, backend="triton")
     assert not result.failures(), result.failures()
     assert min(served.values()) > 0, served
@@ -257,7 +257,7 @@ def test_hopper_one_pass_backward_matches_reference(mask_name, heads, causal, he
 def test_one_pass_backward_serves_dense_full_calls_where_it_is_faster():
     """The dispatch policy (tuning log, steps 82-83): the dense non-causal backward takes the one-pass kernel at
     D = 128 (in a fixed order by default), at D = 64 only with `deterministic` off; every other call the two
-    passes; `hopper_one_pass` puts every call it serves on it."""
+    passes; `hopper_one_pass` puts every call it serves on it; `hopper_one_pass_dense` off, none."""
     from sparse_flash.kernels import dispatch, settings
 
     mask = masks.butterfly(1024, 128, device="cuda")
@@ -273,6 +273,7 @@ def test_one_pass_backward_serves_dense_full_calls_where_it_is_faster():
     assert chosen(128) == chosen(128, deterministic=False) == one_pass_dense
     assert set(chosen(64).values()) == {"gluon"} and chosen(64, deterministic=False) == one_pass_dense
     assert set(chosen(64, hopper_one_pass=True).values()) == {"gluon-one-pass"}
+    assert set(chosen(128, hopper_one_pass_dense=False).values()) == {"gluon"}
     was = torch.are_deterministic_algorithms_enabled()
     try:
         torch.use_deterministic_algorithms(True)  # PyTorch's switch outranks the setting

@@ -7,7 +7,8 @@ so a bad value never stops `import sparse_flash`; an empty value counts as unset
 |---|---|---|---|
 | `hopper_forward` | `SPARSE_FLASH_HOPPER_FWD` | on | the warp-specialised Gluon forward where it serves a call (`gluon/fwd.py`) |
 | `hopper_backward` | `SPARSE_FLASH_HOPPER_BWD` | on | the Gluon dQ and dK/dV kernels where they serve a call (`gluon/dq.py`, `gluon/dkdv.py`) |
-| `deterministic` | `SPARSE_FLASH_DETERMINISTIC` | on | gradients bit-identical from run to run (the dense non-causal backward at D = 128 takes the one-pass Gluon kernel in a fixed order: 1.09-1.16x the two passes); off (and `torch.use_deterministic_algorithms` off): at D = 64 too, with dQ added in any order, 1.05-1.11x the two passes on the H200 (`gluon/bwd.py`; tuning log, steps 82-83) |
+| `deterministic` | `SPARSE_FLASH_DETERMINISTIC` | on | gradients bit-identical from run to run; off (and `torch.use_deterministic_algorithms` off) the one-pass backward adds dQ in any order |
+| `hopper_one_pass_dense` | `SPARSE_FLASH_HOPPER_ONE_PASS_DENSE` | on | the dense non-causal backward takes the one-pass Gluon kernel where it is faster than the two Gluon passes (H200, backward only): at D = 128 (1.09-1.16x in a fixed order), at D = 64 where `deterministic` is off (1.05-1.11x in any order; in a fixed order 0.8x) (`gluon/bwd.py`; tuning log, step 83) |
 | `hopper_one_pass` | `SPARSE_FLASH_HOPPER_ONE_PASS` | off | the one-pass Gluon backward wherever it serves a call (in a fixed order while `deterministic`), in place of the two Gluon passes: 0.53-1.16x their speed in a fixed order, 0.64-1.2x in any order (step 83). In a fixed order its programs wait for each other; the launch is cooperative (the driver starts it only when all its programs can be resident) |
 | `hopper_split` | `SPARSE_FLASH_HOPPER_SPLIT` | on | the Gluon kernels also take masks whose work plan splits long lists |
 | `hopper_balance` | `SPARSE_FLASH_HOPPER_BALANCE` | on | Gluon work items placed on programs by load (off: in turn) |
@@ -49,6 +50,7 @@ class Settings:
     hopper_backward: bool = True
     deterministic: bool = True
     hopper_one_pass: bool = False
+    hopper_one_pass_dense: bool = True
     hopper_split: bool = True
     hopper_balance: bool = True
     hopper_d64: bool = True
@@ -67,6 +69,7 @@ ENVIRONMENT = {  # field: the variable that sets it
     "hopper_backward": "SPARSE_FLASH_HOPPER_BWD",
     "deterministic": "SPARSE_FLASH_DETERMINISTIC",
     "hopper_one_pass": "SPARSE_FLASH_HOPPER_ONE_PASS",
+    "hopper_one_pass_dense": "SPARSE_FLASH_HOPPER_ONE_PASS_DENSE",
     "hopper_split": "SPARSE_FLASH_HOPPER_SPLIT",
     "hopper_balance": "SPARSE_FLASH_HOPPER_BALANCE",
     "hopper_d64": "SPARSE_FLASH_HOPPER_D64",
