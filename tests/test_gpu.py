@@ -232,9 +232,9 @@ def test_hopper_one_pass_backward_matches_reference(mask_name, heads, causal, he
     from sparse_flash.kernels.gluon import bwd as gluon_bwd
     from sparse_flash.testing import compare_to_reference, make_qkv
 
-    served = []
+    served = []  # each call's launch: cooperative exactly in order (its programs wait for each other)
     real = gluon_bwd.BwdPlan.__call__
-    monkeypatch.setattr(gluon_bwd.BwdPlan, "__call__", lambda *a: served.append(1) or real(*a))
+    monkeypatch.setattr(gluon_bwd.BwdPlan, "__call__", lambda *a: served.append(a[0].launch.cooperative) or real(*a))
     n = 1024
     mask = HOPPER_MASKS[mask_name](n, heads[0])
     q, k, v = make_qkv(2, *heads, n, n, head_dim, dtype=torch.bfloat16, device="cuda", seed=13)
@@ -243,6 +243,7 @@ def test_hopper_one_pass_backward_matches_reference(mask_name, heads, causal, he
         result = compare_to_reference(q, k, v, mask, causal=causal, backend="triton")
         assert not result.failures(), result.failures()
         assert bool(served) != per_head_gqa, served
+        assert all(cooperative == ordered for cooperative in served), served
         if ordered and served:
             grads = []
             for _ in range(2):
