@@ -415,9 +415,12 @@ def test_one_program_orders_and_places_items_as_the_torch_operators_do(along, B,
 
 
 def _one_pass_case(case, causal, B=2, Hq=4, Hkv=2, N=2048, programs=5):
-    """Placed one-pass items of a test case (dense or a mask), their walks and turns, and the sizes."""
-    mask = {"dense": None,
+    """Placed one-pass items of a test case (dense or a mask; "_cross": twice as many keys as queries), their
+    walks and turns, and the sizes."""
+    Nq, Nk = N, (2 * N if case.endswith("_cross") else N)
+    mask = {"dense": None, "dense_cross": None,
             "butterfly": lambda: masks.butterfly(N, 128),
+            "butterfly_cross": lambda: masks.butterfly(Nq, 128, seq_len_k=Nk),
             "local_256": lambda: masks.local(N, 256, window=2),
             "global_local": lambda: masks.local(N, 128, window=3) | masks.global_(N, 128),
             "empty_rows": lambda: masks.random(N, 128, density=0.05, seed=5)}[case]
@@ -426,11 +429,12 @@ def _one_pass_case(case, causal, B=2, Hq=4, Hkv=2, N=2048, programs=5):
     geometry = None if mask is None else mask.kernel_geometry(causal)
     block_q = 64 if mask is None else geometry.block_q
     sub, G = block_q // 64, Hq // Hkv
-    items = schedule.column_items(B, Hq, Hkv, N, N, causal, index, geometry, "cpu", 128, 64)
+    items = schedule.column_items(B, Hq, Hkv, Nq, Nk, causal, index, geometry, "cpu", 128, 64)
     placed, starts = schedule.assign_programs(schedule.whole_items(items), programs, sub * G)
-    total = schedule.walk_tiles(B, Hkv, N, N, causal, index, geometry, sub, 128, 64)
-    walked, turns, step_starts = schedule.one_pass_walks(placed, starts, N, N, G, sub, block_q, 64, index, total, True)
-    return placed, starts, walked, turns, step_starts, index, sub, G, N, total
+    total = schedule.walk_tiles(B, Hkv, Nq, Nk, causal, index, geometry, sub, 128, 64)
+    walked, turns, step_starts = schedule.one_pass_walks(placed, starts, Nq, Nk, G, sub, block_q, 64, index, total,
+                                                         True)
+    return placed, starts, walked, turns, step_starts, index, sub, G, (Nq, Nk), total
 
 
 def _list_tiles(record, index, sub):
@@ -443,7 +447,7 @@ def _list_tiles(record, index, sub):
             + [part[e // sub] * sub + e % sub for e in range(plo * sub, phi * sub)])
 
 
-CASES = ["dense", "butterfly", "local_256", "global_local", "empty_rows"]
+CASES = ["dense", "dense_cross", "butterfly", "butterfly_cross", "local_256", "global_local", "empty_rows"]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -455,6 +459,8 @@ def test_walk_tiles_counts_the_items_list_tiles_from_host_sizes(case, causal):
     for B, Hq, Hkv in ((2, 4, 2), (1, 1, 1), (3, 3, 3)):
         placed, *_, index, sub, G, N, total = _one_pass_case(case, causal, B=B, Hq=Hq, Hkv=Hkv, N=1024, programs=3)
         assert total == sum(len(_list_tiles(r, index, sub)) for r in placed.tolist())
+    if case != "dense":
+        return
     mask = masks.random(1024, 128, density=0.3, seed=2, num_heads=3)  # one layout per head
     index, geometry = mask.kernel_index(causal), mask.kernel_geometry(causal)
     items = schedule.column_items(2, 3, 3, 1024, 1024, causal, index, geometry, "cpu", 128, 64)
@@ -469,7 +475,7 @@ def test_one_pass_walks_start_on_the_diagonal_and_turns_cannot_deadlock(case, ca
     at or past its keys (dense self-attention: the diagonal), 0 where none is. The turns of every dQ tile are
     0, 1, ..., count - 1, and a run of the kernel's protocol (a step proceeds once its tile has counted its
     turn, then counts one) finishes whatever order the programs move in: no wait can last for ever."""
-    placed, starts, walked, turns, step_starts, index, sub, G, N, total = _one_pass_case(case, causal)
+    placed, starts, walked, turns, step_starts, index, sub, G, (Nq, Nk), total = _one_pass_case(case, causal)
     assert torch.equal(walked[:, :7], placed[:, :7]) and turns.dtype == torch.int32
     steps = []  # per program: (dQ tile, turn) of its steps in order
     s, t0 = starts.tolist(), step_starts.tolist()
@@ -478,12 +484,12 @@ def test_one_pass_walks_start_on_the_diagonal_and_turns_cannot_deadlock(case, ca
         for rec in walked[s[p]:s[p + 1]].tolist():
             tiles, rot = _list_tiles(rec, index, sub), rec[7]
             n = len(tiles)
-            key_tile = (rec[0] % N) // 64
+            key_tile = (rec[0] % Nk) * Nq // Nk // 64  # the query tile level with the item's keys
             later = [e for e in range(n) if tiles[e] >= key_tile]
             assert rot == (min(later, key=lambda e: (tiles[e], e)) if later else 0)
             for g in range(G):
                 for j in range(n):
-                    own.append(((rec[1] + g * N) // 64 + tiles[(j + rot) % n], int(turns[t])))
+                    own.append(((rec[1] + g * Nq) // 64 + tiles[(j + rot) % n], int(turns[t])))
                     t += 1
         steps.append(own)
     assert t0[-1] == sum(map(len, steps)) == total * G
