@@ -18,10 +18,10 @@ def built(monkeypatch):
     """Counts the forward and backward plans built. The dense path keeps its plans in one dict for the
     process, emptied when it holds PLAN_LIMIT plans: the tests get a fresh one, so that what earlier tests
     left there (hypothesis draws new shapes each run) cannot empty it in the middle of a test."""
-    from sparse_flash.kernels import dispatch, function
+    from sparse_flash.kernels import dispatch, launch
     from sparse_flash.kernels.triton import fwd
 
-    monkeypatch.setattr(function, "_DENSE_PLANS", {})
+    monkeypatch.setattr(launch, "_DENSE_PLANS", {})
 
     counts = {"fwd": 0, "bwd": 0}
     for module, name, kind in ((fwd, "FwdPlan", "fwd"), (dispatch, "_BackwardPlan", "bwd")):
@@ -94,3 +94,22 @@ def test_hopper_row_descriptors_built_directly_equal_checked_ones():
     built = pipeline.row_descriptor(t, 128, layout)
     assert type(built) is hopper.TensorDescriptor
     assert built == hopper.TensorDescriptor(t, [2 * 3 * 256, 64], [64, 1], [128, 64], layout)
+
+
+def test_the_custom_ops_keep_the_dense_plans(built):
+    """torch.compile's calls go through the custom ops (`ops.py`): the dense path's plans are kept there too
+    (a dense plan depends on the call's signature only), a mask's are built per call (the op sees the lists,
+    not the mask that owns their plans)."""
+    from sparse_flash.kernels import ops
+
+    n = 64
+    mask = masks.local(n, 16, window=1).to(DEVICE)
+    index, geometry = mask._records(False)
+    for seed in range(2):
+        q, k, v = make_qkv(1, 2, 2, n, n, 16, dtype=torch.float32, device=DEVICE, seed=seed, requires_grad=False)
+        out, lse = ops.attn_fwd(q, k, v, None, None, False, 0.25)
+        ops.attn_bwd(out, q, k, v, out, lse, None, None, False, 0.25)
+    assert built == {"fwd": 1, "bwd": 1}
+    for _ in range(2):
+        out, lse = ops.attn_fwd(q, k, v, index, geometry, False, 0.25)
+    assert built["fwd"] == 3

@@ -12,9 +12,7 @@ import torch
 from ..mask import BlockMask
 from . import ops, settings
 from .dispatch import attn_bwd, attn_fwd
-from .launch import mask_plans
-
-_DENSE_PLANS: dict = {}  # launch plans of the dense path, which takes no mask index
+from .launch import dense_plans, mask_plans
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -109,8 +107,9 @@ def attention_triton(q, k, v, mask: BlockMask | None, *, causal: bool, scale: fl
         # autograd engine's thread for q's device, whose current device already is q's.
         with torch.cuda.device(q.device):
             return attention_triton(q, k, v, mask, causal=causal, scale=scale)
-    # Launch plans are kept per mask (the dense path's for all masks); calls inside torch.compile keep none.
-    plans = None if not plain else _DENSE_PLANS if index is None else mask_plans(mask)
+    # Launch plans are kept per mask (the dense path's for all masks); calls inside torch.compile go through
+    # `ops.py`, which keeps the dense path's too.
+    plans = None if not plain else dense_plans() if index is None else mask_plans(mask)
     if plain and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         # Inference: no graph to record, so no autograd.Function either.
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))

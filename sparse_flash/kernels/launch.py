@@ -321,6 +321,13 @@ def plan_key(tensors, *flags) -> tuple:
 
 
 _MASK_PLANS: dict[int, dict] = {}  # launch plans per live mask, by the mask's id
+_DENSE_PLANS: dict = {}  # launch plans of the dense path, which takes no mask index
+
+
+def dense_plans() -> dict:
+    """The launch plans of the dense path (a dict for `cached_plan`), kept for the process: eager calls and the
+    custom ops that torch.compile runs both take them (a dense plan depends on the call's signature only)."""
+    return _DENSE_PLANS
 
 
 def mask_plans(mask) -> dict:

@@ -11,6 +11,7 @@ import torch
 
 from ..mask_index import BlockIndex, KernelIndex, MaskGeometry, WorkPlan
 from . import dispatch
+from .launch import dense_plans
 
 _PART_RECORDS = (BlockIndex, BlockIndex, BlockIndex, BlockIndex, WorkPlan, WorkPlan)  # KernelIndex's fields
 
@@ -34,6 +35,14 @@ def unflatten(flat: list[torch.Tensor], geometry: list[int]) -> tuple[KernelInde
     return KernelIndex(*parts), MaskGeometry(*sizes, bool(long_lists))
 
 
+def _plans(index: list[torch.Tensor]) -> dict | None:
+    """Where a call through the ops keeps its launch plan: the dense path's plans (no index: they depend on the
+    call's signature only, so torch.compile's calls reuse them, where rebuilding them cost the one-pass
+    backward's turns on every call); a mask's calls build theirs per call (the op sees its lists, not the
+    mask that owns their plans)."""
+    return None if index else dense_plans()
+
+
 # Inductor's CUDA graphs (torch.compile modes "reduce-overhead" and "max-autotune") run these ops outside the
 # graphs they capture around them: the launch plans allocate persistent buffers on first use, which a graph's
 # memory pool refuses, and the index lists' sizes differ between masks. (torch.cuda.graph captures them whole.)
@@ -45,7 +54,7 @@ def attn_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: list[torch.Tensor], geometry: list[int],
     causal: bool, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return dispatch.attn_fwd(q, k, v, *unflatten(index, geometry), causal, scale)
+    return dispatch.attn_fwd(q, k, v, *unflatten(index, geometry), causal, scale, _plans(index))
 
 
 @attn_fwd_op.register_fake
@@ -59,7 +68,7 @@ def attn_bwd_op(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     index: list[torch.Tensor], geometry: list[int], causal: bool, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return dispatch.attn_bwd(do, q, k, v, out, lse, *unflatten(index, geometry), causal, scale)
+    return dispatch.attn_bwd(do, q, k, v, out, lse, *unflatten(index, geometry), causal, scale, _plans(index))
 
 
 @attn_bwd_op.register_fake
