@@ -328,9 +328,18 @@ class BatchSampler:
         return self.order[start : start + self.batch_size]
 
 
-def step_generator(seed: int, step: int, rank: int, device: torch.device) -> torch.Generator:
-    """The random stream of one step on one rank (flips, masked pixels): a function of (seed, step, rank)."""
-    return torch.Generator(device=device).manual_seed((seed * 2**40 + step * 2**10 + rank) % 2**63)
+def step_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
+    """The random stream of one step (flips, masked pixels): a function of (seed, step) alone. Each rank draws
+    for the whole global batch and keeps its own rows (`rank_rows`), so a step's images are the same on any
+    number of processes."""
+    return torch.Generator(device=device).manual_seed((seed * 2**40 + step * 2**10) % 2**63)
+
+
+def rank_rows(draws: torch.Tensor, dist: Dist) -> torch.Tensor:
+    """This rank's rows of draws made for the global batch `(world * B, ...)`: rows rank*B .. (rank+1)*B, the
+    rows of the images `BatchSampler` gives this rank."""
+    batch = len(draws) // dist.world
+    return draws[dist.rank * batch : (dist.rank + 1) * batch]
 
 
 def dihedral_permutations(side: int) -> torch.Tensor:
@@ -341,17 +350,20 @@ def dihedral_permutations(side: int) -> torch.Tensor:
     return torch.stack([v.reshape(-1) for v in views])
 
 
-def augment(pixels: torch.Tensor, permutations: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Each image `(B, N)` row-major under one of the 8 symmetries of the square, drawn per sample. The label
-    (are the circles on one path?) does not change under any of them."""
-    choice = torch.randint(0, 8, (len(pixels),), generator=generator, device=pixels.device)
-    return pixels.gather(1, permutations[choice])
+def augment(pixels: torch.Tensor, permutations: torch.Tensor, generator: torch.Generator,
+            dist: Dist = Dist()) -> torch.Tensor:
+    """Each image `(B, N)` row-major under one of the 8 symmetries of the square, drawn per sample of the global
+    batch (`B` x `dist.world`; this rank keeps its rows). The label (are the circles on one path?) does not
+    change under any of them."""
+    draws = torch.randint(0, 8, (len(pixels) * dist.world,), generator=generator, device=pixels.device)
+    return pixels.gather(1, permutations[rank_rows(draws, dist)])
 
 
-def masked_positions(batch: int, n: int, generator: torch.Generator, device) -> torch.Tensor:
+def masked_positions(batch: int, n: int, generator: torch.Generator, device, dist: Dist = Dist()) -> torch.Tensor:
     """int64 `(batch, n * MASK_FRACTION)`: which token positions of each image are masked (a fixed count, so
-    shapes stay static under torch.compile)."""
-    scores = torch.rand(batch, n, generator=generator, device=device)
+    shapes stay static under torch.compile), drawn for the global batch (`batch` x `dist.world`; this rank
+    keeps its rows)."""
+    scores = rank_rows(torch.rand(batch * dist.world, n, generator=generator, device=device), dist)
     return scores.argsort(dim=1)[:, : int(n * MASK_FRACTION)]
 
 
@@ -402,9 +414,10 @@ def classify_step(net, optimizer, pixels, labels, lr: float, device: torch.devic
     return loss.detach(), (logits.argmax(dim=-1) == labels).sum(), len(labels)
 
 
-def pretrain_step(net, model: PixelTransformer, optimizer, pixels, lr: float, generator, device: torch.device):
+def pretrain_step(net, model: PixelTransformer, optimizer, pixels, lr: float, generator, device: torch.device,
+                  dist: Dist = Dist()):
     """One masked-pixel step: half the pixels become the mask token, 256-way cross-entropy on them."""
-    masked = masked_positions(len(pixels), pixels.shape[1], generator, pixels.device)
+    masked = masked_positions(len(pixels), pixels.shape[1], generator, pixels.device, dist)
     targets = model.tokens(pixels).gather(1, masked).long()
     with autocast(device):
         logits = net(pixels, masked)
@@ -763,11 +776,12 @@ class Trainer:
             phase, lr = self.phase(), self.lr()
             index = sampler(state.step)
             pixels, labels = self.data.batch(self.data.train_images, self.data.train_labels, index)
-            generator = step_generator(spec.train.seed, state.step, self.dist.rank, self.device)
+            generator = step_generator(spec.train.seed, state.step, self.device)
             if self.augmentations is not None:
-                pixels = augment(pixels, self.augmentations, generator)
+                pixels = augment(pixels, self.augmentations, generator, self.dist)
             if phase == "pretrain":
-                result = pretrain_step(self.net, self.model, self.optimizer, pixels, lr, generator, self.device)
+                result = pretrain_step(self.net, self.model, self.optimizer, pixels, lr, generator, self.device,
+                                       self.dist)
             else:
                 result = classify_step(self.net, self.optimizer, pixels, labels, lr, self.device)
             meter.add(*result, len(labels))

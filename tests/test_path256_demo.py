@@ -213,6 +213,26 @@ def test_dihedral_augmentation_is_the_group_of_the_square():
     assert len(set(used)) == 8  # drawn per sample
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_step_draws_do_not_depend_on_the_number_of_processes(world):
+    """A step's flips and masked pixels are drawn for the global batch: the ranks' rows, in rank order, are one
+    process's draws for the same global batch, so 1 and N GPUs train on the same images."""
+    perms = path_train.dihedral_permutations(4)
+    pixels = torch.randint(0, 256, (6 * world, 16), dtype=torch.uint8)
+
+    def draws(dist, rows):
+        generator = path_train.step_generator(7, 11, CPU)
+        flipped = path_train.augment(pixels[rows], perms, generator, dist)
+        return flipped, path_train.masked_positions(len(flipped), 16, generator, CPU, dist)
+
+    one = draws(path_train.Dist(), slice(None))
+    ranks = [draws(path_train.Dist(rank, world), slice(6 * rank, 6 * rank + 6)) for rank in range(world)]
+    for whole, parts in zip(one, zip(*ranks)):
+        assert torch.equal(torch.cat(parts), whole)
+    other_step = path_train.augment(pixels, perms, path_train.step_generator(7, 12, CPU))
+    assert not torch.equal(other_step, one[0])
+
+
 def test_learning_rate_warms_up_then_decays_to_zero():
     lr = path_train.learning_rate
     assert lr(1.0, 10, 0, 0.0) == pytest.approx(0.1)

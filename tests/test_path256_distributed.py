@@ -56,10 +56,10 @@ def weights(tmp_path, out: str) -> dict:
 
 @pytest.mark.slow
 def test_two_processes_train_like_one_and_resume_on_either(tmp_path, fake_data):
-    """Two ranks of batch 4 take the steps of one process of batch 8 (gradients averaged by DDP: equal up to
-    float rounding); a checkpoint of two ranks resumes on one process and one of one process on two ranks, and
+    """Two ranks of batch 4 take the steps of one process of batch 8, flips and masked pixels included (gradients
+    averaged by DDP: equal up to float rounding); a checkpoint of two ranks resumes on one process and one of one process on two ranks, and
     both end where the one-process run ends."""
-    flags = ["--n-train", "16", "--steps", "4"]
+    flags = ["--n-train", "16", "--steps", "4", "--augment", "--pretrain-steps", "1"]
     assert path256.main(run_flags(tmp_path, *flags, "--batch-size", "8", out="one")) == 0
 
     run_processes(2, run_flags(tmp_path, *flags, "--batch-size", "4", "--stop-after", "2", out="two_then_one"))
@@ -74,8 +74,8 @@ def test_two_processes_train_like_one_and_resume_on_either(tmp_path, fake_data):
     one = weights(tmp_path, "one")
     for out in ("two_then_one", "one_then_two"):
         other = weights(tmp_path, out)
-        assert other["state"]["step"] == one["state"]["step"] == 4
-        assert other["state"]["samples"] == one["state"]["samples"] == 32
+        assert other["state"]["step"] == one["state"]["step"] == 5  # 1 pretraining step, then 4
+        assert other["state"]["samples"] == one["state"]["samples"] == 40
         for key, value in one["model"].items():
             torch.testing.assert_close(other["model"][key], value, rtol=1e-4, atol=1e-5, msg=f"{out}: {key}")
 
