@@ -210,9 +210,10 @@ def _num(value, digits=0) -> str:
 
 
 def render(records: list[dict]) -> str:
-    """Markdown for the README: one row per stage record, then the benchmark records."""
-    stages = [r for r in records if r.get("task") != "bench"]
+    """Markdown for the README: one row per stage record, then the benchmark and scaling records."""
+    stages = [r for r in records if r.get("task") not in ("bench", "scaling")]
     benches = [r for r in records if r.get("task") == "bench"]
+    scaling = [r for r in records if r.get("task") == "scaling"]
     lines = [START, ""]
     if stages:
         lines += [
@@ -250,6 +251,16 @@ def render(records: list[dict]) -> str:
                 f"| {r['resolution']} px, {r['layers']} x {r['width']} | {r['attention']} | {_pct(r['density'])} | "
                 f"{r['batch_size']} | {_num(r['samples_per_s'], 1)} | {_num(r['peak_memory_gib'], 2)} | "
                 f"{_num(r['attention_tflops'], 1)} | {_num(r['step_tflops'], 1)} | "
+                f"{(r.get('date') or '-')[:10]}, {(r.get('commit') or '-')[:7]} |")
+    if scaling:
+        lines += ["", "| scaling (DDP, same global batch) | GPUs | samples/s: 1 GPU, G GPUs | efficiency | "
+                      "held-out: 1 GPU, G GPUs, switching | date, commit |", "|---|---|---|---|---|---|"]
+        for r in scaling:
+            lines.append(
+                f"| {r['stage']}, batch {r['global_batch']}, {r['steps']} steps | {r['gpus']} | "
+                f"{_num(r['samples_per_s_1gpu'], 1)}, {_num(r['samples_per_s'], 1)} | **{_pct(r['efficiency'])}** | "
+                f"{_pct(r['held_out_acc_1gpu'])}, {_pct(r['held_out_acc'])}, {_pct(r['held_out_acc_switch'])} "
+                f"({r['switch']} GPUs) of {_num(r['n_eval'])} | "
                 f"{(r.get('date') or '-')[:10]}, {(r.get('commit') or '-')[:7]} |")
     return "\n".join(lines + ["", END])
 

@@ -86,3 +86,43 @@ def test_resume_keeps_the_global_batch(tmp_path, fake_data, capsys):
     assert path256.main(run_flags(tmp_path, "--stop-after", "1")) == 0
     message = error_of(capsys, run_flags(tmp_path, "--batch-size", "8", "--resume"))
     assert "global batch 4 (4 x 1 processes) vs 8 (8 x 1)" in message
+
+
+@pytest.mark.slow
+def test_scaling_driver_runs_one_many_and_switching_alike(tmp_path):
+    """`path_scaling.py` on CPU (gloo, 2 processes, real 32-px images pooled to 8 px, flips on): the run on two
+    processes and the run switching 1 -> 2 -> 1 processes end at the one-process weights (up to float rounding),
+    with the same held-out answers; the summary and its results record render in the README table."""
+    import path_scaling
+    import results_table
+
+    out = tmp_path / "runs"
+    flags = ["--preset", "path32", "--pool", "4", "--mask", "butterfly", "--block-size", "16", "--layers", "1",
+             "--width", "16", "--heads", "2", "--n-train", "32", "--n-eval", "16", "--eval-every", "100",
+             "--device", "cpu", "--workers", "1", "--backend", "torch", "--cache-dir", str(tmp_path / "cache"),
+             "--augment"]
+    assert path_scaling.main(["--gpus", "2", "--steps", "6", "--batch-size", "8", "--out", str(out), "--", *flags]) == 0
+    result = json.loads((out / "scaling.json").read_text())
+    runs = result["runs"]
+    assert [runs[k]["processes"] for k in ("one", "many", "switch")] == ["1", "2", "1 -> 2 -> 1"]
+    assert all(r["steps"] == 6 and r["samples_per_s"] > 0 for r in runs.values())
+    assert runs["many"]["weights_vs_one"] < 1e-5 and runs["switch"]["weights_vs_one"] < 1e-5
+    assert len({r["held_out_correct"] for r in runs.values()}) == 1 and result["accuracy_within_noise"]
+    assert result["efficiency"] == pytest.approx(runs["many"]["samples_per_s"] / (2 * runs["one"]["samples_per_s"]))
+    table = results_table.render([path_scaling.record(result, "tiny", "cmd")])
+    assert "| tiny, batch 8, 6 steps | 2 |" in table
+
+
+def test_scaling_driver_refuses_bad_flags(tmp_path, capsys):
+    import path_scaling
+
+    for argv, words in ((["--gpus", "1"], "--gpus must be at least 2"),
+                        (["--batch-size", "9"], "must be divisible by --gpus"),
+                        (["--steps", "2"], "--steps must be at least 3"),
+                        (["--runs", "many"], "must include one")):
+        base = {"--gpus": "2", "--steps": "6", "--batch-size": "8", "--runs": "one,many,switch"}
+        base.update(dict(zip(argv[::2], argv[1::2])))
+        flat = [x for kv in base.items() for x in kv] + ["--out", str(tmp_path)]
+        with pytest.raises(SystemExit) as stop:
+            path_scaling.main(flat)
+        assert stop.value.code == 2 and words in capsys.readouterr().err
