@@ -79,6 +79,20 @@ def _wait_turn(sem, rank):
 
 
 @gluon.jit
+def _read_count(sem):
+    """The semaphore's count (acquire), with the TMA reductions that follow ordered after the read."""
+    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1]; fence.proxy.async.global;", "=r,l", [sem],
+                                     dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _complete_but_two(x):
+    """Wait until every TMA reduction this thread issued, but the last two, has completed."""
+    return gl.inline_asm_elementwise("cp.async.bulk.wait_group 2; fence.proxy.async.global; mov.b32 $0, 0;",
+                                     "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _complete_all(x):
     """Wait until every TMA reduction this thread issued has completed."""
     return gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.b32 $0, 0;",
@@ -98,11 +112,13 @@ def _dq_add_partition(dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, Sem, Turns
                       PartIdx, Nq, copy_rows, GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
                       DENSE: gl.constexpr, SPLIT_D: gl.constexpr, ORDERED: gl.constexpr):
     """The add warp: for each step, once both compute warpgroups have put their dQ tiles in shared memory, adds
-    them into the float32 buffer by TMA reductions. ORDERED (deterministic): first waits until the dQ tile's
-    semaphore reaches the step's turn (`schedule.one_pass_walks`), then frees the step's buffers and counts the
-    semaphore once its reductions have completed: a step waits only for steps that come before it in one total
-    order. Otherwise the buffers of a step are freed once its reductions have read them (one step later, or at
-    the item's end)."""
+    them into the float32 buffer by TMA reductions. ORDERED (deterministic): a step's reductions go once the dQ
+    tile's semaphore has reached the step's turn (`schedule.one_pass_walks`; read ahead, while the compute
+    warpgroups finish the step); the step is counted and its buffers freed once its reductions have completed,
+    after the next step's reductions are issued. A step whose turn has not come first counts the step held, and
+    only then waits: no program waits while it holds an uncounted step, so a wait is only ever for steps that
+    come before it in one total order. Otherwise the buffers of a step are freed once its reductions have read
+    them (one step later, or at the item's end)."""
     BM: gl.constexpr = dq_smem0.type.shape[1]
     DQ_D: gl.constexpr = dq_smem0.type.shape[2]
     lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
@@ -110,6 +126,8 @@ def _dq_add_partition(dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, Sem, Turns
     zero = lanes * 0
     turns = Turns + gl.load(StepStarts + gl.program_id(0))  # this program's steps' turns
     t = 0  # steps taken (dQ buffer positions, as in the compute warpgroups)
+    held = 0  # ORDERED: 1 while step t - 1's reductions are issued and the step not yet counted
+    held_sem = Sem + zero
     for it in range(gl.load(Starts + gl.program_id(0)), gl.load(Starts + gl.program_id(0) + 1)):
         rec = Items + it * ITEM_WIDTH
         q_row0 = gl.load(rec + 1)
@@ -124,11 +142,18 @@ def _dq_add_partition(dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, Sem, Turns
                 row = q_row + walk_tile_start(FullIdx, PartIdx, walk_position(j, rot, n), n_full, full_lo, part_lo,
                                               SUB, MASK_BLOCK_Q, BM, DENSE)
                 b = t % 2
-                mbarrier.wait(dq_full.index(b), (t // 2) & 1)
                 if ORDERED:
                     sem = Sem + row // BM + zero
                     turn = gl.load(turns + t)
-                    if turn > 0:  # the first step to reach a dQ tile waits for nobody
+                    seen = gl.min(_read_count(sem), 0)  # read ahead (turn 0: the first to reach the tile)
+                mbarrier.wait(dq_full.index(b), (t // 2) & 1)
+                if ORDERED:
+                    if seen < turn:  # not yet: count the step held first, then wait
+                        if held > 0:
+                            done = _complete_all(first)
+                            _count_one(held_sem, first + done)
+                            mbarrier.arrive(dq_empty.index((t + 1) % 2), count=1)
+                            held = 0
                         _wait_turn(sem, turn + zero)
                 tma_add(dq_desc, [row, 0], dq_smem0.index(b))
                 if SPLIT_D:  # the second warpgroup's half of the columns
@@ -136,9 +161,12 @@ def _dq_add_partition(dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, Sem, Turns
                 else:  # its own copy
                     tma_add(dq_desc, [copy_rows + row, 0], dq_smem1.index(b))
                 if ORDERED:
-                    done = _complete_all(first)
-                    _count_one(sem, first + done)
-                    mbarrier.arrive(dq_empty.index(b), count=1)
+                    if held > 0:  # step t - 1: its reductions completed (this step's two may still run)
+                        done = _complete_but_two(first)
+                        _count_one(held_sem, first + done)
+                        mbarrier.arrive(dq_empty.index((t + 1) % 2), count=1)
+                    held = 1
+                    held_sem = sem
                 elif g + j > 0:  # the previous step of this item: read by its reductions
                     tma.store_wait(2)
                     mbarrier.arrive(dq_empty.index((t + 1) % 2), count=1)
@@ -147,6 +175,11 @@ def _dq_add_partition(dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, Sem, Turns
             if n * GROUPS > 0:  # the item's last step
                 tma.store_wait(0)
                 mbarrier.arrive(dq_empty.index((t + 1) % 2), count=1)
+    if ORDERED:
+        if held > 0:  # the program's last step
+            done = _complete_all(first)
+            _count_one(held_sem, first + done)
+            mbarrier.arrive(dq_empty.index((t + 1) % 2), count=1)
 
 
 @gluon.jit
