@@ -9,8 +9,8 @@ dV += P^T dO, dS^T = P^T (dP^T - delta), dK += dS^T Q, and its share of the tile
 in shared memory for the *add warp*:
 
 - D = 128: both halves write dS^T to shared memory, and each warpgroup takes half of D over all 128 keys;
-- D = 64: each warpgroup takes its own 64 keys over all of D, for a float32 copy of its own (the conversion
-  launch adds the two copies).
+- D = 64: each warpgroup takes its own 64 keys over all of D; the second adds the first's share to its own in
+  shared memory, and the add warp adds the sum in one reduction (half the reduction traffic of one per share).
 
 Each item walks its list tiles from the one level with its own keys on (the diagonal), wrapping around
 (`schedule.one_pass_walks`; item field 7), so the items of neighbouring key tiles in flight reach each query
@@ -93,6 +93,13 @@ def _complete_but_two(x):
 
 
 @gluon.jit
+def _complete_but_one(x):
+    """Wait until every TMA reduction this thread issued, but the last one, has completed."""
+    return gl.inline_asm_elementwise("cp.async.bulk.wait_group 1; fence.proxy.async.global; mov.b32 $0, 0;",
+                                     "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _complete_all(x):
     """Wait until every TMA reduction this thread issued has completed."""
     return gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.b32 $0, 0;",
@@ -121,6 +128,7 @@ def _dq_add_partition(dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, Sem, Turns
     them (one step later, or at the item's end)."""
     BM: gl.constexpr = dq_smem0.type.shape[1]
     DQ_D: gl.constexpr = dq_smem0.type.shape[2]
+    PER_STEP: gl.constexpr = 2 if SPLIT_D else 1  # reductions per step
     lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
     first = (lanes == 0).to(gl.int32)  # the thread that counts
     zero = lanes * 0
@@ -155,20 +163,23 @@ def _dq_add_partition(dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, Sem, Turns
                             mbarrier.arrive(dq_empty.index((t + 1) % 2), count=1)
                             held = 0
                         _wait_turn(sem, turn + zero)
-                tma_add(dq_desc, [row, 0], dq_smem0.index(b))
-                if SPLIT_D:  # the second warpgroup's half of the columns
+                if SPLIT_D:  # each warpgroup's half of the columns
+                    tma_add(dq_desc, [row, 0], dq_smem0.index(b))
                     tma_add(dq_desc, [row, DQ_D], dq_smem1.index(b))
-                else:  # its own copy
-                    tma_add(dq_desc, [copy_rows + row, 0], dq_smem1.index(b))
+                else:  # the second warpgroup's buffer holds both warpgroups' sum
+                    tma_add(dq_desc, [row, 0], dq_smem1.index(b))
                 if ORDERED:
-                    if held > 0:  # step t - 1: its reductions completed (this step's two may still run)
-                        done = _complete_but_two(first)
+                    if held > 0:  # step t - 1: its reductions completed (this step's may still run)
+                        if SPLIT_D:
+                            done = _complete_but_two(first)
+                        else:
+                            done = _complete_but_one(first)
                         _count_one(held_sem, first + done)
                         mbarrier.arrive(dq_empty.index((t + 1) % 2), count=1)
                     held = 1
                     held_sem = sem
                 elif g + j > 0:  # the previous step of this item: read by its reductions
-                    tma.store_wait(2)
+                    tma.store_wait(PER_STEP)
                     mbarrier.arrive(dq_empty.index((t + 1) % 2), count=1)
                 t += 1
         if not ORDERED:
@@ -229,13 +240,16 @@ def _exact_dq_into(out, q, do, lse_s, delta_s, K, V, k_row, key0, q_tok, qk_scal
 
 
 @gluon.jit
-def _one_pass_step(k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, step_ready, step_empty,
-                   ds_ready, dq_full, dq_empty, K, V, dk, dv, t, u, qk_scale, key0, dq_kv_row, dq_key0, q_tok0, dq_col,
+def _one_pass_step(k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_peer, step_ready,
+                   step_empty, ds_ready, dq_half, dq_full, dq_empty, K, V, dk, dv, t, u, qk_scale, key0, dq_kv_row,
+                   dq_key0, q_tok0, dq_col,
                    MASKED: gl.constexpr, SPLIT_D: gl.constexpr, HALF: gl.constexpr, s_layout: gl.constexpr,
                    p_layout: gl.constexpr, dq_layout: gl.constexpr, blk: gl.constexpr):
     """One query tile (slot t % STAGES) into this warpgroup's dK and dV (64 keys), and its share of the tile's
     dQ into its dQ buffer t % 2 for the add warp. The dQ product's keys start at K/V row dq_kv_row, sequence
-    position dq_key0; its columns at dq_col. MASKED: a tile on the causal diagonal (query < key gets P = 0)."""
+    position dq_key0; its columns at dq_col. MASKED: a tile on the causal diagonal (query < key gets P = 0).
+    D = 64 (not SPLIT_D): the first warpgroup leaves its share in its buffer (`dq_half` says so); the second adds
+    it (`dq_peer`) to its own and leaves the sum, which the add warp adds in one reduction."""
     STAGES: gl.constexpr = q_smem.type.shape[0]
     BM: gl.constexpr = q_smem.type.shape[1]
     BN: gl.constexpr = k.shape[0]
@@ -277,8 +291,19 @@ def _one_pass_step(k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, d
                 _exact_dq_into(dq_smem.index(b), q, do, lse_smem.index(s), delta_smem.index(s), K, V, dq_kv_row,
                                dq_key0, q_tok0, qk_scale, dq_col, keys_dq, blk)
                 exact = 1
-    if exact == 0:
+    if not SPLIT_D and HALF == 1:  # the sum of both warpgroups' shares
+        if exact == 1:
+            partition_barrier()
+            dq = dq_smem.index(b).load(dq_layout)
+        mbarrier.wait(dq_half.index(b), (t // 2) & 1)
+        dq = dq + dq_peer.index(b).load(dq_layout)
+        partition_barrier()  # every thread past its loads before the buffer is overwritten
         dq_smem.index(b).store(dq)
+    elif exact == 0:
+        dq_smem.index(b).store(dq)
+    if not SPLIT_D and HALF == 0:
+        partition_barrier()
+        mbarrier.arrive(dq_half.index(b), count=1)
     release(step_empty.index(s))
     fence_async_shared()
     partition_barrier()
@@ -287,8 +312,9 @@ def _one_pass_step(k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, d
 
 
 @gluon.jit
-def _one_pass_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready,
-                                kv_empty, step_ready, step_empty, ds_ready, dq_full, dq_empty, dk_desc, dv_desc, K, V,
+def _one_pass_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_peer,
+                                kv_ready, kv_empty, step_ready, step_empty, ds_ready, dq_half, dq_full, dq_empty,
+                                dk_desc, dv_desc, K, V,
                                 Items, Starts, FullIdx, PartIdx, Nq, Nk, qk_scale, sm_scale, GROUPS: gl.constexpr,
                                 SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, DENSE: gl.constexpr,
                                 CAUSAL: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
@@ -346,14 +372,14 @@ def _one_pass_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta
                 if CAUSAL and e >= n_full:
                     q_tok0 = list_tile_start(PartIdx, e - n_full + part_lo, SUB, MASK_BLOCK_Q, BM, DENSE)
                     dk, dv = _one_pass_step(
-                        k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, step_ready, step_empty,
-                        ds_ready, dq_full, dq_empty, K, V, dk, dv, t, u, qk_scale, key0, dq_kv_row, dq_key0, q_tok0,
-                        dq_col, True, SPLIT_D, HALF, s_layout, p_layout, dq_layout, blk)
+                        k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_peer, step_ready,
+                        step_empty, ds_ready, dq_half, dq_full, dq_empty, K, V, dk, dv, t, u, qk_scale, key0,
+                        dq_kv_row, dq_key0, q_tok0, dq_col, True, SPLIT_D, HALF, s_layout, p_layout, dq_layout, blk)
                 else:
                     dk, dv = _one_pass_step(
-                        k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, step_ready, step_empty,
-                        ds_ready, dq_full, dq_empty, K, V, dk, dv, t, u, qk_scale, key0, dq_kv_row, dq_key0, key0,
-                        dq_col, False, SPLIT_D, HALF, s_layout, p_layout, dq_layout, blk)
+                        k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_peer, step_ready,
+                        step_empty, ds_ready, dq_half, dq_full, dq_empty, K, V, dk, dv, t, u, qk_scale, key0,
+                        dq_kv_row, dq_key0, key0, dq_col, False, SPLIT_D, HALF, s_layout, p_layout, dq_layout, blk)
                 t += 1
                 u += 1
         if SPLIT_D:  # both warpgroups past their last dQ product (it reads all 128 rows of K) before dK takes K's
@@ -397,17 +423,21 @@ def _one_pass_bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, 
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_half = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # D = 64: the first share
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)
         mbarrier.init(dq_full.index(i), count=2)
         mbarrier.init(dq_empty.index(i), count=1)
+        mbarrier.init(dq_half.index(i), count=1)
     gl.warp_specialize([
         (_one_pass_compute_partition, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem0,
-                                       kv_ready, kv_empty, step_ready, step_empty, ds_ready, dq_full, dq_empty,
+                                       dq_smem1, kv_ready, kv_empty, step_ready, step_empty, ds_ready, dq_half,
+                                       dq_full, dq_empty,
                                        dk_desc, dv_desc, K, V, Items, Starts, FullIdx, PartIdx, Nq, Nk, qk_scale,
                                        sm_scale, GROUPS, SUB, MASK_BLOCK_Q, DENSE, CAUSAL, FIRST_HALF, num_warps)),
         (_one_pass_compute_partition, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem1,
-                                       kv_ready, kv_empty, step_ready, step_empty, ds_ready, dq_full, dq_empty,
+                                       dq_smem0, kv_ready, kv_empty, step_ready, step_empty, ds_ready, dq_half,
+                                       dq_full, dq_empty,
                                        dk_desc, dv_desc, K, V, Items, Starts, FullIdx, PartIdx, Nq, Nk, qk_scale,
                                        sm_scale, GROUPS, SUB, MASK_BLOCK_Q, DENSE, CAUSAL, SECOND_HALF, num_warps)),
         (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
@@ -494,7 +524,7 @@ class BwdPlan:
                                         (index.col_full.indices, index.col_partial.indices))
         self.q_layout, self.kv_layout, self.row_layout, self.dq_layout, dq_d = _layouts(D, GL_DTYPES[q.dtype])
         self.rows = B * Hq * Nq
-        self.copies = 1 if dq_d < D else 2  # D = 64: one float32 copy of dQ per warpgroup
+        self.copies = 1  # D = 64: the warpgroups' shares summed in shared memory (one float32 buffer)
         self.dq_block = (BLOCK_M, dq_d)
         self.semaphores = self.rows // BLOCK_M if ordered else 0  # one per dQ tile
         self.launch = bound_launch(_one_pass_bwd_kernel, grid, (
