@@ -116,7 +116,7 @@ def _count_one(sem, first):
 
 @gluon.jit
 def _dq_add_partition(dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, Sem, Turns, StepStarts, Items, Starts, FullIdx,
-                      PartIdx, Nq, copy_rows, GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
+                      PartIdx, Nq, GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
                       DENSE: gl.constexpr, SPLIT_D: gl.constexpr, ORDERED: gl.constexpr):
     """The add warp: for each step, once both compute warpgroups have put their dQ tiles in shared memory, adds
     them into the float32 buffer by TMA reductions. ORDERED (deterministic): a step's reductions go once the dQ
@@ -398,7 +398,7 @@ def _one_pass_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta
 
 @gluon.jit
 def _one_pass_bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc, K, V, Sem,
-                         Turns, StepStarts, Items, Starts, FullIdx, PartIdx, Nq, Nk, copy_rows, qk_scale, sm_scale,
+                         Turns, StepStarts, Items, Starts, FullIdx, PartIdx, Nq, Nk, qk_scale, sm_scale,
                          GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, DENSE: gl.constexpr,
                          CAUSAL: gl.constexpr,
                          ORDERED: gl.constexpr, STAGES: gl.constexpr, LOAD_WARP_REGS: gl.constexpr,
@@ -444,16 +444,15 @@ def _one_pass_bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, 
                                v_smem, lse_smem, delta_smem, kv_ready, kv_empty, step_ready, step_empty, Items,
                                Starts, FullIdx, PartIdx, Nq, GROUPS, SUB, MASK_BLOCK_Q, DENSE, True)),
         (_dq_add_partition, (dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, Sem, Turns, StepStarts, Items, Starts,
-                             FullIdx, PartIdx, Nq, copy_rows, GROUPS, SUB, MASK_BLOCK_Q, DENSE, DQ_D < HEAD_D,
+                             FullIdx, PartIdx, Nq, GROUPS, SUB, MASK_BLOCK_Q, DENSE, DQ_D < HEAD_D,
                              ORDERED)),
     ], [num_warps, 1, 1], [COMPUTE_REGS, LOAD_WARP_REGS, LOAD_WARP_REGS])
 
 
 @triton.jit
-def _prepare_kernel(Out, DO, Delta, Acc, Sem, rows, semaphores, D: tl.constexpr, COPIES: tl.constexpr,
-                    ROWS: tl.constexpr):
-    """Rows [pid * ROWS, ...): delta = rowsum(dO * O), their dQ buffer rows (each copy) zero; and ROWS of the
-    semaphores zero."""
+def _prepare_kernel(Out, DO, Delta, Acc, Sem, semaphores, D: tl.constexpr, ROWS: tl.constexpr):
+    """Rows [pid * ROWS, ...): delta = rowsum(dO * O), their dQ buffer rows zero; and ROWS of the semaphores
+    zero."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs = r.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
     o = tl.load(Out + offs).to(tl.float32)
@@ -461,19 +460,15 @@ def _prepare_kernel(Out, DO, Delta, Acc, Sem, rows, semaphores, D: tl.constexpr,
     tl.store(Delta + r, tl.sum(o * do, 1))
     zero = tl.zeros([ROWS, D], tl.float32)
     tl.store(Acc + offs, zero)
-    if COPIES == 2:
-        tl.store(Acc + rows.to(tl.int64) * D + offs, zero)
     tl.store(Sem + r, tl.zeros([ROWS], tl.int32), mask=r < semaphores)
 
 
 @triton.jit
-def _convert_kernel(Acc, DQ, rows, scale, D: tl.constexpr, COPIES: tl.constexpr, ROWS: tl.constexpr):
-    """dQ rows [pid * ROWS, ...) = scale x the buffer's rows (the sum of both copies), in DQ's dtype."""
+def _convert_kernel(Acc, DQ, scale, D: tl.constexpr, ROWS: tl.constexpr):
+    """dQ rows [pid * ROWS, ...) = scale x the buffer's rows, in DQ's dtype."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs = r.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
     acc = tl.load(Acc + offs)
-    if COPIES == 2:
-        acc += tl.load(Acc + rows.to(tl.int64) * D + offs)
     tl.store(DQ + offs, (acc * scale).to(DQ.dtype.element_ty))
 
 
@@ -524,24 +519,23 @@ class BwdPlan:
                                         (index.col_full.indices, index.col_partial.indices))
         self.q_layout, self.kv_layout, self.row_layout, self.dq_layout, dq_d = _layouts(D, GL_DTYPES[q.dtype])
         self.rows = B * Hq * Nq
-        self.copies = 1  # D = 64: the warpgroups' shares summed in shared memory (one float32 buffer)
         self.dq_block = (BLOCK_M, dq_d)
         self.semaphores = self.rows // BLOCK_M if ordered else 0  # one per dQ tile
         self.launch = bound_launch(_one_pass_bwd_kernel, grid, (
             self.turns, self.step_starts, self.items, self.starts, self.full_idx, self.part_idx, Nq, Nk,
-            self.rows if self.copies == 2 else 0, scale * LOG2E, scale),
+            scale * LOG2E, scale),
             dict(GROUPS=G, SUB=sub, MASK_BLOCK_Q=block_q, DENSE=dense, CAUSAL=causal, ORDERED=ordered,
                  STAGES=STEP_BUFFERS, LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS), MAX_REGS,
             cooperative=ordered)
         programs = self.rows // BLOCK_M
-        consts = dict(D=D, COPIES=self.copies, ROWS=BLOCK_M)
-        self.prepare = BoundLaunch(_prepare_kernel, programs, (self.rows, self.semaphores), consts, 4, 1)
-        self.convert = BoundLaunch(_convert_kernel, programs, (self.rows, scale), consts, 4, 1)
+        consts = dict(D=D, ROWS=BLOCK_M)
+        self.prepare = BoundLaunch(_prepare_kernel, programs, (self.semaphores, ), consts, 4, 1)
+        self.convert = BoundLaunch(_convert_kernel, programs, (scale, ), consts, 4, 1)
         self.q_shape, self.k_shape, self.dtype, self.device = q.shape, k.shape, q.dtype, q.device
 
     def __call__(self, q, k, v, out, do, lse):
         delta = new_output(self.q_shape[:3], torch.float32, self.device)
-        acc = torch.empty((self.copies * self.rows, self.q_shape[3]), dtype=torch.float32, device=self.device)
+        acc = torch.empty((self.rows, self.q_shape[3]), dtype=torch.float32, device=self.device)
         sem = torch.empty(max(self.semaphores, 1), dtype=torch.int32, device=self.device)
         self.prepare(out, do, delta, acc, sem)
         dk = new_output(self.k_shape, self.dtype, self.device)
@@ -572,7 +566,7 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
     sig = dict(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, lse_desc=row_desc, delta_desc=row_desc,
                dk_desc=out_desc, dv_desc=out_desc, dq_desc=dq_desc, K=f"*{name}", V=f"*{name}", Sem="*i32",
                Turns="*i32", StepStarts="*i32", Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32",
-               Nq="i32", Nk="i32", copy_rows="i32", qk_scale="fp32", sm_scale="fp32")
+               Nq="i32", Nk="i32", qk_scale="fp32", sm_scale="fp32")
     constexprs = dict(GROUPS=groups, SUB=1 if dense else block_q // BLOCK_M, MASK_BLOCK_Q=BLOCK_M if dense else block_q,
                       DENSE=dense, CAUSAL=causal, ORDERED=ordered, STAGES=STEP_BUFFERS, LOAD_WARP_REGS=LOAD_REGS,
                       COMPUTE_REGS=COMPUTE_REGS, num_warps=4)
