@@ -498,17 +498,26 @@ def test_one_pass_walks_start_on_the_diagonal_and_turns_cannot_deadlock(case, ca
         for tile, turn in own:
             by_tile.setdefault(tile, []).append(turn)
     assert all(sorted(v) == list(range(len(v))) for v in by_tile.values())
-    for seed in range(3):  # programs move in a random order each round; a round where none can is a deadlock
+    # The add warp's protocol (`gluon/bwd.py`): a step issues once its tile has counted its turn; the step
+    # before it is counted once this one is issued, or before the program waits for a turn. Programs move in a
+    # random order each round (a program whose turn has not come counts the step it holds); a round where none
+    # moves is a deadlock.
+    for seed in range(3):
         rng = torch.Generator().manual_seed(seed)
-        count, at = {}, [0] * len(steps)
-        while any(at[p] < len(steps[p]) for p in range(len(steps))):
+        count, at, held = {}, [0] * len(steps), [None] * len(steps)
+        while any(at[p] < len(steps[p]) or held[p] is not None for p in range(len(steps))):
             moved = False
             for p in torch.randperm(len(steps), generator=rng).tolist():
-                if at[p] < len(steps[p]) and count.get(steps[p][at[p]][0], 0) == steps[p][at[p]][1]:
-                    tile = steps[p][at[p]][0]
-                    count[tile] = count.get(tile, 0) + 1
-                    at[p] += 1
-                    moved = True
+                if at[p] == len(steps[p]) or count.get(steps[p][at[p]][0], 0) != steps[p][at[p]][1]:
+                    if held[p] is not None:  # the end, or a wait: count the step held first
+                        count[held[p]] = count.get(held[p], 0) + 1
+                        held[p], moved = None, True
+                    continue
+                if held[p] is not None:
+                    count[held[p]] = count.get(held[p], 0) + 1
+                held[p] = steps[p][at[p]][0]
+                at[p] += 1
+                moved = True
             assert moved, "deadlock"
 
 

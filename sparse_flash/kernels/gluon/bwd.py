@@ -9,8 +9,8 @@ dV += P^T dO, dS^T = P^T (dP^T - delta), dK += dS^T Q, and its share of the tile
 in shared memory for the *add warp*:
 
 - D = 128: both halves write dS^T to shared memory, and each warpgroup takes half of D over all 128 keys;
-- D = 64: each warpgroup takes its own 64 keys over all of D, for a float32 copy of its own (the conversion
-  launch adds the two copies).
+- D = 64: each warpgroup takes its own 64 keys over all of D; the second adds the first's share to its own in
+  shared memory, and the add warp adds the sum in one reduction (half the reduction traffic of one per share).
 
 Each item walks its list tiles from the one level with its own keys on (the diagonal), wrapping around
 (`schedule.one_pass_walks`; item field 7), so the items of neighbouring key tiles in flight reach each query
@@ -79,6 +79,27 @@ def _wait_turn(sem, rank):
 
 
 @gluon.jit
+def _read_count(sem):
+    """The semaphore's count (acquire), with the TMA reductions that follow ordered after the read."""
+    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1]; fence.proxy.async.global;", "=r,l", [sem],
+                                     dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _complete_but_two(x):
+    """Wait until every TMA reduction this thread issued, but the last two, has completed."""
+    return gl.inline_asm_elementwise("cp.async.bulk.wait_group 2; fence.proxy.async.global; mov.b32 $0, 0;",
+                                     "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _complete_but_one(x):
+    """Wait until every TMA reduction this thread issued, but the last one, has completed."""
+    return gl.inline_asm_elementwise("cp.async.bulk.wait_group 1; fence.proxy.async.global; mov.b32 $0, 0;",
+                                     "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _complete_all(x):
     """Wait until every TMA reduction this thread issued has completed."""
     return gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.b32 $0, 0;",
@@ -95,21 +116,26 @@ def _count_one(sem, first):
 
 @gluon.jit
 def _dq_add_partition(dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, Sem, Turns, StepStarts, Items, Starts, FullIdx,
-                      PartIdx, Nq, copy_rows, GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
+                      PartIdx, Nq, GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
                       DENSE: gl.constexpr, SPLIT_D: gl.constexpr, ORDERED: gl.constexpr):
     """The add warp: for each step, once both compute warpgroups have put their dQ tiles in shared memory, adds
-    them into the float32 buffer by TMA reductions. ORDERED (deterministic): first waits until the dQ tile's
-    semaphore reaches the step's turn (`schedule.one_pass_walks`), then frees the step's buffers and counts the
-    semaphore once its reductions have completed: a step waits only for steps that come before it in one total
-    order. Otherwise the buffers of a step are freed once its reductions have read them (one step later, or at
-    the item's end)."""
+    them into the float32 buffer by TMA reductions. ORDERED (deterministic): a step's reductions go once the dQ
+    tile's semaphore has reached the step's turn (`schedule.one_pass_walks`; read ahead, while the compute
+    warpgroups finish the step); the step is counted and its buffers freed once its reductions have completed,
+    after the next step's reductions are issued. A step whose turn has not come first counts the step held, and
+    only then waits: no program waits while it holds an uncounted step, so a wait is only ever for steps that
+    come before it in one total order. Otherwise the buffers of a step are freed once its reductions have read
+    them (one step later, or at the item's end)."""
     BM: gl.constexpr = dq_smem0.type.shape[1]
     DQ_D: gl.constexpr = dq_smem0.type.shape[2]
+    PER_STEP: gl.constexpr = 2 if SPLIT_D else 1  # reductions per step
     lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
     first = (lanes == 0).to(gl.int32)  # the thread that counts
     zero = lanes * 0
     turns = Turns + gl.load(StepStarts + gl.program_id(0))  # this program's steps' turns
     t = 0  # steps taken (dQ buffer positions, as in the compute warpgroups)
+    held = 0  # ORDERED: 1 while step t - 1's reductions are issued and the step not yet counted
+    held_sem = Sem + zero
     for it in range(gl.load(Starts + gl.program_id(0)), gl.load(Starts + gl.program_id(0) + 1)):
         rec = Items + it * ITEM_WIDTH
         q_row0 = gl.load(rec + 1)
@@ -124,29 +150,47 @@ def _dq_add_partition(dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, Sem, Turns
                 row = q_row + walk_tile_start(FullIdx, PartIdx, walk_position(j, rot, n), n_full, full_lo, part_lo,
                                               SUB, MASK_BLOCK_Q, BM, DENSE)
                 b = t % 2
-                mbarrier.wait(dq_full.index(b), (t // 2) & 1)
                 if ORDERED:
                     sem = Sem + row // BM + zero
                     turn = gl.load(turns + t)
-                    if turn > 0:  # the first step to reach a dQ tile waits for nobody
-                        _wait_turn(sem, turn + zero)
-                tma_add(dq_desc, [row, 0], dq_smem0.index(b))
-                if SPLIT_D:  # the second warpgroup's half of the columns
-                    tma_add(dq_desc, [row, DQ_D], dq_smem1.index(b))
-                else:  # its own copy
-                    tma_add(dq_desc, [copy_rows + row, 0], dq_smem1.index(b))
+                    seen = gl.min(_read_count(sem), 0)  # read ahead (turn 0: the first to reach the tile)
+                mbarrier.wait(dq_full.index(b), (t // 2) & 1)
                 if ORDERED:
-                    done = _complete_all(first)
-                    _count_one(sem, first + done)
-                    mbarrier.arrive(dq_empty.index(b), count=1)
+                    if seen < turn:  # not yet: count the step held first, then wait
+                        if held > 0:
+                            done = _complete_all(first)
+                            _count_one(held_sem, first + done)
+                            mbarrier.arrive(dq_empty.index((t + 1) % 2), count=1)
+                            held = 0
+                        _wait_turn(sem, turn + zero)
+                if SPLIT_D:  # each warpgroup's half of the columns
+                    tma_add(dq_desc, [row, 0], dq_smem0.index(b))
+                    tma_add(dq_desc, [row, DQ_D], dq_smem1.index(b))
+                else:  # the second warpgroup's buffer holds both warpgroups' sum
+                    tma_add(dq_desc, [row, 0], dq_smem1.index(b))
+                if ORDERED:
+                    if held > 0:  # step t - 1: its reductions completed (this step's may still run)
+                        if SPLIT_D:
+                            done = _complete_but_two(first)
+                        else:
+                            done = _complete_but_one(first)
+                        _count_one(held_sem, first + done)
+                        mbarrier.arrive(dq_empty.index((t + 1) % 2), count=1)
+                    held = 1
+                    held_sem = sem
                 elif g + j > 0:  # the previous step of this item: read by its reductions
-                    tma.store_wait(2)
+                    tma.store_wait(PER_STEP)
                     mbarrier.arrive(dq_empty.index((t + 1) % 2), count=1)
                 t += 1
         if not ORDERED:
             if n * GROUPS > 0:  # the item's last step
                 tma.store_wait(0)
                 mbarrier.arrive(dq_empty.index((t + 1) % 2), count=1)
+    if ORDERED:
+        if held > 0:  # the program's last step
+            done = _complete_all(first)
+            _count_one(held_sem, first + done)
+            mbarrier.arrive(dq_empty.index((t + 1) % 2), count=1)
 
 
 @gluon.jit
@@ -196,13 +240,16 @@ def _exact_dq_into(out, q, do, lse_s, delta_s, K, V, k_row, key0, q_tok, qk_scal
 
 
 @gluon.jit
-def _one_pass_step(k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, step_ready, step_empty,
-                   ds_ready, dq_full, dq_empty, K, V, dk, dv, t, u, qk_scale, key0, dq_kv_row, dq_key0, q_tok0, dq_col,
+def _one_pass_step(k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_peer, step_ready,
+                   step_empty, ds_ready, dq_half, dq_full, dq_empty, K, V, dk, dv, t, u, qk_scale, key0, dq_kv_row,
+                   dq_key0, q_tok0, dq_col,
                    MASKED: gl.constexpr, SPLIT_D: gl.constexpr, HALF: gl.constexpr, s_layout: gl.constexpr,
                    p_layout: gl.constexpr, dq_layout: gl.constexpr, blk: gl.constexpr):
     """One query tile (slot t % STAGES) into this warpgroup's dK and dV (64 keys), and its share of the tile's
     dQ into its dQ buffer t % 2 for the add warp. The dQ product's keys start at K/V row dq_kv_row, sequence
-    position dq_key0; its columns at dq_col. MASKED: a tile on the causal diagonal (query < key gets P = 0)."""
+    position dq_key0; its columns at dq_col. MASKED: a tile on the causal diagonal (query < key gets P = 0).
+    D = 64 (not SPLIT_D): the first warpgroup leaves its share in its buffer (`dq_half` says so); the second adds
+    it (`dq_peer`) to its own and leaves the sum, which the add warp adds in one reduction."""
     STAGES: gl.constexpr = q_smem.type.shape[0]
     BM: gl.constexpr = q_smem.type.shape[1]
     BN: gl.constexpr = k.shape[0]
@@ -244,8 +291,19 @@ def _one_pass_step(k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, d
                 _exact_dq_into(dq_smem.index(b), q, do, lse_smem.index(s), delta_smem.index(s), K, V, dq_kv_row,
                                dq_key0, q_tok0, qk_scale, dq_col, keys_dq, blk)
                 exact = 1
-    if exact == 0:
+    if not SPLIT_D and HALF == 1:  # the sum of both warpgroups' shares
+        if exact == 1:
+            partition_barrier()
+            dq = dq_smem.index(b).load(dq_layout)
+        mbarrier.wait(dq_half.index(b), (t // 2) & 1)
+        dq = dq + dq_peer.index(b).load(dq_layout)
+        partition_barrier()  # every thread past its loads before the buffer is overwritten
         dq_smem.index(b).store(dq)
+    elif exact == 0:
+        dq_smem.index(b).store(dq)
+    if not SPLIT_D and HALF == 0:
+        partition_barrier()
+        mbarrier.arrive(dq_half.index(b), count=1)
     release(step_empty.index(s))
     fence_async_shared()
     partition_barrier()
@@ -254,8 +312,9 @@ def _one_pass_step(k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, d
 
 
 @gluon.jit
-def _one_pass_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready,
-                                kv_empty, step_ready, step_empty, ds_ready, dq_full, dq_empty, dk_desc, dv_desc, K, V,
+def _one_pass_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_peer,
+                                kv_ready, kv_empty, step_ready, step_empty, ds_ready, dq_half, dq_full, dq_empty,
+                                dk_desc, dv_desc, K, V,
                                 Items, Starts, FullIdx, PartIdx, Nq, Nk, qk_scale, sm_scale, GROUPS: gl.constexpr,
                                 SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, DENSE: gl.constexpr,
                                 CAUSAL: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
@@ -313,14 +372,14 @@ def _one_pass_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta
                 if CAUSAL and e >= n_full:
                     q_tok0 = list_tile_start(PartIdx, e - n_full + part_lo, SUB, MASK_BLOCK_Q, BM, DENSE)
                     dk, dv = _one_pass_step(
-                        k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, step_ready, step_empty,
-                        ds_ready, dq_full, dq_empty, K, V, dk, dv, t, u, qk_scale, key0, dq_kv_row, dq_key0, q_tok0,
-                        dq_col, True, SPLIT_D, HALF, s_layout, p_layout, dq_layout, blk)
+                        k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_peer, step_ready,
+                        step_empty, ds_ready, dq_half, dq_full, dq_empty, K, V, dk, dv, t, u, qk_scale, key0,
+                        dq_kv_row, dq_key0, q_tok0, dq_col, True, SPLIT_D, HALF, s_layout, p_layout, dq_layout, blk)
                 else:
                     dk, dv = _one_pass_step(
-                        k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, step_ready, step_empty,
-                        ds_ready, dq_full, dq_empty, K, V, dk, dv, t, u, qk_scale, key0, dq_kv_row, dq_key0, key0,
-                        dq_col, False, SPLIT_D, HALF, s_layout, p_layout, dq_layout, blk)
+                        k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_peer, step_ready,
+                        step_empty, ds_ready, dq_half, dq_full, dq_empty, K, V, dk, dv, t, u, qk_scale, key0,
+                        dq_kv_row, dq_key0, key0, dq_col, False, SPLIT_D, HALF, s_layout, p_layout, dq_layout, blk)
                 t += 1
                 u += 1
         if SPLIT_D:  # both warpgroups past their last dQ product (it reads all 128 rows of K) before dK takes K's
@@ -339,7 +398,7 @@ def _one_pass_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta
 
 @gluon.jit
 def _one_pass_bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc, K, V, Sem,
-                         Turns, StepStarts, Items, Starts, FullIdx, PartIdx, Nq, Nk, copy_rows, qk_scale, sm_scale,
+                         Turns, StepStarts, Items, Starts, FullIdx, PartIdx, Nq, Nk, qk_scale, sm_scale,
                          GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, DENSE: gl.constexpr,
                          CAUSAL: gl.constexpr,
                          ORDERED: gl.constexpr, STAGES: gl.constexpr, LOAD_WARP_REGS: gl.constexpr,
@@ -364,33 +423,36 @@ def _one_pass_bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, 
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_half = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # D = 64: the first share
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)
         mbarrier.init(dq_full.index(i), count=2)
         mbarrier.init(dq_empty.index(i), count=1)
+        mbarrier.init(dq_half.index(i), count=1)
     gl.warp_specialize([
         (_one_pass_compute_partition, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem0,
-                                       kv_ready, kv_empty, step_ready, step_empty, ds_ready, dq_full, dq_empty,
+                                       dq_smem1, kv_ready, kv_empty, step_ready, step_empty, ds_ready, dq_half,
+                                       dq_full, dq_empty,
                                        dk_desc, dv_desc, K, V, Items, Starts, FullIdx, PartIdx, Nq, Nk, qk_scale,
                                        sm_scale, GROUPS, SUB, MASK_BLOCK_Q, DENSE, CAUSAL, FIRST_HALF, num_warps)),
         (_one_pass_compute_partition, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem1,
-                                       kv_ready, kv_empty, step_ready, step_empty, ds_ready, dq_full, dq_empty,
+                                       dq_smem0, kv_ready, kv_empty, step_ready, step_empty, ds_ready, dq_half,
+                                       dq_full, dq_empty,
                                        dk_desc, dv_desc, K, V, Items, Starts, FullIdx, PartIdx, Nq, Nk, qk_scale,
                                        sm_scale, GROUPS, SUB, MASK_BLOCK_Q, DENSE, CAUSAL, SECOND_HALF, num_warps)),
         (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                                v_smem, lse_smem, delta_smem, kv_ready, kv_empty, step_ready, step_empty, Items,
                                Starts, FullIdx, PartIdx, Nq, GROUPS, SUB, MASK_BLOCK_Q, DENSE, True)),
         (_dq_add_partition, (dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, Sem, Turns, StepStarts, Items, Starts,
-                             FullIdx, PartIdx, Nq, copy_rows, GROUPS, SUB, MASK_BLOCK_Q, DENSE, DQ_D < HEAD_D,
+                             FullIdx, PartIdx, Nq, GROUPS, SUB, MASK_BLOCK_Q, DENSE, DQ_D < HEAD_D,
                              ORDERED)),
     ], [num_warps, 1, 1], [COMPUTE_REGS, LOAD_WARP_REGS, LOAD_WARP_REGS])
 
 
 @triton.jit
-def _prepare_kernel(Out, DO, Delta, Acc, Sem, rows, semaphores, D: tl.constexpr, COPIES: tl.constexpr,
-                    ROWS: tl.constexpr):
-    """Rows [pid * ROWS, ...): delta = rowsum(dO * O), their dQ buffer rows (each copy) zero; and ROWS of the
-    semaphores zero."""
+def _prepare_kernel(Out, DO, Delta, Acc, Sem, semaphores, D: tl.constexpr, ROWS: tl.constexpr):
+    """Rows [pid * ROWS, ...): delta = rowsum(dO * O), their dQ buffer rows zero; and ROWS of the semaphores
+    zero."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs = r.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
     o = tl.load(Out + offs).to(tl.float32)
@@ -398,19 +460,15 @@ def _prepare_kernel(Out, DO, Delta, Acc, Sem, rows, semaphores, D: tl.constexpr,
     tl.store(Delta + r, tl.sum(o * do, 1))
     zero = tl.zeros([ROWS, D], tl.float32)
     tl.store(Acc + offs, zero)
-    if COPIES == 2:
-        tl.store(Acc + rows.to(tl.int64) * D + offs, zero)
     tl.store(Sem + r, tl.zeros([ROWS], tl.int32), mask=r < semaphores)
 
 
 @triton.jit
-def _convert_kernel(Acc, DQ, rows, scale, D: tl.constexpr, COPIES: tl.constexpr, ROWS: tl.constexpr):
-    """dQ rows [pid * ROWS, ...) = scale x the buffer's rows (the sum of both copies), in DQ's dtype."""
+def _convert_kernel(Acc, DQ, scale, D: tl.constexpr, ROWS: tl.constexpr):
+    """dQ rows [pid * ROWS, ...) = scale x the buffer's rows, in DQ's dtype."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs = r.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
     acc = tl.load(Acc + offs)
-    if COPIES == 2:
-        acc += tl.load(Acc + rows.to(tl.int64) * D + offs)
     tl.store(DQ + offs, (acc * scale).to(DQ.dtype.element_ty))
 
 
@@ -461,24 +519,23 @@ class BwdPlan:
                                         (index.col_full.indices, index.col_partial.indices))
         self.q_layout, self.kv_layout, self.row_layout, self.dq_layout, dq_d = _layouts(D, GL_DTYPES[q.dtype])
         self.rows = B * Hq * Nq
-        self.copies = 1 if dq_d < D else 2  # D = 64: one float32 copy of dQ per warpgroup
         self.dq_block = (BLOCK_M, dq_d)
         self.semaphores = self.rows // BLOCK_M if ordered else 0  # one per dQ tile
         self.launch = bound_launch(_one_pass_bwd_kernel, grid, (
             self.turns, self.step_starts, self.items, self.starts, self.full_idx, self.part_idx, Nq, Nk,
-            self.rows if self.copies == 2 else 0, scale * LOG2E, scale),
+            scale * LOG2E, scale),
             dict(GROUPS=G, SUB=sub, MASK_BLOCK_Q=block_q, DENSE=dense, CAUSAL=causal, ORDERED=ordered,
                  STAGES=STEP_BUFFERS, LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS), MAX_REGS,
             cooperative=ordered)
         programs = self.rows // BLOCK_M
-        consts = dict(D=D, COPIES=self.copies, ROWS=BLOCK_M)
-        self.prepare = BoundLaunch(_prepare_kernel, programs, (self.rows, self.semaphores), consts, 4, 1)
-        self.convert = BoundLaunch(_convert_kernel, programs, (self.rows, scale), consts, 4, 1)
+        consts = dict(D=D, ROWS=BLOCK_M)
+        self.prepare = BoundLaunch(_prepare_kernel, programs, (self.semaphores, ), consts, 4, 1)
+        self.convert = BoundLaunch(_convert_kernel, programs, (scale, ), consts, 4, 1)
         self.q_shape, self.k_shape, self.dtype, self.device = q.shape, k.shape, q.dtype, q.device
 
     def __call__(self, q, k, v, out, do, lse):
         delta = new_output(self.q_shape[:3], torch.float32, self.device)
-        acc = torch.empty((self.copies * self.rows, self.q_shape[3]), dtype=torch.float32, device=self.device)
+        acc = torch.empty((self.rows, self.q_shape[3]), dtype=torch.float32, device=self.device)
         sem = torch.empty(max(self.semaphores, 1), dtype=torch.int32, device=self.device)
         self.prepare(out, do, delta, acc, sem)
         dk = new_output(self.k_shape, self.dtype, self.device)
@@ -509,7 +566,7 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
     sig = dict(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, lse_desc=row_desc, delta_desc=row_desc,
                dk_desc=out_desc, dv_desc=out_desc, dq_desc=dq_desc, K=f"*{name}", V=f"*{name}", Sem="*i32",
                Turns="*i32", StepStarts="*i32", Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32",
-               Nq="i32", Nk="i32", copy_rows="i32", qk_scale="fp32", sm_scale="fp32")
+               Nq="i32", Nk="i32", qk_scale="fp32", sm_scale="fp32")
     constexprs = dict(GROUPS=groups, SUB=1 if dense else block_q // BLOCK_M, MASK_BLOCK_Q=BLOCK_M if dense else block_q,
                       DENSE=dense, CAUSAL=causal, ORDERED=ordered, STAGES=STEP_BUFFERS, LOAD_WARP_REGS=LOAD_REGS,
                       COMPUTE_REGS=COMPUTE_REGS, num_warps=4)
