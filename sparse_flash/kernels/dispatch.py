@@ -6,10 +6,9 @@ H200: 16-bit inputs, D = 64 or 128, lengths and mask blocks multiples of 128; ea
 exactly), where they are faster, unless switched off (`settings.hopper_forward`, `settings.hopper_backward`).
 The forward, the dQ pass and the dK/dV pass are chosen separately; the dQ pass stores delta = rowsum(dO * O)
 for the dK/dV pass whichever families run them. The one-pass Gluon backward (`gluon/bwd.py`: both passes in one
-launch, family "gluon-one-pass") serves the dense non-causal calls where it is faster (`settings.hopper_one_pass_dense`):
-at D = 128 in a fixed order (deterministic), at D = 64 only where `deterministic()` is off (in any order; in a
-fixed order it is slower there); and every call it serves with `settings.hopper_one_pass`, in a fixed order
-while `deterministic()` (tuning log, steps 82-83).
+launch, family "gluon-one-pass") serves the dense non-causal calls, where it is faster
+(`settings.hopper_one_pass_dense`), at D = 64 and 128, in a fixed order while `deterministic()`; and every
+call it serves with `settings.hopper_one_pass` (tuning log, steps 82-85).
 
 A choice is made once per launch plan (the plan's key holds the shapes, strides, alignment and settings
 that the choice depends on), so repeated calls pay nothing for it.
@@ -76,8 +75,7 @@ def families(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, 
         if switches.hopper_forward and gluon.fwd.supported(q, k, v, index, geometry):
             forward = "gluon"
         if switches.hopper_backward and out is not None and do is not None:
-            wanted = switches.hopper_one_pass or (switches.hopper_one_pass_dense and index is None and not causal
-                                                  and (q.shape[-1] == 128 or not deterministic()))
+            wanted = switches.hopper_one_pass or (switches.hopper_one_pass_dense and index is None and not causal)
             if wanted and gluon.bwd.supported(do, q, k, v, index, geometry):
                 return Families(forward, ONE_PASS, ONE_PASS)
             if gluon.dq.supported(do, q, k, v, out, index, geometry):
