@@ -26,6 +26,7 @@ Example (on the CPU under TRITON_INTERPRET=1, as the tests run it):
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import triton
@@ -36,6 +37,26 @@ from .kernels.launch import launch  # Triton's launcher costs tens of microsecon
 FIELDS = 10  # int32 fields of a work item: `mask_index.ITEM_FIELDS`, in that order
 WARPS, STAGES = 4, 3  # Triton's default launch options, passed explicitly to the direct launches
 MAX_LISTS = 8192  # lists of one (batch, head) that a program sorts in its registers
+
+
+ALIGN = 32  # int32s: every piece of `int32_pieces` starts a multiple of 128 bytes into its allocation
+
+
+def int32_pieces(shapes: list[tuple[int, ...]], device: torch.device) -> list[torch.Tensor]:
+    """Uninitialised int32 tensors of these shapes, views into one allocation: one call into the allocator for a
+    build's many outputs (each of its own costs a few microseconds of host time). Each piece starts a multiple
+    of 128 bytes into the allocation (CUDA's start on 512-byte boundaries, so the kernels' alignment
+    specialisations stay those of separate allocations); the pieces live as long as any of them does.
+
+    Example:
+        >>> a, b = int32_pieces([(2, 3), (5,)], torch.device("cpu"))
+        >>> a.shape, b.shape, b.data_ptr() - a.data_ptr()
+        (torch.Size([2, 3]), torch.Size([5]), 128)
+    """
+    sizes = [math.prod(shape) for shape in shapes]
+    cuts = [piece for n in sizes for piece in (n, -n % ALIGN)]  # each piece, then its padding
+    arena = torch.empty(sum(cuts), dtype=torch.int32, device=device)
+    return [piece if len(shape) == 1 else piece.view(shape) for piece, shape in zip(arena.split(cuts)[::2], shapes)]
 
 
 def _on(device: torch.device):
@@ -51,7 +72,7 @@ def supported(lists_per_head: int, longest: int) -> bool:
 
 
 def unsplit_plan(counts: torch.Tensor, full: tuple, part: tuple, heavy_above: float, longest: int,
-                 lead: torch.Tensor | None = None):
+                 lead: torch.Tensor | None = None, out: tuple | None = None):
     """The work plan of lists that no program splits, on the lists' device.
 
     Args:
@@ -61,6 +82,8 @@ def unsplit_plan(counts: torch.Tensor, full: tuple, part: tuple, heavy_above: fl
         longest: an upper bound of the lists' lengths (the block count of the other side).
         lead: int32 `(1,)` zeros to count the heavy lists into (several plans share one zero-filled
             allocation: one launch fewer each), or None for a new one.
+        out: `(items, chunks, slots)` to write (`unsplit_plan_shapes`; several plans' in one allocation,
+            `int32_pieces`), or None for new ones.
 
     Returns:
         `(items, chunks, slots, lead)`: int32 `(B, H, M, FIELDS)` items, `(B * H * M,)` chunks (all 1) and
@@ -68,9 +91,7 @@ def unsplit_plan(counts: torch.Tensor, full: tuple, part: tuple, heavy_above: fl
     """
     B, H, M = counts.shape
     device = counts.device
-    items = torch.empty((B, H, M, FIELDS), dtype=torch.int32, device=device)
-    chunks = torch.empty(B * H * M, dtype=torch.int32, device=device)
-    slots = torch.empty(B * H * M, dtype=torch.int32, device=device)
+    items, chunks, slots = int32_pieces(unsplit_plan_shapes(counts), device) if out is None else out
     lead = torch.zeros(1, dtype=torch.int32, device=device) if lead is None else lead
     block = triton.next_power_of_2(M)
     chunk = max(1, min(block, PLAN_TILE // block))  # lists per program
@@ -79,6 +100,12 @@ def unsplit_plan(counts: torch.Tensor, full: tuple, part: tuple, heavy_above: fl
                (counts, *full[:3], *part[:3], items, chunks, slots, lead, M, longest, float(heavy_above)),
                dict(BLOCK=block, CHUNK=chunk, FIELDS=FIELDS), WARPS, STAGES)
     return items, chunks, slots, lead
+
+
+def unsplit_plan_shapes(counts: torch.Tensor) -> list[tuple[int, ...]]:
+    """The shapes of `unsplit_plan`'s items, chunks and slots for lists with these counts `(B, H, M)`."""
+    B, H, M = counts.shape
+    return [(B, H, M, FIELDS), (B * H * M,), (B * H * M,)]
 
 
 PLAN_TILE = 8192  # (list, list) comparisons of one `_unsplit_plan_kernel` program
@@ -188,8 +215,17 @@ def split_supported(lists_per_head: int, width: int, longest: int) -> bool:
     return block <= MAX_LISTS and triton.next_power_of_2(lists_per_head) <= MAX_LISTS and (longest + 1) * block < 2**31
 
 
+def split_plan_shapes(counts: torch.Tensor, sizes: tuple) -> list[tuple[int, ...]]:
+    """The shapes of `split_plan`'s items, chunks, slots, split lists, slot list and scratch for lists with these
+    counts `(B, H, M)` and plan sizes `(items, the most items of one (b, h), split lists, scratch slots)`."""
+    B, H, M = counts.shape
+    _, width, num_split, num_slots = sizes
+    return [(B, H, width, FIELDS), (B * H * M,), (B * H * M,), (num_split,), (num_slots,), (2, B * H, width)]
+
+
 def split_plan(counts: torch.Tensor, full: tuple, part: tuple, n: torch.Tensor, firsts: torch.Tensor, base: int,
-               sizes: tuple, heavy_above: float, longest: int):
+               sizes: tuple, heavy_above: float, longest: int, lead: torch.Tensor | None = None,
+               out: tuple | None = None):
     """The work plan of lists of which some are cut into chunks (`mask_index._plan_items`' policy), on the
     lists' device: two launches, and no wait (the sizes are the host's already).
 
@@ -203,20 +239,19 @@ def split_plan(counts: torch.Tensor, full: tuple, part: tuple, n: torch.Tensor, 
         sizes: host ints `(items, the most items of one (b, h), split lists, scratch slots)` of this plan.
         heavy_above: an item longer than this is heavy (`HEAVY_FACTOR` x the plan's mean list length).
         longest: an upper bound of the lists' lengths.
+        lead: int32 `(1,)` zeros to count the heavy items into, or None for a new one.
+        out: `(items, chunks, slots, split, slot_list, scratch)` to write (`split_plan_shapes`; scratch holds
+            each item's list and chunk), or None for new ones.
 
     Returns:
         `mask_index.WorkPlan` fields `(items, chunks, slots, lead, split, slot_list)`.
     """
     B, H, M = counts.shape
     device = counts.device
-    _, width, num_split, num_slots = sizes
-    items = torch.empty((B, H, width, FIELDS), dtype=torch.int32, device=device)
-    chunks = torch.empty(B * H * M, dtype=torch.int32, device=device)
-    slots = torch.empty(B * H * M, dtype=torch.int32, device=device)
-    lead = torch.zeros(1, dtype=torch.int32, device=device)
-    split = torch.empty(num_split, dtype=torch.int32, device=device)
-    slot_list = torch.empty(num_slots, dtype=torch.int32, device=device)
-    scratch = torch.empty((2, B * H, width), dtype=torch.int32, device=device)  # each item's list and chunk
+    width = sizes[1]
+    items, chunks, slots, split, slot_list, scratch = (
+        int32_pieces(split_plan_shapes(counts, sizes), device) if out is None else out)
+    lead = torch.zeros(1, dtype=torch.int32, device=device) if lead is None else lead
     WIDTH = triton.next_power_of_2(width)
     with _on(device):
         launch(_split_lists_kernel, (B * H, ),
@@ -554,13 +589,14 @@ def _layout_lists(layout, B, H, Mq, Mk, device, geometry):
     for side in (0, 1):  # launched after the wait, behind the device's work
         ends[side] = torch.cumsum(kinds[side], 1, dtype=torch.int32)  # each kind's lists end here
     sizes = {flag: tuple(totals[3 * flag + 1:3 * flag + 3]) for flag in (False, True)}  # (full, partial)
-    made = {}  # (side, flag): the (counts, offsets, indices) of its live, full and partial lists
+    made = {}  # (side, flag): the (counts, offsets, indices) of its live, full and partial lists, in one allocation
+    keys = [(side, flag) for side in (0, 1) for flag in (False, True)]
+    shapes = [shape for side, flag in keys for n in totals[3 * flag:3 * flag + 3]
+              for shape in ((B, H, (Mq, Mk)[side]), (B * H * (Mq, Mk)[side] + 1,), (n,))]
+    pieces = iter(int32_pieces(shapes, device))
+    for key in keys:
+        made[key] = [(next(pieces), next(pieces), next(pieces)) for _ in range(3)]
     for side, lists_per_head, length in ((0, Mq, Mk), (1, Mk, Mq)):
-        for flag in (False, True):
-            made[side, flag] = [(torch.empty((B, H, lists_per_head), dtype=torch.int32, device=device),
-                                 torch.empty(B * H * lists_per_head + 1, dtype=torch.int32, device=device),
-                                 torch.empty(n, dtype=torch.int32, device=device))
-                                for n in totals[3 * flag:3 * flag + 3]]
         launch(_layout_write_kernel, (B * H * lists_per_head, ),
                (layout, kinds[side], ends[side], *[t for flag in (False, True) for kind in made[side, flag]
                                                    for t in kind], B * H * lists_per_head, *geometry),

@@ -488,11 +488,14 @@ def _unsplit_plans_on_gpu(plans: list[_PlanInput]) -> list[WorkPlan] | None:
         return None
     out = []
     leads = torch.zeros(len(plans), dtype=torch.int32, device=counts.device)  # one fill for every plan's count
+    # every plan's items, chunks and slots and its two empty split tables, in one allocation
+    shapes = [shape for plan in plans for shape in (*index_gpu.unsplit_plan_shapes(plan.counts), (0,), (0,))]
+    pieces = iter(index_gpu.int32_pieces(shapes, counts.device))
     for p, plan in enumerate(plans):
+        written = (next(pieces), next(pieces), next(pieces))
         items, chunks, slots, lead = index_gpu.unsplit_plan(plan.counts, plan.full, plan.part, HEAVY_FACTOR * plan.mean,
-                                                            longest, leads[p:p + 1])
-        none = torch.empty(0, dtype=torch.int32, device=counts.device)
-        out.append(WorkPlan(items, chunks, slots, lead, none, none.clone()))
+                                                            longest, leads[p:p + 1], written)
+        out.append(WorkPlan(items, chunks, slots, lead, next(pieces), next(pieces)))
         _unbacked((items, 2), (out[-1].split, 0), (out[-1].slot_list, 0))
     return out
 
@@ -520,9 +523,14 @@ def _split_plans_on_gpu(plans: list[_PlanInput], base: tuple[int, ...], n: torch
     # exclusive prefix sums over the batch: the split lists' scratch slots and the split lists themselves
     firsts = torch.nn.functional.pad(torch.stack([n * is_split, is_split]).cumsum(1), (1, 0))
     out = []
+    leads = torch.zeros(len(plans), dtype=torch.int32, device=n.device)  # one fill for every plan's count
+    shapes = [index_gpu.split_plan_shapes(plan.counts, tuple(size[:4])) for plan, size in zip(plans, sizes)]
+    pieces = iter(index_gpu.int32_pieces([shape for plan in shapes for shape in plan], n.device))  # one allocation
     for p, (plan, size) in enumerate(zip(plans, sizes)):
+        written = tuple(next(pieces) for _ in shapes[p])
         out.append(WorkPlan(*index_gpu.split_plan(plan.counts, plan.full, plan.part, n, firsts, base[p],
-                                                  tuple(size[:4]), HEAVY_FACTOR * plan.mean, size[4])))
+                                                  tuple(size[:4]), HEAVY_FACTOR * plan.mean, size[4],
+                                                  leads[p:p + 1], written)))
         _unbacked((out[-1].items, 2), (out[-1].split, 0), (out[-1].slot_list, 0))
     return out
 

@@ -202,6 +202,56 @@ def test_index_build_waits_on_the_device_three_times_twice_or_once(layout_kind, 
     assert m.kernel_index(False).row_plan.split.numel() == (2 if cut else 0)
 
 
+def test_int32_pieces_are_disjoint_aligned_views_of_one_allocation():
+    """`index_gpu.int32_pieces`: each piece has its shape, starts a multiple of 128 bytes into the allocation,
+    and a write to one changes no other; all share one storage."""
+    from sparse_flash.index_gpu import int32_pieces
+
+    shapes = [(2, 3, 5), (0,), (7,), (1,), (33,), (0,), (4, 10)]
+    pieces = int32_pieces(shapes, torch.device("cpu"))
+    assert [tuple(p.shape) for p in pieces] == shapes
+    assert len({p.untyped_storage().data_ptr() for p in pieces}) == 1
+    start = pieces[0].data_ptr()  # the allocation's start (on CUDA on a 512-byte boundary)
+    assert all((p.data_ptr() - start) % 128 == 0 and p.is_contiguous() for p in pieces if p.numel())
+    for k, piece in enumerate(pieces):
+        piece.fill_(k)
+    assert all(bool((p == k).all()) for k, p in enumerate(pieces))
+
+
+@pytest.mark.parametrize("cut", [False, True], ids=["whole-lists", "cut-lists"])
+def test_gpu_builders_put_a_masks_lists_and_plans_in_few_allocations(cut):
+    """Under TRITON_INTERPRET=1: the Triton-built lists of both sides and flags (36 tensors) share one
+    allocation, and the four plans' tables another, whether or not some list is cut into chunks (a build's
+    host time is mostly allocations and launches); the lists are the torch operators'."""
+    from sparse_flash import mask_index
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
+    if cut:  # BigBird's global rows and columns are cut into chunks
+        n, block = 128 * 40 + 50, 128
+        layout = masks.bigbird(n, block, num_global_blocks=2, seed=0).layout
+        geometry = dict(seq_len_q=n, seq_len_k=n)
+    else:
+        layout = torch.rand(2, 3, 9, 7, generator=torch.Generator().manual_seed(1)) < 0.4
+        block, geometry = 16, dict(seq_len_q=16 * 9 - 3, seq_len_k=16 * 7)
+    with mock.patch.object(mask_index, "_on_gpu", lambda t: True):
+        index = BlockMask.from_layout(layout, block, **geometry)._index
+    by_torch = BlockMask.from_layout(layout, block, **geometry)._index
+    assert (index.kernel[False].row_plan.split.numel() > 0) == cut
+
+    def lists(ix):
+        return [t for flag in (False, True) for side in (ix.rows[flag], ix.cols[flag], *ix.kernel[flag][:4])
+                for t in side]
+
+    plans = [t for flag in (False, True) for plan in (index.kernel[flag].row_plan, index.kernel[flag].col_plan)
+             for t in (*plan[:3], *plan[4:])]
+    assert len(lists(index)) == 36
+    for group in (lists(index), plans):
+        storages = {t.untyped_storage().data_ptr() for t in group if t.numel()}
+        assert len(storages) == 1, storages
+    assert all(torch.equal(a, b) for a, b in zip(lists(index), lists(by_torch)))
+
+
 def test_long_lists_and_causal_cover():
     n = 16 * 20  # 20 blocks of 16
     assert masks.dense(n, 16).has_long_lists() and not masks.local(n, 16, window=2).has_long_lists()
