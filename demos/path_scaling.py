@@ -179,6 +179,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"--batch-size (the global batch, {args.batch_size}) must be divisible by --gpus ({args.gpus})")
     if args.steps < 3:
         parser.error(f"--steps must be at least 3 (the switch run has three pieces), got {args.steps}")
+    on_cpu = "--device" in flags and flags[flags.index("--device") + 1:][:1] == ["cpu"]
+    if not on_cpu and torch.cuda.is_available() and args.gpus > torch.cuda.device_count():
+        parser.error(f"--gpus ({args.gpus}) is more than the GPUs here ({torch.cuda.device_count()}); pass "
+                     "--device cpu among the run's flags for processes on the CPU")
     runs = args.runs.split(",")
     if not set(runs) <= {"one", "many", "switch"} or "one" not in runs:
         parser.error(f"--runs takes one, many, switch and must include one; got {args.runs!r}")

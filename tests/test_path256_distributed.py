@@ -126,3 +126,14 @@ def test_scaling_driver_refuses_bad_flags(tmp_path, capsys):
         with pytest.raises(SystemExit) as stop:
             path_scaling.main(flat)
         assert stop.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_scaling_driver_refuses_more_gpus_than_there_are(tmp_path, capsys, monkeypatch):
+    import path_scaling
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    argv = ["--gpus", "2", "--steps", "6", "--batch-size", "8", "--out", str(tmp_path), "--", "--preset", "path32"]
+    with pytest.raises(SystemExit) as stop:
+        path_scaling.main(argv)
+    assert stop.value.code == 2 and "--gpus (2) is more than the GPUs here (1)" in capsys.readouterr().err
