@@ -385,13 +385,13 @@ def topk_lists(selected: torch.Tensor, counts: torch.Tensor, partial: torch.Tens
     B, H, Mq, W = selected.shape
     G, device = counts.shape[0], selected.device
 
-    def lists(m: int) -> list:
-        return [(torch.empty((B, H, m), dtype=torch.int32, device=device),
-                 torch.empty(B * H * m + 1, dtype=torch.int32, device=device),
-                 torch.empty(n, dtype=torch.int32, device=device)) for n in sizes]
-
-    rows, col_lists = lists(Mq), lists(cols)
     n_cols = B * H * cols
+    # both sides' (counts, offsets, indices) of each kind, and the columns' kind counts, in one allocation
+    shapes = [shape for m in (Mq, cols) for n in sizes for shape in ((B, H, m), (B * H * m + 1,), (n,))]
+    pieces = int32_pieces(shapes + [(3, n_cols)], device)
+    rows, col_lists = ([tuple(pieces[side * 9 + 3 * kind:side * 9 + 3 * kind + 3]) for kind in range(3)]
+                       for side in (0, 1))
+    per_col = pieces[-1]
     block, width, groups = triton.next_power_of_2(Mq), triton.next_power_of_2(W), triton.next_power_of_2(G)
     chunk = max(1, min(block, ROW_TILE // width))  # rows per program
     column_warps = max(1, block // 512)  # a column of up to 512 query blocks is one warp's
@@ -400,7 +400,6 @@ def topk_lists(selected: torch.Tensor, counts: torch.Tensor, partial: torch.Tens
                (selected, counts, partial, per_group, *[t for part in rows for t in part], kind, B * H, H, G, Mq,
                 cols, W),
                dict(BLOCK=block, ROWS=chunk, WIDTH=width, GROUPS=groups), WARPS, STAGES)
-        per_col = torch.empty((3, n_cols), dtype=torch.int32, device=device)
         launch(_topk_col_counts_kernel, (n_cols, ), (kind, per_col, n_cols, Mq), dict(BLOCK=block), column_warps,
                STAGES)
         col_chunk = max(1, min(triton.next_power_of_2(cols), COLUMN_TILE // block))  # columns per program
