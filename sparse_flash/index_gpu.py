@@ -556,9 +556,9 @@ SUMMARY = 8  # ints a side's lists add up to: the KINDS totals and the longest l
 
 def layout_lists(layout: torch.Tensor, block_size: tuple, seq_len_q: int, seq_len_k: int):
     """The row and column lists of a bool layout `(B, H, Mq, Mk)` for both causal flags, on the GPU: one launch
-    per side counts each list's kinds of entry (live, full, partial per flag, the classes of
-    `mask_index.build_index`), torch sums them up, the host reads the six totals and the longest list of each
-    side and flag (the one wait), and one launch per side and flag writes the lists.
+    counts each list's kinds of entry (live, full, partial per flag, the classes of `mask_index.build_index`)
+    on both sides, the host reads the six totals and the longest list of each side and flag (the one wait), one
+    cumsum gives every list's end, and one launch writes the lists of both sides and flags.
 
     Returns:
         `(lists, totals, longest)`: lists `{flag: (rows, cols)}`, each `(live, full, partial)` of `(counts,
@@ -574,19 +574,18 @@ def layout_lists(layout: torch.Tensor, block_size: tuple, seq_len_q: int, seq_le
 
 def _layout_lists(layout, B, H, Mq, Mk, device, geometry):
     """`layout_lists` on the layout's device (its current CUDA device)."""
-    kinds, ends = {}, {}
+    rows, cols = B * H * Mq, B * H * Mk  # lists of each side: programs [0, rows) take rows, the rest columns
+    blocks = dict(BLOCK0=triton.next_power_of_2(Mk), BLOCK1=triton.next_power_of_2(Mq))
+    # each kind's count per list, rows then columns (one table: one cumsum gives both sides' list ends)
+    kinds = torch.empty((KINDS, rows + cols), dtype=torch.int32, device=device)
     summary = torch.zeros(2 * SUMMARY, dtype=torch.int32, device=device)
-    for side, lists_per_head, length in ((0, Mq, Mk), (1, Mk, Mq)):
-        kinds[side] = torch.empty((KINDS, B * H * lists_per_head), dtype=torch.int32, device=device)
-        launch(_layout_counts_kernel, (B * H * lists_per_head, ),
-               (layout, kinds[side], summary, B * H * lists_per_head, *geometry),
-               dict(SIDE=side, BLOCK=triton.next_power_of_2(length), SUMMARY=SUMMARY), WARPS, STAGES)
+    launch(_layout_counts_kernel, (rows + cols, ), (layout, kinds, summary, rows, cols, *geometry),
+           dict(**blocks, SUMMARY=SUMMARY), WARPS, STAGES)
     # the one wait: how many entries of each kind (both sides hold them all), and the longest live list of each
     # side and flag
     read = summary.tolist()
     totals, (row_f, row_t), (col_f, col_t) = read[:KINDS], read[KINDS:SUMMARY], read[SUMMARY + KINDS:]
-    for side in (0, 1):  # launched after the wait, behind the device's work
-        ends[side] = torch.cumsum(kinds[side], 1, dtype=torch.int32)  # each kind's lists end here
+    ends = torch.cumsum(kinds, 1, dtype=torch.int32)  # launched after the wait, behind the device's work
     sizes = {flag: tuple(totals[3 * flag + 1:3 * flag + 3]) for flag in (False, True)}  # (full, partial)
     made = {}  # (side, flag): the (counts, offsets, indices) of its live, full and partial lists, in one allocation
     keys = [(side, flag) for side in (0, 1) for flag in (False, True)]
@@ -595,11 +594,10 @@ def _layout_lists(layout, B, H, Mq, Mk, device, geometry):
     pieces = iter(int32_pieces(shapes, device))
     for key in keys:
         made[key] = [(next(pieces), next(pieces), next(pieces)) for _ in range(3)]
-    for side, lists_per_head, length in ((0, Mq, Mk), (1, Mk, Mq)):
-        launch(_layout_write_kernel, (B * H * lists_per_head, ),
-               (layout, kinds[side], ends[side], *[t for flag in (False, True) for kind in made[side, flag]
-                                                   for t in kind], B * H * lists_per_head, *geometry),
-               dict(SIDE=side, BLOCK=triton.next_power_of_2(length)), WARPS, STAGES)
+    outputs = [t for side in (0, 1) for flag in (False, True) for kind in made[side, flag] for t in kind]
+    # a column list's end is past every row list's entries of its kind: the totals, which the columns' ends subtract
+    launch(_layout_write_kernel, (rows + cols, ), (layout, kinds, ends, *outputs, rows, cols, *totals, *geometry),
+           blocks, WARPS, STAGES)
     out = {flag: (made[0, flag], made[1, flag]) for flag in (False, True)}
     return out, sizes, {False: (row_f, col_f), True: (row_t, col_t)}
 
@@ -628,56 +626,88 @@ def _list_entries(Layout, lst, Mq, Mk, bq, bk, seq_len_q, seq_len_k, SIDE: tl.co
 
 
 @triton.jit
-def _layout_counts_kernel(Layout, Kinds, Summary, lists, H, Mq, Mk, bq, bk, seq_len_q, seq_len_k,
-                          SIDE: tl.constexpr, BLOCK: tl.constexpr, SUMMARY: tl.constexpr):
-    """Program `lst`: how many entries of each kind its list holds (`KINDS` rows of Kinds), added into the
-    side's `SUMMARY` ints of Summary: the `KINDS` totals, then the longest live list without and with the causal
+def _count_list(Layout, Kinds, Totals, lst, stride, Mq, Mk, bq, bk, seq_len_q, seq_len_k, SIDE: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """List `lst` of one side: how many entries of each kind it holds (`KINDS` rows of Kinds, `stride` apart),
+    added into the side's Totals: the `KINDS` totals, then the longest live list without and with the causal
     flag."""
-    lst = tl.program_id(0)
     idx, on, part, live_c, part_c = _list_entries(Layout, lst, Mq, Mk, bq, bk, seq_len_q, seq_len_k, SIDE, BLOCK)
     n = tl.sum(on.to(tl.int32), 0)
     p = tl.sum(part.to(tl.int32), 0)
     nc = tl.sum(live_c.to(tl.int32), 0)
     pc = tl.sum(part_c.to(tl.int32), 0)
-    tl.store(Kinds + 0 * lists + lst, n)
-    tl.store(Kinds + 1 * lists + lst, n - p)
-    tl.store(Kinds + 2 * lists + lst, p)
-    tl.store(Kinds + 3 * lists + lst, nc)
-    tl.store(Kinds + 4 * lists + lst, nc - pc)
-    tl.store(Kinds + 5 * lists + lst, pc)
-    totals = Summary + SIDE * SUMMARY
-    tl.atomic_add(totals + 0, n)
-    tl.atomic_add(totals + 1, n - p)
-    tl.atomic_add(totals + 2, p)
-    tl.atomic_add(totals + 3, nc)
-    tl.atomic_add(totals + 4, nc - pc)
-    tl.atomic_add(totals + 5, pc)
-    tl.atomic_max(totals + 6, n)
-    tl.atomic_max(totals + 7, nc)
+    tl.store(Kinds + 0 * stride, n)
+    tl.store(Kinds + 1 * stride, n - p)
+    tl.store(Kinds + 2 * stride, p)
+    tl.store(Kinds + 3 * stride, nc)
+    tl.store(Kinds + 4 * stride, nc - pc)
+    tl.store(Kinds + 5 * stride, pc)
+    tl.atomic_add(Totals + 0, n)
+    tl.atomic_add(Totals + 1, n - p)
+    tl.atomic_add(Totals + 2, p)
+    tl.atomic_add(Totals + 3, nc)
+    tl.atomic_add(Totals + 4, nc - pc)
+    tl.atomic_add(Totals + 5, pc)
+    tl.atomic_max(Totals + 6, n)
+    tl.atomic_max(Totals + 7, nc)
 
 
 @triton.jit
-def _write_kind(Counts, Offsets, Indices, Kinds, Ends, kind, lst, lists, idx, entries):
-    """One kind of list `lst`, which ends where `Ends` says (its count from `Kinds`): `_write_list`."""
-    start = tl.load(Ends + kind * lists + lst) - tl.load(Kinds + kind * lists + lst)
+def _layout_counts_kernel(Layout, Kinds, Summary, rows, cols, H, Mq, Mk, bq, bk, seq_len_q, seq_len_k,
+                          BLOCK0: tl.constexpr, BLOCK1: tl.constexpr, SUMMARY: tl.constexpr):
+    """Program p: row list p (p < rows), else column list p - rows (`_count_list`); Kinds `(KINDS, rows +
+    cols)` holds the rows' counts, then the columns'; Summary the rows' `SUMMARY` ints, then the columns'."""
+    p = tl.program_id(0)
+    if p < rows:
+        _count_list(Layout, Kinds + p, Summary, p, rows + cols, Mq, Mk, bq, bk, seq_len_q, seq_len_k, 0, BLOCK0)
+    else:
+        _count_list(Layout, Kinds + p, Summary + SUMMARY, p - rows, rows + cols, Mq, Mk, bq, bk, seq_len_q,
+                    seq_len_k, 1, BLOCK1)
+
+
+@triton.jit
+def _write_kind(Counts, Offsets, Indices, Kinds, Ends, before, kind, stride, lst, lists, idx, entries):
+    """One kind of list `lst`, which ends where `Ends` says less `before` (its count from `Kinds`; both
+    tables' kinds `stride` apart): `_write_list`."""
+    start = tl.load(Ends + kind * stride) - before - tl.load(Kinds + kind * stride)
     _write_list(Counts, Offsets, Indices, start, lst, lists, idx, entries)
 
 
 @triton.jit
-def _layout_write_kernel(Layout, Kinds, Ends, LiveCounts0, LiveOffsets0, Live0, FullCounts0, FullOffsets0, Full0,
-                         PartCounts0, PartOffsets0, Part0, LiveCounts1, LiveOffsets1, Live1, FullCounts1, FullOffsets1,
-                         Full1, PartCounts1, PartOffsets1, Part1, lists, H, Mq, Mk, bq, bk, seq_len_q, seq_len_k,
-                         SIDE: tl.constexpr, BLOCK: tl.constexpr):
-    """Program `lst`: its live, full and partial lists for both causal flags (the arguments ending in 0: without
-    the flag, in 1: with it), from one read of its layout row or column."""
-    lst = tl.program_id(0)
+def _write_lists(Layout, Kinds, Ends, LiveCounts0, LiveOffsets0, Live0, FullCounts0, FullOffsets0, Full0,
+                 PartCounts0, PartOffsets0, Part0, LiveCounts1, LiveOffsets1, Live1, FullCounts1, FullOffsets1, Full1,
+                 PartCounts1, PartOffsets1, Part1, lst, lists, stride, t0, t1, t2, t3, t4, t5, Mq, Mk, bq, bk,
+                 seq_len_q, seq_len_k, SIDE: tl.constexpr, BLOCK: tl.constexpr):
+    """List `lst` of one side: its live, full and partial lists for both causal flags (the arguments ending in
+    0: without the flag, in 1: with it), from one read of its layout row or column; `t0`..`t5` the entries of
+    each kind before this side's (the columns': every row's)."""
     idx, on, part, live_c, part_c = _list_entries(Layout, lst, Mq, Mk, bq, bk, seq_len_q, seq_len_k, SIDE, BLOCK)
-    _write_kind(LiveCounts0, LiveOffsets0, Live0, Kinds, Ends, 0, lst, lists, idx, on)
-    _write_kind(FullCounts0, FullOffsets0, Full0, Kinds, Ends, 1, lst, lists, idx, on ^ part)
-    _write_kind(PartCounts0, PartOffsets0, Part0, Kinds, Ends, 2, lst, lists, idx, part)
-    _write_kind(LiveCounts1, LiveOffsets1, Live1, Kinds, Ends, 3, lst, lists, idx, live_c)
-    _write_kind(FullCounts1, FullOffsets1, Full1, Kinds, Ends, 4, lst, lists, idx, live_c ^ part_c)
-    _write_kind(PartCounts1, PartOffsets1, Part1, Kinds, Ends, 5, lst, lists, idx, part_c)
+    _write_kind(LiveCounts0, LiveOffsets0, Live0, Kinds, Ends, t0, 0, stride, lst, lists, idx, on)
+    _write_kind(FullCounts0, FullOffsets0, Full0, Kinds, Ends, t1, 1, stride, lst, lists, idx, on ^ part)
+    _write_kind(PartCounts0, PartOffsets0, Part0, Kinds, Ends, t2, 2, stride, lst, lists, idx, part)
+    _write_kind(LiveCounts1, LiveOffsets1, Live1, Kinds, Ends, t3, 3, stride, lst, lists, idx, live_c)
+    _write_kind(FullCounts1, FullOffsets1, Full1, Kinds, Ends, t4, 4, stride, lst, lists, idx, live_c ^ part_c)
+    _write_kind(PartCounts1, PartOffsets1, Part1, Kinds, Ends, t5, 5, stride, lst, lists, idx, part_c)
+
+
+@triton.jit
+def _layout_write_kernel(Layout, Kinds, Ends, R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, R10, R11, R12, R13, R14, R15,
+                         R16, R17, C0, C1, C2, C3, C4, C5, C6, C7, C8, C9, C10, C11, C12, C13, C14, C15, C16, C17,
+                         rows, cols, t0, t1, t2, t3, t4, t5, H, Mq, Mk, bq, bk, seq_len_q, seq_len_k,
+                         BLOCK0: tl.constexpr, BLOCK1: tl.constexpr):
+    """Program p: the lists of row p (p < rows; R0..R17 its side's (counts, offsets, indices) of the live, full
+    and partial lists without, then with the causal flag), else of column p - rows (C0..C17); Kinds and Ends
+    `(KINDS, rows + cols)`: each list's counts and their running sums, rows first, so a column's ends are
+    past every row's entries of their kind (`t0`..`t5`)."""
+    p = tl.program_id(0)
+    if p < rows:
+        _write_lists(Layout, Kinds + p, Ends + p, R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, R10, R11, R12, R13, R14,
+                     R15, R16, R17, p, rows, rows + cols, 0, 0, 0, 0, 0, 0, Mq, Mk, bq, bk, seq_len_q, seq_len_k,
+                     0, BLOCK0)
+    else:
+        _write_lists(Layout, Kinds + p, Ends + p, C0, C1, C2, C3, C4, C5, C6, C7, C8, C9, C10, C11, C12, C13, C14,
+                     C15, C16, C17, p - rows, cols, rows + cols, t0, t1, t2, t3, t4, t5, Mq, Mk, bq, bk, seq_len_q,
+                     seq_len_k, 1, BLOCK1)
 
 
 MAX_CHOOSE = 2048  # key blocks of a row that `choose_topk` ranks in one program (64 registers per thread at 4
