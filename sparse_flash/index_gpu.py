@@ -4,7 +4,7 @@ with many small torch operators, each a kernel launch of its own:
 - `layout_lists`: every row and column list of a bool layout, both causal flags (`mask_index.build_index`);
 - `topk_lists`: those of a top-k mask, whose sizes the host knows (`mask_index.build_topk_index`);
 - `plan_sizes`: the chunks of every list and the sizes of the work plans where some list is cut;
-- `unsplit_plan`: the work plan of lists that no program splits (`mask_index._plan_items`): items ordered by
+- `unsplit_plans`: the work plans of lists that no program splits (`mask_index._plan_items`): items ordered by
   (batch, head), longest list first within, ties in list order; every item a whole list;
 - `split_plan`: the same where some lists are cut into chunks (global rows and columns): every chunk an item,
   with its scratch slot, and the split lists' tables.
@@ -14,19 +14,14 @@ operators itself); this is the only module of the mask layer that imports Triton
 exactly what the torch operators build (tests/test_layout.py and tests/test_dynamic_masks.py compare them under
 TRITON_INTERPRET=1).
 
-Example (on the CPU under TRITON_INTERPRET=1, as the tests run it):
-    >>> counts = torch.tensor([[[1, 3, 2]]], dtype=torch.int32)  # (B, H, M): live blocks of 3 lists
-    >>> full = (counts, torch.tensor([0, 1, 4, 6], dtype=torch.int32), torch.arange(6, dtype=torch.int32))
-    >>> part = (torch.zeros_like(counts), torch.zeros(4, dtype=torch.int32), torch.zeros(0, dtype=torch.int32))
-    >>> items, chunks, slots, lead = unsplit_plan(counts, full, part, heavy_above=4.0, longest=3)
-    >>> items[0, 0, :, 0].tolist()  # the lists by rank: longest first
-    [1, 2, 0]
+Example: `unsplit_plans`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -71,56 +66,79 @@ def supported(lists_per_head: int, longest: int) -> bool:
     return block <= MAX_LISTS and (longest + 1) * block < 2**31
 
 
-def unsplit_plan(counts: torch.Tensor, full: tuple, part: tuple, heavy_above: float, longest: int,
-                 lead: torch.Tensor | None = None, out: tuple | None = None):
-    """The work plan of lists that no program splits, on the lists' device.
+class PlanInput(NamedTuple):
+    """One work plan's lists for `unsplit_plans`: `counts` int32 `(B, H, M)` live blocks of each list; `full`,
+    `part` `(counts, offsets, indices)` of the full and the partial lists (a `BlockIndex`); a list longer than
+    `heavy_above` blocks is heavy (`HEAVY_FACTOR` x the mean length)."""
+    counts: torch.Tensor
+    full: tuple
+    part: tuple
+    heavy_above: float
+
+
+MAX_PLANS = 4  # work plans that one `unsplit_plans` launch orders (a mask's rows and columns for both flags)
+
+
+def unsplit_plans(plans: list[PlanInput], longest: int):
+    """The work plans of lists that no program splits, on the lists' device: up to `MAX_PLANS` plans per
+    launch, their outputs in one allocation.
 
     Args:
-        counts: int32 `(B, H, M)`: live blocks of each list.
-        full, part: `(counts, offsets, indices)` of the full and the partial lists (a `BlockIndex`).
-        heavy_above: a list longer than this is heavy (`HEAVY_FACTOR` x the mean length).
-        longest: an upper bound of the lists' lengths (the block count of the other side).
-        lead: int32 `(1,)` zeros to count the heavy lists into (several plans share one zero-filled
-            allocation: one launch fewer each), or None for a new one.
-        out: `(items, chunks, slots)` to write (`unsplit_plan_shapes`; several plans' in one allocation,
-            `int32_pieces`), or None for new ones.
+        plans: each plan's lists (`PlanInput`), all on one device.
+        longest: an upper bound of the lists' lengths (the most blocks of the other side).
 
     Returns:
-        `(items, chunks, slots, lead)`: int32 `(B, H, M, FIELDS)` items, `(B * H * M,)` chunks (all 1) and
-        slots (all -1), and `(1,)` the most heavy lists of one (batch, head).
+        Per plan `(items, chunks, slots, lead)`: int32 `(B, H, M, FIELDS)` items, `(B * H * M,)` chunks (all 1)
+        and slots (all -1), and `(1,)` the most heavy lists of one (batch, head).
+
+    Example (on the CPU under TRITON_INTERPRET=1, as the tests run it):
+        >>> counts = torch.tensor([[[1, 3, 2]]], dtype=torch.int32)  # (B, H, M): live blocks of 3 lists
+        >>> full = (counts, torch.tensor([0, 1, 4, 6], dtype=torch.int32), torch.arange(6, dtype=torch.int32))
+        >>> part = (torch.zeros_like(counts), torch.zeros(4, dtype=torch.int32), torch.zeros(0, dtype=torch.int32))
+        >>> [(items, chunks, slots, lead)] = unsplit_plans([PlanInput(counts, full, part, 4.0)], longest=3)
+        >>> items[0, 0, :, 0].tolist()  # the lists by rank: longest first
+        [1, 2, 0]
     """
-    B, H, M = counts.shape
-    device = counts.device
-    items, chunks, slots = int32_pieces(unsplit_plan_shapes(counts), device) if out is None else out
-    lead = torch.zeros(1, dtype=torch.int32, device=device) if lead is None else lead
-    block = triton.next_power_of_2(M)
-    chunk = max(1, min(block, PLAN_TILE // block))  # lists per program
+    device = plans[0].counts.device
+    pieces = iter(int32_pieces([shape for plan in plans for shape in unsplit_plan_shapes(plan.counts)], device))
+    leads = torch.zeros(len(plans), dtype=torch.int32, device=device)  # one fill for every plan's count
+    out = [(next(pieces), next(pieces), next(pieces), leads[p:p + 1]) for p in range(len(plans))]
     with _on(device):
-        launch(_unsplit_plan_kernel, (B * H * triton.cdiv(M, chunk), ),
-               (counts, *full[:3], *part[:3], items, chunks, slots, lead, M, longest, float(heavy_above)),
-               dict(BLOCK=block, CHUNK=chunk, FIELDS=FIELDS), WARPS, STAGES)
-    return items, chunks, slots, lead
+        for first in range(0, len(plans), MAX_PLANS):
+            slots = list(range(first, min(first + MAX_PLANS, len(plans))))
+            args, consts, end = [], {}, 0
+            for n, p in enumerate(slots + [slots[0]] * (MAX_PLANS - len(slots))):  # unused slots: never reached
+                counts, full, part, heavy_above = plans[p]
+                B, H, M = counts.shape
+                block = triton.next_power_of_2(M)
+                chunk = max(1, min(block, PLAN_TILE // block))  # lists per program
+                if n < len(slots):
+                    end += B * H * triton.cdiv(M, chunk)
+                args += [counts, *full[:3], *part[:3], *out[p], M, float(heavy_above), end]
+                consts.update({f"BLOCK{n}": block, f"CHUNK{n}": chunk})
+            launch(_unsplit_plans_kernel, (end, ), (*args, longest), dict(**consts, FIELDS=FIELDS), WARPS, STAGES)
+    return out
 
 
 def unsplit_plan_shapes(counts: torch.Tensor) -> list[tuple[int, ...]]:
-    """The shapes of `unsplit_plan`'s items, chunks and slots for lists with these counts `(B, H, M)`."""
+    """The shapes of a plan's items, chunks and slots (`unsplit_plans`) for lists with these counts `(B, H, M)`."""
     B, H, M = counts.shape
     return [(B, H, M, FIELDS), (B * H * M,), (B * H * M,)]
 
 
-PLAN_TILE = 8192  # (list, list) comparisons of one `_unsplit_plan_kernel` program
+PLAN_TILE = 8192  # (list, list) comparisons of one `_unsplit_plan` program
 
 
 @triton.jit
-def _unsplit_plan_kernel(Counts, FullCounts, FullOffsets, FullIndices, PartCounts, PartOffsets, PartIndices, Items,
-                         Chunks, Slots, Lead, lists_per_head, longest, heavy_above, BLOCK: tl.constexpr,
-                         CHUNK: tl.constexpr, FIELDS: tl.constexpr):
-    """Program (bh, c): the items of lists c CHUNK + [0, CHUNK) of head bh (lists [bh * lists_per_head, (bh + 1) *
-    lists_per_head)), each at its rank among the head's lists, longest first (a stable order: the key is
-    (longest - length, list), and a list's rank is how many keys are smaller); item fields as
-    `mask_index.ITEM_FIELDS`; the head's heavy lists counted into Lead."""
+def _unsplit_plan(Counts, FullCounts, FullOffsets, FullIndices, PartCounts, PartOffsets, PartIndices, Items, Chunks,
+                  Slots, Lead, lists_per_head, heavy_above, pid, longest, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                  FIELDS: tl.constexpr):
+    """Program `pid` = (bh, c) of one plan: the items of lists c CHUNK + [0, CHUNK) of head bh (lists
+    [bh * lists_per_head, (bh + 1) * lists_per_head)), each at its rank among the head's lists, longest first (a
+    stable order: the key is (longest - length, list), and a list's rank is how many keys are smaller); item
+    fields as `mask_index.ITEM_FIELDS`; the head's heavy lists counted into Lead."""
     chunks = tl.cdiv(lists_per_head, CHUNK)
-    bh, c = tl.program_id(0) // chunks, tl.program_id(0) % chunks
+    bh, c = pid // chunks, pid % chunks
     every = tl.arange(0, BLOCK)
     valid_all = every < lists_per_head
     length_all = tl.load(Counts + bh * lists_per_head + every, mask=valid_all, other=0)
@@ -152,6 +170,31 @@ def _unsplit_plan_kernel(Counts, FullCounts, FullOffsets, FullIndices, PartCount
     tl.store(Slots + lists, -one, mask=valid)
     heavy = tl.sum((valid_all & (length_all.to(tl.float32) > heavy_above)).to(tl.int32), 0)
     tl.atomic_max(Lead, heavy, mask=c == 0)
+
+
+@triton.jit
+def _unsplit_plans_kernel(C0, FC0, FO0, FI0, PC0, PO0, PI0, I0, K0, S0, L0, M0, heavy0, end0,
+                          C1, FC1, FO1, FI1, PC1, PO1, PI1, I1, K1, S1, L1, M1, heavy1, end1,
+                          C2, FC2, FO2, FI2, PC2, PO2, PI2, I2, K2, S2, L2, M2, heavy2, end2,
+                          C3, FC3, FO3, FI3, PC3, PO3, PI3, I3, K3, S3, L3, M3, heavy3, end3, longest,
+                          BLOCK0: tl.constexpr, CHUNK0: tl.constexpr, BLOCK1: tl.constexpr, CHUNK1: tl.constexpr,
+                          BLOCK2: tl.constexpr, CHUNK2: tl.constexpr, BLOCK3: tl.constexpr, CHUNK3: tl.constexpr,
+                          FIELDS: tl.constexpr):
+    """Up to four plans in one launch (`_unsplit_plan`): programs [0, end0) make plan 0, [end0, end1) plan 1, and
+    so on (a plan's slot past the last plan is never reached)."""
+    p = tl.program_id(0)
+    if p < end0:
+        _unsplit_plan(C0, FC0, FO0, FI0, PC0, PO0, PI0, I0, K0, S0, L0, M0, heavy0, p, longest, BLOCK0, CHUNK0,
+                      FIELDS)
+    elif p < end1:
+        _unsplit_plan(C1, FC1, FO1, FI1, PC1, PO1, PI1, I1, K1, S1, L1, M1, heavy1, p - end0, longest, BLOCK1,
+                      CHUNK1, FIELDS)
+    elif p < end2:
+        _unsplit_plan(C2, FC2, FO2, FI2, PC2, PO2, PI2, I2, K2, S2, L2, M2, heavy2, p - end1, longest, BLOCK2,
+                      CHUNK2, FIELDS)
+    else:
+        _unsplit_plan(C3, FC3, FO3, FI3, PC3, PO3, PI3, I3, K3, S3, L3, M3, heavy3, p - end2, longest, BLOCK3,
+                      CHUNK3, FIELDS)
 
 
 def sizes_supported(lists_per_head: int) -> bool:

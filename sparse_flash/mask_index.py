@@ -478,24 +478,20 @@ def gpu_builders(t: torch.Tensor):
 
 
 def _unsplit_plans_on_gpu(plans: list[_PlanInput]) -> list[WorkPlan] | None:
-    """The plans of `_plan_items` for lists that no program splits, one Triton launch each
-    (`sparse_flash.index_gpu.unsplit_plan`), or None where that does not apply (`_on_gpu`, no Triton, more
+    """The plans of `_plan_items` for lists that no program splits, in one Triton launch
+    (`sparse_flash.index_gpu.unsplit_plans`), or None where that does not apply (`_on_gpu`, no Triton, more
     lists per head than one program sorts)."""
     counts = plans[0].counts
     index_gpu = gpu_builders(counts)
     longest = max(plan.counts.shape[-1] for plan in plans)  # a list holds at most the other side's blocks
     if index_gpu is None or not all(index_gpu.supported(plan.counts.shape[-1], longest) for plan in plans):
         return None
+    made = index_gpu.unsplit_plans([index_gpu.PlanInput(plan.counts, plan.full, plan.part, HEAVY_FACTOR * plan.mean)
+                                    for plan in plans], longest)
+    none = index_gpu.int32_pieces([(0,)] * (2 * len(plans)), counts.device)  # the empty split tables
     out = []
-    leads = torch.zeros(len(plans), dtype=torch.int32, device=counts.device)  # one fill for every plan's count
-    # every plan's items, chunks and slots and its two empty split tables, in one allocation
-    shapes = [shape for plan in plans for shape in (*index_gpu.unsplit_plan_shapes(plan.counts), (0,), (0,))]
-    pieces = iter(index_gpu.int32_pieces(shapes, counts.device))
-    for p, plan in enumerate(plans):
-        written = (next(pieces), next(pieces), next(pieces))
-        items, chunks, slots, lead = index_gpu.unsplit_plan(plan.counts, plan.full, plan.part, HEAVY_FACTOR * plan.mean,
-                                                            longest, leads[p:p + 1], written)
-        out.append(WorkPlan(items, chunks, slots, lead, next(pieces), next(pieces)))
+    for p, (items, chunks, slots, lead) in enumerate(made):
+        out.append(WorkPlan(items, chunks, slots, lead, none[2 * p], none[2 * p + 1]))
         _unbacked((items, 2), (out[-1].split, 0), (out[-1].slot_list, 0))
     return out
 

@@ -64,9 +64,12 @@ def cases():
 
         yield ("merge.ChunkSum", merge._sum_chunks, dict(HEAD_D=128, TILE=128, ROWS=merge.ROWS), (),
                dict(num_warps=4, num_stages=1, types={"Out": "*bf16", "Part": "*fp32", "Merges": "*i32"}))
+    plan_args = {f"{name}{n}": "*i32" for name in ("C", "FC", "FO", "FI", "PC", "PO", "PI", "I", "K", "S", "L")
+                 for n in range(4)} | {f"heavy{n}": "fp32" for n in range(4)} | {f"M{n}": "i32" for n in range(4)}
     for block, chunk in ((8192, 1), (512, 16)):
-        yield (f"index_gpu.unsplit_plan {chunk}x{block}", index_gpu._unsplit_plan_kernel,
-               dict(BLOCK=block, CHUNK=chunk, FIELDS=index_gpu.FIELDS), (), dict(num_warps=4))
+        yield (f"index_gpu.unsplit_plans {chunk}x{block}", index_gpu._unsplit_plans_kernel,
+               {**{f"{what}{n}": value for n in range(4) for what, value in (("BLOCK", block), ("CHUNK", chunk))},
+                "FIELDS": index_gpu.FIELDS}, (), dict(num_warps=4, types=plan_args))
     plan_ints = {n: "*i32" for n in ("SlotList", "Scratch")} | {n: "*i64" for n in ("N", "Firsts")}
     yield ("index_gpu.plan_sizes", index_gpu._plan_sizes_kernel, dict(BLOCK=8192), (),
            dict(num_warps=4, types={"Counts": "*i32", "N": "*i64", "Sizes": "*i32"}))
@@ -88,15 +91,12 @@ def cases():
                dict(CAUSAL=causal, BLOCK=block),
                (), dict(num_warps=warps, types={"Scores": "*fp32", "Counts": "*i64", "Cand": "*i64", "Selected": "*i64",
                                             "Layout": "*i1", "H": "i32", **ints}))
-    lists = {f"{kind}{part}{flag}": "*i32" for kind in ("Live", "Full", "Part") for part in ("Counts", "Offsets", "")
-             for flag in (0, 1)}
-    for side in (0, 1):
-        yield (f"index_gpu.layout_lists side {side}: counts", index_gpu._layout_counts_kernel,
-               dict(SIDE=side, BLOCK=8192, SUMMARY=index_gpu.SUMMARY), (),
-               dict(num_warps=4, types={"Layout": "*i1", "Kinds": "*i32", "Summary": "*i32", **ints}))
-        yield (f"index_gpu.layout_lists side {side}: lists", index_gpu._layout_write_kernel,
-               dict(SIDE=side, BLOCK=8192), (),
-               dict(num_warps=4, types={"Layout": "*i1", "Kinds": "*i32", "Ends": "*i32", **ints, **lists}))
+    sides = {f"{side}{n}": "*i32" for side in "RC" for n in range(18)}  # both sides' lists of both flags
+    yield ("index_gpu.layout_lists: counts", index_gpu._layout_counts_kernel,
+           dict(BLOCK0=8192, BLOCK1=8192, SUMMARY=index_gpu.SUMMARY), (),
+           dict(num_warps=4, types={"Layout": "*i1", "Kinds": "*i32", "Summary": "*i32", **ints}))
+    yield ("index_gpu.layout_lists: lists", index_gpu._layout_write_kernel, dict(BLOCK0=8192, BLOCK1=8192), (),
+           dict(num_warps=4, types={"Layout": "*i1", "Kinds": "*i32", "Ends": "*i32", **ints, **sides}))
     cfg = fwd_config(128, torch.bfloat16, 128, 128, False, 16384, long_lists=True)
     yield (f"fwd sparse long lists D=128 {tuple(cfg)}", fwd._attn_fwd_kernel,
            dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BLOCK_Q=128,

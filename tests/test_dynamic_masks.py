@@ -184,13 +184,14 @@ def test_topk_lists_and_plans_built_on_the_gpu_equal_the_torch_ones(p, tile):
     with mock.patch.object(mask_index, "_on_gpu", lambda t: True), mock.patch.object(index_gpu, "ROW_TILE", tile), \
             mock.patch.object(index_gpu, "COLUMN_TILE", tile), mock.patch.object(index_gpu, "PLAN_TILE", tile), \
             mock.patch.object(index_gpu, "topk_lists", wraps=index_gpu.topk_lists) as lists, \
-            mock.patch.object(index_gpu, "unsplit_plan", wraps=index_gpu.unsplit_plan) as plans, \
+            mock.patch.object(index_gpu, "unsplit_plans", wraps=index_gpu.unsplit_plans) as plans, \
             mock.patch.object(index_gpu, "choose_topk", wraps=index_gpu.choose_topk) as choice:
         got = p.mask(scores)
-        assert (lists.call_count, plans.call_count, choice.call_count) == (1, 2, 1)  # the mask's own flag
+        assert (lists.call_count, plans.call_count, choice.call_count) == (1, 1, 1)  # the mask's own flag
+        assert len(plans.call_args.args[0]) == 2  # its row and column plans, in one launch
         if p.causal:  # its non-causal lists: on first use, by the same launches
             got.kernel_index(False)
-            assert (lists.call_count, plans.call_count) == (2, 4)
+            assert (lists.call_count, plans.call_count) == (2, 2)
     assert torch.equal(got.layout, want.layout) and (got.nnz, got.covers_causal) == (want.nnz, want.covers_causal)
     for causal in (True, False) if p.causal else (False, ):  # a non-causal mask builds its causal lists on use
         for a, b in ((got.row_index(causal), want.row_index(causal)), (got.col_index(causal), want.col_index(causal)),
