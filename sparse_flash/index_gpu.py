@@ -258,12 +258,13 @@ def split_supported(lists_per_head: int, width: int, longest: int) -> bool:
     return block <= MAX_LISTS and triton.next_power_of_2(lists_per_head) <= MAX_LISTS and (longest + 1) * block < 2**31
 
 
-def split_plan_shapes(counts: torch.Tensor, sizes: tuple) -> list[tuple[int, ...]]:
-    """The shapes of `split_plan`'s items, chunks, slots, split lists, slot list and scratch for lists with these
-    counts `(B, H, M)` and plan sizes `(items, the most items of one (b, h), split lists, scratch slots)`."""
+def split_plan_shapes(counts: torch.Tensor, sizes: tuple) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
+    """The shapes of `split_plan`'s items, chunks, slots, split lists and slot list, and of its scratch (each
+    item's list and chunk, needed only while the plan is made), for lists with these counts `(B, H, M)` and
+    plan sizes `(items, the most items of one (b, h), split lists, scratch slots)`."""
     B, H, M = counts.shape
     _, width, num_split, num_slots = sizes
-    return [(B, H, width, FIELDS), (B * H * M,), (B * H * M,), (num_split,), (num_slots,), (2, B * H, width)]
+    return [(B, H, width, FIELDS), (B * H * M,), (B * H * M,), (num_split,), (num_slots,)], (2, B * H, width)
 
 
 def split_plan(counts: torch.Tensor, full: tuple, part: tuple, n: torch.Tensor, firsts: torch.Tensor, base: int,
@@ -284,7 +285,7 @@ def split_plan(counts: torch.Tensor, full: tuple, part: tuple, n: torch.Tensor, 
         longest: an upper bound of the lists' lengths.
         lead: int32 `(1,)` zeros to count the heavy items into, or None for a new one.
         out: `(items, chunks, slots, split, slot_list, scratch)` to write (`split_plan_shapes`; scratch holds
-            each item's list and chunk), or None for new ones.
+            each item's list and chunk while the plan is made), or None for new ones.
 
     Returns:
         `mask_index.WorkPlan` fields `(items, chunks, slots, lead, split, slot_list)`.
@@ -292,8 +293,10 @@ def split_plan(counts: torch.Tensor, full: tuple, part: tuple, n: torch.Tensor, 
     B, H, M = counts.shape
     device = counts.device
     width = sizes[1]
-    items, chunks, slots, split, slot_list, scratch = (
-        int32_pieces(split_plan_shapes(counts, sizes), device) if out is None else out)
+    if out is None:
+        kept, scratch_shape = split_plan_shapes(counts, sizes)
+        out = (*int32_pieces(kept, device), torch.empty(scratch_shape, dtype=torch.int32, device=device))
+    items, chunks, slots, split, slot_list, scratch = out
     lead = torch.zeros(1, dtype=torch.int32, device=device) if lead is None else lead
     WIDTH = triton.next_power_of_2(width)
     with _on(device):

@@ -521,9 +521,11 @@ def _split_plans_on_gpu(plans: list[_PlanInput], base: tuple[int, ...], n: torch
     out = []
     leads = torch.zeros(len(plans), dtype=torch.int32, device=n.device)  # one fill for every plan's count
     shapes = [index_gpu.split_plan_shapes(plan.counts, tuple(size[:4])) for plan, size in zip(plans, sizes)]
-    pieces = iter(index_gpu.int32_pieces([shape for plan in shapes for shape in plan], n.device))  # one allocation
+    # the plans' tables in one allocation, their scratch (freed once the plans are made) in another
+    pieces = iter(index_gpu.int32_pieces([shape for kept, _ in shapes for shape in kept], n.device))
+    scratch = index_gpu.int32_pieces([scratch for _, scratch in shapes], n.device)
     for p, (plan, size) in enumerate(zip(plans, sizes)):
-        written = tuple(next(pieces) for _ in shapes[p])
+        written = (*(next(pieces) for _ in shapes[p][0]), scratch[p])
         out.append(WorkPlan(*index_gpu.split_plan(plan.counts, plan.full, plan.part, n, firsts, base[p],
                                                   tuple(size[:4]), HEAVY_FACTOR * plan.mean, size[4],
                                                   leads[p:p + 1], written)))
