@@ -432,12 +432,12 @@ def topk_lists(selected: torch.Tensor, counts: torch.Tensor, partial: torch.Tens
     G, device = counts.shape[0], selected.device
 
     n_cols = B * H * cols
-    # both sides' (counts, offsets, indices) of each kind, and the columns' kind counts, in one allocation
+    # both sides' (counts, offsets, indices) of each kind in one allocation
     shapes = [shape for m in (Mq, cols) for n in sizes for shape in ((B, H, m), (B * H * m + 1,), (n,))]
-    pieces = int32_pieces(shapes + [(3, n_cols)], device)
+    pieces = int32_pieces(shapes, device)
     rows, col_lists = ([tuple(pieces[side * 9 + 3 * kind:side * 9 + 3 * kind + 3]) for kind in range(3)]
                        for side in (0, 1))
-    per_col = pieces[-1]
+    per_col = torch.empty((3, n_cols), dtype=torch.int32, device=device)  # the columns' kind counts, while building
     block, width, groups = triton.next_power_of_2(Mq), triton.next_power_of_2(W), triton.next_power_of_2(G)
     chunk = max(1, min(block, ROW_TILE // width))  # rows per program
     column_warps = max(1, block // 512)  # a column of up to 512 query blocks is one warp's
