@@ -324,13 +324,27 @@ def test_an_infinite_key_on_the_hopper_kernels_follows_exact_arithmetic(D, causa
     torch.testing.assert_close(out[:, :, keep], expected[:, :, keep], atol=0, rtol=0)
 
 
+def _one_pass(on: bool, monkeypatch) -> tuple:
+    """(settings override, launches served) for a GPU test of the Hopper backward: with `on`, every call the
+    one-pass kernel (`gluon/bwd.py`) serves goes to it (`settings.hopper_one_pass`); the list records each
+    launch of that kernel, so a test can check that it ran."""
+    from sparse_flash.kernels import settings
+    from sparse_flash.kernels.gluon import bwd as gluon_bwd
+
+    served = []
+    real = gluon_bwd.BwdPlan.__call__
+    monkeypatch.setattr(gluon_bwd.BwdPlan, "__call__", lambda *a: served.append(1) or real(*a))
+    return settings.override(hopper_one_pass=on), served
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 128])
-def test_a_nan_key_on_the_hopper_dq_leaves_the_rows_before_it_exact(D):
-    """The Hopper dQ kernel (16-bit): a NaN in k at key 300 makes dQ non-finite for the rows that attend it
-    (300 on) and for no earlier row. Rows 256-299 share its 64-key diagonal tile without attending it: their
-    tile is summed again on the CUDA cores (dS recomputed), so they equal the clean run within rounding; rows
-    before 256 bit for bit."""
+@pytest.mark.parametrize("one_pass", [False, True], ids=["two-pass", "one-pass"])
+def test_a_nan_key_on_the_hopper_dq_leaves_the_rows_before_it_exact(D, one_pass, monkeypatch):
+    """The Hopper backward (16-bit; the dQ pass, or the one-pass kernel's exact dQ path): a NaN in k at key
+    300 makes dQ non-finite for the rows that attend it (300 on) and for no earlier row. Rows 256-299 share its
+    64-key diagonal tile without attending it: their tile is summed again on the CUDA cores (dS recomputed),
+    so they equal the clean run within rounding; rows before 256 bit for bit."""
     n, position = 1024, 300
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, dout = (torch.randn(1, 2, n, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
@@ -343,7 +357,10 @@ def test_a_nan_key_on_the_hopper_dq_leaves_the_rows_before_it_exact(D):
         out = sparse_flash.block_sparse_attention(qq, keys, v, mask, causal=True)
         return torch.autograd.grad(out, qq, dout)[0]
 
-    got, clean = dq(poisoned), dq(k)
+    switches, served = _one_pass(one_pass, monkeypatch)
+    with switches:
+        got, clean = dq(poisoned), dq(k)
+    assert bool(served) == one_pass
     bad = (~torch.isfinite(got[0])).any(-1).any(0).nonzero().flatten()
     assert bad.tolist() == sorted(_rows_attending(mask.to("cpu"), True, [position]))
     torch.testing.assert_close(got[:, :, :256], clean[:, :, :256], atol=0, rtol=0)
@@ -352,12 +369,14 @@ def test_a_nan_key_on_the_hopper_dq_leaves_the_rows_before_it_exact(D):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", [128, 256])
-def test_non_finite_v_on_the_hopper_kernels_reaches_exactly_the_rows_that_attend_it(block):
-    """The Hopper kernels (16-bit, D=128): a NaN in v at key 300 reaches rows 300 on and no earlier row of its
-    causal diagonal tile (which shares the V tile: 0 x NaN), forward and backward (dQ of the rows before it,
-    dV everywhere, exact). Rows 256-299 share that tile without attending key 300: the forward sums it again
-    on the CUDA cores, P recomputed, so they equal the clean run within rounding; every other row bit for
-    bit. Mask blocks of 256 also hold a tile past the diagonal that no pair of it allows."""
+@pytest.mark.parametrize("one_pass", [False, True], ids=["two-pass", "one-pass"])
+def test_non_finite_v_on_the_hopper_kernels_reaches_exactly_the_rows_that_attend_it(block, one_pass, monkeypatch):
+    """The Hopper kernels (16-bit, D=128; the backward in two passes or in the one-pass kernel): a NaN in v at
+    key 300 reaches rows 300 on and no earlier row of its causal diagonal tile (which shares the V tile:
+    0 x NaN), forward and backward (dQ of the rows before it, dV everywhere, exact). Rows 256-299 share that
+    tile without attending key 300: the forward sums it again on the CUDA cores, P recomputed, so they equal
+    the clean run within rounding; every other row bit for bit. Mask blocks of 256 also hold a tile past the
+    diagonal that no pair of it allows."""
     n, position = 1024, 300  # rows 256-299 share the diagonal tile of key 300 and do not attend it
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, dout = (torch.randn(1, 2, n, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
@@ -370,7 +389,10 @@ def test_non_finite_v_on_the_hopper_kernels_reaches_exactly_the_rows_that_attend
         out = sparse_flash.block_sparse_attention(*inputs, mask, causal=True)
         return (out.detach(), *torch.autograd.grad(out, inputs, dout))
 
-    (out, dq, _, dv), (expected, dq_clean, _, dv_clean) = run(poisoned), run(v)
+    switches, served = _one_pass(one_pass, monkeypatch)
+    with switches:
+        (out, dq, _, dv), (expected, dq_clean, _, dv_clean) = run(poisoned), run(v)
+    assert bool(served) == one_pass
     hit = sorted(_rows_attending(mask.to("cpu"), True, [position]))
     assert hit[0] == position and len(hit) > 1  # rows 300 to the end of the next block
     bad = (~torch.isfinite(out[0])).any(-1).any(0).nonzero().flatten()
