@@ -206,14 +206,16 @@ def _finite_keys(K, k_row, col0, KEYS: gl.constexpr, DQ_D: gl.constexpr, HEAD_D:
     return ok
 
 
-@gluon.jit
+@gluon.jit(noinline=True)
 def _exact_dq_into(out, q, do, lse_s, delta_s, K, V, k_row, key0, q_tok, qk_scale, col0, KEYS: gl.constexpr,
                    blk: gl.constexpr):
     """dS K of a causal diagonal tile over its allowed pairs only (key <= query), into shared memory `out`
     ((BM, DQ_D) float32), 16 rows at a time and one key at a time on the CUDA cores: `KEYS` keys from K/V
     row `k_row` (sequence position `key0`), dQ columns [col0, col0 + DQ_D). S and dP from Q and dO (shared
     memory, (BM, D)) and K and V (global memory), with the rows' lse and delta (shared memory); dS rounded to
-    the inputs' dtype as the tensor cores take it. `blk`: a blocked layout of (16, D) tiles."""
+    the inputs' dtype as the tensor cores take it. `blk`: a blocked layout of (16, D) tiles. Not inlined: a
+    rare path (non-finite inputs) whose registers ptxas otherwise spills around the whole causal step (D = 128:
+    832 -> 392 spill bytes, of which far fewer in the compute partitions; GPU A/B pending)."""
     BM: gl.constexpr = q.shape[0]
     HEAD_D: gl.constexpr = q.shape[1]
     DQ_D: gl.constexpr = out.shape[1]
