@@ -5,7 +5,7 @@ Built like the forward (`gluon/fwd.py`), with the same work items (`schedule.row
 tile of one (batch, head) and its lists of key blocks). Inside a program:
 
 - one *load* warp issues TMA copies: the item's Q and dO tiles into one of two buffers each, then the K and
-  V tiles of its lists, 64 keys at a time, into rings of KV_BUFFERS buffers;
+  V tiles of its lists, 64 keys at a time, into rings of KV_BUFFERS[D] buffers;
 - two *compute* warpgroups (4 warps each), one per 64-row half of the item, first compute delta for their
   rows (dO from shared memory, O from global memory) and store it, then per key tile run S = Q K^T and
   dP = dO V^T, P = exp2(S - lse), dS = P (dP - delta) and dQ += dS K on the tensor cores; at the item's
@@ -41,7 +41,9 @@ from .pipeline import (FIRST_HALF, GL_DTYPES, ITEM_WIDTH, SECOND_HALF, bound_lau
                        runs_on, shapes_fit, takes_plan, tma_load, tma_store)
 
 BLOCK_N = 64  # keys per step
-KV_BUFFERS = 3  # K and V tiles in flight each; with two Q and two dO buffers, 224 KB of shared memory
+# K and V tiles in flight each, by head dim; with two Q and two dO buffers, 224 KB of shared memory at D = 128,
+# 192 KB at D = 64 (8-KB tiles)
+KV_BUFFERS = {128: 3, 64: 8}
 LOAD_REGS = 24
 COMPUTE_REGS = 240  # each compute warpgroup's (the first gets what the launch cap leaves: also 240)
 MAX_REGS = 168
@@ -290,7 +292,7 @@ class DqPlan:
         self.kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
         self.launch = bound_launch(_attn_bwd_dq_hopper_kernel, self.grid[0], (
             self.items, self.starts, self.full_idx, self.part_idx, Nq, scale * LOG2E, scale),
-            dict(SUB=sub, MASK_BLOCK_K=block_k, DENSE=dense, CAUSAL=causal, KV_STAGES=KV_BUFFERS,
+            dict(SUB=sub, MASK_BLOCK_K=block_k, DENSE=dense, CAUSAL=causal, KV_STAGES=KV_BUFFERS[D],
                  LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS), MAX_REGS)
         self.q_shape, self.dtype, self.device = q.shape, q.dtype, q.device
 
@@ -320,6 +322,6 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
                Delta="*fp32", DqPart="*fp32", K=f"*{name}", V=f"*{name}", Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32", Nq="i32",
                qk_scale="fp32", sm_scale="fp32")
     block = ROW_BLOCK if dense else block_k
-    constexprs = dict(SUB=block // BLOCK_N, MASK_BLOCK_K=block, DENSE=dense, CAUSAL=causal, KV_STAGES=KV_BUFFERS,
+    constexprs = dict(SUB=block // BLOCK_N, MASK_BLOCK_K=block, DENSE=dense, CAUSAL=causal, KV_STAGES=KV_BUFFERS[D],
                       LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS, num_warps=4)
     return compile_gluon_sm90(_attn_bwd_dq_hopper_kernel, sig, constexprs, MAX_REGS)

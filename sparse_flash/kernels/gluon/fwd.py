@@ -7,7 +7,7 @@ the causal diagonal, which take an element mask), shares balanced by their key t
 (`schedule.assign_programs`). Inside a program:
 
 - one *load* warp issues TMA copies: the next item's Q tile into one of two Q buffers, and K and V tiles
-  into rings of K_BUFFERS and V_BUFFERS buffers, each signalled on an mbarrier when it lands;
+  into rings of RINGS[D] = (K, V) buffers, each signalled on an mbarrier when it lands;
 - two *compute* warpgroups (4 warps each), one per half of the item's 128 query rows, run S = Q K^T and
   O += P V on the tensor cores (`warpgroup_mma`) with the online softmax between them, release each K
   and V buffer and the Q buffer as soon as the products that read them are done, and store O and the
@@ -48,7 +48,9 @@ from .pipeline import (FIRST_HALF, GL_DTYPES, ITEM_WIDTH, SECOND_HALF, bound_lau
                        runs_on, shapes_fit, takes_plan, tma_load, tma_store)
 
 BLOCK = 128  # query rows per item and key rows per K/V stage
-K_BUFFERS, V_BUFFERS = 2, 3  # K and V tiles in flight per program: with two Q buffers, 224 KB at D = 128
+# K and V tiles in flight per program, by head dim: with two Q buffers, 224 KB of shared memory at D = 128 and
+# 176 KB at D = 64 (16-KB tiles: the deeper rings keep the scattered tiles of sparse lists loading further ahead)
+RINGS = {128: (2, 3), 64: (4, 5)}
 LOAD_REGS = 24  # registers per thread of the load warp
 COMPUTE_REGS = 224  # registers per thread of the second compute warpgroup (the first gets what is left: 256)
 MAX_REGS = 168  # registers per thread of the whole program (12 warps: 8 compute, 4 for the load warp's group)
@@ -400,7 +402,7 @@ class FwdPlan:
         self.D = D
         self.launch = bound_launch(_attn_fwd_hopper_kernel, self.grid[0], (
             self.items, self.starts, self.full_idx, self.part_idx, Nq, scale * LOG2E),
-            _constexprs(block_k, dense, causal, split, BLOCK if dense else geometry.block_q), MAX_REGS)
+            _constexprs(block_k, dense, causal, split, BLOCK if dense else geometry.block_q, D), MAX_REGS)
         self.out_shape, self.lse_shape, self.dtype, self.device = q.shape, (B, Hq, Nq), q.dtype, q.device
 
     def __call__(self, q, k, v):
@@ -415,10 +417,11 @@ class FwdPlan:
         return out, lse
 
 
-def _constexprs(block_k: int, dense: bool, causal: bool, split: bool, block_q: int) -> dict:
+def _constexprs(block_k: int, dense: bool, causal: bool, split: bool, block_q: int, head_dim: int) -> dict:
     dead_tiles = causal and max(block_q, block_k) > BLOCK  # a partial block may reach past an item's rows
+    k_stages, v_stages = RINGS[head_dim]
     return dict(SUB=block_k // BLOCK, MASK_BLOCK_K=block_k, DENSE=dense, CAUSAL=causal, DEAD_TILES=dead_tiles,
-                SPLIT=split, K_STAGES=K_BUFFERS, V_STAGES=V_BUFFERS, LOAD_WARP_REGS=LOAD_REGS,
+                SPLIT=split, K_STAGES=k_stages, V_STAGES=v_stages, LOAD_WARP_REGS=LOAD_REGS,
                 COMPUTE_REGS=COMPUTE_REGS)
 
 
@@ -442,5 +445,5 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
                Lse="*fp32", OutPart="*fp32", LsePart="*fp32", K=f"*{name}", V=f"*{name}", Items="*i32",
                Starts="*i32", FullIdx="*i32",
                PartIdx="*i32", Nq="i32", qk_scale="fp32")
-    constexprs = _constexprs(block_k, dense, causal, split, block_q or (BLOCK if dense else block_k))
+    constexprs = _constexprs(block_k, dense, causal, split, block_q or (BLOCK if dense else block_k), D)
     return compile_gluon_sm90(_attn_fwd_hopper_kernel, sig, dict(constexprs, num_warps=4), MAX_REGS)
