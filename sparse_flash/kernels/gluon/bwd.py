@@ -62,7 +62,7 @@ from .pipeline import (FIRST_HALF, GL_DTYPES, ITEM_WIDTH, SECOND_HALF, bound_lau
 
 BLOCK_N = 128  # keys per item (64 per compute warpgroup)
 BLOCK_M = 64  # query rows per step
-STEP_BUFFERS = 2  # Q / dO / lse / delta slots in flight
+STEP_BUFFERS = {128: 2, 64: 3}  # Q / dO / lse / delta slots in flight, by head dim (shared memory allows 3 at D = 64)
 LOAD_REGS = 24
 COMPUTE_REGS = 240
 MAX_REGS = 168
@@ -527,7 +527,7 @@ class BwdPlan:
             self.turns, self.step_starts, self.items, self.starts, self.full_idx, self.part_idx, Nq, Nk,
             scale * LOG2E, scale),
             dict(GROUPS=G, SUB=sub, MASK_BLOCK_Q=block_q, DENSE=dense, CAUSAL=causal, ORDERED=ordered,
-                 STAGES=STEP_BUFFERS, LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS), MAX_REGS,
+                 STAGES=STEP_BUFFERS[D], LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS), MAX_REGS,
             cooperative=ordered)
         programs = self.rows // BLOCK_M
         consts = dict(D=D, ROWS=BLOCK_M)
@@ -570,6 +570,6 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
                Turns="*i32", StepStarts="*i32", Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32",
                Nq="i32", Nk="i32", qk_scale="fp32", sm_scale="fp32")
     constexprs = dict(GROUPS=groups, SUB=1 if dense else block_q // BLOCK_M, MASK_BLOCK_Q=BLOCK_M if dense else block_q,
-                      DENSE=dense, CAUSAL=causal, ORDERED=ordered, STAGES=STEP_BUFFERS, LOAD_WARP_REGS=LOAD_REGS,
+                      DENSE=dense, CAUSAL=causal, ORDERED=ordered, STAGES=STEP_BUFFERS[D], LOAD_WARP_REGS=LOAD_REGS,
                       COMPUTE_REGS=COMPUTE_REGS, num_warps=4)
     return compile_gluon_sm90(_one_pass_bwd_kernel, sig, constexprs, MAX_REGS)

@@ -6,7 +6,7 @@ here a 128-key tile of one (batch, KV head) and the lists of 64-row query tiles 
 query head sharing that KV head (GQA). Inside a program:
 
 - one *load* warp issues TMA copies: the item's K and V tiles into one of two K/V buffers, then for each
-  query tile its Q and dO rows and its log-sum-exp and delta into a ring of STEP_BUFFERS slots, each
+  query tile its Q and dO rows and its log-sum-exp and delta into a ring of STEP_BUFFERS[D] slots, each
   signalled on an mbarrier;
 - two *compute* warpgroups (4 warps each), one per 64-key half of the tile, run per query tile
   S^T = K Q^T and dP^T = V dO^T, then P^T = exp2(S^T - lse), dV += P^T dO, dS^T = P^T (dP^T - delta)
@@ -49,7 +49,9 @@ from .pipeline import (FIRST_HALF, GL_DTYPES, ITEM_WIDTH, SECOND_HALF, bound_lau
 
 BLOCK_N = 128  # keys per item (64 per compute warpgroup)
 BLOCK_M = 64  # query rows per step
-STEP_BUFFERS = 3  # Q / dO / lse / delta slots in flight; with two K/V buffers, 226 KB of shared memory
+# Q / dO / lse / delta slots in flight, by head dim; with two K/V buffers, 226 KB of shared memory at D = 128,
+# 194 KB at D = 64 (8-KB Q and dO tiles)
+STEP_BUFFERS = {128: 3, 64: 8}
 LOAD_REGS = 24
 COMPUTE_REGS = 240  # each compute warpgroup's (the first gets what the launch cap leaves: also 240)
 MAX_REGS = 168
@@ -334,7 +336,7 @@ class DkdvPlan:
         self.row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
         self.launch = bound_launch(_attn_bwd_dkdv_hopper_kernel, self.grid[0], (
             self.items, self.starts, self.full_idx, self.part_idx, Nq, Nk, scale * LOG2E, scale),
-            dict(GROUPS=Hq // Hkv, SUB=sub, MASK_BLOCK_Q=block_q, DENSE=dense, CAUSAL=causal, STAGES=STEP_BUFFERS,
+            dict(GROUPS=Hq // Hkv, SUB=sub, MASK_BLOCK_Q=block_q, DENSE=dense, CAUSAL=causal, STAGES=STEP_BUFFERS[D],
                  LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS), MAX_REGS)
         self.k_shape, self.dtype, self.device = k.shape, q.dtype, q.device
 
@@ -368,6 +370,6 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
                dk_desc=out_desc, dv_desc=out_desc, DkPart="*fp32", DvPart="*fp32", Items="*i32", Starts="*i32",
                FullIdx="*i32", PartIdx="*i32", Nq="i32", Nk="i32", qk_scale="fp32", sm_scale="fp32")
     constexprs = dict(GROUPS=groups, SUB=1 if dense else block_q // BLOCK_M, MASK_BLOCK_Q=BLOCK_M if dense else block_q,
-                      DENSE=dense, CAUSAL=causal, STAGES=STEP_BUFFERS, LOAD_WARP_REGS=LOAD_REGS,
+                      DENSE=dense, CAUSAL=causal, STAGES=STEP_BUFFERS[D], LOAD_WARP_REGS=LOAD_REGS,
                       COMPUTE_REGS=COMPUTE_REGS, num_warps=4)
     return compile_gluon_sm90(_attn_bwd_dkdv_hopper_kernel, sig, constexprs, MAX_REGS)

@@ -5,7 +5,7 @@ Built like the forward (`gluon/fwd.py`), with the same work items (`schedule.row
 tile of one (batch, head) and its lists of key blocks). Inside a program:
 
 - one *load* warp issues TMA copies: the item's Q and dO tiles into one of two buffers each, then the K and
-  V tiles of its lists, 64 keys at a time, into rings of KV_BUFFERS buffers;
+  V tiles of its lists, TILES[D][0] keys at a time (64 at D = 128), into rings of TILES[D][1] buffers;
 - two *compute* warpgroups (4 warps each), one per 64-row half of the item, first compute delta for their
   rows (dO from shared memory, O from global memory) and store it, then per key tile run S = Q K^T and
   dP = dO V^T, P = exp2(S - lse), dS = P (dP - delta) and dQ += dS K on the tensor cores; at the item's
@@ -40,8 +40,9 @@ from .pipeline import (FIRST_HALF, GL_DTYPES, ITEM_WIDTH, SECOND_HALF, bound_lau
                        num_sms, partition_barrier, release, release_after_store, ring_barriers, row_spec,
                        runs_on, shapes_fit, takes_plan, tma_load, tma_store)
 
-BLOCK_N = 64  # keys per step
-KV_BUFFERS = 3  # K and V tiles in flight each; with two Q and two dO buffers, 224 KB of shared memory
+# (keys per step, K and V tiles in flight each) by head dim; with two Q and two dO buffers, 224 KB of shared
+# memory at D = 128 and 192 KB at D = 64 (128-key steps: half the waits per product of the 64-key ones)
+TILES = {128: (64, 3), 64: (128, 4)}
 LOAD_REGS = 24
 COMPUTE_REGS = 240  # each compute warpgroup's (the first gets what the launch cap leaves: also 240)
 MAX_REGS = 168
@@ -111,7 +112,7 @@ def _dq_step(q, do, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, lse,
         release(k_empty.index(sk))
         finite = (tile == tile) & (gl.abs(tile) < float("inf"))
         if gl.max(gl.max(gl.where(finite, 0, 1), 1), 0) > 0:
-            dq = _diagonal_dq_exact(dq, q, do, K, V, kv_row + key0, key0, q_tok, lse, delta, qk_scale)
+            dq = _diagonal_dq_exact(dq, q, do, K, V, kv_row + key0, key0, q_tok, lse, delta, qk_scale, BN)
         else:
             dq = dq + tile
     else:
@@ -122,14 +123,14 @@ def _dq_step(q, do, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, lse,
 
 
 @gluon.jit
-def _diagonal_dq_exact(dq, q, do, K, V, k_row, key0, q_tok, lse, delta, qk_scale):
+def _diagonal_dq_exact(dq, q, do, K, V, k_row, key0, q_tok, lse, delta, qk_scale, K_TILE: gl.constexpr):
     """`dq` plus dS K of a causal diagonal tile over its allowed pairs only (key <= query), one key at a time:
     S and dP from Q and dO (this warpgroup's rows in shared memory) and K and V in global memory, dS rounded to
     the inputs' dtype as the tensor cores take it. A non-finite value at key j reaches the rows that attend j
     and no other. (BM, HEAD_D) float32."""
     BM: gl.constexpr = dq.type.shape[0]
     HEAD_D: gl.constexpr = dq.type.shape[1]
-    BN: gl.constexpr = 64
+    BN: gl.constexpr = K_TILE
     acc_layout: gl.constexpr = dq.type.layout
     rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     rows = q_tok + gl.arange(0, BM, layout=rows_layout)  # (BM,)
@@ -269,7 +270,8 @@ class DqPlan:
         Hkv, Nk = k.shape[1], k.shape[2]
         dense = index is None
         block_k = ROW_BLOCK if dense else geometry.block_k  # dense lists count ROW_BLOCK-key tiles
-        sub = block_k // BLOCK_N
+        block_n, kv_buffers = TILES[D]
+        sub = block_k // block_n
         split = SplitPlan(q.device) if dense else SplitPlan(q.device, index.row_plan, B, Hq, geometry, D)
         if split.num_split:  # the chunks of the lists the mask's work plan splits (host sizes: no wait otherwise)
             items, merges = split_items("rows", B, Hq, Hkv, Nq, Nk, index, geometry, split.copy_strides, split.copies,
@@ -287,10 +289,11 @@ class DqPlan:
                                         (index.row_full.indices, index.row_partial.indices))
         dtype = GL_DTYPES[q.dtype]
         self.q_layout = gl.NVMMASharedLayout.get_default_for([ROW_BLOCK, D], dtype)
-        self.kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+        self.kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, D], dtype)
+        self.block_n = block_n
         self.launch = bound_launch(_attn_bwd_dq_hopper_kernel, self.grid[0], (
             self.items, self.starts, self.full_idx, self.part_idx, Nq, scale * LOG2E, scale),
-            dict(SUB=sub, MASK_BLOCK_K=block_k, DENSE=dense, CAUSAL=causal, KV_STAGES=KV_BUFFERS,
+            dict(SUB=sub, MASK_BLOCK_K=block_k, DENSE=dense, CAUSAL=causal, KV_STAGES=kv_buffers,
                  LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS), MAX_REGS)
         self.q_shape, self.dtype, self.device = q.shape, q.dtype, q.device
 
@@ -299,7 +302,7 @@ class DqPlan:
         dq = new_output(self.q_shape, self.dtype, self.device)
         part = self.chunk_sum.scratch(self.device)
         descs = (row_spec(q, ROW_BLOCK, self.q_layout), row_spec(do, ROW_BLOCK, self.q_layout),
-                 row_spec(k, BLOCK_N, self.kv_layout), row_spec(v, BLOCK_N, self.kv_layout),
+                 row_spec(k, self.block_n, self.kv_layout), row_spec(v, self.block_n, self.kv_layout),
                  row_spec(dq, ROW_BLOCK // 2, self.q_layout))  # dQ: each warpgroup stores its 64 rows
         self.launch(*descs, out, lse, delta, part, k, v)  # k and v also as pointers: `_diagonal_dq_exact` reads them
         self.chunk_sum(dq, part)
@@ -313,13 +316,14 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
     D = head_dim
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
     q_layout = gl.NVMMASharedLayout.get_default_for([ROW_BLOCK, D], GL_DTYPES[dtype])
-    kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], GL_DTYPES[dtype])
-    q_desc, kv_desc = descriptor_type(name, (ROW_BLOCK, D), q_layout), descriptor_type(name, (BLOCK_N, D), kv_layout)
+    block_n, kv_buffers = TILES[D]
+    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, D], GL_DTYPES[dtype])
+    q_desc, kv_desc = descriptor_type(name, (ROW_BLOCK, D), q_layout), descriptor_type(name, (block_n, D), kv_layout)
     sig = dict(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc,
                dq_desc=descriptor_type(name, (ROW_BLOCK // 2, D), q_layout), Out=f"*{name}", Lse="*fp32",
                Delta="*fp32", DqPart="*fp32", K=f"*{name}", V=f"*{name}", Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32", Nq="i32",
                qk_scale="fp32", sm_scale="fp32")
     block = ROW_BLOCK if dense else block_k
-    constexprs = dict(SUB=block // BLOCK_N, MASK_BLOCK_K=block, DENSE=dense, CAUSAL=causal, KV_STAGES=KV_BUFFERS,
+    constexprs = dict(SUB=block // block_n, MASK_BLOCK_K=block, DENSE=dense, CAUSAL=causal, KV_STAGES=kv_buffers,
                       LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS, num_warps=4)
     return compile_gluon_sm90(_attn_bwd_dq_hopper_kernel, sig, constexprs, MAX_REGS)
