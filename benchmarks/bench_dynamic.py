@@ -7,7 +7,8 @@ Two parts, every competitor in the same process on the same scores and inputs:
    CUDA-event timings of back-to-back calls, `triton.testing.do_bench`) and replayed from a CUDA graph that
    holds `from_topk` and nothing else (`do_bench_cudagraph`). The issue's target: at most 100 us, capturable.
    Also the same build compiled whole (`torch.compile(ours_topk_index, fullgraph=True)`: the index lists and
-   work plans an attention call reads, its ~280 small operators fused by inductor), eager and graphed.
+   work plans an attention call reads: the same Triton launches as custom ops since step 89, before it ~280 small
+   operators fused by inductor), eager and graphed.
    Beside it, FlexAttention's builders: `create_block_mask` (compiled) with a mask_mod reading a boolean
    block table of the same choice, at 65,536 tokens (it evaluates the mask_mod on all B*H*N^2 pairs), and
    `BlockMask.from_kv_blocks` fed the same top-k choice (`torch.topk`, the route FlexAttention users take
@@ -91,7 +92,8 @@ def ours_topk_mask(scores: torch.Tensor, k: int, causal: bool) -> BlockMask:
 
 def ours_topk_index(scores: torch.Tensor, k: int, causal: bool):
     """What an attention call with this `causal` flag reads of a `from_topk` mask: its `KernelIndex` (index lists
-    and work plans). Compiled whole (`torch.compile`), its ~280 small operators become a few fused kernels."""
+    and work plans). Compiled whole (`torch.compile`), the choice, lists and plans run as `index_gpu`'s custom
+    ops."""
     return ours_topk_mask(scores, k, causal)._records(causal)[0]  # the lists themselves, as the kernels get them
 
 

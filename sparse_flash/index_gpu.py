@@ -9,8 +9,10 @@ with many small torch operators, each a kernel launch of its own:
 - `split_plan`: the same where some lists are cut into chunks (global rows and columns): every chunk an item,
   with its scratch slot, and the split lists' tables.
 
-`mask_index` calls them for tensors on a CUDA device outside torch.compile (inside, inductor fuses the torch
-operators itself); this is the only module of the mask layer that imports Triton, and only then. Each builds
+`mask_index` calls them for tensors on a CUDA device; inside torch.compile the top-k builders (`choose_topk`,
+`topk_lists`, `unsplit_plans`: their sizes are known on the host) run as custom ops (the end of this module),
+and the others are left to inductor's fusion of the torch operators. This is the only module of the mask layer
+that imports Triton, and only then. Each builds
 exactly what the torch operators build (tests/test_layout.py and tests/test_dynamic_masks.py compare them under
 TRITON_INTERPRET=1).
 
@@ -48,10 +50,23 @@ def int32_pieces(shapes: list[tuple[int, ...]], device: torch.device) -> list[to
         >>> a.shape, b.shape, b.data_ptr() - a.data_ptr()
         (torch.Size([2, 3]), torch.Size([5]), 128)
     """
-    sizes = [math.prod(shape) for shape in shapes]
-    cuts = [piece for n in sizes for piece in (n, -n % ALIGN)]  # each piece, then its padding
-    arena = torch.empty(sum(cuts), dtype=torch.int32, device=device)
-    return [piece if len(shape) == 1 else piece.view(shape) for piece, shape in zip(arena.split(cuts)[::2], shapes)]
+    return pieces_of(int32_arena(shapes, device), shapes)
+
+
+def _cuts(shapes: list[tuple[int, ...]]) -> list[int]:
+    """Each piece's length, then its padding to the next multiple of `ALIGN` int32s."""
+    return [piece for n in (math.prod(shape) for shape in shapes) for piece in (n, -n % ALIGN)]
+
+
+def int32_arena(shapes: list[tuple[int, ...]], device: torch.device) -> torch.Tensor:
+    """The one uninitialised int32 allocation that `pieces_of` cuts into tensors of these shapes."""
+    return torch.empty(sum(_cuts(shapes)), dtype=torch.int32, device=device)
+
+
+def pieces_of(arena: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Views of `arena` (from `int32_arena(shapes, ...)`) with these shapes, in order."""
+    pieces = arena.split(_cuts(shapes))[::2]
+    return [piece if len(shape) == 1 else piece.view(shape) for piece, shape in zip(pieces, shapes)]
 
 
 def _on(device: torch.device):
@@ -99,8 +114,22 @@ def unsplit_plans(plans: list[PlanInput], longest: int):
         >>> items[0, 0, :, 0].tolist()  # the lists by rank: longest first
         [1, 2, 0]
     """
+    shapes = [shape for plan in plans for shape in unsplit_plan_shapes(plan.counts)]
+    if torch.compiler.is_compiling():
+        flat = [t for plan in plans for t in (plan.counts, *plan.full[:3], *plan.part[:3])]
+        arena, leads = _unsplit_plans_op(flat, [float(plan.heavy_above) for plan in plans], longest)
+    else:
+        arena, leads = _unsplit_plans(plans, longest, shapes)
+    pieces = iter(pieces_of(arena, shapes))
+    return [(next(pieces), next(pieces), next(pieces), leads[p:p + 1]) for p in range(len(plans))]
+
+
+def _unsplit_plans(plans: list[PlanInput], longest: int, shapes: list[tuple[int, ...]]):
+    """`unsplit_plans`' launches: `(arena, leads)`, the items, chunks and slots of every plan in one allocation
+    (`pieces_of(arena, shapes)`) and each plan's count of heavy lists."""
     device = plans[0].counts.device
-    pieces = iter(int32_pieces([shape for plan in plans for shape in unsplit_plan_shapes(plan.counts)], device))
+    arena = int32_arena(shapes, device)
+    pieces = iter(pieces_of(arena, shapes))
     leads = torch.zeros(len(plans), dtype=torch.int32, device=device)  # one fill for every plan's count
     out = [(next(pieces), next(pieces), next(pieces), leads[p:p + 1]) for p in range(len(plans))]
     with _on(device):
@@ -117,7 +146,7 @@ def unsplit_plans(plans: list[PlanInput], longest: int):
                 args += [counts, *full[:3], *part[:3], *out[p], M, float(heavy_above), end]
                 consts.update({f"BLOCK{n}": block, f"CHUNK{n}": chunk})
             launch(_unsplit_plans_kernel, (end, ), (*args, longest), dict(**consts, FIELDS=FIELDS), WARPS, STAGES)
-    return out
+    return arena, leads
 
 
 def unsplit_plan_shapes(counts: torch.Tensor) -> list[tuple[int, ...]]:
@@ -428,13 +457,29 @@ def topk_lists(selected: torch.Tensor, counts: torch.Tensor, partial: torch.Tens
         as in `mask_index.BlockIndex` (int32; counts `(B, H, M)`, offsets `(B * H * M + 1,)`): the lists that
         `mask_index._sides` builds from the same choice.
     """
+    shapes = topk_list_shapes(selected.shape, cols, sizes)
+    if torch.compiler.is_compiling():
+        arena = _topk_lists_op(selected, counts, partial, per_group, cols, list(sizes))
+    else:
+        arena = _topk_lists(selected, counts, partial, cols, sizes, kind, per_group, shapes)
+    pieces = pieces_of(arena, shapes)
+    return ([tuple(pieces[side * 9 + 3 * kind:side * 9 + 3 * kind + 3]) for kind in range(3)] for side in (0, 1))
+
+
+def topk_list_shapes(selected_shape, cols: int, sizes) -> list[tuple[int, ...]]:
+    """The shapes of `topk_lists`' outputs, in one allocation: both sides' (counts, offsets, indices) of each
+    kind (live, full, partial)."""
+    B, H, Mq, _ = selected_shape
+    return [shape for m in (Mq, cols) for n in sizes for shape in ((B, H, m), (B * H * m + 1,), (n,))]
+
+
+def _topk_lists(selected, counts, partial, cols: int, sizes: tuple, kind, per_group, shapes):
+    """`topk_lists`' launches: the allocation of its lists (`pieces_of(arena, shapes)`)."""
     B, H, Mq, W = selected.shape
     G, device = counts.shape[0], selected.device
-
     n_cols = B * H * cols
-    # both sides' (counts, offsets, indices) of each kind in one allocation
-    shapes = [shape for m in (Mq, cols) for n in sizes for shape in ((B, H, m), (B * H * m + 1,), (n,))]
-    pieces = int32_pieces(shapes, device)
+    arena = int32_arena(shapes, device)
+    pieces = pieces_of(arena, shapes)
     rows, col_lists = ([tuple(pieces[side * 9 + 3 * kind:side * 9 + 3 * kind + 3]) for kind in range(3)]
                        for side in (0, 1))
     per_col = torch.empty((3, n_cols), dtype=torch.int32, device=device)  # the columns' kind counts, while building
@@ -452,7 +497,7 @@ def topk_lists(selected: torch.Tensor, counts: torch.Tensor, partial: torch.Tens
         launch(_topk_col_write_kernel, (B * H * triton.cdiv(cols, col_chunk), ),
                (kind, per_col, per_group, *[t for part in col_lists for t in part], n_cols, H, G, Mq, cols),
                dict(BLOCK=block, COLS=triton.next_power_of_2(cols), CHUNK=col_chunk, GROUPS=groups), WARPS, STAGES)
-    return rows, col_lists
+    return arena
 
 
 ROW_TILE = 1024  # kept-block slots (rows x widest row) of one `_topk_rows_kernel` program
@@ -778,6 +823,13 @@ def choose_topk(scores: torch.Tensor, counts: torch.Tensor, width: int, causal: 
     so its reductions need no shared memory (several rows per program, or several warps per row, measured
     slower: tuning log, step 78).
     """
+    if torch.compiler.is_compiling():
+        return _choose_topk_op(scores, counts, cand, width, causal)
+    return _choose_topk(scores, counts, cand, width, causal)
+
+
+def _choose_topk(scores, counts, cand, width: int, causal: bool):
+    """`choose_topk`'s launch."""
     B, H, Mq, Mk = scores.shape
     device = scores.device
     selected = torch.empty((B, H, Mq, width), dtype=torch.int64, device=device)
@@ -846,3 +898,57 @@ def _choose_topk_kernel(Scores, Counts, Cand, Selected, Layout, H, num_groups, M
     if CAUSAL:
         rest = tl.where((j == take) & (n > 0), last.to(tl.int64), rest)
     tl.store(out + j, rest, mask=(j >= take) & (j < width))
+
+
+# Inside torch.compile. Dynamo cannot trace the direct launches (`launch`), and inductor's fusion of the torch
+# operators that build the same choice and lists took 0.43-0.91 ms of GPU time at 32,768-65,536 tokens, where
+# the launches take 34-78 us (both replayed from CUDA graphs; tuning log, steps 62 and 78). So the
+# builders whose output sizes the host knows (a top-k mask's choice, lists and plans) run there as custom ops:
+# each op's fake implementation only allocates its outputs, its real one launches as outside torch.compile. A
+# custom op's outputs may not alias each other: an op whose outputs share one allocation returns that
+# allocation, which the caller cuts (`pieces_of`) outside the op.
+
+@torch.library.custom_op("sparse_flash::choose_topk", mutates_args=())
+def _choose_topk_op(scores: torch.Tensor, counts: torch.Tensor, cand: torch.Tensor, width: int,
+                    causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _choose_topk(scores, counts, cand, width, causal)
+
+
+@_choose_topk_op.register_fake
+def _(scores, counts, cand, width, causal):
+    B, H, Mq, Mk = scores.shape
+    return scores.new_empty((B, H, Mq, width), dtype=torch.int64), scores.new_empty(scores.shape, dtype=torch.bool)
+
+
+@torch.library.custom_op("sparse_flash::topk_lists", mutates_args=())
+def _topk_lists_op(selected: torch.Tensor, counts: torch.Tensor, partial: torch.Tensor, per_group: torch.Tensor,
+                   cols: int, sizes: list[int]) -> torch.Tensor:
+    B, H, Mq, _ = selected.shape
+    kind = torch.zeros((B * H * cols, Mq), dtype=torch.int8, device=selected.device)  # the op's own: no mutation
+    return _topk_lists(selected, counts, partial, cols, tuple(sizes), kind, per_group,
+                       topk_list_shapes(selected.shape, cols, sizes))
+
+
+@_topk_lists_op.register_fake
+def _(selected, counts, partial, per_group, cols, sizes):
+    return selected.new_empty(sum(_cuts(topk_list_shapes(selected.shape, cols, sizes))), dtype=torch.int32)
+
+
+_PLAN_TENSORS = 7  # a `PlanInput`'s tensors: counts, then full's and part's (counts, offsets, indices)
+
+
+@torch.library.custom_op("sparse_flash::unsplit_plans", mutates_args=())
+def _unsplit_plans_op(flat: list[torch.Tensor], heavy_above: list[float],
+                      longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = _PLAN_TENSORS
+    plans = [PlanInput(flat[n * p], tuple(flat[n * p + 1:n * p + 4]), tuple(flat[n * p + 4:n * p + 7]), heavy)
+             for p, heavy in enumerate(heavy_above)]
+    return _unsplit_plans(plans, longest, [shape for plan in plans for shape in unsplit_plan_shapes(plan.counts)])
+
+
+@_unsplit_plans_op.register_fake
+def _(flat, heavy_above, longest):
+    shapes = [shape for counts in flat[::_PLAN_TENSORS] for shape in unsplit_plan_shapes(counts)]
+    counts = flat[0]
+    return (counts.new_empty(sum(_cuts(shapes)), dtype=torch.int32),
+            counts.new_empty(len(heavy_above), dtype=torch.int32))

@@ -434,7 +434,7 @@ class BlockMask:
         tables = topk_tables(ks, causal, geometry, scores.device)  # candidates, counts (len(ks), Mq), partials
         cand, counts = tables.cand, tables.counts
         width = topk_sizes(ks, causal, B, H, geometry).longest_row
-        gpu = gpu_builders(scores)
+        gpu = gpu_builders(scores, traceable=True)
         if gpu is not None and gpu.choose_supported(Mk, scores.dtype):  # one Triton launch for the choice and the layout
             selected, layout = gpu.choose_topk(scores, counts, width, causal, cand)
         else:

@@ -453,11 +453,16 @@ def _unsplit_plans(sides: list[_Side]) -> list[WorkPlan]:
 
 def _on_gpu(t: torch.Tensor) -> bool:
     """Whether lists and plans of tensors like `t` are built by `index_gpu`'s Triton launches: on a CUDA device,
-    outside torch.compile (there inductor fuses the torch operators), with the kernel setting `gpu_index`
-    (`sparse_flash.kernels.settings`, a module without Triton). Tests make it true on the CPU, under
-    TRITON_INTERPRET=1, to compare both builders."""
-    if not t.is_cuda or torch.compiler.is_compiling():
-        return False
+    with the kernel setting `gpu_index`. Tests make it true on the CPU, under TRITON_INTERPRET=1, to compare
+    both builders."""
+    return t.is_cuda and _gpu_index_setting()
+
+
+@torch.compiler.assume_constant_result
+def _gpu_index_setting() -> bool:
+    """The kernel setting `gpu_index` (`sparse_flash.kernels.settings`, a module without Triton). Inside
+    torch.compile it is read when the graph is traced (Dynamo cannot read the settings' context variable):
+    a compiled graph keeps the builder it was traced with, which builds the same lists as the other."""
     from .kernels import settings
 
     return settings.current().gpu_index
@@ -472,8 +477,13 @@ def _index_gpu():
     return index_gpu
 
 
-def gpu_builders(t: torch.Tensor):
-    """`sparse_flash.index_gpu` where it builds the lists of tensors like `t` (`_on_gpu`), else None."""
+def gpu_builders(t: torch.Tensor, traceable: bool = False):
+    """`sparse_flash.index_gpu` where it builds the lists of tensors like `t` (`_on_gpu`), else None. Inside
+    torch.compile only for the builders that run there as custom ops (`traceable`: the top-k choice and lists
+    and the unsplit work plans, whose sizes the host knows); the others' sizes wait for the device, and there
+    inductor fuses the torch operators instead."""
+    if torch.compiler.is_compiling() and not traceable:
+        return None
     return _index_gpu() if _on_gpu(t) else None
 
 
@@ -482,7 +492,7 @@ def _unsplit_plans_on_gpu(plans: list[_PlanInput]) -> list[WorkPlan] | None:
     (`sparse_flash.index_gpu.unsplit_plans`), or None where that does not apply (`_on_gpu`, no Triton, more
     lists per head than one program sorts)."""
     counts = plans[0].counts
-    index_gpu = gpu_builders(counts)
+    index_gpu = gpu_builders(counts, traceable=True)
     longest = max(plan.counts.shape[-1] for plan in plans)  # a list holds at most the other side's blocks
     if index_gpu is None or not all(index_gpu.supported(plan.counts.shape[-1], longest) for plan in plans):
         return None
@@ -844,7 +854,7 @@ def _topk_sides_on_gpu(selected: torch.Tensor, counts: torch.Tensor, partials: d
     None where that does not apply (`_on_gpu`, no Triton, more kept blocks per head or query blocks per column
     than one program holds)."""
     B, H, Mq, W = selected.shape
-    index_gpu = gpu_builders(selected)
+    index_gpu = gpu_builders(selected, traceable=True)
     if index_gpu is None or not index_gpu.topk_supported(Mq, W, Mk):
         return None
     out = {}

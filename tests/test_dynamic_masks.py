@@ -450,6 +450,66 @@ def test_moba_layer_checks_and_repr():
             MoBAAttention(**{**dict(embed_dim=64, num_heads=4, block_size=32, top_k=3), **kwargs})
 
 
+@pytest.mark.parametrize("p", [EDGES[0], EDGES[1], EDGES[4]], ids=["edge0", "edge1", "edge4"])
+def test_topk_masks_made_inside_torch_compile_take_the_triton_builders(p):
+    """Inside torch.compile a top-k mask's choice, lists and plans come from `index_gpu`'s launches as custom ops
+    (their fake implementations give the shapes; Dynamo cannot trace the launches themselves): the same layout
+    and every list and plan of every flag built there equal the torch operators' outside (here under
+    TRITON_INTERPRET=1, as on a GPU, compiled with aot_eager, which runs the ops' fake implementations first)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
+    from sparse_flash import index_gpu
+
+    scores = p.scores()
+    want = p.mask(scores)  # the torch operators (and, for a non-causal choice, its causal lists' builder made)
+    flags = (False, True) if p.causal else (False, )
+
+    def build(s):
+        m = p.mask(s)
+        return m.layout, [[tuple(r) for r in (m.row_index(f), m.col_index(f), *m.kernel_index(f))] for f in flags]
+
+    torch._dynamo.reset()
+    with mock.patch.object(mask_index, "_on_gpu", lambda t: True), \
+            mock.patch.object(index_gpu, "_topk_lists", wraps=index_gpu._topk_lists) as lists, \
+            mock.patch.object(index_gpu, "_unsplit_plans", wraps=index_gpu._unsplit_plans) as plans, \
+            mock.patch.object(index_gpu, "_choose_topk", wraps=index_gpu._choose_topk) as choice:
+        layout, got = torch.compile(build, fullgraph=True, backend="aot_eager")(scores)
+        assert (choice.call_count, lists.call_count, plans.call_count) == (1, len(flags), 1)  # one run of the graph
+    assert torch.equal(layout, want.layout)
+    for f, records in zip(flags, got):
+        wanted = (want.row_index(f), want.col_index(f), *want.kernel_index(f))
+        for mine, theirs in zip(records, wanted):
+            for name, x, y in zip(theirs._fields, mine, theirs):
+                assert x.dtype == y.dtype and torch.equal(x, y), (f, type(theirs).__name__, name)
+
+
+def test_index_builder_ops_pass_opcheck():
+    """The custom ops that build a top-k mask inside torch.compile: schema, autograd registration and fake
+    implementations agree with the launches (`torch.library.opcheck`). The lists' and plans' ops return one
+    allocation with uninitialised padding between the pieces, so their eager-against-traced comparison is
+    the test above, piece by piece."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
+    from sparse_flash import index_gpu
+
+    scores = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    ks, geometry = (3, ), (8, 8, 16, 16, 128, 128)
+    tables = mask_index.topk_tables(ks, True, geometry, "cpu")
+    sizes = mask_index.topk_sizes(ks, True, 2, 3, geometry)
+    choice = (scores, tables.counts, tables.cand, sizes.longest_row, True)
+    torch.library.opcheck(index_gpu._choose_topk_op, choice)
+    selected, _ = index_gpu.choose_topk(scores, tables.counts, sizes.longest_row, True, tables.cand)
+    full, part = sizes.nnz - sizes.partial[True], sizes.partial[True]
+    lists = (selected, tables.counts, tables.partials[True].contiguous(), tables.group_sizes[True], 8,
+             [full + part, full, part])
+    no_traced_comparison = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(index_gpu._topk_lists_op, lists, test_utils=no_traced_comparison)
+    kinds = torch.zeros(2 * 3 * 8, 8, dtype=torch.int8)
+    rows, cols = index_gpu.topk_lists(selected, lists[1], lists[2], 8, tuple(lists[5]), kinds, lists[3])
+    flat = [t for side in (rows, cols) for t in (side[0][0], *side[1], *side[2])]
+    torch.library.opcheck(index_gpu._unsplit_plans_op, (flat, [4.0, 3.0], 8), test_utils=no_traced_comparison)
+
+
 @pytest.mark.parametrize("backend", BACKENDS[1:])
 def test_moba_layer_compiles_fullgraph(backend):
     """from_topk traces: the whole layer (choice, mask, attention) in one graph, forward and backward."""
