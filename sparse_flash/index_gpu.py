@@ -115,23 +115,25 @@ def unsplit_plans(plans: list[PlanInput], longest: int):
         [1, 2, 0]
     """
     shapes = [shape for plan in plans for shape in unsplit_plan_shapes(plan.counts)]
-    if torch.compiler.is_compiling():
-        flat = [t for plan in plans for t in (plan.counts, *plan.full[:3], *plan.part[:3])]
-        arena, leads = _unsplit_plans_op(flat, [float(plan.heavy_above) for plan in plans], longest)
-    else:
-        arena, leads = _unsplit_plans(plans, longest, shapes)
-    pieces = iter(pieces_of(arena, shapes))
-    return [(next(pieces), next(pieces), next(pieces), leads[p:p + 1]) for p in range(len(plans))]
+    if not torch.compiler.is_compiling():
+        return _unsplit_plans(plans, longest, shapes)[2]
+    flat = [t for plan in plans for t in (plan.counts, *plan.full[:3], *plan.part[:3])]
+    arena, leads = _unsplit_plans_op(flat, [float(plan.heavy_above) for plan in plans], longest)
+    return _plans_of(pieces_of(arena, shapes), leads)
+
+
+def _plans_of(pieces: list[torch.Tensor], leads: torch.Tensor) -> list[tuple]:
+    """Each plan's `(items, chunks, slots, lead)` from the pieces of `unsplit_plans`' allocation."""
+    return [(*pieces[3 * p:3 * p + 3], leads[p:p + 1]) for p in range(len(leads))]
 
 
 def _unsplit_plans(plans: list[PlanInput], longest: int, shapes: list[tuple[int, ...]]):
-    """`unsplit_plans`' launches: `(arena, leads)`, the items, chunks and slots of every plan in one allocation
-    (`pieces_of(arena, shapes)`) and each plan's count of heavy lists."""
+    """`unsplit_plans`' launches: `(arena, leads, out)`, the allocation of every plan's items, chunks and slots
+    (`pieces_of(arena, shapes)`), each plan's count of heavy lists, and the plans (`_plans_of`)."""
     device = plans[0].counts.device
     arena = int32_arena(shapes, device)
-    pieces = iter(pieces_of(arena, shapes))
     leads = torch.zeros(len(plans), dtype=torch.int32, device=device)  # one fill for every plan's count
-    out = [(next(pieces), next(pieces), next(pieces), leads[p:p + 1]) for p in range(len(plans))]
+    out = _plans_of(pieces_of(arena, shapes), leads)
     with _on(device):
         for first in range(0, len(plans), MAX_PLANS):
             slots = list(range(first, min(first + MAX_PLANS, len(plans))))
@@ -146,7 +148,7 @@ def _unsplit_plans(plans: list[PlanInput], longest: int, shapes: list[tuple[int,
                 args += [counts, *full[:3], *part[:3], *out[p], M, float(heavy_above), end]
                 consts.update({f"BLOCK{n}": block, f"CHUNK{n}": chunk})
             launch(_unsplit_plans_kernel, (end, ), (*args, longest), dict(**consts, FIELDS=FIELDS), WARPS, STAGES)
-    return arena, leads
+    return arena, leads, out
 
 
 def unsplit_plan_shapes(counts: torch.Tensor) -> list[tuple[int, ...]]:
@@ -458,12 +460,16 @@ def topk_lists(selected: torch.Tensor, counts: torch.Tensor, partial: torch.Tens
         `mask_index._sides` builds from the same choice.
     """
     shapes = topk_list_shapes(selected.shape, cols, sizes)
-    if torch.compiler.is_compiling():
-        arena = _topk_lists_op(selected, counts, partial, per_group, cols, list(sizes))
-    else:
-        arena = _topk_lists(selected, counts, partial, cols, sizes, kind, per_group, shapes)
-    pieces = pieces_of(arena, shapes)
-    return ([tuple(pieces[side * 9 + 3 * kind:side * 9 + 3 * kind + 3]) for kind in range(3)] for side in (0, 1))
+    if not torch.compiler.is_compiling():
+        return _topk_lists(selected, counts, partial, cols, sizes, kind, per_group, shapes)[1]
+    return _sides_of(pieces_of(_topk_lists_op(selected, counts, partial, per_group, cols, list(sizes)), shapes))
+
+
+def _sides_of(pieces: list[torch.Tensor]) -> tuple:
+    """`(rows, cols)` of `topk_lists` from the pieces of its allocation: per side, (counts, offsets, indices) of
+    each kind (live, full, partial)."""
+    return tuple(tuple(tuple(pieces[side * 9 + 3 * kind:side * 9 + 3 * kind + 3]) for kind in range(3))
+                 for side in (0, 1))
 
 
 def topk_list_shapes(selected_shape, cols: int, sizes) -> list[tuple[int, ...]]:
@@ -474,14 +480,13 @@ def topk_list_shapes(selected_shape, cols: int, sizes) -> list[tuple[int, ...]]:
 
 
 def _topk_lists(selected, counts, partial, cols: int, sizes: tuple, kind, per_group, shapes):
-    """`topk_lists`' launches: the allocation of its lists (`pieces_of(arena, shapes)`)."""
+    """`topk_lists`' launches: `(arena, lists)`, the allocation of its lists (`pieces_of(arena, shapes)`) and
+    the lists (`_sides_of`)."""
     B, H, Mq, W = selected.shape
     G, device = counts.shape[0], selected.device
     n_cols = B * H * cols
     arena = int32_arena(shapes, device)
-    pieces = pieces_of(arena, shapes)
-    rows, col_lists = ([tuple(pieces[side * 9 + 3 * kind:side * 9 + 3 * kind + 3]) for kind in range(3)]
-                       for side in (0, 1))
+    rows, col_lists = _sides_of(pieces_of(arena, shapes))
     per_col = torch.empty((3, n_cols), dtype=torch.int32, device=device)  # the columns' kind counts, while building
     block, width, groups = triton.next_power_of_2(Mq), triton.next_power_of_2(W), triton.next_power_of_2(G)
     chunk = max(1, min(block, ROW_TILE // width))  # rows per program
@@ -497,7 +502,7 @@ def _topk_lists(selected, counts, partial, cols: int, sizes: tuple, kind, per_gr
         launch(_topk_col_write_kernel, (B * H * triton.cdiv(cols, col_chunk), ),
                (kind, per_col, per_group, *[t for part in col_lists for t in part], n_cols, H, G, Mq, cols),
                dict(BLOCK=block, COLS=triton.next_power_of_2(cols), CHUNK=col_chunk, GROUPS=groups), WARPS, STAGES)
-    return arena
+    return arena, (rows, col_lists)
 
 
 ROW_TILE = 1024  # kept-block slots (rows x widest row) of one `_topk_rows_kernel` program
@@ -926,7 +931,7 @@ def _topk_lists_op(selected: torch.Tensor, counts: torch.Tensor, partial: torch.
     B, H, Mq, _ = selected.shape
     kind = torch.zeros((B * H * cols, Mq), dtype=torch.int8, device=selected.device)  # the op's own: no mutation
     return _topk_lists(selected, counts, partial, cols, tuple(sizes), kind, per_group,
-                       topk_list_shapes(selected.shape, cols, sizes))
+                       topk_list_shapes(selected.shape, cols, sizes))[0]
 
 
 @_topk_lists_op.register_fake
@@ -943,7 +948,7 @@ def _unsplit_plans_op(flat: list[torch.Tensor], heavy_above: list[float],
     n = _PLAN_TENSORS
     plans = [PlanInput(flat[n * p], tuple(flat[n * p + 1:n * p + 4]), tuple(flat[n * p + 4:n * p + 7]), heavy)
              for p, heavy in enumerate(heavy_above)]
-    return _unsplit_plans(plans, longest, [shape for plan in plans for shape in unsplit_plan_shapes(plan.counts)])
+    return _unsplit_plans(plans, longest, [shape for plan in plans for shape in unsplit_plan_shapes(plan.counts)])[:2]
 
 
 @_unsplit_plans_op.register_fake

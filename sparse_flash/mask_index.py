@@ -453,16 +453,14 @@ def _unsplit_plans(sides: list[_Side]) -> list[WorkPlan]:
 
 def _on_gpu(t: torch.Tensor) -> bool:
     """Whether lists and plans of tensors like `t` are built by `index_gpu`'s Triton launches: on a CUDA device,
-    with the kernel setting `gpu_index`. Tests make it true on the CPU, under TRITON_INTERPRET=1, to compare
+    with the kernel setting `gpu_index`, which is read outside torch.compile only (Dynamo cannot read the
+    settings' context variable: inside torch.compile the builders that run there launch on every CUDA device;
+    both builders give the same lists). Tests make it true on the CPU, under TRITON_INTERPRET=1, to compare
     both builders."""
-    return t.is_cuda and _gpu_index_setting()
-
-
-@torch.compiler.assume_constant_result
-def _gpu_index_setting() -> bool:
-    """The kernel setting `gpu_index` (`sparse_flash.kernels.settings`, a module without Triton). Inside
-    torch.compile it is read when the graph is traced (Dynamo cannot read the settings' context variable):
-    a compiled graph keeps the builder it was traced with, which builds the same lists as the other."""
+    if not t.is_cuda:
+        return False
+    if torch.compiler.is_compiling():
+        return True
     from .kernels import settings
 
     return settings.current().gpu_index

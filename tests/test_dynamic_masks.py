@@ -450,7 +450,7 @@ def test_moba_layer_checks_and_repr():
             MoBAAttention(**{**dict(embed_dim=64, num_heads=4, block_size=32, top_k=3), **kwargs})
 
 
-@pytest.mark.parametrize("p", [EDGES[0], EDGES[1], EDGES[4]], ids=["edge0", "edge1", "edge4"])
+@pytest.mark.parametrize("p", [EDGES[0], EDGES[1], EDGES[2], EDGES[3], EDGES[4]], ids=[f"edge{i}" for i in range(5)])
 def test_topk_masks_made_inside_torch_compile_take_the_triton_builders(p):
     """Inside torch.compile a top-k mask's choice, lists and plans come from `index_gpu`'s launches as custom ops
     (their fake implementations give the shapes; Dynamo cannot trace the launches themselves): the same layout

@@ -15,7 +15,7 @@ so a bad value never stops `import sparse_flash`; an empty value counts as unset
 | `hopper_d64` | `SPARSE_FLASH_HOPPER_D64` | on | the Gluon kernels also at head dim 64 (off: 128 only); measured against the Triton kernels at 64: forward 0.96-1.76x, backward 1.12-1.34x (tuning log, step 58) |
 | `tma` | `SPARSE_FLASH_TMA` | on | the Triton kernels read K, V (and Q, dO) through tensor descriptors where the GPU allows |
 | `fast_launch` | `SPARSE_FLASH_FAST_LAUNCH` | on | launches bound once per plan, skipping Triton's per-call dispatch (`launch.py`) |
-| `gpu_index` | `SPARSE_FLASH_GPU_INDEX` | on | a CUDA mask's index lists and work plans built by a few Triton launches (`sparse_flash/index_gpu.py`, the same values) instead of many torch operators (off: torch operators, also without Triton); `from_topk` at 32,768-65,536 tokens measured 2-7x faster eagerly, 3-4x replayed in a CUDA graph (tuning log, step 61) |
+| `gpu_index` | `SPARSE_FLASH_GPU_INDEX` | on | a CUDA mask's index lists and work plans built by a few Triton launches (`sparse_flash/index_gpu.py`, the same values) instead of many torch operators (off: torch operators, also without Triton; read outside torch.compile only: inside it a top-k mask's builders launch on every CUDA device); `from_topk` at 32,768-65,536 tokens measured 2-7x faster eagerly, 3-4x replayed in a CUDA graph (tuning log, step 61) |
 | `poison` | - | off | every kernel output starts as NaN, so that an unwritten tile shows (tests) |
 
 A variable takes `1`/`0` (or `true`/`false`, `on`/`off`); anything else is a ValueError naming it.
