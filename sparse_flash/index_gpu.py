@@ -50,22 +50,28 @@ def int32_pieces(shapes: list[tuple[int, ...]], device: torch.device) -> list[to
         >>> a.shape, b.shape, b.data_ptr() - a.data_ptr()
         (torch.Size([2, 3]), torch.Size([5]), 128)
     """
-    return pieces_of(int32_arena(shapes, device), shapes)
+    return int32_arena(shapes, device)[1]
 
 
 def _cuts(shapes: list[tuple[int, ...]]) -> list[int]:
     """Each piece's length, then its padding to the next multiple of `ALIGN` int32s."""
-    return [piece for n in (math.prod(shape) for shape in shapes) for piece in (n, -n % ALIGN)]
+    cuts = []
+    for shape in shapes:
+        n = math.prod(shape)
+        cuts += (n, -n % ALIGN)
+    return cuts
 
 
-def int32_arena(shapes: list[tuple[int, ...]], device: torch.device) -> torch.Tensor:
-    """The one uninitialised int32 allocation that `pieces_of` cuts into tensors of these shapes."""
-    return torch.empty(sum(_cuts(shapes)), dtype=torch.int32, device=device)
+def int32_arena(shapes: list[tuple[int, ...]], device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`(arena, pieces)`: the one allocation of `int32_pieces` and its pieces."""
+    cuts = _cuts(shapes)
+    arena = torch.empty(sum(cuts), dtype=torch.int32, device=device)
+    return arena, pieces_of(arena, shapes, cuts)
 
 
-def pieces_of(arena: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
-    """Views of `arena` (from `int32_arena(shapes, ...)`) with these shapes, in order."""
-    pieces = arena.split(_cuts(shapes))[::2]
+def pieces_of(arena: torch.Tensor, shapes: list[tuple[int, ...]], cuts: list[int] | None = None) -> list[torch.Tensor]:
+    """Views of `arena` (an allocation of `int32_arena(shapes, ...)`; `cuts`: `_cuts(shapes)`) with these shapes."""
+    pieces = arena.split(_cuts(shapes) if cuts is None else cuts)[::2]
     return [piece if len(shape) == 1 else piece.view(shape) for piece, shape in zip(pieces, shapes)]
 
 
@@ -131,9 +137,9 @@ def _unsplit_plans(plans: list[PlanInput], longest: int, shapes: list[tuple[int,
     """`unsplit_plans`' launches: `(arena, leads, out)`, the allocation of every plan's items, chunks and slots
     (`pieces_of(arena, shapes)`), each plan's count of heavy lists, and the plans (`_plans_of`)."""
     device = plans[0].counts.device
-    arena = int32_arena(shapes, device)
+    arena, pieces = int32_arena(shapes, device)
     leads = torch.zeros(len(plans), dtype=torch.int32, device=device)  # one fill for every plan's count
-    out = _plans_of(pieces_of(arena, shapes), leads)
+    out = _plans_of(pieces, leads)
     with _on(device):
         for first in range(0, len(plans), MAX_PLANS):
             slots = list(range(first, min(first + MAX_PLANS, len(plans))))
@@ -485,8 +491,8 @@ def _topk_lists(selected, counts, partial, cols: int, sizes: tuple, kind, per_gr
     B, H, Mq, W = selected.shape
     G, device = counts.shape[0], selected.device
     n_cols = B * H * cols
-    arena = int32_arena(shapes, device)
-    rows, col_lists = _sides_of(pieces_of(arena, shapes))
+    arena, pieces = int32_arena(shapes, device)
+    rows, col_lists = _sides_of(pieces)
     per_col = torch.empty((3, n_cols), dtype=torch.int32, device=device)  # the columns' kind counts, while building
     block, width, groups = triton.next_power_of_2(Mq), triton.next_power_of_2(W), triton.next_power_of_2(G)
     chunk = max(1, min(block, ROW_TILE // width))  # rows per program
