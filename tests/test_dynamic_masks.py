@@ -454,14 +454,18 @@ def test_moba_layer_checks_and_repr():
 def test_topk_masks_made_inside_torch_compile_take_the_triton_builders(p):
     """Inside torch.compile a top-k mask's choice, lists and plans come from `index_gpu`'s launches as custom ops
     (their fake implementations give the shapes; Dynamo cannot trace the launches themselves): the same layout
-    and every list and plan of every flag built there equal the torch operators' outside (here under
-    TRITON_INTERPRET=1, as on a GPU, compiled with aot_eager, which runs the ops' fake implementations first)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    and every list and plan of every flag built there equal the torch operators' outside (on a GPU with
+    inductor; on the CPU under TRITON_INTERPRET=1 with aot_eager, which runs the ops' fake implementations
+    first)."""
+    on_gpu = DEVICE == "cuda"
+    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
     from sparse_flash import index_gpu
+    from sparse_flash.kernels import settings as kernel_settings
 
-    scores = p.scores()
-    want = p.mask(scores)  # the torch operators (and, for a non-causal choice, its causal lists' builder made)
+    scores = p.scores().to(DEVICE)
+    with kernel_settings.override(gpu_index=False):
+        want = p.mask(scores)  # the torch operators (and, for a non-causal choice, its causal lists' builder made)
     flags = (False, True) if p.causal else (False, )
 
     def build(s):
@@ -469,11 +473,12 @@ def test_topk_masks_made_inside_torch_compile_take_the_triton_builders(p):
         return m.layout, [[tuple(r) for r in (m.row_index(f), m.col_index(f), *m.kernel_index(f))] for f in flags]
 
     torch._dynamo.reset()
-    with mock.patch.object(mask_index, "_on_gpu", lambda t: True), \
+    with mock.patch.object(mask_index, "_on_gpu", lambda t: True if not on_gpu else t.is_cuda), \
             mock.patch.object(index_gpu, "_topk_lists", wraps=index_gpu._topk_lists) as lists, \
             mock.patch.object(index_gpu, "_unsplit_plans", wraps=index_gpu._unsplit_plans) as plans, \
             mock.patch.object(index_gpu, "_choose_topk", wraps=index_gpu._choose_topk) as choice:
-        layout, got = torch.compile(build, fullgraph=True, backend="aot_eager")(scores)
+        compiled = torch.compile(build, fullgraph=True, backend="inductor" if on_gpu else "aot_eager")
+        layout, got = compiled(scores)
         assert (choice.call_count, lists.call_count, plans.call_count) == (1, len(flags), 1)  # one run of the graph
     assert torch.equal(layout, want.layout)
     for f, records in zip(flags, got):
