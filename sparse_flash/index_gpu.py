@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import NamedTuple
+from typing import Collection, NamedTuple
 
 import torch
 import triton
@@ -36,21 +36,27 @@ WARPS, STAGES = 4, 3  # Triton's default launch options, passed explicitly to th
 MAX_LISTS = 8192  # lists of one (batch, head) that a program sorts in its registers
 
 
-ALIGN = 32  # int32s: every piece of `int32_pieces` starts a multiple of 128 bytes into its allocation
+ALIGN = 32  # int32s: every shared piece of `int32_pieces` starts a multiple of 128 bytes into its allocation
 
 
-def int32_pieces(shapes: list[tuple[int, ...]], device: torch.device) -> list[torch.Tensor]:
-    """Uninitialised int32 tensors of these shapes, views into one allocation: one call into the allocator for a
-    build's many outputs (each of its own costs a few microseconds of host time). Each piece starts a multiple
-    of 128 bytes into the allocation (CUDA's start on 512-byte boundaries, so the kernels' alignment
+def int32_pieces(shapes: list[tuple[int, ...]], device: torch.device, own: Collection[int] = ()) -> list[torch.Tensor]:
+    """Uninitialised int32 tensors of these shapes: one call into the allocator for a build's many outputs of
+    fixed sizes (each of its own costs a few microseconds of host time), views into one allocation, each a
+    multiple of 128 bytes into it (CUDA's start on 512-byte boundaries, so the kernels' alignment
     specialisations stay those of separate allocations); the pieces live as long as any of them does.
 
+    The pieces at the positions in `own` (those whose sizes differ from mask to mask: index lists, work items)
+    get allocations of their own. torch.compile takes a view's offset into its allocation as a size of the
+    graph's inputs and guards on it, and these offsets would follow the sizes before them: a mask of new sizes
+    would compile a new graph (tests/test_nn.py). The shared pieces' offsets depend on the shapes of fixed
+    pieces only.
+
     Example:
-        >>> a, b = int32_pieces([(2, 3), (5,)], torch.device("cpu"))
-        >>> a.shape, b.shape, b.data_ptr() - a.data_ptr()
-        (torch.Size([2, 3]), torch.Size([5]), 128)
+        >>> a, b, c = int32_pieces([(2, 3), (4,), (5,)], torch.device("cpu"), own=[1])
+        >>> a.shape, c.data_ptr() - a.data_ptr(), b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+        (torch.Size([2, 3]), 128, False)
     """
-    return int32_arena(shapes, device)[1]
+    return int32_arena(shapes, device, own)[1]
 
 
 def _cuts(shapes: list[tuple[int, ...]]) -> list[int]:
@@ -62,17 +68,28 @@ def _cuts(shapes: list[tuple[int, ...]]) -> list[int]:
     return cuts
 
 
-def int32_arena(shapes: list[tuple[int, ...]], device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """`(arena, pieces)`: the one allocation of `int32_pieces` and its pieces."""
-    cuts = _cuts(shapes)
-    arena = torch.empty(sum(cuts), dtype=torch.int32, device=device)
-    return arena, pieces_of(arena, shapes, cuts)
+def int32_arena(shapes: list[tuple[int, ...]], device: torch.device,
+                own: Collection[int] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`(allocations, pieces)` of `int32_pieces`: the shared allocation, then each own piece's in order."""
+    own = sorted(own)
+    shared = [shape for i, shape in enumerate(shapes) if i not in own]
+    allocations = [torch.empty(sum(_cuts(shared)), dtype=torch.int32, device=device),
+                   *(torch.empty(shapes[i], dtype=torch.int32, device=device) for i in own)]
+    return allocations, pieces_of(allocations, shapes, own)
 
 
-def pieces_of(arena: torch.Tensor, shapes: list[tuple[int, ...]], cuts: list[int] | None = None) -> list[torch.Tensor]:
-    """Views of `arena` (an allocation of `int32_arena(shapes, ...)`; `cuts`: `_cuts(shapes)`) with these shapes."""
-    pieces = arena.split(_cuts(shapes) if cuts is None else cuts)[::2]
-    return [piece if len(shape) == 1 else piece.view(shape) for piece, shape in zip(pieces, shapes)]
+def pieces_of(allocations: list[torch.Tensor], shapes: list[tuple[int, ...]],
+              own: Collection[int] = ()) -> list[torch.Tensor]:
+    """The pieces of `allocations` (those of `int32_arena(shapes, device, own)`), in the order of `shapes`."""
+    shared_shapes = [shape for i, shape in enumerate(shapes) if i not in own]
+    shared = iter(allocations[0].split(_cuts(shared_shapes))[::2])
+    owned = iter(allocations[1:])
+    return [next(owned) if i in own else next(shared).view(shape) for i, shape in enumerate(shapes)]
+
+
+def every_third(shapes: list) -> range:
+    """The positions of the index lists in shapes of (counts, offsets, indices) triples: their own pieces."""
+    return range(2, len(shapes), 3)
 
 
 def _on(device: torch.device):
@@ -124,8 +141,14 @@ def unsplit_plans(plans: list[PlanInput], longest: int):
     if not torch.compiler.is_compiling():
         return _unsplit_plans(plans, longest, shapes)[2]
     flat = [t for plan in plans for t in (plan.counts, *plan.full[:3], *plan.part[:3])]
-    arena, leads = _unsplit_plans_op(flat, [float(plan.heavy_above) for plan in plans], longest)
-    return _plans_of(pieces_of(arena, shapes), leads)
+    *allocations, leads = _unsplit_plans_op(flat, [float(plan.heavy_above) for plan in plans], longest)
+    return _plans_of(pieces_of(allocations, shapes, _items_of(shapes)), leads)
+
+
+def _items_of(shapes: list) -> range:
+    """The positions of the items in `unsplit_plans`' shapes: their own pieces (`int32_pieces`; an item table's
+    size differs from mask to mask where some list is cut)."""
+    return range(0, len(shapes), 3)
 
 
 def _plans_of(pieces: list[torch.Tensor], leads: torch.Tensor) -> list[tuple]:
@@ -134,10 +157,11 @@ def _plans_of(pieces: list[torch.Tensor], leads: torch.Tensor) -> list[tuple]:
 
 
 def _unsplit_plans(plans: list[PlanInput], longest: int, shapes: list[tuple[int, ...]]):
-    """`unsplit_plans`' launches: `(arena, leads, out)`, the allocation of every plan's items, chunks and slots
-    (`pieces_of(arena, shapes)`), each plan's count of heavy lists, and the plans (`_plans_of`)."""
+    """`unsplit_plans`' launches: `(allocations, leads, out)`, the allocations of every plan's items, chunks and
+    slots (`pieces_of(allocations, shapes, _items_of(shapes))`), each plan's count of heavy lists, and the plans
+    (`_plans_of`)."""
     device = plans[0].counts.device
-    arena, pieces = int32_arena(shapes, device)
+    allocations, pieces = int32_arena(shapes, device, _items_of(shapes))
     leads = torch.zeros(len(plans), dtype=torch.int32, device=device)  # one fill for every plan's count
     out = _plans_of(pieces, leads)
     with _on(device):
@@ -154,7 +178,7 @@ def _unsplit_plans(plans: list[PlanInput], longest: int, shapes: list[tuple[int,
                 args += [counts, *full[:3], *part[:3], *out[p], M, float(heavy_above), end]
                 consts.update({f"BLOCK{n}": block, f"CHUNK{n}": chunk})
             launch(_unsplit_plans_kernel, (end, ), (*args, longest), dict(**consts, FIELDS=FIELDS), WARPS, STAGES)
-    return arena, leads, out
+    return allocations, leads, out
 
 
 def unsplit_plan_shapes(counts: torch.Tensor) -> list[tuple[int, ...]]:
@@ -295,6 +319,9 @@ def split_supported(lists_per_head: int, width: int, longest: int) -> bool:
     return block <= MAX_LISTS and triton.next_power_of_2(lists_per_head) <= MAX_LISTS and (longest + 1) * block < 2**31
 
 
+SPLIT_PLAN_OWN = (0, 3, 4)  # `split_plan_shapes`' pieces whose sizes differ from mask to mask (`int32_pieces`)
+
+
 def split_plan_shapes(counts: torch.Tensor, sizes: tuple) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
     """The shapes of `split_plan`'s items, chunks, slots, split lists and slot list, and of its scratch (each
     item's list and chunk, needed only while the plan is made), for lists with these counts `(B, H, M)` and
@@ -332,7 +359,8 @@ def split_plan(counts: torch.Tensor, full: tuple, part: tuple, n: torch.Tensor, 
     width = sizes[1]
     if out is None:
         kept, scratch_shape = split_plan_shapes(counts, sizes)
-        out = (*int32_pieces(kept, device), torch.empty(scratch_shape, dtype=torch.int32, device=device))
+        scratch = torch.empty(scratch_shape, dtype=torch.int32, device=device)
+        out = (*int32_pieces(kept, device, SPLIT_PLAN_OWN), scratch)
     items, chunks, slots, split, slot_list, scratch = out
     lead = torch.zeros(1, dtype=torch.int32, device=device) if lead is None else lead
     WIDTH = triton.next_power_of_2(width)
@@ -468,7 +496,8 @@ def topk_lists(selected: torch.Tensor, counts: torch.Tensor, partial: torch.Tens
     shapes = topk_list_shapes(selected.shape, cols, sizes)
     if not torch.compiler.is_compiling():
         return _topk_lists(selected, counts, partial, cols, sizes, kind, per_group, shapes)[1]
-    return _sides_of(pieces_of(_topk_lists_op(selected, counts, partial, per_group, cols, list(sizes)), shapes))
+    allocations = _topk_lists_op(selected, counts, partial, per_group, cols, list(sizes))
+    return _sides_of(pieces_of(allocations, shapes, every_third(shapes)))
 
 
 def _sides_of(pieces: list[torch.Tensor]) -> tuple:
@@ -486,12 +515,12 @@ def topk_list_shapes(selected_shape, cols: int, sizes) -> list[tuple[int, ...]]:
 
 
 def _topk_lists(selected, counts, partial, cols: int, sizes: tuple, kind, per_group, shapes):
-    """`topk_lists`' launches: `(arena, lists)`, the allocation of its lists (`pieces_of(arena, shapes)`) and
-    the lists (`_sides_of`)."""
+    """`topk_lists`' launches: `(allocations, lists)`, the allocations of its lists (`pieces_of(allocations,
+    shapes, every_third(shapes))`) and the lists (`_sides_of`)."""
     B, H, Mq, W = selected.shape
     G, device = counts.shape[0], selected.device
     n_cols = B * H * cols
-    arena, pieces = int32_arena(shapes, device)
+    allocations, pieces = int32_arena(shapes, device, every_third(shapes))
     rows, col_lists = _sides_of(pieces)
     per_col = torch.empty((3, n_cols), dtype=torch.int32, device=device)  # the columns' kind counts, while building
     block, width, groups = triton.next_power_of_2(Mq), triton.next_power_of_2(W), triton.next_power_of_2(G)
@@ -508,7 +537,7 @@ def _topk_lists(selected, counts, partial, cols: int, sizes: tuple, kind, per_gr
         launch(_topk_col_write_kernel, (B * H * triton.cdiv(cols, col_chunk), ),
                (kind, per_col, per_group, *[t for part in col_lists for t in part], n_cols, H, G, Mq, cols),
                dict(BLOCK=block, COLS=triton.next_power_of_2(cols), CHUNK=col_chunk, GROUPS=groups), WARPS, STAGES)
-    return arena, (rows, col_lists)
+    return allocations, (rows, col_lists)
 
 
 ROW_TILE = 1024  # kept-block slots (rows x widest row) of one `_topk_rows_kernel` program
@@ -693,7 +722,7 @@ def _layout_lists(layout, B, H, Mq, Mk, device, geometry):
     keys = [(side, flag) for side in (0, 1) for flag in (False, True)]
     shapes = [shape for side, flag in keys for n in totals[3 * flag:3 * flag + 3]
               for shape in ((B, H, (Mq, Mk)[side]), (B * H * (Mq, Mk)[side] + 1,), (n,))]
-    pieces = iter(int32_pieces(shapes, device))
+    pieces = iter(int32_pieces(shapes, device, every_third(shapes)))
     for key in keys:
         made[key] = [(next(pieces), next(pieces), next(pieces)) for _ in range(3)]
     outputs = [t for side in (0, 1) for flag in (False, True) for kind in made[side, flag] for t in kind]
@@ -916,8 +945,8 @@ def _choose_topk_kernel(Scores, Counts, Cand, Selected, Layout, H, num_groups, M
 # the launches take 34-78 us (both replayed from CUDA graphs; tuning log, steps 62 and 78). So the
 # builders whose output sizes the host knows (a top-k mask's choice, lists and plans) run there as custom ops:
 # each op's fake implementation only allocates its outputs, its real one launches as outside torch.compile. A
-# custom op's outputs may not alias each other: an op whose outputs share one allocation returns that
-# allocation, which the caller cuts (`pieces_of`) outside the op.
+# custom op's outputs may not alias each other: an op whose outputs are pieces of allocations returns those
+# (`int32_arena`), which the caller cuts (`pieces_of`) outside the op.
 
 @torch.library.custom_op("sparse_flash::choose_topk", mutates_args=())
 def _choose_topk_op(scores: torch.Tensor, counts: torch.Tensor, cand: torch.Tensor, width: int,
@@ -933,7 +962,7 @@ def _(scores, counts, cand, width, causal):
 
 @torch.library.custom_op("sparse_flash::topk_lists", mutates_args=())
 def _topk_lists_op(selected: torch.Tensor, counts: torch.Tensor, partial: torch.Tensor, per_group: torch.Tensor,
-                   cols: int, sizes: list[int]) -> torch.Tensor:
+                   cols: int, sizes: list[int]) -> list[torch.Tensor]:
     B, H, Mq, _ = selected.shape
     kind = torch.zeros((B * H * cols, Mq), dtype=torch.int8, device=selected.device)  # the op's own: no mutation
     return _topk_lists(selected, counts, partial, cols, tuple(sizes), kind, per_group,
@@ -942,7 +971,8 @@ def _topk_lists_op(selected: torch.Tensor, counts: torch.Tensor, partial: torch.
 
 @_topk_lists_op.register_fake
 def _(selected, counts, partial, per_group, cols, sizes):
-    return selected.new_empty(sum(_cuts(topk_list_shapes(selected.shape, cols, sizes))), dtype=torch.int32)
+    shapes = topk_list_shapes(selected.shape, cols, sizes)
+    return int32_arena(shapes, selected.device, every_third(shapes))[0]
 
 
 _PLAN_TENSORS = 7  # a `PlanInput`'s tensors: counts, then full's and part's (counts, offsets, indices)
@@ -950,16 +980,19 @@ _PLAN_TENSORS = 7  # a `PlanInput`'s tensors: counts, then full's and part's (co
 
 @torch.library.custom_op("sparse_flash::unsplit_plans", mutates_args=())
 def _unsplit_plans_op(flat: list[torch.Tensor], heavy_above: list[float],
-                      longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      longest: int) -> list[torch.Tensor]:
+    """The allocations of the plans' pieces (`int32_arena`), then every plan's count of heavy lists."""
     n = _PLAN_TENSORS
     plans = [PlanInput(flat[n * p], tuple(flat[n * p + 1:n * p + 4]), tuple(flat[n * p + 4:n * p + 7]), heavy)
              for p, heavy in enumerate(heavy_above)]
-    return _unsplit_plans(plans, longest, [shape for plan in plans for shape in unsplit_plan_shapes(plan.counts)])[:2]
+    allocations, leads, _ = _unsplit_plans(plans, longest, [shape for plan in plans
+                                                             for shape in unsplit_plan_shapes(plan.counts)])
+    return [*allocations, leads]
 
 
 @_unsplit_plans_op.register_fake
 def _(flat, heavy_above, longest):
     shapes = [shape for counts in flat[::_PLAN_TENSORS] for shape in unsplit_plan_shapes(counts)]
     counts = flat[0]
-    return (counts.new_empty(sum(_cuts(shapes)), dtype=torch.int32),
-            counts.new_empty(len(heavy_above), dtype=torch.int32))
+    return [*int32_arena(shapes, counts.device, _items_of(shapes))[0],
+            counts.new_empty(len(heavy_above), dtype=torch.int32)]

@@ -529,8 +529,11 @@ def _split_plans_on_gpu(plans: list[_PlanInput], base: tuple[int, ...], n: torch
     out = []
     leads = torch.zeros(len(plans), dtype=torch.int32, device=n.device)  # one fill for every plan's count
     shapes = [index_gpu.split_plan_shapes(plan.counts, tuple(size[:4])) for plan, size in zip(plans, sizes)]
-    # the plans' tables in one allocation, their scratch (freed once the plans are made) in another
-    pieces = iter(index_gpu.int32_pieces([shape for kept, _ in shapes for shape in kept], n.device))
+    # the plans' tables of fixed sizes in one allocation, their scratch (freed once the plans are made) in another
+    kept = [shape for kept, _ in shapes for shape in kept]
+    per_plan = len(shapes[0][0])
+    own = [first + i for first in range(0, len(kept), per_plan) for i in index_gpu.SPLIT_PLAN_OWN]
+    pieces = iter(index_gpu.int32_pieces(kept, n.device, own))
     scratch = index_gpu.int32_pieces([scratch for _, scratch in shapes], n.device)
     for p, (plan, size) in enumerate(zip(plans, sizes)):
         written = (*(next(pieces) for _ in shapes[p][0]), scratch[p])

@@ -203,16 +203,22 @@ def test_index_build_waits_on_the_device_three_times_twice_or_once(layout_kind, 
 
 
 def test_int32_pieces_are_disjoint_aligned_views_of_one_allocation():
-    """`index_gpu.int32_pieces`: each piece has its shape, starts a multiple of 128 bytes into the allocation,
-    and a write to one changes no other; all share one storage."""
+    """`index_gpu.int32_pieces`: each piece has its shape, starts a multiple of 128 bytes into the shared
+    allocation, and a write to one changes no other; the shared pieces share one storage, each own piece
+    starts one of its own."""
     from sparse_flash.index_gpu import int32_pieces
 
-    shapes = [(2, 3, 5), (0,), (7,), (1,), (33,), (0,), (4, 10)]
-    pieces = int32_pieces(shapes, torch.device("cpu"))
+    shapes = [(2, 3, 5), (0,), (7,), (1,), (33,), (0,), (4, 10), (6,)]
+    own = [2, 5, 7]
+    pieces = int32_pieces(shapes, torch.device("cpu"), own)
     assert [tuple(p.shape) for p in pieces] == shapes
-    assert len({p.untyped_storage().data_ptr() for p in pieces}) == 1
-    start = pieces[0].data_ptr()  # the allocation's start (on CUDA on a 512-byte boundary)
-    assert all((p.data_ptr() - start) % 128 == 0 and p.is_contiguous() for p in pieces if p.numel())
+    shared = [p for i, p in enumerate(pieces) if i not in own]
+    assert len({p.untyped_storage().data_ptr() for p in shared}) == 1
+    owned = [pieces[i] for i in own]
+    assert all(p.storage_offset() == 0 for p in owned)
+    assert len({p.untyped_storage().data_ptr() for p in owned + shared[:1]}) == len(owned) + 1
+    start = shared[0].data_ptr()  # the allocation's start (on CUDA on a 512-byte boundary)
+    assert all((p.data_ptr() - start) % 128 == 0 and p.is_contiguous() for p in shared if p.numel())
     for k, piece in enumerate(pieces):
         piece.fill_(k)
     assert all(bool((p == k).all()) for k, p in enumerate(pieces))
@@ -220,9 +226,11 @@ def test_int32_pieces_are_disjoint_aligned_views_of_one_allocation():
 
 @pytest.mark.parametrize("cut", [False, True], ids=["whole-lists", "cut-lists"])
 def test_gpu_builders_put_a_masks_lists_and_plans_in_few_allocations(cut):
-    """Under TRITON_INTERPRET=1: the Triton-built lists of both sides and flags (36 tensors) share one
-    allocation, and the four plans' tables another, whether or not some list is cut into chunks (a build's
-    host time is mostly allocations and launches); the lists are the torch operators'."""
+    """Under TRITON_INTERPRET=1: the Triton-built lists of both sides and flags (36 tensors) keep their counts
+    and offsets in one allocation, and the four plans' chunks and slots in another, whether or not some list is
+    cut into chunks (a build's host time is mostly allocations and launches); every tensor whose size differs
+    from mask to mask (index lists, work items, split tables) starts an allocation of its own, as torch.compile
+    needs to share one graph between masks (tests/test_nn.py); the lists are the torch operators'."""
     from sparse_flash import mask_index
 
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -243,16 +251,23 @@ def test_gpu_builders_put_a_masks_lists_and_plans_in_few_allocations(cut):
         return [t for flag in (False, True) for side in (ix.rows[flag], ix.cols[flag], *ix.kernel[flag][:4])
                 for t in side]
 
-    plans = [t for flag in (False, True) for plan in (index.kernel[flag].row_plan, index.kernel[flag].col_plan)
-             for t in (*plan[:3], *plan[4:])]
-    assert len(lists(index)) == 36
-    for group in (lists(index), plans):
+    plans = [plan for flag in (False, True) for plan in (index.kernel[flag].row_plan, index.kernel[flag].col_plan)]
+    fixed, sized = lists(index), []
+    assert len(fixed) == 36
+    sized += fixed[2::3]  # the index lists
+    del fixed[2::3]
+    sized += [t for plan in plans for t in (plan.items, plan.split, plan.slot_list) if t.numel()]
+    tables = [t for plan in plans for t in (plan.chunks, plan.slots)]
+    for group in (fixed, tables):
         storages = {t.untyped_storage().data_ptr() for t in group if t.numel()}
         assert len(storages) == 1, storages
+    assert all(t.storage_offset() == 0 for t in sized)
+    storages = [t.untyped_storage().data_ptr() for t in sized if t.numel()]
+    assert len(set(storages)) == len(storages)
     assert all(torch.equal(a, b) for a, b in zip(lists(index), lists(by_torch)))
     if cut:  # the plans' scratch is not kept: the tables' allocation holds them and little more
-        held = plans[0].untyped_storage().nbytes()
-        assert held == sum(-(-t.numel() * 4 // 128) * 128 for t in plans)  # each piece padded to 128 bytes
+        held = tables[0].untyped_storage().nbytes()
+        assert held == sum(-(-t.numel() * 4 // 128) * 128 for t in tables)  # each piece padded to 128 bytes
 
 
 def test_long_lists_and_causal_cover():
