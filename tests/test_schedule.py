@@ -2,7 +2,9 @@
 that follow them (`kernels/gluon/merge.py`, under the interpreter): the items each kernel walks, the order
 they start in, the chunks of long lists, their placement on resident programs, and the merges of chunks."""
 
+import gc
 import os
+import weakref
 from unittest import mock
 
 import pytest
@@ -412,6 +414,32 @@ def test_one_program_orders_and_places_items_as_the_torch_operators_do(along, B,
     with settings.override(hopper_balance=balance):
         got, got_starts = schedule.placed_items(along, B, Hq, Hkv, N, N, causal, *side, geometry, programs, sub)
     assert torch.equal(got, want) and torch.equal(got_starts, want_starts)
+
+
+def test_placed_items_are_kept_while_the_masks_lists_live():
+    """The forward and the dQ pass place the same row items of a mask: the second call takes the first's
+    records (no launch); another number of programs or balancing setting places anew; the kept records go
+    with the mask."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
+    N = 6 * 128
+    mask = masks.random(N, 128, density=0.5, seed=3) | masks.local(N, 128, window=0)
+    index, geometry = mask._records(True)
+
+    def place(programs):
+        return schedule.placed_items("rows", 1, 2, 2, N, N, True, index.row_full, index.row_partial, geometry,
+                                     programs, 1)
+
+    first = place(3)
+    assert all(a is b for a, b in zip(place(3), first))
+    assert place(4)[0] is not first[0]
+    with settings.override(hopper_balance=False):
+        unbalanced = place(3)
+    assert unbalanced[0] is not first[0] and place(3)[0] is first[0]
+    kept = weakref.ref(first[0])
+    del mask, index, first, unbalanced
+    gc.collect()
+    assert kept() is None
 
 
 def _one_pass_case(case, causal, B=2, Hq=4, Hkv=2, N=2048, programs=5):

@@ -15,6 +15,7 @@ import heapq
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..mask_index import HEAVY_FACTOR, ITEM_FIELDS, BlockIndex, KernelIndex, MaskGeometry
 from . import settings
@@ -218,6 +219,12 @@ def assign_programs(items, num_programs: int, sub: int):
     return items[order].contiguous(), starts
 
 
+def item_count(along: str, B, Hq, Hkv, Nq, Nk, BLOCK_N: int = ROW_BLOCK) -> int:
+    """The work items of a call whose lists no program splits: one per tile of each (batch, head), ROW_BLOCK
+    query rows (`along="rows"`) or BLOCK_N key rows (`"cols"`)."""
+    return B * Hq * (Nq // ROW_BLOCK) if along == "rows" else B * Hkv * (Nk // BLOCK_N)
+
+
 def whole_plan(along: str, B, Hq, Hkv, Nq, Nk, causal: bool, index: KernelIndex | None,
                geometry: MaskGeometry | None, device, num_programs: int, sub: int, BLOCK_N: int = ROW_BLOCK,
                BLOCK_M: int = ROW_BLOCK):
@@ -229,8 +236,7 @@ def whole_plan(along: str, B, Hq, Hkv, Nq, Nk, causal: bool, index: KernelIndex 
     Triton program builds, orders and places them (`_placed_items_kernel`, the same records): a mask built per
     call (`BlockMask.from_topk`) pays one launch per plan instead of about sixty small operators, which the H200
     profile of a MoBA step found to cost more host time than the Hopper kernels gain (tuning log, step 62)."""
-    tiles = Nq // ROW_BLOCK if along == "rows" else Nk // BLOCK_N
-    n = B * (Hq if along == "rows" else Hkv) * tiles
+    n = item_count(along, B, Hq, Hkv, Nq, Nk, BLOCK_N)
     on_gpu = (index is not None and torch.device(device).type == "cuda" and not torch.compiler.is_compiling()
               and settings.current().gpu_index and n <= MAX_ITEMS
               and max(geometry.blocks_q, geometry.blocks_k) < MAX_LIST)
@@ -251,7 +257,32 @@ MAX_LIST = 1 << 17  # blocks of a list that its keys hold: (MAX_LIST - length) x
 def placed_items(along: str, B, Hq, Hkv, Nq, Nk, causal: bool, full: BlockIndex, part: BlockIndex,
                  geometry: MaskGeometry, num_programs: int, sub: int, BLOCK_N: int = ROW_BLOCK):
     """`whole_plan`'s records and starts in one launch of `_placed_items_kernel` (no host synchronisation):
-    `full`, `part` are the mask's full and partial lists of that side."""
+    `full`, `part` are the mask's full and partial lists of that side.
+
+    Kept while the mask's lists live, per call signature and balancing setting: the forward and the dQ pass
+    place the same row items, which a mask chosen per call would otherwise pay twice (one launch of ~0.2 ms
+    at 4,096 items on the H200). Not kept from inside a CUDA-graph capture, whose launches write only when the
+    graph is replayed."""
+    balance = settings.current().hopper_balance and item_count(along, B, Hq, Hkv, Nq, Nk, BLOCK_N) > num_programs
+    key = (along, B, Hq, Hkv, Nq, Nk, causal, part.offsets.data_ptr(), geometry, num_programs, sub, BLOCK_N, balance)
+    kept = _PLACED.get(full.offsets)
+    if kept is not None and key in kept:
+        return kept[key]
+    made = _placed_items(along, B, Hq, Hkv, Nq, Nk, causal, full, part, geometry, num_programs, sub, BLOCK_N,
+                         balance)
+    if not (full.offsets.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if kept is None:
+            kept = _PLACED[full.offsets] = {}
+        kept[key] = made
+    return made
+
+
+_PLACED = WeakIdKeyDictionary()  # a mask's full offsets (of one side and flag) -> {call signature: placed items}
+
+
+def _placed_items(along: str, B, Hq, Hkv, Nq, Nk, causal: bool, full: BlockIndex, part: BlockIndex,
+                  geometry: MaskGeometry, num_programs: int, sub: int, BLOCK_N: int, balance: bool):
+    """`placed_items`' launch."""
     G, g = Hq // Hkv, geometry
     if along == "rows":
         heads, tiles, n_own, other_heads, mul, div, n_other = Hq, Nq // ROW_BLOCK, Nq, Hkv, 1, G, Nk
@@ -268,7 +299,6 @@ def placed_items(along: str, B, Hq, Hkv, Nq, Nk, causal: bool, full: BlockIndex,
     scratch = torch.empty(7 * BLOCK + 2 * RUNS + PROGRAMS, dtype=torch.int32, device=device)
     placed = torch.empty((n, ITEM_WIDTH), dtype=torch.int32, device=device)
     starts = torch.empty(num_programs + 1, dtype=torch.int32, device=device)
-    balance = settings.current().hopper_balance and n > num_programs
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # Triton's current device
         launch(_placed_items_kernel, (1, ),
                (full.offsets, part.offsets, scratch, placed, starts, n, tiles, heads, n_own, other_heads, mul, div,
