@@ -54,11 +54,16 @@ def cases():
     from sparse_flash import index_gpu
 
     yield ("schedule.deal_runs", schedule._deal_runs_kernel, dict(PROGRAMS=256), (), dict(num_warps=4))
-    for causal in (True, False):  # a small size: its sorts take long to compile
-        yield (f"schedule.placed_items causal={causal}", schedule._placed_items_kernel,
-               dict(CAUSAL=causal, BALANCE=True, TILE=128, ITEM_COST=schedule.ITEM_COST, BLOCK=1024, RUNS=1024,
-                    PROGRAMS=256),
-               (), dict(num_warps=4, types={n: "*i32" for n in ("Scratch", "Placed", "Starts")} | {"heavy_factor": "fp32"}))
+    for causal in (True, False):
+        for balance in (True, False):
+            yield (f"schedule.placed_items order causal={causal} balance={balance}", schedule._order_items_kernel,
+                   dict(CAUSAL=causal, BALANCE=balance, TILE=128, ITEMS=schedule.ORDER_ITEMS,
+                        CHUNK=schedule.ORDER_CHUNK, PROGRAMS=256),
+                   (), dict(num_warps=4, types={n: "*i32" for n in ("Scratch", "Placed", "Starts")}
+                            | {"heavy_factor": "fp32"}))
+    yield ("schedule.placed_items deal", schedule._deal_items_kernel,  # a small size: its sorts take long to compile
+           dict(ITEM_COST=schedule.ITEM_COST, BLOCK=1024, RUNS=1024, PROGRAMS=256),
+           (), dict(num_warps=4, types={n: "*i32" for n in ("Scratch", "Placed", "Starts")}))
     if dispatch.gluon_modules() is not None:
         from sparse_flash.kernels.gluon import merge
 

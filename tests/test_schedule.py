@@ -393,12 +393,16 @@ def _plan_on_host(along, B, Hq, Hkv, N, causal, index, geometry, programs, sub, 
     ("rows", 1, 2, 2, 8, 128, 3, True, True), ("rows", 2, 4, 2, 6, 128, 5, False, True),
     ("cols", 1, 2, 1, 12, 256, 7, False, True), ("cols", 1, 3, 3, 10, 128, 4, True, True),
     ("rows", 2, 2, 2, 9, 128, 4, False, False), ("rows", 1, 1, 1, 4, 128, 8, True, True),
-    ("rows", 1, 4, 4, 16, 128, 6, False, True)])
-def test_one_program_orders_and_places_items_as_the_torch_operators_do(along, B, Hq, Hkv, blocks, block, programs,
+    ("rows", 1, 4, 4, 16, 128, 6, False, True),
+    # more items than one program ranks, and than one chunk it counts against
+    ("rows", 2, 4, 4, 24, 128, 9, True, True), ("cols", 2, 4, 2, 40, 128, 5, False, True),
+    ("rows", 2, 4, 4, 24, 128, 7, True, False), ("cols", 2, 2, 2, 40, 256, 11, False, False)])
+def test_triton_launches_order_and_place_items_as_the_torch_operators_do(along, B, Hq, Hkv, blocks, block, programs,
                                                                          causal, balance):
-    """`schedule.placed_items` (one Triton program, under TRITON_INTERPRET=1 as on a GPU) gives exactly the
+    """`schedule.placed_items` (Triton launches, under TRITON_INTERPRET=1 as on a GPU) gives exactly the
     records and starts of `whole_items(row_items / column_items)` then `assign_programs`: random lists with a
-    global row and column (heavy lists), GQA, mask blocks of 128 and 256, causal or not, balanced or in turn."""
+    global row and column (heavy lists), GQA, mask blocks of 128 and 256, causal or not, balanced or in turn,
+    up to 320 items (several ranking programs, several chunks each)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
     gen = torch.Generator().manual_seed(blocks * programs)

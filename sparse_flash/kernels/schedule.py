@@ -232,14 +232,13 @@ def whole_plan(along: str, B, Hq, Hkv, Nq, Nk, causal: bool, index: KernelIndex 
     of `row_items` (`along="rows"`) or `column_items` (`"cols"`, key tiles of BLOCK_N, dense query tiles of
     BLOCK_M) as `whole_items`, placed on `num_programs` programs at `sub` tiles per list block.
 
-    For a mask's lists on a GPU with `settings.gpu_index` (outside torch.compile, at most MAX_ITEMS items) one
-    Triton program builds, orders and places them (`_placed_items_kernel`, the same records): a mask built per
-    call (`BlockMask.from_topk`) pays one launch per plan instead of about sixty small operators, which the H200
-    profile of a MoBA step found to cost more host time than the Hopper kernels gain (tuning log, step 62)."""
+    For a mask's lists on a GPU with `settings.gpu_index` (outside torch.compile, at most MAX_ITEMS items) Triton
+    programs build, order and place them (`placed_items`, the same records): a mask built per call
+    (`BlockMask.from_topk`) pays one or two launches per plan instead of about sixty small operators, which the
+    H200 profile of a MoBA step found to cost more host time than the Hopper kernels gain (tuning log, step 62)."""
     n = item_count(along, B, Hq, Hkv, Nq, Nk, BLOCK_N)
     on_gpu = (index is not None and torch.device(device).type == "cuda" and not torch.compiler.is_compiling()
-              and settings.current().gpu_index and n <= MAX_ITEMS
-              and max(geometry.blocks_q, geometry.blocks_k) < MAX_LIST)
+              and settings.current().gpu_index and n <= MAX_ITEMS)
     if on_gpu:
         side = (index.row_full, index.row_partial) if along == "rows" else (index.col_full, index.col_partial)
         return placed_items(along, B, Hq, Hkv, Nq, Nk, causal, *side, geometry, num_programs, sub, BLOCK_N)
@@ -250,14 +249,16 @@ def whole_plan(along: str, B, Hq, Hkv, Nq, Nk, causal: bool, index: KernelIndex 
     return assign_programs(whole_items(items), num_programs, sub)
 
 
-MAX_ITEMS = 8192  # work items that one program of `_placed_items_kernel` orders and places
-MAX_LIST = 1 << 17  # blocks of a list that its keys hold: (MAX_LIST - length) x MAX_ITEMS + item fits in int32
+MAX_ITEMS = 8192  # work items that one program of `_deal_items_kernel` places
 
 
 def placed_items(along: str, B, Hq, Hkv, Nq, Nk, causal: bool, full: BlockIndex, part: BlockIndex,
                  geometry: MaskGeometry, num_programs: int, sub: int, BLOCK_N: int = ROW_BLOCK):
-    """`whole_plan`'s records and starts in one launch of `_placed_items_kernel` (no host synchronisation):
-    `full`, `part` are the mask's full and partial lists of that side.
+    """`whole_plan`'s records and starts without a host synchronisation: `full`, `part` are the mask's full
+    and partial lists of that side. Many programs put each item at its place in the start order, counting the
+    items that start before it (`_order_items_kernel`; without the balancing they place it too), and with the
+    balancing one program deals the runs (`_deal_items_kernel`): no sort of the items, which in one program's
+    registers took ~180 us at 4,096 items on the H200 (tuning log, step 92).
 
     Kept while the mask's lists live, per call signature and balancing setting: the forward and the dQ pass
     place the same row items, which a mask chosen per call would otherwise pay twice (one launch of ~0.2 ms
@@ -296,17 +297,23 @@ def _placed_items(along: str, B, Hq, Hkv, Nq, Nk, causal: bool, full: BlockIndex
     run = -(-n // (BUNDLES_PER_PROGRAM * num_programs))  # items per run, as `assign_programs` cuts them
     RUNS = triton.next_power_of_2(-(-n // run))
     PROGRAMS = triton.next_power_of_2(num_programs)
-    scratch = torch.empty(7 * BLOCK + 2 * RUNS + PROGRAMS, dtype=torch.int32, device=device)
+    scratch = torch.empty(7 * BLOCK + 3 * RUNS + PROGRAMS, dtype=torch.int32, device=device)
     placed = torch.empty((n, ITEM_WIDTH), dtype=torch.int32, device=device)
     starts = torch.empty(num_programs + 1, dtype=torch.int32, device=device)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # Triton's current device
-        launch(_placed_items_kernel, (1, ),
+        launch(_order_items_kernel, (triton.cdiv(n, ORDER_ITEMS), ),
                (full.offsets, part.offsets, scratch, placed, starts, n, tiles, heads, n_own, other_heads, mul, div,
-                n_other, g.batch, g.heads, blocks, block, num_programs, run, sub, float(HEAVY_FACTOR)),
-               dict(CAUSAL=causal, BALANCE=balance, TILE=tile, ITEM_COST=ITEM_COST, BLOCK=BLOCK, RUNS=RUNS,
-                    PROGRAMS=PROGRAMS),
-               max(4, min(32, BLOCK // 256)), 3)  # compiles in 30-45 s at any size
+                n_other, g.batch, g.heads, blocks, block, num_programs, float(HEAVY_FACTOR)),
+               dict(CAUSAL=causal, BALANCE=balance, TILE=tile, ITEMS=ORDER_ITEMS, CHUNK=ORDER_CHUNK,
+                    PROGRAMS=PROGRAMS), 4, 3)
+        if balance:
+            launch(_deal_items_kernel, (1, ), (scratch, placed, starts, n, num_programs, run, sub),
+                   dict(ITEM_COST=ITEM_COST, BLOCK=BLOCK, RUNS=RUNS, PROGRAMS=PROGRAMS),
+                   max(4, min(32, BLOCK // 256)), 3)
     return placed, starts
+
+
+ORDER_ITEMS, ORDER_CHUNK = 64, 128  # items that one program of `_order_items_kernel` ranks, against this many at a time
 
 
 def deal_runs(costs, num_programs: int):
@@ -375,119 +382,163 @@ def _deal(Costs, Owners, n, num_programs, PROGRAMS: tl.constexpr):
 
 
 @triton.jit
-def _placed_items_kernel(FullOffsets, PartOffsets, Scratch, Placed, Starts,
-                         n, tiles, heads, n_own, other_heads, other_mul, other_div, n_other, g_batch, g_heads,
-                         g_blocks, g_block, num_programs, run, sub, heavy_factor,
-                         CAUSAL: tl.constexpr, BALANCE: tl.constexpr, TILE: tl.constexpr, ITEM_COST: tl.constexpr,
-                         BLOCK: tl.constexpr, RUNS: tl.constexpr, PROGRAMS: tl.constexpr):
-    """One program: every work item of a (B, heads, tiles) grid of tiles, ordered and placed on the programs as
-    `whole_items(row_items or column_items)` then `assign_programs` do it with torch operators.
+def _item_lists(idx, valid, tiles, heads, g_batch, g_heads, g_blocks, g_block, TILE: tl.constexpr):
+    """The mask list of items idx = (b * heads + h) * tiles + t: ((b % g_batch) * g_heads + h % g_heads) *
+    g_blocks + t * TILE // g_block."""
+    b = idx // (heads * tiles)
+    h = (idx // tiles) % heads
+    t = idx % tiles
+    return tl.where(valid, ((b % g_batch) * g_heads + h % g_heads) * g_blocks + (t * TILE) // g_block, 0)
+
+
+@triton.jit
+def _item_length(FullOffsets, PartOffsets, lst, valid):
+    """Blocks of list `lst`, full and partial (0 where not `valid`)."""
+    full = tl.load(FullOffsets + lst + 1, mask=valid, other=0) - tl.load(FullOffsets + lst, mask=valid, other=0)
+    part = tl.load(PartOffsets + lst + 1, mask=valid, other=0) - tl.load(PartOffsets + lst, mask=valid, other=0)
+    return full + part
+
+
+@triton.jit
+def _order_items_kernel(FullOffsets, PartOffsets, Scratch, Placed, Starts,
+                        n, tiles, heads, n_own, other_heads, other_mul, other_div, n_other, g_batch, g_heads,
+                        g_blocks, g_block, num_programs, heavy_factor,
+                        CAUSAL: tl.constexpr, BALANCE: tl.constexpr, TILE: tl.constexpr, ITEMS: tl.constexpr,
+                        CHUNK: tl.constexpr, PROGRAMS: tl.constexpr):
+    """Program pid: the records of items pid * ITEMS + [0, ITEMS) of a (B, heads, tiles) grid of tiles (as
+    `whole_items(row_items or column_items)`), each at its position in the start order (`order_items`), from
+    a count over all items of those that start before it: causal calls longest first (ties in item order),
+    others heavy lists first, each class in item order. With BALANCE the records go to Scratch (6 fields per
+    position) for `_deal_items_kernel`; without, item at position pos goes to program pos % num_programs and
+    its record straight to Placed (`assign_programs`: each program's items in start order), and program 0
+    writes Starts.
 
     Item idx = (b * heads + h) * tiles + t: own row (b * heads + h) * n_own + t * TILE, other row
-    (b * other_heads + h * other_mul // other_div) * n_other, and the full and partial list ranges of mask
-    list ((b % g_batch) * g_heads + h % g_heads) * g_blocks + t * TILE // g_block. Scratch: int32, 8 * BLOCK +
-    3 * RUNS. Placed: int32 (n, 8); Starts: int32 (num_programs + 1,)."""
-    idx = tl.arange(0, BLOCK)
+    (b * other_heads + h * other_mul // other_div) * n_other, and the full and partial list ranges of its
+    mask list (`_item_lists`)."""
+    idx = tl.program_id(0) * ITEMS + tl.arange(0, ITEMS)
     valid = idx < n
     b = idx // (heads * tiles)
     h = (idx // tiles) % heads
     t = idx % tiles
     own = (b * heads + h) * n_own + t * TILE
     other = (b * other_heads + h * other_mul // other_div) * n_other
-    lst = ((b % g_batch) * g_heads + h % g_heads) * g_blocks + (t * TILE) // g_block
+    lst = _item_lists(idx, valid, tiles, heads, g_batch, g_heads, g_blocks, g_block, TILE)
     lo = tl.load(FullOffsets + lst, mask=valid, other=0)
     hi = tl.load(FullOffsets + lst + 1, mask=valid, other=0)
     plo = tl.load(PartOffsets + lst, mask=valid, other=0)
     phi = tl.load(PartOffsets + lst + 1, mask=valid, other=0)
     length = (hi - lo) + (phi - plo)
-    # the start order (`order_items`): causal calls longest first, others heavy lists first; ties as given
-    if CAUSAL:  # int32 keys (lists shorter than MAX_LIST blocks, at most MAX_ITEMS items): half int64's work
-        key = tl.where(valid, (131072 - length) * BLOCK + idx, 2147483647)  # 131072: MAX_LIST
-        order = tl.sort(key) % BLOCK  # the item at each position
-    else:  # two classes, each in item order: a prefix count places every item, no sort
-        mean = tl.sum(tl.where(valid, length, 0).to(tl.float32), 0) / n
-        heavy = valid & (length.to(tl.float32) > heavy_factor * mean)
-        light = valid & ~heavy
-        heavy_before = tl.cumsum(heavy.to(tl.int32), 0) - heavy.to(tl.int32)
-        light_before = tl.cumsum(light.to(tl.int32), 0) - light.to(tl.int32)
-        position = tl.where(heavy, heavy_before, tl.sum(heavy.to(tl.int32), 0) + light_before)
-        OrderAt = Scratch + 6 * BLOCK  # free until the runs' prefix sums below
-        tl.store(OrderAt + position, idx, mask=valid)
-        tl.debug_barrier()
-        order = tl.load(OrderAt + idx, mask=valid, other=0)
-        tl.debug_barrier()
-    # the records by item, then read back in start order
-    fields = Scratch + idx * 6
-    tl.store(fields + 0, own, mask=valid)
-    tl.store(fields + 1, other, mask=valid)
-    tl.store(fields + 2, lo, mask=valid)
-    tl.store(fields + 3, hi, mask=valid)
-    tl.store(fields + 4, plo, mask=valid)
-    tl.store(fields + 5, phi, mask=valid)
-    tl.debug_barrier()
-    at = Scratch + order * 6
-    o_own = tl.load(at + 0, mask=valid, other=0)
-    o_other = tl.load(at + 1, mask=valid, other=0)
+    pos = tl.zeros([ITEMS], tl.int32)
+    if CAUSAL:  # longer lists, then equal ones of lower item number
+        for first in range(0, n, CHUNK):
+            j = first + tl.arange(0, CHUNK)
+            vj = j < n
+            other_length = _item_length(FullOffsets, PartOffsets,
+                                        _item_lists(j, vj, tiles, heads, g_batch, g_heads, g_blocks, g_block, TILE), vj)
+            before = (other_length[None, :] > length[:, None]) | ((other_length[None, :] == length[:, None])
+                                                                   & (j[None, :] < idx[:, None]))
+            pos += tl.sum((before & vj[None, :]).to(tl.int32), 1)
+    else:  # heavy lists (longer than heavy_factor x the mean) first; within each class, item order
+        total = tl.zeros([CHUNK], tl.int32)
+        for first in range(0, n, CHUNK):
+            j = first + tl.arange(0, CHUNK)
+            vj = j < n
+            total += _item_length(FullOffsets, PartOffsets,
+                                  _item_lists(j, vj, tiles, heads, g_batch, g_heads, g_blocks, g_block, TILE), vj)
+        above = heavy_factor * (tl.sum(total, 0).to(tl.float32) / n)  # the float32 mean, exact as torch's
+        heavy = length.to(tl.float32) > above
+        heavy_total = tl.zeros([ITEMS], tl.int32)
+        for first in range(0, n, CHUNK):
+            j = first + tl.arange(0, CHUNK)
+            vj = j < n
+            other_heavy = _item_length(FullOffsets, PartOffsets, _item_lists(j, vj, tiles, heads, g_batch, g_heads,
+                                                                            g_blocks, g_block, TILE),
+                                       vj).to(tl.float32) > above
+            other_heavy = other_heavy[None, :] & vj[None, :]
+            heavy_total += tl.sum(other_heavy.to(tl.int32), 1)
+            earlier = j[None, :] < idx[:, None]
+            same = (other_heavy == heavy[:, None]) & vj[None, :]
+            pos += tl.sum((earlier & same).to(tl.int32), 1)
+        pos = tl.where(heavy, pos, heavy_total + pos)
+    if BALANCE:
+        at = Scratch + pos * 6
+    else:  # program p takes positions p, p + num_programs, ...: those before it hold n // P + (q < n % P) each
+        program = pos % num_programs
+        at = Placed + (program * (n // num_programs) + tl.minimum(program, n % num_programs)
+                       + pos // num_programs) * 8
+        tl.store(at + 6, tl.full([ITEMS], -1, tl.int32), mask=valid)
+        tl.store(at + 7, tl.zeros([ITEMS], tl.int32), mask=valid)
+        if tl.program_id(0) == 0:
+            q = tl.arange(0, PROGRAMS)
+            tl.store(Starts + q, q * (n // num_programs) + tl.minimum(q, n % num_programs), mask=q < num_programs)
+            tl.store(Starts + num_programs, n)
+    tl.store(at + 0, own, mask=valid)
+    tl.store(at + 1, other, mask=valid)
+    tl.store(at + 2, lo, mask=valid)
+    tl.store(at + 3, hi, mask=valid)
+    tl.store(at + 4, plo, mask=valid)
+    tl.store(at + 5, phi, mask=valid)
+
+
+@triton.jit
+def _deal_items_kernel(Scratch, Placed, Starts, n, num_programs, run, sub, ITEM_COST: tl.constexpr,
+                       BLOCK: tl.constexpr, RUNS: tl.constexpr, PROGRAMS: tl.constexpr):
+    """One program: the records that `_order_items_kernel` left in start order (Scratch, 6 fields per
+    position) placed as `assign_programs` balances them: runs of `run` consecutive positions, heaviest first
+    (ties in run order), each to the least loaded program (`_deal`); each program takes its runs in run order.
+    Scratch: int32, 7 * BLOCK + 3 * RUNS + PROGRAMS. Placed: int32 (n, 8); Starts: int32 (num_programs + 1,)."""
+    pos = tl.arange(0, BLOCK)
+    valid = pos < n
+    at = Scratch + pos * 6
     o_lo = tl.load(at + 2, mask=valid, other=0)
     o_hi = tl.load(at + 3, mask=valid, other=0)
     o_plo = tl.load(at + 4, mask=valid, other=0)
     o_phi = tl.load(at + 5, mask=valid, other=0)
-    pos = idx
-    if BALANCE:
-        # runs of `run` consecutive positions, their costs from a prefix sum, heaviest first (ties in run order)
-        cost = ((o_hi - o_lo) + (o_phi - o_plo)) * sub + ITEM_COST
-        cum = tl.cumsum(tl.where(valid, cost, 0), 0)
-        CumAt = Scratch + 6 * BLOCK
-        tl.store(CumAt + pos, cum, mask=valid)
-        tl.debug_barrier()
-        r = tl.arange(0, RUNS)
-        num_runs = (n + run - 1) // run
-        real_run = r < num_runs
-        last = tl.minimum((r + 1) * run, n) - 1
-        before = tl.load(CumAt + r * run - 1, mask=real_run & (r > 0), other=0)
-        run_cost = tl.where(real_run, tl.load(CumAt + last, mask=real_run, other=0) - before, 0)
-        run_key = tl.where(real_run, (2147483647 - run_cost).to(tl.int64) * RUNS + r, 9223372036854775807)
-        by_cost = (tl.sort(run_key) % RUNS).to(tl.int32)  # the run at each rank, heaviest first
-        SortedCost = Scratch + 7 * BLOCK
-        RunOwner = SortedCost + RUNS
-        tl.debug_barrier()
-        tl.store(SortedCost + r, tl.where(real_run, tl.load(CumAt + tl.minimum((by_cost + 1) * run, n) - 1,
-                                                                   mask=real_run, other=0)
-                                          - tl.load(CumAt + by_cost * run - 1, mask=real_run & (by_cost > 0),
-                                                    other=0), 0))
-        tl.debug_barrier()
-        _deal(SortedCost, RunOwner, num_runs, num_programs, PROGRAMS)  # each run's program, by rank
-        tl.debug_barrier()
-        owner_by_rank = tl.load(RunOwner + r, mask=real_run, other=0)
-        tl.debug_barrier()
-        tl.store(RunOwner + by_cost, owner_by_rank, mask=real_run)  # by run
-        tl.debug_barrier()
-        program = tl.load(RunOwner + pos // run, mask=valid, other=0)
-    else:
-        program = pos % num_programs
-    # by program, each program's items in start order; the starts from the counts
-    pkey = tl.where(valid, program.to(tl.int32) * BLOCK + pos, 2147483647)  # < PROGRAMS x MAX_ITEMS
-    placed_pos = tl.sort(pkey) % BLOCK
+    # runs' costs from a prefix sum, heaviest first (ties in run order)
+    cost = ((o_hi - o_lo) + (o_phi - o_plo)) * sub + ITEM_COST
+    cum = tl.cumsum(tl.where(valid, cost, 0), 0)
+    CumAt = Scratch + 6 * BLOCK
+    tl.store(CumAt + pos, cum, mask=valid)
     tl.debug_barrier()
-    Ordered = Scratch  # the records in start order, over the records by item (read above)
-    tl.store(Ordered + pos * 6 + 0, o_own, mask=valid)
-    tl.store(Ordered + pos * 6 + 1, o_other, mask=valid)
-    tl.store(Ordered + pos * 6 + 2, o_lo, mask=valid)
-    tl.store(Ordered + pos * 6 + 3, o_hi, mask=valid)
-    tl.store(Ordered + pos * 6 + 4, o_plo, mask=valid)
-    tl.store(Ordered + pos * 6 + 5, o_phi, mask=valid)
+    r = tl.arange(0, RUNS)
+    num_runs = (n + run - 1) // run
+    real_run = r < num_runs
+    last = tl.minimum((r + 1) * run, n) - 1
+    before = tl.load(CumAt + r * run - 1, mask=real_run & (r > 0), other=0)
+    run_cost = tl.where(real_run, tl.load(CumAt + last, mask=real_run, other=0) - before, 0)
+    run_key = tl.where(real_run, (2147483647 - run_cost).to(tl.int64) * RUNS + r, 9223372036854775807)
+    by_cost = (tl.sort(run_key) % RUNS).to(tl.int32)  # the run at each rank, heaviest first
+    SortedCost = Scratch + 7 * BLOCK
+    RunOwner = SortedCost + RUNS
+    RunStart = RunOwner + RUNS
+    CountAt = RunStart + RUNS
     tl.debug_barrier()
-    out = Placed + idx * 8
-    src = Ordered + placed_pos * 6
-    for f in tl.static_range(6):
-        tl.store(out + f, tl.load(src + f, mask=valid, other=0), mask=valid)
-    tl.store(out + 6, tl.full([BLOCK], -1, tl.int32), mask=valid)
-    tl.store(out + 7, tl.zeros([BLOCK], tl.int32), mask=valid)
+    tl.store(SortedCost + r, tl.where(real_run, tl.load(CumAt + tl.minimum((by_cost + 1) * run, n) - 1,
+                                                               mask=real_run, other=0)
+                                      - tl.load(CumAt + by_cost * run - 1, mask=real_run & (by_cost > 0),
+                                                other=0), 0))
+    tl.debug_barrier()
+    _deal(SortedCost, RunOwner, num_runs, num_programs, PROGRAMS)  # each run's program, by rank
+    tl.debug_barrier()
+    owner_by_rank = tl.load(RunOwner + r, mask=real_run, other=0)
+    tl.debug_barrier()
+    tl.store(RunOwner + by_cost, owner_by_rank, mask=real_run)  # by run
+    tl.debug_barrier()
+    # each program's runs in run order, the programs in turn: where each run starts in the placed records
+    owner = tl.load(RunOwner + r, mask=real_run, other=0)
+    by_owner = tl.sort(tl.where(real_run, owner * RUNS + r, 2147483647)) % RUNS  # < PROGRAMS x RUNS
+    size = tl.where(by_owner < num_runs, tl.minimum((by_owner + 1) * run, n) - by_owner * run, 0)
+    tl.store(RunStart + by_owner, tl.cumsum(size, 0) - size, mask=by_owner < num_runs)
     lanes = tl.arange(0, PROGRAMS)
-    CountAt = Scratch + 7 * BLOCK + 2 * RUNS
     tl.store(CountAt + lanes, tl.zeros_like(lanes))
     tl.debug_barrier()
-    tl.atomic_add(CountAt + program, tl.full([BLOCK], 1, tl.int32), mask=valid)
+    tl.atomic_add(CountAt + owner, tl.minimum((r + 1) * run, n) - r * run, mask=real_run)
+    dest = Placed + (tl.load(RunStart + pos // run, mask=valid, other=0) + pos % run) * 8
+    for f in tl.static_range(6):
+        tl.store(dest + f, tl.load(at + f, mask=valid, other=0), mask=valid)
+    tl.store(dest + 6, tl.full([BLOCK], -1, tl.int32), mask=valid)
+    tl.store(dest + 7, tl.zeros([BLOCK], tl.int32), mask=valid)
     tl.debug_barrier()
     ends = tl.cumsum(tl.load(CountAt + lanes), 0)
     tl.store(Starts + 1 + lanes, ends, mask=lanes < num_programs)
