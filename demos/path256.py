@@ -604,13 +604,18 @@ def run_smoke(args, device: torch.device, dist: Dist, log: RunLog, started: floa
 # ----------------------------------------------------------------------------------------------------
 
 
-def setup_distributed() -> Dist:
-    """Join the torchrun process group when RANK and WORLD_SIZE are set (NCCL, one GPU per rank; gloo on a
-    machine without GPUs); else run as a single process."""
+def on_cpu(requested: str | None) -> bool:
+    """Whether the run's processes work on the CPU: `--device cpu` asked for, or no GPU here."""
+    return not torch.cuda.is_available() or (requested is not None and requested.split(":")[0] == "cpu")
+
+
+def setup_distributed(requested: str | None = None) -> Dist:
+    """Join the torchrun process group when RANK and WORLD_SIZE are set (NCCL, one GPU per rank; gloo on the
+    CPU where `--device cpu` is asked for or there is no GPU); else run as a single process."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return Dist()
     dist = Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
-    if torch.cuda.is_available():
+    if not on_cpu(requested):
         device = torch.device("cuda", dist.local_rank)
         torch.cuda.set_device(device)
         torch.distributed.init_process_group("nccl", device_id=device)
@@ -621,7 +626,7 @@ def setup_distributed() -> Dist:
 
 def pick_device(requested: str | None, dist: Dist) -> torch.device:
     if dist.world > 1:
-        return torch.device("cuda", dist.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        return torch.device("cpu") if on_cpu(requested) else torch.device("cuda", dist.local_rank)
     if requested is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -641,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     dist = Dist()
     try:
         args = parse_args(argv)
-        dist = setup_distributed()
+        dist = setup_distributed(args.device)
         if args.preset == "smoke" and dist.world > 1:
             raise ConfigError("the smoke preset runs as a single process; launch it with python, not torchrun")
         device = pick_device(args.device, dist)

@@ -239,9 +239,17 @@ def recorded_launches() -> list[dict]:
     from sparse_flash.kernels.aot import launch_record
     from sparse_flash.testing import make_qkv
 
-    records = []
+    from sparse_flash.mask_index import _index_gpu
+
+    _index_gpu()  # imported before the patch: a module imported under it would keep the stub (tuning log, step 94)
+    records, attention = [], {"_attn_fwd_kernel", "_attn_bwd_dq_kernel", "_attn_bwd_dkdv_kernel"}
+    real = launch_module.launch
 
     def record(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg=0, cooperative=False):
+        """The attention kernels written down, not run; every other launch (the GPU's index lists and plans,
+        which later calls read) runs."""
+        if getattr(kernel, "fn", kernel).__name__ not in attention:
+            return real(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg, cooperative)
         records.append(launch_record(kernel, args, constexprs, num_warps, num_stages, maxnreg))
 
     with pytest.MonkeyPatch.context() as mp:

@@ -113,8 +113,10 @@ def test_scaling_driver_runs_one_many_and_switching_alike(tmp_path):
     assert "| tiny, batch 8, 6 steps | 2 |" in table
 
 
-def test_scaling_driver_refuses_bad_flags(tmp_path, capsys):
+def test_scaling_driver_refuses_bad_flags(tmp_path, capsys, monkeypatch):
     import path_scaling
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the flags' own errors, also on a GPU machine
 
     for argv, words in ((["--gpus", "1"], "--gpus must be at least 2"),
                         (["--batch-size", "9"], "must be divisible by --gpus"),
@@ -137,3 +139,14 @@ def test_scaling_driver_refuses_more_gpus_than_there_are(tmp_path, capsys, monke
     with pytest.raises(SystemExit) as stop:
         path_scaling.main(argv)
     assert stop.value.code == 2 and "--gpus (2) is more than the GPUs here (1)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("requested", ["cpu", "cpu:0"])
+def test_processes_asked_for_the_cpu_stay_there_on_a_machine_with_gpus(monkeypatch, requested):
+    """`--device cpu` under torchrun: gloo on the CPU even where GPUs exist (one GPU and two ranks would
+    otherwise ask for a second GPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert path256.on_cpu(requested) and not path256.on_cpu(None) and not path256.on_cpu("cuda")
+    assert path256.pick_device(requested, Dist(1, 2, 1)) == torch.device("cpu")
+    assert path256.pick_device(None, Dist(1, 2, 1)) == torch.device("cuda", 1)
