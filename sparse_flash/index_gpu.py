@@ -420,8 +420,11 @@ def _split_items_kernel(Counts, FullCounts, FullOffsets, FullIndices, PartCounts
     count = tl.load(Counts + lst, mask=real, other=0)
     n = tl.load(N + base + lst, mask=real, other=1).to(tl.int32)
     length = count // n  # every chunk of a list has this length or one more
-    key = tl.where(real, (longest - length) * WIDTH + t, 2147483647)  # unused ranks last
-    order = tl.sort(key) % WIDTH  # the item at each rank
+    key = tl.where(real, (longest - length) * WIDTH + t, 2147483647)  # ranks without an item last
+    ranked = tl.sort(key)
+    # the item at each rank; a rank without one reads its own slot, which holds none (-1): the key of such
+    # ranks names no slot, and slot WIDTH - 1 may lie in another head's row or past the table's end
+    order = tl.where(ranked == 2147483647, t, ranked % WIDTH)
     heavy = tl.sum((real & (length.to(tl.float32) > heavy_above)).to(tl.int32), 0)
     tl.atomic_max(Lead, heavy)
     # the fields of the item at rank r = t

@@ -415,9 +415,23 @@ def cut_layouts(draw):
     Nk = draw(st.integers((Mk - 1) * bk + 1, Mk * bk))
     g = torch.Generator().manual_seed(draw(st.integers(0, 10_000)))
     layout = torch.rand(B, H, Mq, Mk, generator=g) < draw(st.sampled_from([0.0, 0.05]))
-    layout[..., : draw(st.integers(1, 2)), :] = True  # global rows
-    layout[..., :, : draw(st.integers(0, 1))] = True  # and columns
+    heads = layout.view(B * H, Mq, Mk)[: draw(st.sampled_from([1, B * H]))]  # the first or every (b, h): some
+    heads[..., : draw(st.integers(1, 2)), :] = True  # global rows             # heads may have fewer work items
+    heads[..., :, : draw(st.integers(0, 1))] = True  # and columns
     return layout, (bq, bk), Nq, Nk
+
+
+def zero_filled(int32_pieces):
+    """`index_gpu.int32_pieces` whose allocations start as zeros: uninitialised memory that reads as list
+    number 0, so that a kernel reading a slot it did not write makes a wrong plan, not a lucky one."""
+
+    def pieces(*args, **kwargs):
+        out = int32_pieces(*args, **kwargs)
+        for t in out:
+            t.untyped_storage().fill_(0)
+        return out
+
+    return pieces
 
 
 def _assert_same_index(got, want):
@@ -436,7 +450,9 @@ def test_plans_with_cut_lists_built_on_the_gpu_equal_the_torch_ones(case):
     """`sparse_flash.index_gpu.plan_sizes` and `split_plan` (one and two Triton launches per plan; here under
     TRITON_INTERPRET=1, with no torch plan batch) build the plans that `mask_index._plan_items` builds where global rows or columns are cut into chunks: the same
     items (chunk ranges, scratch slots, order, padding), chunk and slot tables, lead, split lists and slot
-    owners, for both causal flags."""
+    owners, for both causal flags; also where heads have fewer items than others, with the tables' memory
+    starting as zeros (a rank without an item once read a slot of another head's row: an illegal address on
+    the H200, a duplicated chunk elsewhere; tuning log, step 94)."""
     from sparse_flash import index_gpu, mask_index
 
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -446,7 +462,8 @@ def test_plans_with_cut_lists_built_on_the_gpu_equal_the_torch_ones(case):
     with mock.patch.object(mask_index, "_on_gpu", lambda t: True), \
             mock.patch.object(index_gpu, "split_plan", wraps=index_gpu.split_plan) as built, \
             mock.patch.object(index_gpu, "plan_sizes", wraps=index_gpu.plan_sizes) as sized, \
-            mock.patch.object(mask_index, "_plan_batch", side_effect=AssertionError("the torch plan batch")):
+            mock.patch.object(mask_index, "_plan_batch", side_effect=AssertionError("the torch plan batch")), \
+            mock.patch.object(index_gpu, "int32_pieces", zero_filled(index_gpu.int32_pieces)):
         got = mask_index.build_index(layout, block, Nq, Nk)
     assert built.call_count == 4  # every plan of the batch, once some list is cut
     assert sized.call_count == 1  # the chunks and sizes of the four plans
