@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kernels.memory import new_output
 from .kernels.launch import launch  # Triton's launcher costs tens of microseconds of host time per call
 
 FIELDS = 10  # int32 fields of a work item: `mask_index.ITEM_FIELDS`, in that order
@@ -73,8 +74,8 @@ def int32_arena(shapes: list[tuple[int, ...]], device: torch.device,
     """`(allocations, pieces)` of `int32_pieces`: the shared allocation, then each own piece's in order."""
     own = sorted(own)
     shared = [shape for i, shape in enumerate(shapes) if i not in own]
-    allocations = [torch.empty(sum(_cuts(shared)), dtype=torch.int32, device=device),
-                   *(torch.empty(shapes[i], dtype=torch.int32, device=device) for i in own)]
+    allocations = [new_output(sum(_cuts(shared)), torch.int32, device),
+                   *(new_output(shapes[i], torch.int32, device) for i in own)]
     return allocations, pieces_of(allocations, shapes, own)
 
 
@@ -281,7 +282,7 @@ def plan_sizes(counts: list[torch.Tensor], chunks: list[int], max_chunks: int):
     base = [0]
     for c in counts:
         base.append(base[-1] + c.numel())
-    n = torch.empty(base[-1], dtype=torch.int64, device=device)
+    n = new_output(base[-1], torch.int64, device)
     sizes = torch.zeros((len(counts), 5), dtype=torch.int32, device=device)
     with _on(device):
         for p, (c, chunk) in enumerate(zip(counts, chunks)):
@@ -359,7 +360,7 @@ def split_plan(counts: torch.Tensor, full: tuple, part: tuple, n: torch.Tensor, 
     width = sizes[1]
     if out is None:
         kept, scratch_shape = split_plan_shapes(counts, sizes)
-        scratch = torch.empty(scratch_shape, dtype=torch.int32, device=device)
+        scratch = new_output(scratch_shape, torch.int32, device)
         out = (*int32_pieces(kept, device, SPLIT_PLAN_OWN), scratch)
     items, chunks, slots, split, slot_list, scratch = out
     lead = torch.zeros(1, dtype=torch.int32, device=device) if lead is None else lead
@@ -525,7 +526,7 @@ def _topk_lists(selected, counts, partial, cols: int, sizes: tuple, kind, per_gr
     n_cols = B * H * cols
     allocations, pieces = int32_arena(shapes, device, every_third(shapes))
     rows, col_lists = _sides_of(pieces)
-    per_col = torch.empty((3, n_cols), dtype=torch.int32, device=device)  # the columns' kind counts, while building
+    per_col = new_output((3, n_cols), torch.int32, device)  # the columns' kind counts, while building
     block, width, groups = triton.next_power_of_2(Mq), triton.next_power_of_2(W), triton.next_power_of_2(G)
     chunk = max(1, min(block, ROW_TILE // width))  # rows per program
     column_warps = max(1, block // 512)  # a column of up to 512 query blocks is one warp's
@@ -711,7 +712,7 @@ def _layout_lists(layout, B, H, Mq, Mk, device, geometry):
     rows, cols = B * H * Mq, B * H * Mk  # lists of each side: programs [0, rows) take rows, the rest columns
     blocks = dict(BLOCK0=triton.next_power_of_2(Mk), BLOCK1=triton.next_power_of_2(Mq))
     # each kind's count per list, rows then columns (one table: one cumsum gives both sides' list ends)
-    kinds = torch.empty((KINDS, rows + cols), dtype=torch.int32, device=device)
+    kinds = new_output((KINDS, rows + cols), torch.int32, device)
     summary = torch.zeros(2 * SUMMARY, dtype=torch.int32, device=device)
     launch(_layout_counts_kernel, (rows + cols, ), (layout, kinds, summary, rows, cols, *geometry),
            dict(**blocks, SUMMARY=SUMMARY), WARPS, STAGES)
@@ -875,8 +876,8 @@ def _choose_topk(scores, counts, cand, width: int, causal: bool):
     """`choose_topk`'s launch."""
     B, H, Mq, Mk = scores.shape
     device = scores.device
-    selected = torch.empty((B, H, Mq, width), dtype=torch.int64, device=device)
-    layout = torch.empty((B, H, Mq, Mk), dtype=torch.bool, device=device)
+    selected = new_output((B, H, Mq, width), torch.int64, device)
+    layout = new_output((B, H, Mq, Mk), torch.bool, device)
     block = triton.next_power_of_2(Mk)
     with _on(device):
         launch(_choose_topk_kernel, (B * H * Mq, ),

@@ -20,6 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..mask_index import HEAVY_FACTOR, ITEM_FIELDS, BlockIndex, KernelIndex, MaskGeometry
 from . import settings
 from .launch import launch
+from .memory import new_output
 
 # Time per item besides its key tiles (Q load, first S, last O += P V, O store), in key tiles, for balancing:
 # 3.2 us against 1.74 us per tile, fitted on local masks of 3 and 9 blocks per row (tuning log, step 44).
@@ -297,9 +298,9 @@ def _placed_items(along: str, B, Hq, Hkv, Nq, Nk, causal: bool, full: BlockIndex
     run = -(-n // (BUNDLES_PER_PROGRAM * num_programs))  # items per run, as `assign_programs` cuts them
     RUNS = triton.next_power_of_2(-(-n // run))
     PROGRAMS = triton.next_power_of_2(num_programs)
-    scratch = torch.empty(7 * BLOCK + 3 * RUNS + PROGRAMS, dtype=torch.int32, device=device)
-    placed = torch.empty((n, ITEM_WIDTH), dtype=torch.int32, device=device)
-    starts = torch.empty(num_programs + 1, dtype=torch.int32, device=device)
+    scratch = new_output(7 * BLOCK + 3 * RUNS + PROGRAMS, torch.int32, device)
+    placed = new_output((n, ITEM_WIDTH), torch.int32, device)
+    starts = new_output(num_programs + 1, torch.int32, device)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # Triton's current device
         launch(_order_items_kernel, (triton.cdiv(n, ORDER_ITEMS), ),
                (full.offsets, part.offsets, scratch, placed, starts, n, tiles, heads, n_own, other_heads, mul, div,
