@@ -24,6 +24,7 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", max_examples=20, deadline=None, print_blob=True)  # CI: 2 cores, 20 minutes
 settings.register_profile("gpu", max_examples=20, deadline=None, print_blob=True)
 settings.register_profile("dev", max_examples=8, deadline=None, print_blob=True)
+settings.register_profile("deep", max_examples=300, deadline=None, print_blob=True)  # a fuzz campaign, by hand
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gpu" if HAS_CUDA else "ci"))
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
