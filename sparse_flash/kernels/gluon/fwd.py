@@ -151,6 +151,26 @@ def _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows: gl.constexpr, p_layout:
 
 
 @gluon.jit
+def _tile_step(qk, acc, m_i, l_i, j, t, q, k_smem, k_ready, k_empty, v_smem, v_ready, v_empty, zero_s, n_full, plo,
+               PartIdx, q_tok, qk_scale, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr,
+               CAUSAL: gl.constexpr, o_rows: gl.constexpr, p_layout: gl.constexpr):
+    """Tile j of an item (ring position t) but its last: S of tile j + 1 starts on the tensor cores, the online
+    softmax of tile j (`qk`) runs under it, then O += P V; both K and V buffers are released once every warp of
+    the warpgroup is past both products. Returns `(acc, qk of tile j + 1, m_i, l_i)`."""
+    K_STAGES: gl.constexpr = k_smem.type.shape[0]
+    V_STAGES: gl.constexpr = v_smem.type.shape[0]
+    qk_next = _issue_qk(q, k_smem, k_ready, t + 1, zero_s)  # runs under this tile's softmax
+    qk = _mask_partial(qk, j, n_full, plo, PartIdx, q_tok, SUB, MASK_BLOCK_K, DENSE, CAUSAL)
+    p, alpha, m_i, l_i = _softmax(qk, m_i, l_i, qk_scale)
+    acc = _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout)
+    acc, qk_next = warpgroup_mma_wait(num_outstanding=0, deps=(acc, qk_next))
+    partition_barrier()  # every warp of the warpgroup is past both products
+    mbarrier.arrive(v_empty.index(t % V_STAGES), count=1)
+    mbarrier.arrive(k_empty.index((t + 1) % K_STAGES), count=1)
+    return acc, qk_next, m_i, l_i
+
+
+@gluon.jit
 def _diagonal_pv(acc, alpha, p, m_i, q, v_smem, v_ready, t, K, V, kv_row, key0, q_tok, qk_scale,
                  o_layout: gl.constexpr, p_layout: gl.constexpr, HEAD_D: gl.constexpr):
     """Rescale O and add P V of the causal diagonal tile (V tile number t of the ring, keys from `key0`, rows
@@ -243,6 +263,7 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     K_STAGES: gl.constexpr = k_smem.type.shape[0]
     V_STAGES: gl.constexpr = v_smem.type.shape[0]
+    PAIRED: gl.constexpr = HEAD_D <= 64  # two tiles per turn of the loop (below)
     # wgmma accumulators: rows split over the warps (16 rows each), k = 16 for 16-bit operands
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -279,15 +300,21 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
             release(k_empty.index(t % K_STAGES))
             if c > 0:  # the item before's O has left its Q buffer: the item after next may load its Q there
                 release_after_store(q_empty.index((c + 1) % 2))
-            for j in range(n_tiles - 1):
-                qk_next = _issue_qk(q, k_smem, k_ready, t + 1, zero_s)  # runs under this tile's softmax
-                qk = _mask_partial(qk, j, n_full, plo, PartIdx, q_tok, SUB, MASK_BLOCK_K, DENSE, CAUSAL)
-                p, alpha, m_i, l_i = _softmax(qk, m_i, l_i, qk_scale)
-                acc = _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout)
-                acc, qk = warpgroup_mma_wait(num_outstanding=0, deps=(acc, qk_next))
-                partition_barrier()  # every warp of the warpgroup is past both products
-                mbarrier.arrive(v_empty.index(t % V_STAGES), count=1)
-                mbarrier.arrive(k_empty.index((t + 1) % K_STAGES), count=1)
+            # At D = 64, two tiles per turn: S alternates between two register sets (qk, qk_odd), so no turn
+            # copies the next tile's scores into the set the loop carries (64 moves per tile, 13% of its
+            # instructions). At D = 128 the second set does not fit beside O: spills (tuning log, step 96).
+            for pair in range((n_tiles - 1) // 2 if PAIRED else 0):
+                acc, qk_odd, m_i, l_i = _tile_step(qk, acc, m_i, l_i, 2 * pair, t, q, k_smem, k_ready, k_empty, v_smem,
+                                                   v_ready, v_empty, zero_s, n_full, plo, PartIdx, q_tok, qk_scale,
+                                                   SUB, MASK_BLOCK_K, DENSE, CAUSAL, o_rows, p_layout)
+                acc, qk, m_i, l_i = _tile_step(qk_odd, acc, m_i, l_i, 2 * pair + 1, t + 1, q, k_smem, k_ready,
+                                               k_empty, v_smem, v_ready, v_empty, zero_s, n_full, plo, PartIdx, q_tok,
+                                               qk_scale, SUB, MASK_BLOCK_K, DENSE, CAUSAL, o_rows, p_layout)
+                t += 2
+            for j in range(2 * ((n_tiles - 1) // 2) if PAIRED else 0, n_tiles - 1):
+                acc, qk, m_i, l_i = _tile_step(qk, acc, m_i, l_i, j, t, q, k_smem, k_ready, k_empty, v_smem,
+                                               v_ready, v_empty, zero_s, n_full, plo, PartIdx, q_tok, qk_scale, SUB,
+                                               MASK_BLOCK_K, DENSE, CAUSAL, o_rows, p_layout)
                 t += 1
             qk = _mask_partial(qk, n_tiles - 1, n_full, plo, PartIdx, q_tok, SUB, MASK_BLOCK_K, DENSE, CAUSAL)
             p, alpha, m_i, l_i = _softmax(qk, m_i, l_i, qk_scale)
