@@ -110,8 +110,10 @@ def hopper_parts(q, k, v, do, index, geometry, causal: bool) -> dict:
     if bwd is not None:
         delta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         parts[f"bwd families {tuple(bwd.families)}: whole plan call"] = lambda: bwd(do, q, k, v, out, lse)
-        parts["bwd: dq pass"] = lambda: bwd.dq(q, k, v, out, do, lse, delta)
-        parts["bwd: dkdv pass"] = lambda: bwd.dkdv(q, k, v, do, lse, delta)
+        lse2 = torch.empty_like(delta) if getattr(bwd, "lse2", False) else None  # between two Gluon passes
+        extra = () if lse2 is None else (lse2,)
+        parts["bwd: dq pass"] = lambda: bwd.dq(q, k, v, out, do, lse, delta, *extra)
+        parts["bwd: dkdv pass"] = lambda: bwd.dkdv(q, k, v, do, lse if lse2 is None else lse2, delta)
         if hasattr(bwd.dq, "chunk_sum"):
             dq = torch.empty_like(q)
             part = bwd.dq.chunk_sum.scratch(q.device)

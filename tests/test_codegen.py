@@ -125,17 +125,17 @@ def gluon_cases():
 
 
 def gluon_bwd_cases():
-    """(dtype, dense, causal, mask block_q, query heads per KV head, head dim) of the warp-specialised Hopper
-    dK/dV kernel (Gluon), or none where this Triton has no Gluon."""
+    """(dtype, dense, causal, mask block_q, query heads per KV head, head dim, lse in log2 units as the Gluon dQ
+    pass stores it) of the warp-specialised Hopper dK/dV kernel (Gluon), or none where this Triton has no Gluon."""
     import torch
 
     from sparse_flash.kernels import dispatch
 
     if dispatch.gluon_modules() is None:
         return []
-    return [(torch.bfloat16, False, False, 128, 1, 128), (torch.float16, True, False, 128, 1, 128),
-            (torch.bfloat16, True, True, 128, 1, 128), (torch.float16, False, True, 256, 1, 128),
-            (torch.bfloat16, False, False, 128, 4, 128), (torch.bfloat16, False, True, 128, 1, 64)]
+    return [(torch.bfloat16, False, False, 128, 1, 128, True), (torch.float16, True, False, 128, 1, 128, False),
+            (torch.bfloat16, True, True, 128, 1, 128, True), (torch.float16, False, True, 256, 1, 128, True),
+            (torch.bfloat16, False, False, 128, 4, 128, False), (torch.bfloat16, False, True, 128, 1, 64, True)]
 
 
 def gluon_one_pass_cases():
@@ -152,17 +152,17 @@ def gluon_one_pass_cases():
 
 
 def gluon_dq_cases():
-    """(dtype, dense, causal, mask block_k, head dim) of the warp-specialised Hopper dQ kernel (Gluon), or none
-    where this Triton has no Gluon."""
+    """(dtype, dense, causal, mask block_k, head dim, stores the lse in log2 units for the Gluon dK/dV pass) of
+    the warp-specialised Hopper dQ kernel (Gluon), or none where this Triton has no Gluon."""
     import torch
 
     from sparse_flash.kernels import dispatch
 
     if dispatch.gluon_modules() is None:
         return []
-    return [(torch.bfloat16, False, False, 128, 128), (torch.float16, True, False, 128, 128),
-            (torch.bfloat16, True, True, 128, 128), (torch.float16, False, True, 256, 128),
-            (torch.bfloat16, False, True, 128, 64)]
+    return [(torch.bfloat16, False, False, 128, 128, True), (torch.float16, True, False, 128, 128, False),
+            (torch.bfloat16, True, True, 128, 128, True), (torch.float16, False, True, 256, 128, True),
+            (torch.bfloat16, False, True, 128, 64, True)]
 
 
 def main() -> int:
@@ -194,11 +194,12 @@ def main() -> int:
         except Exception as e:
             failed += 1
             print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
-    for dtype, dense, causal, block_q, groups, head_dim in gluon_bwd_cases():
-        name = f"hopper dkdv {dtype} dense={dense} causal={causal} block_q={block_q} groups={groups} D={head_dim}"
+    for dtype, dense, causal, block_q, groups, head_dim, lse2 in gluon_bwd_cases():
+        name = (f"hopper dkdv {dtype} dense={dense} causal={causal} block_q={block_q} groups={groups} D={head_dim} "
+                f"lse_log2={lse2}")
         try:
             shared = dispatch.gluon_modules().dkdv.compile_sm90(dtype, dense, causal, block_q, groups,
-                                                                head_dim=head_dim).metadata.shared
+                                                                head_dim=head_dim, lse_log2=lse2).metadata.shared
             assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
             print(f"ok {name} ({shared} bytes of shared memory)")
         except Exception as e:
@@ -215,11 +216,11 @@ def main() -> int:
         except Exception as e:
             failed += 1
             print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
-    for dtype, dense, causal, block_k, head_dim in gluon_dq_cases():
-        name = f"hopper dq {dtype} dense={dense} causal={causal} block_k={block_k} D={head_dim}"
+    for dtype, dense, causal, block_k, head_dim, lse2 in gluon_dq_cases():
+        name = f"hopper dq {dtype} dense={dense} causal={causal} block_k={block_k} D={head_dim} store_lse2={lse2}"
         try:
-            shared = dispatch.gluon_modules().dq.compile_sm90(dtype, dense, causal, block_k,
-                                                              head_dim=head_dim).metadata.shared
+            shared = dispatch.gluon_modules().dq.compile_sm90(dtype, dense, causal, block_k, head_dim=head_dim,
+                                                              store_lse2=lse2).metadata.shared
             assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
             print(f"ok {name} ({shared} bytes of shared memory)")
         except Exception as e:

@@ -121,18 +121,26 @@ class _BackwardPlan:
             self.one_pass = gluon.bwd.BwdPlan(q, k, index, geometry, causal, scale, deterministic())
             return
         self.one_pass = None
-        self.dq = (gluon.dq.DqPlan(q, k, index, geometry, causal, scale) if chosen.dq == "gluon" else
+        # Between two Gluon passes the dQ pass also stores the log-sum-exp in log2 units, which the dK/dV pass
+        # then reads without converting it on every tile (tuning log, step 97).
+        self.lse2 = chosen.dq == chosen.dkdv == "gluon"
+        self.dq = (gluon.dq.DqPlan(q, k, index, geometry, causal, scale, self.lse2) if chosen.dq == "gluon" else
                    triton_bwd.DqPlan(do, q, k, v, out, index, geometry, causal, scale))
-        self.dkdv = (gluon.dkdv.DkdvPlan(q, k, index, geometry, causal, scale) if chosen.dkdv == "gluon" else
-                     triton_bwd.DkdvPlan(do, q, k, v, index, geometry, causal, scale))
+        self.dkdv = (gluon.dkdv.DkdvPlan(q, k, index, geometry, causal, scale, self.lse2) if chosen.dkdv == "gluon"
+                     else triton_bwd.DkdvPlan(do, q, k, v, index, geometry, causal, scale))
         self.delta_shape, self.device = q.shape[:3], q.device
 
     def __call__(self, do, q, k, v, out, lse):
         if self.one_pass is not None:
             return self.one_pass(q, k, v, out, do, lse)
         delta = new_output(self.delta_shape, torch.float32, self.device)  # written by the dQ pass, read by dK/dV
-        dq = self.dq(q, k, v, out, do, lse, delta)
-        dk, dv = self.dkdv(q, k, v, do, lse, delta)
+        if self.lse2:
+            lse2 = new_output(self.delta_shape, torch.float32, self.device)  # likewise
+            dq = self.dq(q, k, v, out, do, lse, delta, lse2)
+            dk, dv = self.dkdv(q, k, v, do, lse2, delta)
+        else:
+            dq = self.dq(q, k, v, out, do, lse, delta)
+            dk, dv = self.dkdv(q, k, v, do, lse, delta)
         return dq, dk, dv
 
 

@@ -125,14 +125,16 @@ def _bwd_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q
 
 
 @gluon.jit
-def probabilities_t(st, lse_slot, qk_scale, key0, q_tok0, MASKED: gl.constexpr):
+def probabilities_t(st, lse_slot, qk_scale, key0, q_tok0, MASKED: gl.constexpr, LSE_LOG2: gl.constexpr = False):
     """P^T = exp2(S^T * qk_scale - lse) of a (keys, BM) tile of scores^T (keys from position key0, queries
     from q_tok0), lse read from its shared-memory slot (natural log; -inf for a query row with no allowed key:
-    P = 0). MASKED: a tile on the causal diagonal (query < key gets P = 0). Also the one-pass backward's."""
+    P = 0; LSE_LOG2: already in log2 units, +inf for such a row, as the Gluon dQ pass stores it). MASKED: a tile
+    on the causal diagonal (query < key gets P = 0). Also the one-pass backward's."""
     s_layout: gl.constexpr = st.type.layout
     cols: gl.constexpr = gl.SliceLayout(0, s_layout)
     lse = lse_slot.load(cols)  # (BM,)
-    lse = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # log2; empty rows get P = 0
+    if not LSE_LOG2:  # three instructions per query column of every tile (tuning log, step 97)
+        lse = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # log2; empty rows get P = 0
     pt = gl.exp2(st * qk_scale - lse[None, :])
     if MASKED:
         keys = key0 + gl.arange(0, st.shape[0], layout=gl.SliceLayout(1, s_layout))
@@ -155,7 +157,7 @@ def scores_grad_t(pt, dpt, delta_slot, MASKED: gl.constexpr):
 
 @gluon.jit
 def _bwd_step(k, v, q_smem, do_smem, lse_smem, delta_smem, step_ready, step_empty, dk, dv, t, qk_scale, key0,
-              q_tok0, MASKED: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr):
+              q_tok0, MASKED: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, LSE_LOG2: gl.constexpr):
     """One query tile (slot t % STAGES) into this warpgroup's dK and dV (64 keys):
     S^T = K Q^T and dP^T = V dO^T, P^T = exp2(S^T - lse), dV += P^T dO, dS^T = P^T (dP^T - delta),
     dK += dS^T Q. MASKED: a tile on the causal diagonal (query < key gets P = 0)."""
@@ -170,7 +172,7 @@ def _bwd_step(k, v, q_smem, do_smem, lse_smem, delta_smem, step_ready, step_empt
     st = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (64, BM) scores^T
     dpt = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (64, BM) dP^T
     st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
-    pt = probabilities_t(st, lse_smem.index(s), qk_scale, key0, q_tok0, MASKED)  # (64, BM) P^T
+    pt = probabilities_t(st, lse_smem.index(s), qk_scale, key0, q_tok0, MASKED, LSE_LOG2)  # (64, BM) P^T
     dv = warpgroup_mma(gl.convert_layout(pt.to(q.dtype), p_layout), do, dv, is_async=True)
     dst = scores_grad_t(pt, dpt, delta_smem.index(s), MASKED)  # (64, BM) dS^T
     dk = warpgroup_mma(gl.convert_layout(dst.to(q.dtype), p_layout), q, dk, is_async=True)
@@ -183,7 +185,8 @@ def _bwd_step(k, v, q_smem, do_smem, lse_smem, delta_smem, step_ready, step_empt
 def _bwd_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_empty, step_ready,
                            step_empty, dk_desc, dv_desc, DkPart, DvPart, Items, Starts, PartIdx, Nk, qk_scale,
                            sm_scale, GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-                           DENSE: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
+                           DENSE: gl.constexpr, CAUSAL: gl.constexpr, LSE_LOG2: gl.constexpr, HALF: gl.constexpr,
+                           WARPS: gl.constexpr):
     """One compute warpgroup: keys [HALF * 64, HALF * 64 + 64) of each item; dK and dV accumulate over the
     item's query tiles (every head of the group) and leave through this half of the K/V buffer by TMA, or
     for a chunk of a cut list (scratch slot >= 0) into its rows of DkPart and DvPart in float32."""
@@ -220,10 +223,10 @@ def _bwd_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem
                 if CAUSAL and j >= n_full:
                     q_tok0 = list_tile_start(PartIdx, j - n_full + part_lo, SUB, MASK_BLOCK_Q, BM, DENSE)
                     dk, dv = _bwd_step(k, v, q_smem, do_smem, lse_smem, delta_smem, step_ready, step_empty, dk, dv,
-                                       t, qk_scale, key0, q_tok0, True, s_layout, p_layout)
+                                       t, qk_scale, key0, q_tok0, True, s_layout, p_layout, LSE_LOG2)
                 else:
                     dk, dv = _bwd_step(k, v, q_smem, do_smem, lse_smem, delta_smem, step_ready, step_empty, dk, dv,
-                                       t, qk_scale, key0, key0, False, s_layout, p_layout)
+                                       t, qk_scale, key0, key0, False, s_layout, p_layout, LSE_LOG2)
                 t += 1
         slot = gl.load(rec + 6)
         if slot < 0:  # dK and dV out through this half of the K/V buffer (the item's last products are done)
@@ -264,8 +267,9 @@ def step_buffers(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, STAGES: 
 def _attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, DkPart,
                                  DvPart, Items, Starts, FullIdx, PartIdx, Nq, Nk, qk_scale, sm_scale,
                                  GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-                                 DENSE: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                                 LOAD_WARP_REGS: gl.constexpr, COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
+                                 DENSE: gl.constexpr, CAUSAL: gl.constexpr, LSE_LOG2: gl.constexpr,
+                                 STAGES: gl.constexpr, LOAD_WARP_REGS: gl.constexpr, COMPUTE_REGS: gl.constexpr,
+                                 num_warps: gl.constexpr):
     """One resident program per SM; program p walks items [Starts[p], Starts[p + 1]) (`schedule.column_items`)."""
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem = step_buffers(q_desc, do_desc, lse_desc, delta_desc,
                                                                          k_desc, v_desc, STAGES, 2)
@@ -274,11 +278,11 @@ def _attn_bwd_dkdv_hopper_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delt
     gl.warp_specialize([
         (_bwd_compute_partition, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_empty,
                                   step_ready, step_empty, dk_desc, dv_desc, DkPart, DvPart, Items, Starts, PartIdx,
-                                  Nk, qk_scale, sm_scale, GROUPS, SUB, MASK_BLOCK_Q, DENSE, CAUSAL, FIRST_HALF,
+                                  Nk, qk_scale, sm_scale, GROUPS, SUB, MASK_BLOCK_Q, DENSE, CAUSAL, LSE_LOG2, FIRST_HALF,
                                   num_warps)),  # keys [0, 64) of each item
         (_bwd_compute_partition, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_empty,
                                   step_ready, step_empty, dk_desc, dv_desc, DkPart, DvPart, Items, Starts, PartIdx,
-                                  Nk, qk_scale, sm_scale, GROUPS, SUB, MASK_BLOCK_Q, DENSE, CAUSAL, SECOND_HALF,
+                                  Nk, qk_scale, sm_scale, GROUPS, SUB, MASK_BLOCK_Q, DENSE, CAUSAL, LSE_LOG2, SECOND_HALF,
                                   num_warps)),  # keys [64, 128)
         (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                                v_smem, lse_smem, delta_smem, kv_ready, kv_empty, step_ready, step_empty, Items,
@@ -306,9 +310,11 @@ def shape_supported(q_shape, k_shape, dtype, index: KernelIndex | None, geometry
 
 class DkdvPlan:
     """What one call signature fixes: the item records and their placement on programs, descriptor
-    layouts, grid and constexprs."""
+    layouts, grid and constexprs. `lse_log2`: the calls pass the log-sum-exp as the Gluon dQ pass stores it for
+    this launch (log2 units, +inf for an empty row; `dq.DqPlan`), not the forward's."""
 
-    def __init__(self, q, k, index: KernelIndex | None, geometry: MaskGeometry | None, causal: bool, scale: float):
+    def __init__(self, q, k, index: KernelIndex | None, geometry: MaskGeometry | None, causal: bool, scale: float,
+                 lse_log2: bool = False):
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         dense = index is None
@@ -336,7 +342,8 @@ class DkdvPlan:
         self.row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
         self.launch = bound_launch(_attn_bwd_dkdv_hopper_kernel, self.grid[0], (
             self.items, self.starts, self.full_idx, self.part_idx, Nq, Nk, scale * LOG2E, scale),
-            dict(GROUPS=Hq // Hkv, SUB=sub, MASK_BLOCK_Q=block_q, DENSE=dense, CAUSAL=causal, STAGES=STEP_BUFFERS[D],
+            dict(GROUPS=Hq // Hkv, SUB=sub, MASK_BLOCK_Q=block_q, DENSE=dense, CAUSAL=causal, LSE_LOG2=lse_log2,
+                 STAGES=STEP_BUFFERS[D],
                  LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS), MAX_REGS)
         self.k_shape, self.dtype, self.device = k.shape, q.dtype, q.device
 
@@ -356,7 +363,7 @@ class DkdvPlan:
 
 
 def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causal: bool = False,
-                 block_q: int = BLOCK_N, groups: int = 1, head_dim: int = 128):
+                 block_q: int = BLOCK_N, groups: int = 1, head_dim: int = 128, lse_log2: bool = True):
     """The kernel compiled for sm_90a on any machine (no GPU needed), as the launcher would launch it at
     D = `head_dim`; for compile checks (tests/test_codegen.py) and `benchmarks/kernel_resources.py`."""
     D = head_dim
@@ -370,6 +377,6 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
                dk_desc=out_desc, dv_desc=out_desc, DkPart="*fp32", DvPart="*fp32", Items="*i32", Starts="*i32",
                FullIdx="*i32", PartIdx="*i32", Nq="i32", Nk="i32", qk_scale="fp32", sm_scale="fp32")
     constexprs = dict(GROUPS=groups, SUB=1 if dense else block_q // BLOCK_M, MASK_BLOCK_Q=BLOCK_M if dense else block_q,
-                      DENSE=dense, CAUSAL=causal, STAGES=STEP_BUFFERS[D], LOAD_WARP_REGS=LOAD_REGS,
+                      DENSE=dense, CAUSAL=causal, LSE_LOG2=lse_log2, STAGES=STEP_BUFFERS[D], LOAD_WARP_REGS=LOAD_REGS,
                       COMPUTE_REGS=COMPUTE_REGS, num_warps=4)
     return compile_gluon_sm90(_attn_bwd_dkdv_hopper_kernel, sig, constexprs, MAX_REGS)
