@@ -24,7 +24,8 @@ once all programs are resident; the launch is cooperative (the driver starts the
 be), so a kernel holding SMs beside it delays it rather than deadlocking it. Without `ordered` the additions
 go in any order (no program waits for another; dQ varies in its last bits from run to run).
 
-Two small Triton launches surround it: `_prepare_kernel` (delta = rowsum(dO * O); the float32 buffer and the
+Two small Triton launches surround it: `_prepare_kernel` (delta = rowsum(dO * O) and the log-sum-exp in log2
+units, +inf for an empty row, which the steps read as they are; the float32 buffer and the
 semaphores zero) and `_convert_kernel` (dQ = scale x the buffer, in the inputs' dtype).
 
 Exactness under non-finite inputs, as the two-pass kernels: a left-out pair on the causal diagonal has dS = 0,
@@ -212,7 +213,8 @@ def _exact_dq_into(out, q, do, lse_s, delta_s, K, V, k_row, key0, q_tok, qk_scal
     """dS K of a causal diagonal tile over its allowed pairs only (key <= query), into shared memory `out`
     ((BM, DQ_D) float32), 16 rows at a time and one key at a time on the CUDA cores: `KEYS` keys from K/V
     row `k_row` (sequence position `key0`), dQ columns [col0, col0 + DQ_D). S and dP from Q and dO (shared
-    memory, (BM, D)) and K and V (global memory), with the rows' lse and delta (shared memory); dS rounded to
+    memory, (BM, D)) and K and V (global memory), with the rows' lse (log2 units, `_prepare_kernel`) and delta
+    (shared memory); dS rounded to
     the inputs' dtype as the tensor cores take it. `blk`: a blocked layout of (16, D) tiles. Not inlined: a
     rare path (non-finite inputs) whose registers ptxas otherwise spills around the whole causal step (D = 128:
     832 -> 392 spill bytes, of which far fewer in the compute partitions; GPU A/B pending)."""
@@ -224,8 +226,7 @@ def _exact_dq_into(out, q, do, lse_s, delta_s, K, V, k_row, key0, q_tok, qk_scal
     offs_c = col0 + gl.arange(0, DQ_D, layout=gl.SliceLayout(0, blk))  # (DQ_D,)
     for r0 in gl.static_range(0, BM, 16):
         rows = q_tok + r0 + gl.arange(0, 16, layout=rows_layout)  # (16,)
-        lse = lse_s.slice(r0, 16).load(rows_layout)
-        lse = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # log2; empty rows: P = 0
+        lse = lse_s.slice(r0, 16).load(rows_layout)  # log2 units; +inf for an empty row: P = 0
         delta = delta_s.slice(r0, 16).load(rows_layout)
         q_r = q.slice(r0, 16).load(blk).to(gl.float32)  # (16, HEAD_D)
         do_r = do.slice(r0, 16).load(blk).to(gl.float32)
@@ -264,7 +265,7 @@ def _one_pass_step(k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, d
     st = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (64, BM) scores^T
     dpt = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (64, BM) dP^T
     st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
-    pt = probabilities_t(st, lse_smem.index(s), qk_scale, key0, q_tok0, MASKED)  # (64, BM) P^T
+    pt = probabilities_t(st, lse_smem.index(s), qk_scale, key0, q_tok0, MASKED, True)  # (64, BM) P^T
     dv = warpgroup_mma(gl.convert_layout(pt.to(q.dtype), p_layout), do, dv, is_async=True)
     dst = scores_grad_t(pt, dpt, delta_smem.index(s), MASKED).to(q.dtype)  # (64, BM) dS^T
     r = u % 2
@@ -452,14 +453,16 @@ def _one_pass_bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, 
 
 
 @triton.jit
-def _prepare_kernel(Out, DO, Delta, Acc, Sem, semaphores, D: tl.constexpr, ROWS: tl.constexpr):
-    """Rows [pid * ROWS, ...): delta = rowsum(dO * O), their dQ buffer rows zero; and ROWS of the semaphores
-    zero."""
+def _prepare_kernel(Out, DO, Lse, Delta, Lse2, Acc, Sem, semaphores, D: tl.constexpr, ROWS: tl.constexpr):
+    """Rows [pid * ROWS, ...): delta = rowsum(dO * O), the log-sum-exp in log2 units (+inf for an empty row:
+    P = 0) into Lse2, their dQ buffer rows zero; and ROWS of the semaphores zero."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs = r.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
     o = tl.load(Out + offs).to(tl.float32)
     do = tl.load(DO + offs).to(tl.float32)
     tl.store(Delta + r, tl.sum(o * do, 1))
+    lse = tl.load(Lse + r)
+    tl.store(Lse2 + r, tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634))
     zero = tl.zeros([ROWS, D], tl.float32)
     tl.store(Acc + offs, zero)
     tl.store(Sem + r, tl.zeros([ROWS], tl.int32), mask=r < semaphores)
@@ -537,15 +540,16 @@ class BwdPlan:
 
     def __call__(self, q, k, v, out, do, lse):
         delta = new_output(self.q_shape[:3], torch.float32, self.device)
+        lse2 = new_output(self.q_shape[:3], torch.float32, self.device)  # the steps' lse, converted once
         acc = torch.empty((self.rows, self.q_shape[3]), dtype=torch.float32, device=self.device)
         sem = torch.empty(max(self.semaphores, 1), dtype=torch.int32, device=self.device)
-        self.prepare(out, do, delta, acc, sem)
+        self.prepare(out, do, lse, delta, lse2, acc, sem)
         dk = new_output(self.k_shape, self.dtype, self.device)
         dv = new_output(self.k_shape, self.dtype, self.device)
         half = BLOCK_N // 2  # each compute warpgroup stores its 64 rows
         descs = (row_spec(q, BLOCK_M, self.q_layout), row_spec(do, BLOCK_M, self.q_layout),
                  row_spec(k, BLOCK_N, self.kv_layout), row_spec(v, BLOCK_N, self.kv_layout),
-                 vector_spec(lse, BLOCK_M, self.row_layout), vector_spec(delta, BLOCK_M, self.row_layout),
+                 vector_spec(lse2, BLOCK_M, self.row_layout), vector_spec(delta, BLOCK_M, self.row_layout),
                  row_spec(dk, half, self.kv_layout), row_spec(dv, half, self.kv_layout),
                  tile_spec(acc, self.dq_block, self.dq_layout))
         self.launch(*descs, k, v, sem)
