@@ -10,9 +10,10 @@ other's prologue and epilogue (docs/tuning-log.md, steps 25 and 26).
     python benchmarks/kernel_resources.py --hopper   # the Hopper (Gluon) forward, dQ and dK/dV kernels
 
 The Hopper kernels hold one program per SM and cap their registers at launch (each warpgroup then sets its
-own share), so their report is the spills and the fences ptxas injects into their tensor-core pipelines
+own share), so their report is the spills, the fences ptxas injects into their tensor-core pipelines
 ("warpgroup.arrive is injected", ptxas info C7519: a product then waits for the warpgroup's earlier ones;
-tuning log, step 80). Compile with the Triton the GPU machine runs (its ptxas decides), e.g. a wheel
+tuning log, step 80), and their tile loop in SASS: instructions and register moves per exponential
+(`tile_loop`; tuning log, steps 96-97). Compile with the Triton the GPU machine runs (its ptxas decides), e.g. a wheel
 unpacked ahead on PYTHONPATH.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import tempfile
 from functools import partial
@@ -140,15 +142,46 @@ def hopper_rows(D: int):
                                                         head_dim=D)
 
 
+def tile_loop(cubin: bytes) -> dict:
+    """The hot loop of a Hopper kernel's SASS: of the innermost loops that hold tensor-core products (HGMMA) and
+    exponentials (MUFU.EX2), the one with the most exponentials; its instructions (a static count: both sides
+    of a branch inside it), exponentials and register moves (MOV, IMAD.MOV), or {} where none."""
+    folder = tempfile.mkdtemp()
+    with open(f"{folder}/k.cubin", "wb") as f:
+        f.write(cubin)
+    tool = os.path.join(os.path.dirname(ptxas_path()), "cuobjdump")
+    sass = subprocess.run([tool, "-sass", f"{folder}/k.cubin"], capture_output=True, text=True).stdout
+    lines = [m.groups() for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][\w.]*)([^;]*);", sass)]
+    at = {int(a, 16): i for i, (a, _, _, _) in enumerate(lines)}
+    lines = [(a, op, rest if guard else "") for a, guard, op, rest in lines]  # a loop closes on a guarded branch
+    loops = []  # (first, last) instruction of each loop with products and exponentials (unguarded branches
+    # back are the barrier waits' retry paths, placed after the code)
+    for i, (_, op, rest) in enumerate(lines):
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        start = at.get(int(target.group(1), 16)) if target else None
+        ops = [] if start is None or start >= i else [o for _, o, _ in lines[start:i + 1]]
+        if "MUFU.EX2" in ops and any(o.startswith("HGMMA") for o in ops):
+            loops.append((start, i))
+    inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    if not inner:
+        return {}
+    # the hot loop: the innermost one with the most exponentials (a loop over two tiles beats its one-tile rest)
+    ops = max(([o for _, o, _ in lines[a:b + 1]] for a, b in inner), key=lambda o: (o.count("MUFU.EX2"), -len(o)))
+    return dict(instructions=len(ops), exps=ops.count("MUFU.EX2"), moves=ops.count("MOV") + ops.count("IMAD.MOV.U32"))
+
+
 def hopper_report():
-    print(f"triton {triton.__version__}, sm_90a, bf16, one program per SM")
-    print(f"{'kernel':34} {'regs cap':>8} {'spill B':>7} {'fences':>6} {'smem KB':>7}")
+    print(f"triton {triton.__version__}, sm_90a, bf16, one program per SM; tile loop per exponential")
+    print(f"{'kernel':34} {'regs cap':>8} {'spill B':>7} {'fences':>6} {'smem KB':>7} {'instr':>6} {'moves':>6}")
     for D in (64, 128):
         for label, build in hopper_rows(D):
             compiled = build()
             r = ptxas_report(compiled.asm["ptx"])
+            loop = tile_loop(compiled.asm["cubin"])
+            per_exp = (f"{loop['instructions'] / loop['exps']:6.2f} {loop['moves'] / loop['exps']:6.2f}" if loop
+                       else f"{'-':>6} {'-':>6}")
             print(f"{label:34} {r['registers']:8d} {r['spill_bytes']:7d} {r['injected_fences']:6d} "
-                  f"{compiled.metadata.shared / 1024:7.1f}", flush=True)
+                  f"{compiled.metadata.shared / 1024:7.1f} {per_exp}", flush=True)
 
 
 def main():
