@@ -5,7 +5,8 @@ warp-specialised Gluon kernels (`gluon/`) serve the calls they were written for 
 H200: 16-bit inputs, D = 64 or 128, lengths and mask blocks multiples of 128; each module's `supported` says
 exactly), where they are faster, unless switched off (`settings.hopper_forward`, `settings.hopper_backward`).
 The forward, the dQ pass and the dK/dV pass are chosen separately; the dQ pass stores delta = rowsum(dO * O)
-for the dK/dV pass whichever families run them. The one-pass Gluon backward (`gluon/bwd.py`: both passes in one
+for the dK/dV pass whichever families run them, and between two Gluon passes also the log-sum-exp in log2 units
+(`lse2`), which the dK/dV pass then reads without converting it on every tile. The one-pass Gluon backward (`gluon/bwd.py`: both passes in one
 launch, family "gluon-one-pass") serves the dense non-causal calls, where it is faster
 (`settings.hopper_one_pass_dense`), at D = 64 and 128, in a fixed order while `deterministic()`; and every
 call it serves with `settings.hopper_one_pass` (tuning log, steps 82-85).
