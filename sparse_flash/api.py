@@ -6,6 +6,7 @@ Backends load lazily: `reference` (dense oracle), `torch` (block-sparse in plain
 
 from __future__ import annotations
 
+import functools
 
 import torch
 
@@ -21,11 +22,27 @@ _DENSE = object()  # stands for the all-ones mask in flash_attention
 FLOAT32_SCALE_LIMIT = torch.finfo(torch.float32).max / 1.4426950408889634  # |scale| x log2(e) within float32
 
 
-def triton_unavailable_reason(device: torch.device) -> str | None:
-    """Why the triton backend cannot run on `device`, or None when it can."""
+@functools.cache
+def _triton_installed() -> bool:
+    """Whether Triton imports (asked once: every call would otherwise pay for the import statement)."""
     try:
         import triton  # noqa: F401
     except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _attention_triton():
+    """The kernels' entry point, loaded on first use (it imports Triton)."""
+    from .kernels import attention_triton
+
+    return attention_triton
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """Why the triton backend cannot run on `device`, or None when it can."""
+    if not _triton_installed():
         return "triton is not installed (pip install sparse-flash[triton])"
     if device.type == "cuda":
         return None
@@ -183,9 +200,7 @@ def _dispatch(q, k, v, mask, causal, scale, return_lse, backend):
     # Every backend takes mask=None as the all-ones mask (no mask is built: inside torch.compile it could not be)
     mask = None if mask is _DENSE else mask.to(q.device)
     if impl == "triton":
-        from .kernels import attention_triton
-
-        out, lse = attention_triton(q, k, v, mask, causal=causal, scale=scale)
+        out, lse = _attention_triton()(q, k, v, mask, causal=causal, scale=scale)
     else:
         # Autocast would run these backends' products in 16 bits while they return q's dtype: they compute in
         # their own precision, as the kernels do (the output keeps q's dtype under autocast on every backend).

@@ -332,7 +332,7 @@ class BlockMask:
         and its index lists: `index`, or built from the layout."""
         values = dict(
             _layout=layout, block_size=block_size, seq_len_q=seq_len_q, seq_len_k=seq_len_k, name=name, tiling=tiling,
-            _copies={}, _hash=None,  # caches derived from the values above
+            _copies={}, _hash=None, _kernel_records={},  # caches derived from the values above
         )
         for key, value in values.items():
             object.__setattr__(self, key, value)
@@ -553,6 +553,8 @@ class BlockMask:
 
         A mask has no dtype: `mask.to(torch.float16)` raises a TypeError.
         """
+        if device.__class__ is torch.device and device == self._layout.device:
+            return self  # the attention call's case (q's device), checked first: it costs every call host time
         if isinstance(device, torch.dtype):
             raise TypeError(f"BlockMask.to takes a device (a mask has no dtype), got dtype {device}")
         device = check_device(device, "BlockMask.to device")
@@ -638,10 +640,15 @@ class BlockMask:
     # The library's own readers of the lists, which never write them, take the mask's tensors themselves: a
     # read-only view's dispatch would cost every kernel call host time, and torch.compile would trace it.
     def _records(self, causal: bool) -> tuple[KernelIndex | None, MaskGeometry | None]:
-        """`kernel_records(causal)` as the mask's own tensors."""
-        if self.is_dense or (causal and self.covers_causal):
-            return None, None
-        return self._index.kernel[causal], self.kernel_geometry(causal)
+        """`kernel_records(causal)` as the mask's own tensors (kept per flag: every attention call asks)."""
+        records = self._kernel_records.get(causal)
+        if records is None:
+            if self.is_dense or (causal and self.covers_causal):
+                records = None, None
+            else:
+                records = self._index.kernel[causal], self.kernel_geometry(causal)
+            self._kernel_records[causal] = records
+        return records
 
     def _lists(self, causal: bool) -> KernelIndex:
         """`kernel_index(causal)` as the mask's own tensors."""

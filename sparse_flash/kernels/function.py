@@ -56,8 +56,11 @@ class BlockSparseAttentionFunction(torch.autograd.Function):
         dout = _last_dim_contiguous(dout)
         args = (dout, q, k, v, out, lse, ctx.index, ctx.geometry, ctx.causal, ctx.scale)
         if _plain(dout) and ctx.settings is not None:
-            with settings.applied(ctx.settings):
+            if settings.current() is ctx.settings:  # the forward's thread, or no override block: nothing to apply
                 dq, dk, dv = attn_bwd(*args, ctx.plans)
+            else:
+                with settings.applied(ctx.settings):
+                    dq, dk, dv = attn_bwd(*args, ctx.plans)
         else:
             dq, dk, dv = ops.attn_bwd(*args)
         if torch.is_grad_enabled():  # backward(create_graph=True): these gradients must not pass for differentiable
