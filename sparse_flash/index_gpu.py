@@ -689,11 +689,12 @@ KINDS = 6
 SUMMARY = 8  # ints a side's lists add up to: the KINDS totals and the longest live list of each flag
 
 
-def layout_lists(layout: torch.Tensor, block_size: tuple, seq_len_q: int, seq_len_k: int):
+def layout_lists(layout: torch.Tensor, block_size: tuple, seq_len_q: int, seq_len_k: int, known=None):
     """The row and column lists of a bool layout `(B, H, Mq, Mk)` for both causal flags, on the GPU: one launch
     counts each list's kinds of entry (live, full, partial per flag, the classes of `mask_index.build_index`)
     on both sides, the host reads the six totals and the longest list of each side and flag (the one wait), one
-    cumsum gives every list's end, and one launch writes the lists of both sides and flags.
+    cumsum gives every list's end, and one launch writes the lists of both sides and flags. `known`: those
+    totals and longest lists (`mask_index.LayoutSizes`) where the host has them already: no wait.
 
     Returns:
         `(lists, totals, longest)`: lists `{flag: (rows, cols)}`, each `(live, full, partial)` of `(counts,
@@ -704,22 +705,26 @@ def layout_lists(layout: torch.Tensor, block_size: tuple, seq_len_q: int, seq_le
     device, layout = layout.device, layout.contiguous()
     geometry = (H, Mq, Mk, *block_size, seq_len_q, seq_len_k)
     with _on(device):
-        return _layout_lists(layout, B, H, Mq, Mk, device, geometry)
+        return _layout_lists(layout, B, H, Mq, Mk, device, geometry, known)
 
 
-def _layout_lists(layout, B, H, Mq, Mk, device, geometry):
+def _layout_lists(layout, B, H, Mq, Mk, device, geometry, known):
     """`layout_lists` on the layout's device (its current CUDA device)."""
     rows, cols = B * H * Mq, B * H * Mk  # lists of each side: programs [0, rows) take rows, the rest columns
     blocks = dict(BLOCK0=triton.next_power_of_2(Mk), BLOCK1=triton.next_power_of_2(Mq))
     # each kind's count per list, rows then columns (one table: one cumsum gives both sides' list ends)
     kinds = new_output((KINDS, rows + cols), torch.int32, device)
-    summary = torch.zeros(2 * SUMMARY, dtype=torch.int32, device=device)
+    # the counts' sums (atomics): read where the host does not know them, else never (no zeros needed)
+    summary = (torch.zeros if known is None else new_output)(2 * SUMMARY, dtype=torch.int32, device=device)
     launch(_layout_counts_kernel, (rows + cols, ), (layout, kinds, summary, rows, cols, *geometry),
            dict(**blocks, SUMMARY=SUMMARY), WARPS, STAGES)
-    # the one wait: how many entries of each kind (both sides hold them all), and the longest live list of each
-    # side and flag
-    read = summary.tolist()
-    totals, (row_f, row_t), (col_f, col_t) = read[:KINDS], read[KINDS:SUMMARY], read[SUMMARY + KINDS:]
+    if known is None:
+        # the one wait: how many entries of each kind (both sides hold them all), and the longest live list of
+        # each side and flag
+        read = summary.tolist()
+        totals, (row_f, row_t), (col_f, col_t) = read[:KINDS], read[KINDS:SUMMARY], read[SUMMARY + KINDS:]
+    else:
+        totals, ((row_f, col_f), (row_t, col_t)) = list(known.totals), (known.longest[False], known.longest[True])
     ends = torch.cumsum(kinds, 1, dtype=torch.int32)  # launched after the wait, behind the device's work
     sizes = {flag: tuple(totals[3 * flag + 1:3 * flag + 3]) for flag in (False, True)}  # (full, partial)
     made = {}  # (side, flag): the (counts, offsets, indices) of its live, full and partial lists, in one allocation

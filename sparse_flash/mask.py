@@ -14,8 +14,9 @@ from typing import NamedTuple
 import torch
 
 from .checks import as_bool, as_pair, check_device, finite_float, is_int
-from .mask_index import (LONG_LIST_BLOCKS, BlockIndex, KernelIndex, MaskGeometry, MaskIndex, build_index,
-                         build_topk_index, candidates, gpu_builders, topk_sizes, topk_tables)
+from .mask_index import (LONG_LIST_BLOCKS, BlockIndex, KernelIndex, LayoutSizes, MaskGeometry, MaskIndex,
+                         build_index, build_topk_index, candidates, coordinate_sizes, gpu_builders, topk_sizes,
+                         topk_tables)
 
 __all__ = ["BlockMask", "Tiling"]
 
@@ -327,9 +328,9 @@ class BlockMask:
         self._own(layout.clone(memory_format=torch.contiguous_format), (bq, bk), seq_len_q, seq_len_k, name, tiling)
 
     def _own(self, layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int, name: str,
-             tiling: Tiling | None, index: MaskIndex | None = None) -> None:
+             tiling: Tiling | None, index: MaskIndex | None = None, sizes: LayoutSizes | None = None) -> None:
         """Set the mask's values, checked already (`layout`: a contiguous bool tensor that nobody else writes),
-        and its index lists: `index`, or built from the layout."""
+        and its index lists: `index`, or built from the layout (with its `sizes` where the host knows them)."""
         values = dict(
             _layout=layout, block_size=block_size, seq_len_q=seq_len_q, seq_len_k=seq_len_k, name=name, tiling=tiling,
             _copies={}, _hash=None, _kernel_records={},  # caches derived from the values above
@@ -337,7 +338,7 @@ class BlockMask:
         for key, value in values.items():
             object.__setattr__(self, key, value)
         if index is None:
-            index = build_index(layout, block_size, seq_len_q, seq_len_k)
+            index = build_index(layout, block_size, seq_len_q, seq_len_k, sizes)
         object.__setattr__(self, "_index", index)
         object.__setattr__(self, "nnz", index.nnz)
 
@@ -478,6 +479,32 @@ class BlockMask:
             keep = keep & (j < cand[:, None])
         keep = keep | (j == cand[:, None] - 1)  # the diagonal block
         return cls(keep, (bq, bk), seq_len_q, seq_len_k, name or f"scores > {threshold:g}")
+
+    @classmethod
+    def _from_coordinates(cls, i: torch.Tensor, j: torch.Tensor, block_size: tuple[int, int], seq_len_q: int,
+                          seq_len_k: int, name: str, device=None) -> "BlockMask":
+        """A `(1, 1, Mq, Mk)` mask whose nonzero blocks are `(i[n], j[n])`: int64 CPU tensors, each pair once, on
+        the grid of these lengths (the mask constructors check their arguments). The layout is made on
+        `device` from one upload of the coordinates (from pinned memory, without waiting), and the sizes of its
+        lists are counted on the host (`mask_index.coordinate_sizes`): on a GPU the build never waits for the
+        device where no list is cut into chunks.
+
+        Example:
+            >>> m = BlockMask._from_coordinates(torch.tensor([0, 1]), torch.tensor([0, 1]), (64, 64), 128, 128, "diag")
+            >>> m.nnz, m.layout[0, 0].tolist()
+            (2, [[True, False], [False, True]])
+        """
+        bq, bk = block_size
+        Mq, Mk = -(-seq_len_q // bq), -(-seq_len_k // bk)
+        target = torch.empty(0, device=device).device
+        where = i * Mk + j
+        if target.type != "cpu" and not torch.compiler.is_compiling():
+            where = where.pin_memory().to(target, non_blocking=True)  # the host buffer is kept until the copy ran
+        layout = torch.zeros(Mq * Mk, dtype=torch.bool, device=target).index_fill_(0, where.to(target), True)
+        mask = cls.__new__(cls)
+        mask._own(layout.view(1, 1, Mq, Mk), (bq, bk), seq_len_q, seq_len_k, name, None,
+                  sizes=coordinate_sizes(i, j, (bq, bk), seq_len_q, seq_len_k))
+        return mask
 
     @classmethod
     def _from_index(cls, layout: torch.Tensor, index: MaskIndex, block_size, seq_len_q: int, seq_len_k: int,
@@ -640,14 +667,17 @@ class BlockMask:
     # The library's own readers of the lists, which never write them, take the mask's tensors themselves: a
     # read-only view's dispatch would cost every kernel call host time, and torch.compile would trace it.
     def _records(self, causal: bool) -> tuple[KernelIndex | None, MaskGeometry | None]:
-        """`kernel_records(causal)` as the mask's own tensors (kept per flag: every attention call asks)."""
-        records = self._kernel_records.get(causal)
+        """`kernel_records(causal)` as the mask's own tensors (kept per flag for eager calls, which all ask;
+        torch.compile would guard on the cache's contents and compile again once it fills)."""
+        compiling = torch.compiler.is_compiling()
+        records = None if compiling else self._kernel_records.get(causal)
         if records is None:
             if self.is_dense or (causal and self.covers_causal):
                 records = None, None
             else:
                 records = self._index.kernel[causal], self.kernel_geometry(causal)
-            self._kernel_records[causal] = records
+            if not compiling:
+                self._kernel_records[causal] = records
         return records
 
     def _lists(self, causal: bool) -> KernelIndex:

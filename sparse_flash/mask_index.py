@@ -548,7 +548,59 @@ def _kernel_index(rows: _Side, cols: _Side, row_plan: WorkPlan, col_plan: WorkPl
     return KernelIndex(rows.full, rows.part, cols.full, cols.part, row_plan, col_plan)
 
 
-def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int) -> MaskIndex:
+class LayoutSizes(NamedTuple):
+    """The sizes of a layout's lists that the host must know before they are written, known without reading
+    the device (`coordinate_sizes`), so that `build_index` need not wait for the device to count them.
+
+    Attributes:
+        totals: the entries of each kind of list, `(live, full, partial)` without the causal flag, then with it
+            (each side, rows or columns, holds them all).
+        longest: `{flag: (most live blocks of a row, of a column)}`.
+    """
+
+    totals: tuple[int, int, int, int, int, int]
+    longest: dict
+
+
+def coordinate_sizes(i: torch.Tensor, j: torch.Tensor, block_size: tuple[int, int], seq_len_q: int,
+                     seq_len_k: int) -> LayoutSizes:
+    """`LayoutSizes` of a `(1, 1, Mq, Mk)` layout from its nonzero blocks' coordinates on the host: int64 CPU
+    tensors `i` (query blocks) and `j` (key blocks), each pair once; O(nnz) work, no device involved. The
+    classes are `build_index`'s (tests/test_layout.py compares the two).
+
+    Example:
+        >>> i, j = torch.tensor([0, 1, 1]), torch.tensor([1, 0, 1])  # (0, 1) holds no causal pair
+        >>> coordinate_sizes(i, j, (64, 64), 128, 128)
+        LayoutSizes(totals=(3, 3, 0, 2, 1, 1), longest={False: (2, 2), True: (2, 1)})
+    """
+    bq, bk = block_size
+    Mq, Mk = -(-seq_len_q // bq), -(-seq_len_k // bk)
+    n = i.numel()
+    if n == 0:
+        return LayoutSizes((0,) * 6, {False: (0, 0), True: (0, 0)})
+    # Few operators (each costs microseconds of host time here), none selecting by a bool tensor:
+    live = j * bk < (i + 1).mul_(bq).clamp_(max=seq_len_q)  # with the causal flag: k_first <= q_last
+    # k_last > q_first; the clamp of k_last to the length matters only in a key tail, partial anyway
+    partial = (j + 1).mul_(bk) > i * bq + 1
+    tail = None  # blocks touching a sequence tail: partial with either flag
+    if Mq * bq > seq_len_q:
+        tail = i == Mq - 1
+    if Mk * bk > seq_len_k:
+        tail = (j == Mk - 1) if tail is None else tail.logical_or_(j == Mk - 1)
+    if tail is not None:
+        partial.logical_or_(tail)
+    partial.logical_and_(live)
+    weights = live.to(torch.float64)  # exact counts
+    counts = torch.stack([tail.sum() if tail is not None else torch.zeros((), dtype=torch.int64), live.sum(),
+                          partial.sum(), torch.bincount(i, minlength=Mq).max(), torch.bincount(j, minlength=Mk).max(),
+                          torch.bincount(i, weights, minlength=Mq).max().long(),
+                          torch.bincount(j, weights, minlength=Mk).max().long()])
+    p, nc, pc, row_f, col_f, row_t, col_t = counts.tolist()
+    return LayoutSizes((n, n - p, p, nc, nc - pc, pc), {False: (row_f, col_f), True: (row_t, col_t)})
+
+
+def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int,
+                sizes: LayoutSizes | None = None) -> MaskIndex:
     """Every index list of a bool layout `(B, H, Mq, Mk)`, from one pass over it; the rest costs O(nnz).
 
     Built eagerly (when a mask is made) so that attention calls inside `torch.compile` only read them. On a GPU
@@ -557,10 +609,14 @@ def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: in
     into chunks it waits once more, for the sizes of the four work plans (rows and columns of each flag). Every
     other size is known on the host. The torch path (`_layout_sides`) waits three times: for the nonzero
     blocks, the numbers of each kind and the plans' sizes.
+
+    `sizes`: the layout's `LayoutSizes` where the host knows them (a mask constructor that made the layout from
+    its coordinates, `coordinate_sizes`): the GPU builders then do not wait for the device at all where no list
+    is cut. They must be the layout's: nothing checks them on the device.
     """
     B, H, Mq, Mk = layout.shape
     bq, bk = block_size
-    on_gpu = _layout_sides_on_gpu(layout, block_size, seq_len_q, seq_len_k)
+    on_gpu = _layout_sides_on_gpu(layout, block_size, seq_len_q, seq_len_k, sizes)
     if on_gpu is not None:
         nnz, flag_sizes, sides, longest = on_gpu
     else:
@@ -598,7 +654,8 @@ def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: in
     return MaskIndex(nnz, nnz == layout.numel(), covers_causal, rows, cols, kernel, long_lists, longest_row)
 
 
-def _layout_sides_on_gpu(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int):
+def _layout_sides_on_gpu(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int,
+                         sizes: LayoutSizes | None = None):
     """`_layout_sides` by `index_gpu.layout_lists` (a few Triton launches and one wait for the sizes) and the
     longest lists `{flag: (row, column)}`, or None where that does not apply (`_on_gpu`, no Triton, more blocks
     along a side than one program holds)."""
@@ -606,7 +663,7 @@ def _layout_sides_on_gpu(layout: torch.Tensor, block_size: tuple[int, int], seq_
     B, H, Mq, Mk = layout.shape
     if index_gpu is None or max(Mq, Mk) > index_gpu.MAX_BLOCKS:
         return None
-    lists, flag_sizes, longest = index_gpu.layout_lists(layout, block_size, seq_len_q, seq_len_k)
+    lists, flag_sizes, longest = index_gpu.layout_lists(layout, block_size, seq_len_q, seq_len_k, sizes)
     sides = {}
     for flag, (rows, cols) in lists.items():
         total = sum(flag_sizes[flag])

@@ -480,3 +480,29 @@ def test_hopper_launches_encode_their_descriptors_once_per_address():
     call()
     torch.cuda.synchronize()
     assert [len(r.kept) for r in raws] == kept
+
+
+@pytest.mark.parametrize("build", [lambda: masks.butterfly(65536, 128, device="cuda"),
+                                   lambda: masks.butterfly(1000, 64, seq_len_k=3000, device="cuda"),
+                                   lambda: masks.local(65536, 128, window=3, device="cuda"),
+                                   lambda: masks.local(5000, (64, 32), window=2, causal=True, device="cuda")],
+                         ids=["butterfly", "butterfly_cross", "local", "local_causal"])
+def test_listed_constructors_build_on_the_gpu_without_synchronising(build):
+    """Butterfly and local masks list their blocks on the host, upload them from pinned memory and count their
+    lists' sizes there: their builds on the GPU never synchronise (CUDA's own record, sync debug mode), and
+    their lists equal those built from the layout alone (which waits)."""
+    from sparse_flash import BlockMask
+
+    build()  # warm-up: loads the builders
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        m = build()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    want = BlockMask.from_layout(m.layout, m.block_size, seq_len_q=m.seq_len_q, seq_len_k=m.seq_len_k)
+    assert m.nnz == want.nnz
+    for causal in (False, True):
+        for got, ref in zip(m.kernel_index(causal), want.kernel_index(causal)):
+            for name, x, y in zip(got._fields, got, ref):
+                assert torch.equal(x, y), (causal, type(got).__name__, name)

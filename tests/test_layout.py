@@ -486,3 +486,60 @@ def test_lists_of_a_layout_built_on_the_gpu_equal_the_torch_ones(m):
         got = mask_index.build_index(m.layout, m.block_size, m.seq_len_q, m.seq_len_k)
     assert built.call_count == 1
     _assert_same_index(got, want)
+
+
+@settings(deadline=None)
+@given(Mq=st.integers(1, 12), Mk=st.integers(1, 12), bq=st.sampled_from([16, 32, 48]), bk=st.sampled_from([16, 64]),
+       tail_q=st.integers(0, 47), tail_k=st.integers(0, 63), density=st.sampled_from([0.0, 0.2, 0.6, 1.0]),
+       seed=st.integers(0, 10_000))
+def test_coordinate_sizes_equal_the_counts_of_the_lists(Mq, Mk, bq, bk, tail_q, tail_k, density, seed):
+    """`mask_index.coordinate_sizes` (the host's count from a layout's coordinates, which lets a constructor's
+    build skip the device wait) gives the totals of each kind and the longest lists that the lists built from
+    the layout hold, for both causal flags, with and without sequence tails."""
+    from sparse_flash import mask_index
+
+    Nq, Nk = Mq * bq - min(tail_q, bq - 1), Mk * bk - min(tail_k, bk - 1)
+    layout = torch.rand(1, 1, Mq, Mk, generator=torch.Generator().manual_seed(seed)) < density
+    index = mask_index.build_index(layout, (bq, bk), Nq, Nk)
+    i, j = layout[0, 0].nonzero().unbind(1)
+    got = mask_index.coordinate_sizes(i, j, (bq, bk), Nq, Nk)
+    want = []
+    for flag in (False, True):
+        kernel = index.kernel[flag]
+        want += [index.rows[flag].indices.numel(), kernel.row_full.indices.numel(), kernel.row_partial.indices.numel()]
+        assert got.longest[flag] == (int(index.rows[flag].counts.max()), int(index.cols[flag].counts.max()))
+    assert list(got.totals) == want
+
+
+@pytest.mark.parametrize("build", [
+    lambda d: masks.butterfly(128 * 40 + 50, 128, device=d),
+    lambda d: masks.butterfly(700, 64, seq_len_k=2000, n_factors=3, device=d),
+    lambda d: masks.local(128 * 40 + 50, 128, window=3, device=d),
+    lambda d: masks.local(1000, (64, 32), seq_len_k=700, window=2, causal=True, device=d),
+], ids=["butterfly", "butterfly_cross", "local", "local_causal_cross"])
+def test_constructors_that_list_their_blocks_build_without_waiting(build, monkeypatch):
+    """Butterfly and local masks list their blocks on the host and count their lists' sizes there
+    (`coordinate_sizes`): built by the GPU builders (here under TRITON_INTERPRET=1) they never wait for the
+    device, and their lists and plans equal those built from the layout alone."""
+    from sparse_flash import mask_index
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
+    with mock.patch.object(mask_index, "_on_gpu", lambda t: True), DeviceWaits(monkeypatch) as counter:
+        m = build("cpu")
+    monkeypatch.undo()
+    assert counter.waits == 0
+    want = BlockMask.from_layout(m.layout, m.block_size, seq_len_q=m.seq_len_q, seq_len_k=m.seq_len_k)
+    _assert_same_index(m._index, want._index)
+
+
+def test_butterfly_global_blocks_are_its_first_rows_and_columns():
+    """The butterfly's global rows and columns join its listed blocks once each (and past the grid's short
+    side they add only what fits)."""
+    plain = masks.butterfly(1000, 64, seq_len_k=3000).layout[0, 0]
+    for g in (1, 2, 40):
+        got = masks.butterfly(1000, 64, seq_len_k=3000, num_global_blocks=g).layout[0, 0]
+        want = plain.clone()
+        want[:g, :] = True
+        want[:, :g] = True
+        assert torch.equal(got, want) and masks.butterfly(1000, 64, seq_len_k=3000, num_global_blocks=g).nnz == int(want.sum())

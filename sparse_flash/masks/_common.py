@@ -148,3 +148,10 @@ def make(layout: torch.Tensor, geo: Geometry, name: str) -> BlockMask:
     return BlockMask.from_layout(
         layout, (geo.block_q, geo.block_k), seq_len_q=geo.seq_len_q, seq_len_k=geo.seq_len_k, name=name
     )
+
+
+def make_from_coordinates(i: torch.Tensor, j: torch.Tensor, geo: Geometry, name: str, device) -> BlockMask:
+    """A `(1, 1, Mq, Mk)` mask of the blocks `(i[n], j[n])` (int64 CPU tensors, each pair once, on the grid):
+    the sizes of its lists are counted on the host, so its build on a GPU does not wait for the device
+    (`BlockMask._from_coordinates`). For patterns whose coordinates are few and cheap to list."""
+    return BlockMask._from_coordinates(i, j, (geo.block_q, geo.block_k), geo.seq_len_q, geo.seq_len_k, name, device)

@@ -7,7 +7,7 @@ import math
 import torch
 
 from ..mask import BlockMask
-from ._common import GridError, check_device, geometry, make, positive_int
+from ._common import GridError, check_device, geometry, make, make_from_coordinates, positive_int
 
 MAX_FACTORS = 31  # a mask has fewer than 2**31 blocks a side (MAX_LAYOUT_BLOCKS), so at most 31 factors
 
@@ -67,23 +67,45 @@ def butterfly(
     all_factors = math.ceil(math.log2(size))
     n = all_factors if n is None else n
 
-    # Nonzero coordinates of the butterfly on its grid: (r, r) and (r, r ^ 2**k), one row of partners per factor.
-    r = torch.arange(size, device=device)
-    powers = torch.arange(min(n, all_factors), device=device)
-    cols = torch.cat([r[None], r[None] ^ (1 << powers)[:, None]])
-    rows = r.expand_as(cols)
-    if butterfly_size is None:  # one grid cell per block
-        layout = _grid_with(rows, cols, (rows < Mq) & (cols < Mk), Mq, Mk)
-    else:  # blow each cell up to a square of blocks
-        small = _grid_with(rows, cols, cols < size, size, size)
-        layout = small[torch.arange(Mq, device=device) * size // Mq][:, torch.arange(Mk, device=device) * size // Mk]
+    name = "butterfly" if n_factors is None else f"butterfly(n_factors={n})"
+    if butterfly_size is None:  # one grid cell per block: few coordinates, listed on the host (no device wait)
+        i, j = _host_butterfly(size, min(n, all_factors), Mq, Mk, num_global_blocks)
+        return make_from_coordinates(i, j, geo, name, device)
+    # Blow each cell of a butterfly_size grid up to a square of blocks
+    rows, cols = _coordinates(size, min(n, all_factors), device)
+    small = _grid_with(rows, cols, cols < size, size, size)
+    layout = small[torch.arange(Mq, device=device) * size // Mq][:, torch.arange(Mk, device=device) * size // Mk]
     if num_global_blocks:
         layout[:num_global_blocks, :] = True
         layout[:, :num_global_blocks] = True
-    name = "butterfly" if n_factors is None else f"butterfly(n_factors={n})"
-    if butterfly_size is not None:
-        name += f"[size {butterfly_size}]"
-    return make(layout, geo, name)
+    return make(layout, geo, f"{name}[size {butterfly_size}]")
+
+
+def _host_butterfly(size: int, factors: int, Mq: int, Mk: int, num_global_blocks: int):
+    """The nonzero blocks `(i, j)` of an `Mq x Mk` butterfly (int64 CPU tensors, each block once): the grid's
+    coordinates, then the first `num_global_blocks` rows and columns."""
+    rows, cols = _coordinates(size, factors, "cpu")
+    keep = (rows < Mq) & (cols < Mk)
+    if bool(keep.all()):  # a square grid of a power of two: every partner on it (no selection, a slow operator)
+        i, j = rows.flatten(), cols.flatten()
+    else:
+        i, j = rows[keep], cols[keep]
+    if not num_global_blocks:
+        return i, j
+    rows, cols = torch.arange(min(num_global_blocks, Mq)), torch.arange(min(num_global_blocks, Mk))
+    where = torch.cat([i * Mk + j, (rows[:, None] * Mk + torch.arange(Mk)).flatten(),
+                       (torch.arange(Mq)[:, None] * Mk + cols).flatten()])
+    where = torch.unique(where)
+    return where // Mk, where % Mk
+
+
+def _coordinates(size: int, factors: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The butterfly's nonzero coordinates on a `size`-square grid, `(rows, cols)` int64 `(1 + factors, size)`:
+    (r, r), then (r, r ^ 2**k) for each factor k (partners may fall past the grid)."""
+    r = torch.arange(size, device=device)
+    powers = torch.arange(factors, device=device)
+    cols = torch.cat([r[None], r[None] ^ (1 << powers)[:, None]])
+    return r.expand_as(cols), cols
 
 
 def _grid_with(rows: torch.Tensor, cols: torch.Tensor, keep: torch.Tensor, height: int, width: int) -> torch.Tensor:
