@@ -249,8 +249,9 @@ def flash_attention(
     loading indices. Arguments and returns as in `block_sparse_attention`.
 
     Example:
-        >>> q = k = v = torch.randn(1, 8, 4096, 64)
-        >>> out = sparse_flash.flash_attention(q, k, v, causal=True)
+        >>> q = k = v = torch.randn(1, 8, 1024, 64)
+        >>> sparse_flash.flash_attention(q, k, v, causal=True).shape
+        torch.Size([1, 8, 1024, 64])
     """
     _validate(q, k, v, _DENSE, causal, scale, return_lse)
     return _dispatch(q, k, v, _DENSE, causal, scale, return_lse, backend)

@@ -285,6 +285,21 @@ def _rebuild(layout, block_size, seq_len_q, seq_len_k, name, tiling):
     return BlockMask(layout, block_size, seq_len_q, seq_len_k, name, tiling=tiling)
 
 
+
+def layout_from_coordinates(i: torch.Tensor, j: torch.Tensor, Mq: int, Mk: int, device=None) -> torch.Tensor:
+    """bool `(Mq, Mk)` on `device`, True at each `(i[n], j[n])` (int64 CPU tensors, on the grid): one upload
+    of the coordinates from pinned memory, which does not wait for the device, and one fill.
+
+    Example:
+        >>> layout_from_coordinates(torch.tensor([0, 1]), torch.tensor([1, 1]), 2, 2).tolist()
+        [[False, True], [False, True]]
+    """
+    target = torch.empty(0, device=device).device
+    where = i * Mk + j
+    if target.type != "cpu" and not torch.compiler.is_compiling():
+        where = where.pin_memory().to(target, non_blocking=True)  # the host buffer is kept until the copy ran
+    return torch.zeros(Mq * Mk, dtype=torch.bool, device=target).index_fill_(0, where.to(target), True).view(Mq, Mk)
+
 class BlockMask:
     """A block-sparse attention mask: which (query block, key block) tiles are computed.
 
@@ -496,14 +511,9 @@ class BlockMask:
         """
         bq, bk = block_size
         Mq, Mk = -(-seq_len_q // bq), -(-seq_len_k // bk)
-        target = torch.empty(0, device=device).device
-        where = i * Mk + j
-        if target.type != "cpu" and not torch.compiler.is_compiling():
-            where = where.pin_memory().to(target, non_blocking=True)  # the host buffer is kept until the copy ran
-        layout = torch.zeros(Mq * Mk, dtype=torch.bool, device=target).index_fill_(0, where.to(target), True)
         mask = cls.__new__(cls)
-        mask._own(layout.view(1, 1, Mq, Mk), (bq, bk), seq_len_q, seq_len_k, name, None,
-                  sizes=coordinate_sizes(i, j, (bq, bk), seq_len_q, seq_len_k))
+        mask._own(layout_from_coordinates(i, j, Mq, Mk, device)[None, None], (bq, bk), seq_len_q, seq_len_k, name,
+                  None, sizes=coordinate_sizes(i, j, (bq, bk), seq_len_q, seq_len_k))
         return mask
 
     @classmethod

@@ -54,7 +54,7 @@ def plot_mask(mask: BlockMask, path=None, *, heads: int = 4, ax=None):
             writable binary file.
 
     Example:
-        >>> sparse_flash.masks.butterfly(4096, 128).plot("butterfly.png")
+        >>> fig = sparse_flash.masks.butterfly(4096, 128).plot("butterfly.png")
     """
     heads = positive_int(heads, "heads")
     if path is not None and not isinstance(path, (str, os.PathLike)) and not hasattr(path, "write"):

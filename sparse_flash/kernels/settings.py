@@ -28,8 +28,11 @@ run it in another thread); under torch.compile, under the settings where the com
 
 Example:
     >>> from sparse_flash.kernels import settings
+    >>> q = k = v = torch.randn(1, 2, 256, 32)
     >>> with settings.override(hopper_forward=False):   # the Triton forward for every call in the block
-    ...     out = sparse_flash.block_sparse_attention(q, k, v, mask)
+    ...     out = sparse_flash.block_sparse_attention(q, k, v, sparse_flash.masks.local(256, 64))
+    >>> settings.current().hopper_forward  # outside the block: as before
+    True
 """
 
 from __future__ import annotations

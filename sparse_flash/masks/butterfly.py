@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..mask import BlockMask
+from ..mask import BlockMask, layout_from_coordinates
 from ._common import GridError, check_device, geometry, make, make_from_coordinates, positive_int
 
 MAX_FACTORS = 31  # a mask has fewer than 2**31 blocks a side (MAX_LAYOUT_BLOCKS), so at most 31 factors
@@ -79,6 +79,18 @@ def butterfly(
         layout[:num_global_blocks, :] = True
         layout[:, :num_global_blocks] = True
     return make(layout, geo, f"{name}[size {butterfly_size}]")
+
+
+def butterfly_layout(n: int, n_factors: int | None = None, device=None) -> torch.Tensor:
+    """bool `(n, n)`: the butterfly of `n` blocks a side (`butterfly`'s layout, without building a mask's lists).
+
+    Example:
+        >>> butterfly_layout(4).int().tolist()
+        [[1, 1, 1, 0], [1, 1, 0, 1], [1, 0, 1, 1], [0, 1, 1, 1]]
+    """
+    all_factors = math.ceil(math.log2(n))
+    factors = all_factors if n_factors is None else positive_int(n_factors, "n_factors", minimum=0, maximum=MAX_FACTORS)
+    return layout_from_coordinates(*_host_butterfly(n, min(factors, all_factors), n, n, 0), n, n, device)
 
 
 def _host_butterfly(size: int, factors: int, Mq: int, Mk: int, num_global_blocks: int):

@@ -13,7 +13,7 @@ import torch
 
 from ..mask import BlockMask, Tiling
 from ._common import check_device, optional_heads
-from .butterfly import butterfly
+from .butterfly import butterfly_layout
 from .tiles import per_axis, tiling_of
 
 
@@ -84,10 +84,12 @@ def neighborhood_2d(height: int, width: int, tile, window=1, *, num_heads: int |
         BlockMask `(1, H, M, M)` with `M = (height // tile_h) * (width // tile_w)`, block size
         `tile_h * tile_w`, and `tiling = Tiling((1, height, width), (1, tile_h, tile_w))`.
 
-    Example:
-        >>> m = masks.neighborhood_2d(256, 256, (16, 8), window=1) | masks.global_(65536, 128)  # 2.0%
-        >>> x = masks.to_tiles(torch.randn(1, 8, 65536, 64), 256, 256, (16, 8))  # row-major pixels -> tiles
-        >>> out = masks.from_tiles(sparse_flash.block_sparse_attention(x, x, x, m), 256, 256, (16, 8))
+    Example (Path-256's image is `neighborhood_2d(256, 256, (16, 8))`: 512 tiles of 128 pixels):
+        >>> m = masks.neighborhood_2d(64, 64, (8, 8), window=1) | masks.global_(4096, 64)  # 64 tiles
+        >>> x = masks.to_tiles(torch.randn(1, 2, 4096, 32), 64, 64, (8, 8))  # row-major pixels -> tiles
+        >>> out = masks.from_tiles(sparse_flash.block_sparse_attention(x, x, x, m), 64, 64, (8, 8))
+        >>> out.shape
+        torch.Size([1, 2, 4096, 32])
     """
     device = check_device(device)
     tiling = tiling_of(height, width, tile)
@@ -116,10 +118,11 @@ def neighborhood_3d(frames: int, height: int, width: int, tile, window=1, *, num
         BlockMask `(1, H, M, M)` with `M` the number of tiles, block size `tile_t * tile_h * tile_w`, and
         `tiling = Tiling((frames, height, width), (tile_t, tile_h, tile_w))`.
 
-    Example:
-        >>> m = masks.neighborhood_3d(16, 64, 64, (2, 8, 8), window=(1, 1, 1))  # 512 tiles of 128 tokens
-        >>> x = masks.to_tiles(torch.randn(1, 8, 16 * 64 * 64, 64), 64, 64, (2, 8, 8), frames=16)
-        >>> out = sparse_flash.block_sparse_attention(x, x, x, m)
+    Example (16 frames of 64 x 64 in (2, 8, 8) tiles would be 512 tiles of 128 tokens):
+        >>> m = masks.neighborhood_3d(4, 32, 32, (2, 8, 8), window=(1, 1, 1))  # 32 tiles of 128 tokens
+        >>> x = masks.to_tiles(torch.randn(1, 2, 4 * 32 * 32, 32), 32, 32, (2, 8, 8), frames=4)
+        >>> sparse_flash.block_sparse_attention(x, x, x, m).shape
+        torch.Size([1, 2, 4096, 32])
     """
     device = check_device(device)
     tiling = tiling_of(height, width, tile, frames)
@@ -157,7 +160,7 @@ def butterfly_2d(height: int, width: int, tile, *, n_factors: int | None = None,
     _, rows, cols = tiling.tiles
 
     def axis(n: int) -> torch.Tensor:
-        return butterfly(n, 1, n_factors=n_factors, device=device).layout[0, 0].clone()
+        return butterfly_layout(n, n_factors, device)
 
     def same(n: int) -> torch.Tensor:  # the tile's own row (column) only
         return torch.eye(n, dtype=torch.bool, device=device)
