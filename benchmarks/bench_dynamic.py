@@ -77,11 +77,13 @@ class Sizes:
 
 # ---------------------------------------------------------------------------------------------- the choice
 def block_scores(q: torch.Tensor, k: torch.Tensor, block: int) -> torch.Tensor:
-    """float32 `(B, H, M, M)`: `mean(q over block i) . mean(k over block j)`, MoBA's block gate (the one of
-    `MoBAAttention.select`), for q and k `(B, H, N, D)` with N a multiple of `block`; no gradient."""
+    """float32 `(B, H, M, M)`: `mean(q over block i - 1) . mean(k over block j)`, MoBA's causal block gate (the
+    one of `MoBAAttention.select` with causal=True: each block's gate reads the block before it), for q and k
+    `(B, H, N, D)` with N a multiple of `block`; no gradient."""
     B, H, N, D = q.shape
     with torch.no_grad():
         q_means = q.view(B, H, N // block, block, D).mean(3, dtype=torch.float32)  # no float32 copy of q
+        q_means = torch.cat([torch.zeros_like(q_means[:, :, :1]), q_means[:, :, :-1]], 2)
         k_means = k.view(B, H, N // block, block, D).mean(3, dtype=torch.float32)
         return q_means @ k_means.transpose(-1, -2)
 

@@ -8,6 +8,8 @@ is made (`mask_index.build_index`).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from typing import NamedTuple
 
@@ -62,7 +64,7 @@ class _ReadOnlyLayout(torch.Tensor):
         name = getattr(func, "__name__", "")
         out = kwargs.get("out")
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        if name in cls._WRITES or (name.endswith("_") and not name.endswith("__")) or any(
+        if name in cls._WRITES or _writes(func, name, args, kwargs) or any(
                 isinstance(o, _ReadOnlyLayout) for o in outs):
             raise RuntimeError(
                 f"a BlockMask's layout and index lists are read-only ({name} writes to it): a mask is an immutable "
@@ -85,6 +87,40 @@ class _ReadOnlyLayout(torch.Tensor):
 
     def __deepcopy__(self, memo):
         return self.as_subclass(torch.Tensor).clone()
+
+
+def _writes(func, name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a call writes into its arguments: an in-place method or function (`add_`, `torch.relu_`), an
+    operator whose schema says so (`torch.ops.aten.add_.Tensor`), or a function told to by its `inplace`
+    argument (`F.relu(x, inplace=True)`, `F.dropout(x, 0.5, True, True)`)."""
+    schema = getattr(func, "_schema", None)
+    if schema is not None:  # an operator: the arguments its schema writes
+        for i, argument in enumerate(schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                value = args[i] if i < len(args) else kwargs.get(argument.name)
+                values = value if isinstance(value, (tuple, list)) else (value,)
+                if any(isinstance(v, _ReadOnlyLayout) for v in values):
+                    return True
+        return False
+    if name.endswith("_") and not name.endswith("__"):
+        return True
+    if kwargs.get("inplace"):
+        return True
+    try:
+        position = _inplace_position(func)
+    except TypeError:  # not hashable: no cached signature
+        return False
+    return position is not None and position < len(args) and bool(args[position])
+
+
+@functools.lru_cache(maxsize=None)
+def _inplace_position(func) -> int | None:
+    """The position of a Python function's `inplace` parameter (torch.nn.functional's), or None."""
+    try:
+        names = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return None
+    return names.index("inplace") if "inplace" in names else None
 
 
 def _protect_views(result, source):
@@ -138,7 +174,9 @@ def _check_layout(layout) -> torch.Tensor:
 
 
 def _check_length(value, name: str, blocks: int, block: int, where: str = "the layout has") -> int:
-    if not is_int(value) or value < 1:
+    if not is_int(value):  # a float, bool, str or tensor: the wrong kind of value, as every check says it
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
+    if value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     value, needed = int(value), -(-int(value) // block)
     if needed != blocks:
@@ -299,6 +337,7 @@ def layout_from_coordinates(i: torch.Tensor, j: torch.Tensor, Mq: int, Mk: int, 
     if target.type != "cpu" and not torch.compiler.is_compiling():
         where = where.pin_memory().to(target, non_blocking=True)  # the host buffer is kept until the copy ran
     return torch.zeros(Mq * Mk, dtype=torch.bool, device=target).index_fill_(0, where.to(target), True).view(Mq, Mk)
+
 
 class BlockMask:
     """A block-sparse attention mask: which (query block, key block) tiles are computed.
@@ -595,6 +634,8 @@ class BlockMask:
         if isinstance(device, torch.dtype):
             raise TypeError(f"BlockMask.to takes a device (a mask has no dtype), got dtype {device}")
         device = check_device(device, "BlockMask.to device")
+        if device is None:  # as `tensor.to(None)`: no move
+            return self
         here = self.device
         if device.type == here.type and device.index in (None, here.index) or (device.type == here.type == "cpu"):
             return self

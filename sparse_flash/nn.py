@@ -9,6 +9,7 @@ its key blocks per call from the data (MoBA).
 from __future__ import annotations
 
 import inspect
+import math
 import numbers
 import types
 from collections import OrderedDict
@@ -392,6 +393,21 @@ def _block_means(x: torch.Tensor, block: int) -> torch.Tensor:
     return sums / rows[:, None]
 
 
+def _overlapping(Nq: int, Nk: int, bq: int, bk: int, device) -> torch.Tensor:
+    """bool `(Mq, Mk)`: key blocks that hold a causal pair with query block i (`j * bk <= its last query`) and
+    do not end before its first token (keys at or after `i * bq`)."""
+    i = torch.arange(-(-Nq // bq), device=device)[:, None]
+    j = torch.arange(-(-Nk // bk), device=device)[None, :]
+    last_query = torch.clamp((i + 1) * bq, max=Nq) - 1
+    return (j * bk <= last_query) & (torch.clamp((j + 1) * bk, max=Nk) > i * bq)
+
+
+def _most_overlapping(bq: int, bk: int) -> int:
+    """The most key blocks of `bk` tokens that overlap one query block of `bq` tokens (the first `bq` tokens of
+    each block, which start at multiples of `bq`; the pattern repeats every `bk / gcd` query blocks)."""
+    return max(-(-(i + 1) * bq // bk) - (i * bq) // bk for i in range(bk // math.gcd(bq, bk)))
+
+
 class MoBAAttention(BlockSparseAttention):
     """Multi-head attention that chooses, per call, the key blocks each query block attends to: MoBA (Lu et al.,
     2025, "MoBA: Mixture of Block Attention for Long-Context LLMs"), on the block-sparse kernels.
@@ -399,12 +415,20 @@ class MoBAAttention(BlockSparseAttention):
     The gate of key block j for query block i is, per head, `mean(q over block i) . mean(k over block j)`: the
     mean over the block's queries of MoBA's per-token gate `q . mean(k over block j)` (MoBA chooses per query
     token; a block mask chooses per query block). Each query block keeps its `top_k` best key blocks
-    (`BlockMask.from_topk`: ties go to the lower block, and no gradient flows through the choice); with
-    `causal`, only blocks holding a causal pair compete and the diagonal block is always kept, counting among
-    the `top_k`, as in MoBA. The chosen mask then runs `block_sparse_attention` with the layer's `causal` flag.
-    A gate that is not finite (a NaN or an infinity among a block's keys or queries) ranks first: a key block
-    holding one is chosen wherever it competes, so the value reaches the rows that attend it as in dense
-    attention; a query block whose gates are all NaN (a NaN among its queries) keeps its first candidates.
+    (`BlockMask.from_topk`: ties go to the lower block, and no gradient flows through the choice). The chosen
+    mask then runs `block_sparse_attention` with the layer's `causal` flag.
+
+    With `causal`, the choice is causal too: no token's output depends on a later token. Every token of a
+    query block shares one choice, so it reads only what precedes the block's first token: the gate's query
+    is the mean over the block before (`mean(q over block i - 1)`), only key blocks that end before the block
+    starts compete, and the key blocks that overlap it (the diagonal; more where key blocks are shorter than
+    query blocks) are always kept, counting among the `top_k` (so `top_k` must be at least their number).
+    Choosing by the block's own queries would let a later token change which keys an earlier one attends.
+
+    A gate that is not finite (a NaN or an infinity among a block's keys or queries) ranks first, after the
+    kept overlapping blocks: a key block holding one is chosen wherever it competes, so the value reaches the
+    rows that attend it as in dense attention; a query block whose gates are all NaN (a NaN among the queries
+    its gate reads) keeps its first candidates.
 
     Args:
         embed_dim, num_heads: as in `BlockSparseAttention`.
@@ -430,6 +454,10 @@ class MoBAAttention(BlockSparseAttention):
         if backend == "triton" and (pair[0] % 16 or pair[1] % 16):
             raise ValueError(f"backend='triton' needs block sizes that are multiples of 16, got block_size "
                              f"{block_size!r}")
+        if as_bool(causal, "causal") and top_k < _most_overlapping(*pair):
+            raise ValueError(f"top_k must be at least {_most_overlapping(*pair)} with causal=True and block_size "
+                             f"{block_size!r}: each query block keeps the key blocks that overlap it (up to "
+                             f"{_most_overlapping(*pair)}), which count among the top_k; got {top_k}")
         super().__init__(embed_dim, num_heads, num_kv_heads=num_kv_heads, kdim=kdim, vdim=vdim, mask=None,
                          block_size=block_size, causal=causal, dropout=dropout, bias=bias, backend=backend,
                          device=device, dtype=dtype)
@@ -448,11 +476,17 @@ class MoBAAttention(BlockSparseAttention):
         bq, bk = self.block_pair
         with torch.no_grad():
             keys = _block_means(k, bk).repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
-            scores = _block_means(q, bq) @ keys.transpose(-1, -2)  # (B, H, Mq, Mk)
-            # A NaN gate ranks first: a key block holding a NaN or an infinity is chosen wherever it may be, so
-            # the value reaches the rows that attend it, as in attention (ranked last, it would vanish). The
-            # choice reads nothing from the device to check the scores.
-            scores = torch.nan_to_num(scores, nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
+            queries = _block_means(q, bq)  # (B, H, Mq, D)
+            if self.causal:  # block i's gate reads the block before it (block 0 has no key block to choose)
+                queries = torch.cat([torch.zeros_like(queries[:, :, :1]), queries[:, :, :-1]], 2)
+            scores = queries @ keys.transpose(-1, -2)  # (B, H, Mq, Mk)
+            # A gate that is not finite ranks first: a key block holding a NaN or an infinity is chosen wherever
+            # it may be, so the value reaches the rows that attend it, as in attention (ranked last, it would
+            # vanish). The choice reads nothing from the device to check the scores.
+            top = torch.finfo(scores.dtype).max
+            scores = torch.nan_to_num(scores, nan=top, posinf=top, neginf=top)
+            if self.causal:  # the key blocks overlapping the query block rank before all: always kept
+                scores = scores.masked_fill(_overlapping(q.shape[2], k.shape[2], bq, bk, q.device), float("inf"))
         return BlockMask.from_topk(scores, min(self.top_k, scores.shape[-1]), causal=self.causal,
                                    block_size=self.block_pair, seq_len_q=q.shape[2], seq_len_k=k.shape[2],
                                    check_finite=False, name="moba")

@@ -34,8 +34,16 @@ def test_mask_owns_its_layout():
     lambda t: t.__ior__(torch.ones_like(t)),
     lambda t: torch.logical_or(t, torch.ones_like(t), out=t),
     lambda t: t.copy_(torch.ones_like(t)),
-], ids=["setitem", "fill_", "view-setitem", "view-zero_", "data", "ior", "out=", "copy_"])
+    lambda t: torch.nn.functional.dropout(t, 1.0, inplace=True),
+    lambda t: torch.nn.functional.dropout(t, 1.0, True, True),  # inplace given by position
+    lambda t: torch.ops.aten.fill_.Scalar(t, True),
+    lambda t: torch._foreach_mul_([t], 0),
+], ids=["setitem", "fill_", "view-setitem", "view-zero_", "data", "ior", "out=", "copy_", "F-inplace",
+        "F-inplace-positional", "aten-op", "foreach"])
 def test_layout_writes_raise(write):
+    """Every way to write into the read-only layout raises, also through functions that write only when told
+    (torch.nn.functional's `inplace`) and operators called by their schema (a probe zeroed a layout with
+    `F.dropout(mask.layout, 1.0, inplace=True)`, and the attention backends then disagreed)."""
     mask = BlockMask.from_layout(torch.eye(3, dtype=torch.bool), 16)
     with pytest.raises(RuntimeError, match="read-only"):
         write(mask.layout)
@@ -611,9 +619,12 @@ def test_index_lists_handed_out_are_read_only(lists):
     q = torch.randn(1, 1, 64, 16)
     before = sparse_flash.block_sparse_attention(q, q, q, mask, backend="torch")
     for t in lists(mask):
-        with pytest.raises(RuntimeError, match="read-only"):
-            t.zero_()
+        for write in (torch.Tensor.zero_, lambda t: torch.nn.functional.hardtanh(t, 0.0, 0.0, inplace=True),
+                      lambda t: torch.nn.functional.relu(t, True), lambda t: torch.ops.aten.add_.Tensor(t, 1)):
+            with pytest.raises(RuntimeError, match="read-only"):
+                write(t)
         assert t.clone().numel() == t.numel()  # reads work
+        assert torch.equal(torch.ops.aten.add.Tensor(t, 0), t)  # an operator that only reads
     assert torch.equal(sparse_flash.block_sparse_attention(q, q, q, mask, backend="torch"), before)
 
 
@@ -967,3 +978,20 @@ def test_layers_take_an_empty_batch_and_name_an_empty_sequence():
         assert layer(torch.randn(0, 50, 64)).shape == (0, 50, 64)
         with pytest.raises(ValueError, match="query and key must hold at least one token"):
             layer(torch.randn(2, 0, 64))
+
+
+@pytest.mark.parametrize("length", [64.0, True, "64", torch.tensor(64)], ids=["float", "bool", "str", "tensor"])
+def test_a_length_of_the_wrong_kind_is_a_type_error(length):
+    """Lengths are ints: another kind of value is a TypeError naming it, as in every other check (these were
+    ValueErrors in `from_layout`, `from_topk` and `from_scores`)."""
+    with pytest.raises(TypeError, match="seq_len_q must be a positive int"):
+        BlockMask.from_layout(torch.ones(4, 4, dtype=torch.bool), 16, seq_len_q=length)
+    with pytest.raises(TypeError, match="seq_len_k must be a positive int"):
+        BlockMask.from_topk(torch.randn(1, 1, 4, 4), 2, block_size=16, seq_len_k=length)
+    with pytest.raises(ValueError, match="seq_len_q must be a positive int"):
+        BlockMask.from_layout(torch.ones(4, 4, dtype=torch.bool), 16, seq_len_q=0)
+
+
+def test_a_mask_moved_to_no_device_is_itself():
+    mask = masks.local(256, 32)
+    assert mask.to(None) is mask  # as tensor.to(None)

@@ -411,7 +411,14 @@ def moba_reference(layer: MoBAAttention, x: torch.Tensor) -> tuple[torch.Tensor,
     Mq, Mk = -(-N // bq), -(-N // bk)
     q_mean = torch.stack([q[:, :, i * bq:(i + 1) * bq].mean(2) for i in range(Mq)], 2)
     k_mean = torch.stack([k[:, :, j * bk:(j + 1) * bk].mean(2) for j in range(Mk)], 2)
+    if layer.causal:  # the gate of block i reads block i - 1's queries (block 0 chooses nothing)
+        q_mean = torch.cat([torch.zeros_like(q_mean[:, :, :1]), q_mean[:, :, :-1]], 2)
     scores = q_mean @ k_mean.transpose(-1, -2)
+    if layer.causal:  # the key blocks overlapping query block i (keys from i * bq to its last query) always
+        for i in range(Mq):
+            for j in range(Mk):
+                if j * bk <= min((i + 1) * bq, N) - 1 and min((j + 1) * bk, N) > i * bq:
+                    scores[:, :, i, j] = math.inf
     layout = plain_topk(TopK(B, H, Mq, Mk, bq, bk, N, N, min(layer.top_k, Mk), layer.causal, False, 0), scores)
     allowed = layout.repeat_interleave(bq, 2).repeat_interleave(bk, 3)[:, :, :N, :N].to(x.device)
     if layer.causal:
@@ -861,6 +868,27 @@ def test_moba_a_non_finite_key_reaches_the_rows_that_attend_it(causal):
     x[0, 9] = float("nan")
     out = layer(x)
     assert torch.isnan(out[0, 9]).all()
+
+
+@pytest.mark.parametrize("block_size, top_k", [(16, 2), ((32, 16), 2), ((16, 32), 2), ((48, 32), 3)],
+                         ids=["square", "short-keys", "long-keys", "misaligned"])
+def test_moba_causal_outputs_never_depend_on_later_tokens(block_size, top_k):
+    """With causal=True no token's output changes when a later token does (a probe found 27 of 63 tokens that
+    changed an earlier one's output: the gate read the mean of the whole query block, later tokens included)."""
+    torch.manual_seed(0)
+    layer = MoBAAttention(32, 2, block_size, top_k, causal=True, backend="torch", dtype=torch.float64)
+    x = torch.randn(1, 90, 32, dtype=torch.float64)
+    y = layer(x)
+    for t in range(1, 90, 7):
+        changed = x.clone()
+        changed[0, t:] += 10 * torch.randn(90 - t, 32, dtype=torch.float64)
+        assert torch.equal(layer(changed)[0, :t], y[0, :t]), t
+
+
+def test_moba_causal_top_k_keeps_room_for_the_overlapping_key_blocks():
+    with pytest.raises(ValueError, match="top_k must be at least 2"):
+        MoBAAttention(16, 1, (32, 16), 1)
+    MoBAAttention(16, 1, (32, 16), 1, causal=False)  # no causal rule: any top_k
 
 
 def test_moba_block_size_and_top_k_are_fixed_and_checked_for_the_backend():
