@@ -71,6 +71,17 @@ def _check_pattern(name: str, params: dict, block_size) -> None:
         raise type(e)(f"mask_params of pattern {name!r} are invalid: {e}") from e
 
 
+def _parameter_device(device):
+    """`device` for the layer's parameters, checked as a mask's (`checks.check_device`), where the meta device
+    is valid too (deferred initialisation: parameters without memory)."""
+    try:
+        if isinstance(device, (str, torch.device)) and torch.device(device).type == "meta":
+            return torch.device("meta")
+    except (RuntimeError, ValueError):  # not a device name: check_device says so
+        pass
+    return check_device(device, "device")
+
+
 class BlockSparseAttention(nn.Module):
     """Multi-head block-sparse attention over `(batch, seq, embed)` inputs.
 
@@ -152,7 +163,9 @@ class BlockSparseAttention(nn.Module):
             )
         causal = as_bool(causal, "causal")
         bias = as_bool(bias, "bias")
-        if is_bool(dropout) or not isinstance(dropout, numbers.Real) or not 0.0 <= dropout <= 1.0:
+        if is_bool(dropout) or not isinstance(dropout, numbers.Real):
+            raise TypeError(f"dropout must be a float in [0, 1], got {type(dropout).__name__} {dropout!r}")
+        if not 0.0 <= dropout <= 1.0:
             raise ValueError(f"dropout must be a float in [0, 1], got {dropout!r}")
         dropout = float(dropout)
         if backend not in BACKENDS:
@@ -184,6 +197,10 @@ class BlockSparseAttention(nn.Module):
             raise ValueError(f"mask_params only applies to a pattern name, but mask is {type(mask).__name__}")
         elif mask is not None and not isinstance(mask, BlockMask):
             raise TypeError(f"mask must be a BlockMask, a pattern name or None, got {type(mask).__name__}")
+        if backend == "triton" and block_size is not None and any(b % 16 for b in block_pair(block_size)):
+            raise ValueError(f"backend='triton' needs mask block sizes that are multiples of 16, got block_size "
+                             f"{block_size!r}")
+        device = _parameter_device(device)
 
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim, self.kdim, self.vdim = head_dim, kdim, vdim

@@ -81,7 +81,8 @@ def test_masks_gallery_writes_a_png(capsys, tmp_path):
         (["masks", "show", "random"], "pattern 'random' needs --param density=VALUE"),
         (["masks", "show", "local", "--num-heads", "2"], "--num-heads does not apply"),
         (["masks", "show", "local", "--param", "window=-1"], "cannot build 'local': window must be at least 0, got -1"),
-        (["masks", "show", "local", "--seq-len", "256", "--png", "/no/such/dir/x.png"], "cannot write the picture"),
+        (["masks", "show", "local", "--seq-len", "256", "--png", "/no/such/dir/x.png"],
+         "the folder '/no/such/dir' of '/no/such/dir/x.png' does not exist"),
     ],
     ids=["pattern", "param-form", "param-name-missing", "param-unknown", "param-required", "heads", "param-value",
          "png"],
@@ -89,10 +90,18 @@ def test_masks_gallery_writes_a_png(capsys, tmp_path):
 def test_user_errors_are_plain(capsys, argv, message):
     if "--png" in argv:
         pytest.importorskip("matplotlib")
-    code, _, err = run(capsys, *argv)
+    code, out, err = run(capsys, *argv)
     assert code != 0
     assert err.startswith("sparse-flash: error: ") and message in err
     assert "Traceback" not in err
+    assert out == ""  # said before any work (a missing folder was reported after the mask was printed)
+
+
+def test_a_png_that_cannot_be_written_is_a_plain_error(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "x.png").mkdir()  # a folder where the file would go
+    code, _, err = run(capsys, "masks", "show", "local", "--seq-len", "256", "--png", str(tmp_path / "x.png"))
+    assert code == 1 and "cannot write the picture" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize(

@@ -170,12 +170,22 @@ def test_fixed_mask_prepare_checks_lengths():
         ({"embed_dim": 64, "num_heads": 4, "mask": torch.ones(2, 2)}, TypeError, "got Tensor"),
         ({"embed_dim": 64, "num_heads": 4, "backend": "cuda"}, ValueError, "backend must be one of"),
         ({"embed_dim": 64, "num_heads": 4, "dropout": 1.5}, ValueError, r"dropout must be a float in \[0, 1\]"),
+        ({"embed_dim": 64, "num_heads": 4, "dropout": "0.1"}, TypeError, r"dropout must be a float in \[0, 1\]"),
+        ({"embed_dim": 64, "num_heads": 4, "device": "gpu"}, ValueError, "device must name a torch device"),
+        ({"embed_dim": 64, "num_heads": 4, "device": 1.5}, TypeError, "device must be a torch.device"),
+        ({"embed_dim": 64, "num_heads": 4, "mask": "local", "block_size": 8, "backend": "triton"}, ValueError,
+         "multiples of 16"),
     ],
     ids=lambda x: None,
 )
 def test_constructor_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
         BlockSparseAttention(**kwargs)
+
+
+def test_parameters_may_wait_on_the_meta_device():
+    """Deferred initialisation: the meta device holds the parameters (a mask cannot live there)."""
+    assert BlockSparseAttention(64, 4, device="meta").q_proj.weight.is_meta
 
 
 def test_forward_errors():
