@@ -51,6 +51,7 @@ BLOCK = 128  # query rows per item and key rows per K/V stage
 K_BUFFERS, V_BUFFERS = 2, 3  # K and V tiles in flight per program: with two Q buffers, 224 KB at D = 128
 LOAD_REGS = 24  # registers per thread of the load warp
 COMPUTE_REGS = 224  # registers per thread of the second compute warpgroup (the first gets what is left: 256)
+PAIRED_REGS = 240  # the same where two tiles share a turn at D = 128 (both compute warpgroups get 240)
 MAX_REGS = 168  # registers per thread of the whole program (12 warps: 8 compute, 4 for the load warp's group)
 
 
@@ -251,7 +252,7 @@ def _store_tile_tma(o_desc, o_smem, L, row, out, m_i, l_safe, empty, offs_m):
 def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Lse,
                        OutPart, LsePart, K, V, Items, Starts, PartIdx, Nq, qk_scale, SUB: gl.constexpr,
                        MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, DEAD_TILES: gl.constexpr,
-                       SPLIT: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
+                       SPLIT: gl.constexpr, PAIRED: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
     """One compute warpgroup: the online softmax over each item's K/V tiles for its half of the item's
     query rows, then O and the log-sum-exp (SPLIT: for a chunk of a split list, into its scratch rows).
 
@@ -263,7 +264,6 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     K_STAGES: gl.constexpr = k_smem.type.shape[0]
     V_STAGES: gl.constexpr = v_smem.type.shape[0]
-    PAIRED: gl.constexpr = HEAD_D <= 64  # two tiles per turn of the loop (below)
     # wgmma accumulators: rows split over the warps (16 rows each), k = 16 for 16-bit operands
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -300,9 +300,9 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
             release(k_empty.index(t % K_STAGES))
             if c > 0:  # the item before's O has left its Q buffer: the item after next may load its Q there
                 release_after_store(q_empty.index((c + 1) % 2))
-            # At D = 64, two tiles per turn: S alternates between two register sets (qk, qk_odd), so no turn
-            # copies the next tile's scores into the set the loop carries (64 moves per tile, 13% of its
-            # instructions). At D = 128 the second set does not fit beside O: spills (tuning log, step 96).
+            # PAIRED (`_paired`): two tiles per turn, S alternating between two register sets (qk, qk_odd), so
+            # no turn copies the next tile's scores into the set the loop carries (64 moves per tile, 13% of its
+            # instructions; tuning log, steps 96 and 99).
             for pair in range((n_tiles - 1) // 2 if PAIRED else 0):
                 acc, qk_odd, m_i, l_i = _tile_step(qk, acc, m_i, l_i, 2 * pair, t, q, k_smem, k_ready, k_empty, v_smem,
                                                    v_ready, v_empty, zero_s, n_full, plo, PartIdx, q_tok, qk_scale,
@@ -358,8 +358,8 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
 def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, OutPart, LsePart, K, V, Items, Starts, FullIdx,
                             PartIdx, Nq, qk_scale, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr,
                             CAUSAL: gl.constexpr, DEAD_TILES: gl.constexpr, SPLIT: gl.constexpr,
-                            K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, LOAD_WARP_REGS: gl.constexpr,
-                            COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
+                            K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, PAIRED: gl.constexpr,
+                            LOAD_WARP_REGS: gl.constexpr, COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
     """One resident program per SM; program p walks items [Starts[p], Starts[p + 1]) (`hopper.assign_programs`)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
@@ -373,10 +373,10 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, OutPart, LsePar
     gl.warp_specialize([
         (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Lse,
                               OutPart, LsePart, K, V, Items, Starts, PartIdx, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
-                              CAUSAL, DEAD_TILES, SPLIT, FIRST_HALF, num_warps)),  # rows [0, 64) of each item
+                              CAUSAL, DEAD_TILES, SPLIT, PAIRED, FIRST_HALF, num_warps)),  # rows [0, 64) of each item
         (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Lse,
                               OutPart, LsePart, K, V, Items, Starts, PartIdx, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
-                              CAUSAL, DEAD_TILES, SPLIT, SECOND_HALF, num_warps)),  # query rows [64, 128)
+                              CAUSAL, DEAD_TILES, SPLIT, PAIRED, SECOND_HALF, num_warps)),  # query rows [64, 128)
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                            v_empty, Items, Starts, FullIdx, PartIdx, Nq, SUB, MASK_BLOCK_K, DENSE, DEAD_TILES)),
     ], [num_warps, 1], [COMPUTE_REGS, LOAD_WARP_REGS])
@@ -427,7 +427,7 @@ class FwdPlan:
         self.D = D
         self.launch = bound_launch(_attn_fwd_hopper_kernel, self.grid[0], (
             self.items, self.starts, self.full_idx, self.part_idx, Nq, scale * LOG2E),
-            _constexprs(block_k, dense, causal, split, BLOCK if dense else geometry.block_q), MAX_REGS)
+            _constexprs(block_k, dense, causal, split, BLOCK if dense else geometry.block_q, D), MAX_REGS)
         self.out_shape, self.lse_shape, self.dtype, self.device = q.shape, (B, Hq, Nq), q.dtype, q.device
 
     def __call__(self, q, k, v):
@@ -442,11 +442,20 @@ class FwdPlan:
         return out, lse
 
 
-def _constexprs(block_k: int, dense: bool, causal: bool, split: bool, block_q: int) -> dict:
+def _paired(head_dim: int, causal: bool, sub: int) -> bool:
+    """Whether the compute warpgroups take two score tiles per turn of their loop: at D = 64 (step 96), and at
+    D = 128 without the causal flag on 128-token key blocks, with 240 registers for each compute warpgroup
+    (step 99; ptxas: 522 -> 440 instructions per tile, no spills). At D = 128 the causal kernel (3.8 KB) and
+    the one of 256-token key blocks (2.1 KB) spill paired, so they keep one tile per turn."""
+    return head_dim <= 64 or (not causal and sub == 1)
+
+
+def _constexprs(block_k: int, dense: bool, causal: bool, split: bool, block_q: int, head_dim: int) -> dict:
     dead_tiles = causal and max(block_q, block_k) > BLOCK  # a partial block may reach past an item's rows
+    paired = _paired(head_dim, causal, block_k // BLOCK)
     return dict(SUB=block_k // BLOCK, MASK_BLOCK_K=block_k, DENSE=dense, CAUSAL=causal, DEAD_TILES=dead_tiles,
-                SPLIT=split, K_STAGES=K_BUFFERS, V_STAGES=V_BUFFERS, LOAD_WARP_REGS=LOAD_REGS,
-                COMPUTE_REGS=COMPUTE_REGS)
+                SPLIT=split, K_STAGES=K_BUFFERS, V_STAGES=V_BUFFERS, PAIRED=paired, LOAD_WARP_REGS=LOAD_REGS,
+                COMPUTE_REGS=PAIRED_REGS if paired and head_dim > 64 else COMPUTE_REGS)
 
 
 def attn_fwd(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, causal: bool, scale: float,
@@ -469,5 +478,5 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
                Lse="*fp32", OutPart="*fp32", LsePart="*fp32", K=f"*{name}", V=f"*{name}", Items="*i32",
                Starts="*i32", FullIdx="*i32",
                PartIdx="*i32", Nq="i32", qk_scale="fp32")
-    constexprs = _constexprs(block_k, dense, causal, split, block_q or (BLOCK if dense else block_k))
+    constexprs = _constexprs(block_k, dense, causal, split, block_q or (BLOCK if dense else block_k), D)
     return compile_gluon_sm90(_attn_fwd_hopper_kernel, sig, dict(constexprs, num_warps=4), MAX_REGS)
