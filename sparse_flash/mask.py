@@ -242,12 +242,14 @@ def _check_scores(scores, block_size, seq_len_q, seq_len_k):
 def _check_k(k, heads: int, Mk: int) -> tuple[int, ...]:
     """`k` as host ints: `(k,)`, or one per head (a CUDA tensor is read: one wait for the device)."""
     given = type(k).__name__
+    if type(k).__module__ == "numpy" and hasattr(k, "ndim") and hasattr(k, "dtype"):
+        if getattr(k.dtype, "kind", "") not in ("i", "u"):
+            raise TypeError(f"k must be an int or integers, got a NumPy {given} of dtype {k.dtype}")
+        k = torch.as_tensor(k)  # checked as the tensor it makes (0-d: one k; 1-d: one per head)
     if isinstance(k, torch.Tensor) and k.dim() == 0:
         if k.is_floating_point() or k.is_complex() or k.dtype == torch.bool:
             raise TypeError(f"k must be an int (or an integer tensor), got a 0-d tensor of dtype {k.dtype}")
         k = int(k)  # a 0-d int tensor: one k for all heads
-    elif type(k).__module__ == "numpy" and hasattr(k, "tolist") and getattr(k, "ndim", 0) == 1:
-        k = k.tolist()  # a NumPy array of ints: a sequence (its dtype is checked as a sequence's items)
     if is_int(k):
         ks = (int(k),)
     elif isinstance(k, torch.Tensor) or (isinstance(k, (tuple, list)) and all(is_int(x) for x in k)):

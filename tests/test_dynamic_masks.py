@@ -847,8 +847,11 @@ def test_k_messages_name_what_was_given():
     with pytest.raises(TypeError, match="0-d tensor of dtype torch.float32"):
         BlockMask.from_topk(scores, torch.tensor(2.0), block_size=16)
     np = pytest.importorskip("numpy")
-    with pytest.raises(TypeError, match="got ndarray"):
+    with pytest.raises(TypeError, match="got a NumPy ndarray of dtype float64"):
         BlockMask.from_topk(scores, np.array([1.0, 2.0]), block_size=16)
+    assert BlockMask.from_topk(scores, np.array(2), block_size=16).nnz == 16  # 0-d: one k, as a 0-d tensor
+    with pytest.raises(ValueError, match=r"shape \(H,\) = \(2,\)"):  # as a 2-d tensor
+        BlockMask.from_topk(scores, np.array([[1, 2]]), block_size=16)
     with pytest.raises(ValueError, match="check_finite=False"):
         BlockMask.from_topk(torch.full((1, 1, 2, 2), float("nan")), 1, block_size=16)
 
