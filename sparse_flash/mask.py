@@ -326,6 +326,11 @@ def _rebuild(layout, block_size, seq_len_q, seq_len_k, name, tiling):
 
 
 
+_IN_CAPTURE = ("a mask pattern or layout cannot be built inside a CUDA-graph capture (its layout comes from the "
+               "host, its lists' sizes from the device): build the mask before the capture, or choose it inside the "
+               "graph with BlockMask.from_topk")
+
+
 def layout_from_coordinates(i: torch.Tensor, j: torch.Tensor, Mq: int, Mk: int, device=None) -> torch.Tensor:
     """bool `(Mq, Mk)` on `device`, True at each `(i[n], j[n])` (int64 CPU tensors, on the grid): one upload
     of the coordinates from pinned memory, which does not wait for the device, and one fill.
@@ -335,6 +340,8 @@ def layout_from_coordinates(i: torch.Tensor, j: torch.Tensor, Mq: int, Mk: int, 
         [[False, True], [False, True]]
     """
     target = torch.empty(0, device=device).device
+    if target.type == "cuda" and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(_IN_CAPTURE)
     where = i * Mk + j
     if target.type != "cpu" and not torch.compiler.is_compiling():
         where = where.pin_memory().to(target, non_blocking=True)  # the host buffer is kept until the copy ran
@@ -394,6 +401,8 @@ class BlockMask:
         for key, value in values.items():
             object.__setattr__(self, key, value)
         if index is None:
+            if layout.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(_IN_CAPTURE)  # not CUDA's own error from the first wait, deep inside
             index = build_index(layout, block_size, seq_len_q, seq_len_k, sizes)
         object.__setattr__(self, "_index", index)
         object.__setattr__(self, "nnz", index.nnz)

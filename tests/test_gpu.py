@@ -506,3 +506,17 @@ def test_listed_constructors_build_on_the_gpu_without_synchronising(build):
         for got, ref in zip(m.kernel_index(causal), want.kernel_index(causal)):
             for name, x, y in zip(got._fields, got, ref):
                 assert torch.equal(x, y), (causal, type(got).__name__, name)
+
+
+@pytest.mark.parametrize("build", [lambda: masks.butterfly(4096, 128, device="cuda"),
+                                   lambda: masks.random(4096, 128, density=0.2, seed=0, device="cuda")],
+                         ids=["listed", "layout"])
+def test_a_mask_built_inside_a_capture_is_a_clear_error(build):
+    """A pattern built inside a CUDA-graph capture would hold garbage (its kernels are recorded, not run, and
+    its layout comes from a host buffer): a RuntimeError that says to build it before the capture."""
+    build()  # warm-up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="inside a CUDA-graph capture"):
+        with torch.cuda.graph(graph):
+            build()
