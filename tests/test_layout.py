@@ -543,3 +543,27 @@ def test_butterfly_global_blocks_are_its_first_rows_and_columns():
         want[:g, :] = True
         want[:, :g] = True
         assert torch.equal(got, want) and masks.butterfly(1000, 64, seq_len_k=3000, num_global_blocks=g).nnz == int(want.sum())
+
+
+@settings(max_examples=10, deadline=None)
+@given(Nq=st.integers(1, 400), Nk=st.integers(1, 400), bq=st.sampled_from([16, 32, 48]), bk=st.sampled_from([16, 64]),
+       pattern=st.sampled_from(["butterfly", "local", "local_causal"]), param=st.integers(0, 4))
+def test_listed_constructors_equal_their_layouts_on_drawn_geometries(Nq, Nk, bq, bk, pattern, param):
+    """Butterfly (any factors, global blocks) and local (any window, causal or not) masks built by the GPU
+    builders from their host-counted sizes (here under TRITON_INTERPRET=1) hold the index of their layout
+    built the usual way, on drawn lengths, tails and block sizes; and no build waits for the device."""
+    from sparse_flash import mask_index
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
+    if pattern == "butterfly":
+        build = lambda: masks.butterfly(Nq, (bq, bk), seq_len_k=Nk, n_factors=param or None,  # noqa: E731
+                                        num_global_blocks=param % 2)
+    else:
+        build = lambda: masks.local(Nq, (bq, bk), seq_len_k=Nk, window=param,  # noqa: E731
+                                    causal=pattern == "local_causal")
+    with pytest.MonkeyPatch.context() as patch:
+        with mock.patch.object(mask_index, "_on_gpu", lambda t: True), DeviceWaits(patch) as counter:
+            m = build()
+    assert counter.waits <= (1 if pattern == "butterfly" and param % 2 else 0)  # cut global lists: their plans
+    _assert_same_index(m._index, mask_index.build_index(m.layout, m.block_size, m.seq_len_q, m.seq_len_k))
