@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.autograd import forward_ad
 
 from .kernels import settings
 from .mask import BlockMask
@@ -190,8 +191,34 @@ def block_sparse_attention(
     return _dispatch(q, k, v, mask, causal, scale, return_lse, backend)
 
 
+def _check_transforms(impl: str, q, k, v) -> None:
+    """Refuse what a backend cannot differentiate or batch, rather than give a wrong tangent or a deep error:
+    `torch.func` transforms (vmap on every backend; any on triton) and forward-mode AD on triton, whose
+    kernels have no jvp (a tangent was dropped: the inference path skips autograd)."""
+    if torch.compiler.is_compiling():
+        return
+    functorch = torch._C._functorch
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not functorch.is_functorch_wrapped_tensor(t):
+            continue
+        if functorch.is_batchedtensor(t):
+            raise RuntimeError(f"{name} is batched by torch.func.vmap, which block_sparse_attention does not "
+                               "support (its masks and kernels take whole batches): call it on the batch instead")
+        if impl == "triton":
+            raise RuntimeError(f"{name} is a torch.func transform's tensor (grad, jvp, jacrev, ...): the triton "
+                               "backend does not support torch.func; backend='torch' and backend='reference' "
+                               "support torch.func.jvp, and torch.autograd gives gradients on every backend")
+    if impl == "triton" and forward_ad._current_level >= 0:  # a dual level is open: is any input a dual tensor?
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if forward_ad.unpack_dual(t).tangent is not None:
+                raise RuntimeError(f"{name} carries a forward-mode AD tangent (torch.autograd.forward_ad), which the "
+                                   "triton backend does not support (its kernels have no jvp); backend='torch' and "
+                                   "backend='reference' support it")
+
+
 def _dispatch(q, k, v, mask, causal, scale, return_lse, backend):
     impl = _resolve_backend(backend, q)
+    _check_transforms(impl, q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     causal, return_lse = bool(causal), bool(return_lse)
     if q.numel() == 0 or k.numel() == 0:  # no batch, heads, queries or keys: nothing to compute

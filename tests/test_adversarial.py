@@ -995,3 +995,59 @@ def test_a_length_of_the_wrong_kind_is_a_type_error(length):
 def test_a_mask_moved_to_no_device_is_itself():
     mask = masks.local(256, 32)
     assert mask.to(None) is mask  # as tensor.to(None)
+
+
+def test_a_gradient_penalty_through_the_triton_kernels_is_an_error_not_a_wrong_value():
+    """Double backward through `torch.autograd.grad` (a gradient penalty with respect to weights upstream, or to
+    q itself) raises on the triton backend; a probe got wrong second derivatives without an error (the refusal
+    hung on new leaves, off the path that autograd.grad walks), and the first derivatives stay right."""
+    if "triton" not in BACKENDS:
+        pytest.skip("needs the triton backend (a GPU or TRITON_INTERPRET=1)")
+    mask = masks.local(64, 16)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(16, 16, generator=gen, requires_grad=True)
+    x = torch.randn(1, 1, 64, 16, generator=gen, requires_grad=True)
+    q = x @ weight
+    out = sparse_flash.block_sparse_attention(q, q, q, mask, backend="triton")
+    gx, = torch.autograd.grad(out.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(gx.square().sum(), weight)
+    q = x.detach().clone().requires_grad_()
+    gq, = torch.autograd.grad(sparse_flash.block_sparse_attention(q, q, q, mask, backend="triton").sum(), q,
+                              create_graph=True)
+    for second in (lambda: torch.autograd.grad(gq.square().sum(), q),
+                   lambda: torch.autograd.grad(gq.square().sum() + q.square().sum(), q)):
+        with pytest.raises(RuntimeError, match="double backward"):
+            second()
+    want, = torch.autograd.grad(sparse_flash.block_sparse_attention(q, q, q, mask, backend="reference").sum(), q)
+    torch.testing.assert_close(gq, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_mode_ad_gives_the_tangent_or_a_clear_error(backend):
+    """Forward-mode AD: the torch and reference backends give the tangent (against a difference quotient); the
+    triton kernels have no jvp, so a tangent is an error there (a probe found it dropped: the inference path
+    skipped autograd and returned no tangent)."""
+    import torch.autograd.forward_ad as fwAD
+
+    mask = masks.local(64, 16)
+    q, k, v = (t.detach().double() if backend != "triton" else t.detach() for t in _inputs(torch.float32, n=64))
+    tangent = torch.randn_like(q)
+    with fwAD.dual_level():
+        if backend == "triton":
+            with pytest.raises(RuntimeError, match="forward-mode AD"):
+                sparse_flash.block_sparse_attention(fwAD.make_dual(q, tangent), k, v, mask, backend=backend)
+            return
+        out = sparse_flash.block_sparse_attention(fwAD.make_dual(q, tangent), k, v, mask, backend=backend)
+        got = fwAD.unpack_dual(out).tangent
+    step = 1e-6
+    want = (sparse_flash.block_sparse_attention(q + step * tangent, k, v, mask, backend=backend)
+            - sparse_flash.block_sparse_attention(q - step * tangent, k, v, mask, backend=backend)) / (2 * step)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vmap_is_a_clear_error(backend):
+    q = torch.randn(2, 1, 1, 64, 16)
+    with pytest.raises(RuntimeError, match="batched by torch.func.vmap"):
+        torch.func.vmap(lambda x: sparse_flash.block_sparse_attention(x, x, x, masks.local(64, 16), backend=backend))(q)

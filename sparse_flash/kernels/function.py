@@ -64,7 +64,7 @@ class BlockSparseAttentionFunction(torch.autograd.Function):
         else:
             dq, dk, dv = ops.attn_bwd(*args)
         if torch.is_grad_enabled():  # backward(create_graph=True): these gradients must not pass for differentiable
-            dq, dk, dv = _refuse_double_backward(dq, dk, dv)
+            dq, dk, dv = _RefuseDoubleBackward.apply(dq, dk, dv, dout, q, k, v)
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -74,16 +74,20 @@ _DOUBLE_BACKWARD = (
 )
 
 
-def _refuse_double_backward(*grads):
-    """The gradients, marked so that differentiating them again raises a RuntimeError naming the backends that
-    can (as `torch.autograd.function.once_differentiable` does, with a message of our own)."""
-    error = torch._C._functions.DelayedError(_DOUBLE_BACKWARD, len(grads))
-    marked = []
-    for g in grads:
-        g = g.detach()
-        g.requires_grad_(True)
-        marked.append(g)
-    return error(*marked)
+class _RefuseDoubleBackward(torch.autograd.Function):
+    """`(dq, dk, dv)` as they are, in a graph node whose backward raises a RuntimeError naming the backends that
+    can differentiate them. Its inputs are also the backward's own (dO, q, k, v), so the node lies on every path
+    from the gradients to what they depend on: `torch.autograd.grad` of a gradient penalty with respect to q or
+    to weights upstream reaches it. (Marking the gradients as new leaves, as `once_differentiable` does, cut
+    those paths: autograd then returned wrong second derivatives without an error.)"""
+
+    @staticmethod
+    def forward(ctx, dq, dk, dv, *inputs):
+        return dq.clone(), dk.clone(), dv.clone()  # new tensors: only with create_graph=True
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(_DOUBLE_BACKWARD)
 
 
 def attention_triton(q, k, v, mask: BlockMask | None, *, causal: bool, scale: float):
