@@ -652,9 +652,35 @@ class BlockMask:
             return self
         key = str(device)
         if key not in self._copies:  # moving a mask rebuilds its index lists once per device
-            self._copies[key] = BlockMask(self._layout.to(device), self.block_size, self.seq_len_q, self.seq_len_k,
-                                          self.name, tiling=self.tiling)
+            self._copies[key] = self._moved(device)
         return self._copies[key]
+
+    def _moved(self, device: torch.device) -> "BlockMask":
+        """This mask on another device, its lists built there. From the CPU to a GPU (outside torch.compile and
+        CUDA-graph capture) the layout goes up from pinned memory and the lists' sizes come from this mask's
+        own lists (`_list_sizes`): the copy never waits for the device where no list is cut into chunks."""
+        layout, sizes = self._layout, None
+        if (device.type == "cuda" and layout.device.type == "cpu" and not torch.compiler.is_compiling()
+                and not torch.cuda.is_current_stream_capturing()):
+            layout, sizes = layout.pin_memory().to(device, non_blocking=True), self._list_sizes()
+        else:
+            layout = layout.to(device)
+        mask = BlockMask.__new__(BlockMask)
+        mask._own(layout, self.block_size, self.seq_len_q, self.seq_len_k, self.name, self.tiling, sizes=sizes)
+        return mask
+
+    def _list_sizes(self) -> LayoutSizes | None:
+        """The `LayoutSizes` of this mask's lists (read on the host: call it for a CPU mask), or None where the
+        lists of a causal flag are not built yet (a top-k mask builds the other flag's on first use)."""
+        index = self._index
+        if not all(flag in index.rows for flag in (False, True)):  # `in`: no build on first use
+            return None
+        totals, longest = [], {}
+        for flag in (False, True):
+            rows, cols, kernel = index.rows[flag], index.cols[flag], index.kernel[flag]
+            totals += [rows.indices.numel(), kernel.row_full.indices.numel(), kernel.row_partial.indices.numel()]
+            longest[flag] = (int(rows.counts.max()), int(cols.counts.max()))
+        return LayoutSizes(tuple(totals), longest)
 
     def cuda(self) -> "BlockMask":
         return self.to("cuda")

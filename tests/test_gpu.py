@@ -520,3 +520,24 @@ def test_a_mask_built_inside_a_capture_is_a_clear_error(build):
     with pytest.raises(RuntimeError, match="inside a CUDA-graph capture"):
         with torch.cuda.graph(graph):
             build()
+
+
+def test_a_cpu_mask_moves_to_the_gpu_without_synchronising():
+    """`mask.to("cuda")`: the layout goes up from pinned memory and the lists' sizes come from the CPU mask's
+    own lists, so the move never synchronises; its lists equal those built on the GPU from the layout."""
+    from sparse_flash import BlockMask
+
+    masks.local(65536, 128, window=3).to("cuda")  # warm-up: loads the builders
+    cpu = masks.random(65536, 128, density=0.05, seed=1) | masks.local(65536, 128, window=1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moved = cpu.to("cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    want = BlockMask.from_layout(moved.layout, 128)
+    assert moved.nnz == cpu.nnz == want.nnz
+    for causal in (False, True):
+        for got, ref in zip(moved.kernel_index(causal), want.kernel_index(causal)):
+            for name, x, y in zip(got._fields, got, ref):
+                assert torch.equal(x, y), (causal, type(got).__name__, name)

@@ -567,3 +567,22 @@ def test_listed_constructors_equal_their_layouts_on_drawn_geometries(Nq, Nk, bq,
             m = build()
     assert counter.waits <= (1 if pattern == "butterfly" and param % 2 else 0)  # cut global lists: their plans
     _assert_same_index(m._index, mask_index.build_index(m.layout, m.block_size, m.seq_len_q, m.seq_len_k))
+
+
+@settings(max_examples=8, deadline=None)
+@given(m=layouts())
+def test_a_mask_moved_to_a_gpu_builds_its_lists_from_its_own_sizes(m):
+    """`mask.to("cuda")` of a CPU mask hands the GPU builders the sizes of the mask's own lists
+    (`BlockMask._list_sizes`), so the copy waits for the device at no point: built so (here under
+    TRITON_INTERPRET=1), every list and plan equals the one built from the layout alone."""
+    from sparse_flash import mask_index
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
+    sizes = m._list_sizes()
+    with pytest.MonkeyPatch.context() as patch:
+        with mock.patch.object(mask_index, "_on_gpu", lambda t: True), DeviceWaits(patch) as counter:
+            got = mask_index.build_index(m.layout, m.block_size, m.seq_len_q, m.seq_len_k, sizes)
+    cut = any(plan.split.numel() for flag in (False, True) for plan in m._index.kernel[flag][4:])
+    assert counter.waits <= int(cut)  # only the plan sizes of lists cut into chunks
+    _assert_same_index(got, m._index)
