@@ -16,8 +16,8 @@ from typing import NamedTuple
 import torch
 
 from .checks import as_bool, as_pair, check_device, finite_float, is_int
-from .mask_index import (LONG_LIST_BLOCKS, BlockIndex, KernelIndex, LayoutSizes, MaskGeometry, MaskIndex,
-                         build_index, build_topk_index, candidates, coordinate_sizes, gpu_builders, topk_sizes,
+from .mask_index import (LONG_LIST_BLOCKS, BlockIndex, BlockRuns, KernelIndex, LayoutSizes, MaskGeometry, MaskIndex,
+                         build_index, build_topk_index, candidates, gpu_builders, run_sizes, topk_sizes,
                          topk_tables)
 
 __all__ = ["BlockMask", "Tiling"]
@@ -331,21 +331,34 @@ _IN_CAPTURE = ("a mask pattern or layout cannot be built inside a CUDA-graph cap
                "graph with BlockMask.from_topk")
 
 
-def layout_from_coordinates(i: torch.Tensor, j: torch.Tensor, Mq: int, Mk: int, device=None) -> torch.Tensor:
-    """bool `(Mq, Mk)` on `device`, True at each `(i[n], j[n])` (int64 CPU tensors, on the grid): one upload
-    of the coordinates from pinned memory, which does not wait for the device, and one fill.
+def layout_from_runs(runs: BlockRuns, heads: int, Mq: int, Mk: int, device=None) -> torch.Tensor:
+    """bool `(1, heads, Mq, Mk)` on `device` holding the blocks of `runs` (`mask_index.BlockRuns`, CPU tensors): one
+    upload from pinned memory, which does not wait for the device, then a difference array (a start and an end
+    mark per run, summed along each row) or, where every run is one block long, one fill.
 
     Example:
-        >>> layout_from_coordinates(torch.tensor([0, 1]), torch.tensor([1, 1]), 2, 2).tolist()
-        [[False, True], [False, True]]
+        >>> runs = BlockRuns(torch.tensor([0, 1]), torch.tensor([1, 0]), torch.tensor([2, 2]))
+        >>> layout_from_runs(runs, 1, 2, 2)[0, 0].tolist()
+        [[False, True], [True, True]]
     """
     target = torch.empty(0, device=device).device
     if target.type == "cuda" and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(_IN_CAPTURE)
-    where = i * Mk + j
+    row, start, end = runs
+    single = bool(torch.equal(end - start, torch.ones_like(start)))
+    width = Mk if single else Mk + 1
+    where = row * width + start
+    if not single:  # marks: starts in the first plane, ends in the second; an empty run's go to a spare place
+        marks = 2 * heads * Mq * width
+        where = torch.cat([where, where + (end - start + heads * Mq * width)]).where(torch.cat([end > start] * 2), marks)
     if target.type != "cpu" and not torch.compiler.is_compiling():
         where = where.pin_memory().to(target, non_blocking=True)  # the host buffer is kept until the copy ran
-    return torch.zeros(Mq * Mk, dtype=torch.bool, device=target).index_fill_(0, where.to(target), True).view(Mq, Mk)
+    where = where.to(target)
+    if single:
+        layout = torch.zeros(heads * Mq * Mk, dtype=torch.bool, device=target).index_fill_(0, where, True)
+        return layout.view(1, heads, Mq, Mk)
+    marks = torch.zeros(marks + 1, dtype=torch.int8, device=target).index_fill_(0, where, 1)[:-1].view(2, heads * Mq, width)
+    return torch.sub(marks[0], marks[1]).cumsum_(1)[:, :Mk].gt(0).reshape(1, heads, Mq, Mk)
 
 
 class BlockMask:
@@ -546,24 +559,26 @@ class BlockMask:
         return cls(keep, (bq, bk), seq_len_q, seq_len_k, name or f"scores > {threshold:g}")
 
     @classmethod
-    def _from_coordinates(cls, i: torch.Tensor, j: torch.Tensor, block_size: tuple[int, int], seq_len_q: int,
-                          seq_len_k: int, name: str, device=None) -> "BlockMask":
-        """A `(1, 1, Mq, Mk)` mask whose nonzero blocks are `(i[n], j[n])`: int64 CPU tensors, each pair once, on
-        the grid of these lengths (the mask constructors check their arguments). The layout is made on
-        `device` from one upload of the coordinates (from pinned memory, without waiting), and the sizes of its
-        lists are counted on the host (`mask_index.coordinate_sizes`): on a GPU the build never waits for the
-        device where no list is cut into chunks.
+    def _from_runs(cls, runs: BlockRuns, heads: int, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int,
+                   name: str, device=None, tiling: Tiling | None = None) -> "BlockMask":
+        """A `(1, heads, Mq, Mk)` mask holding the blocks of `runs` (`mask_index.BlockRuns`: CPU tensors, the runs
+        of a row disjoint, on the grid of these lengths; the mask constructors check their arguments). The
+        layout is made on `device` from one upload (from pinned memory, without waiting), and the sizes of its
+        lists are counted on the host (`mask_index.run_sizes`): on a GPU the build never waits for the device.
+        `tiling`: as in `from_layout`.
 
         Example:
-            >>> m = BlockMask._from_coordinates(torch.tensor([0, 1]), torch.tensor([0, 1]), (64, 64), 128, 128, "diag")
+            >>> runs = BlockRuns(torch.tensor([0, 1]), torch.tensor([0, 1]), torch.tensor([1, 2]))
+            >>> m = BlockMask._from_runs(runs, 1, (64, 64), 128, 128, "diag")
             >>> m.nnz, m.layout[0, 0].tolist()
             (2, [[True, False], [False, True]])
         """
         bq, bk = block_size
         Mq, Mk = -(-seq_len_q // bq), -(-seq_len_k // bk)
+        tiling = _check_tiling(tiling, (bq, bk), (1, heads, Mq, Mk), (seq_len_q, seq_len_k))
         mask = cls.__new__(cls)
-        mask._own(layout_from_coordinates(i, j, Mq, Mk, device)[None, None], (bq, bk), seq_len_q, seq_len_k, name,
-                  None, sizes=coordinate_sizes(i, j, (bq, bk), seq_len_q, seq_len_k))
+        mask._own(layout_from_runs(runs, heads, Mq, Mk, device), (bq, bk), seq_len_q, seq_len_k, name, tiling,
+                  sizes=run_sizes(runs, heads, (bq, bk), seq_len_q, seq_len_k))
         return mask
 
     @classmethod
@@ -658,7 +673,7 @@ class BlockMask:
     def _moved(self, device: torch.device) -> "BlockMask":
         """This mask on another device, its lists built there. From the CPU to a GPU (outside torch.compile and
         CUDA-graph capture) the layout goes up from pinned memory and the lists' sizes come from this mask's
-        own lists (`_list_sizes`): the copy never waits for the device where no list is cut into chunks."""
+        own lists (`_list_sizes`): the copy never waits for the device."""
         layout, sizes = self._layout, None
         if (device.type == "cuda" and layout.device.type == "cpu" and not torch.compiler.is_compiling()
                 and not torch.cuda.is_current_stream_capturing()):
@@ -675,12 +690,13 @@ class BlockMask:
         index = self._index
         if not all(flag in index.rows for flag in (False, True)):  # `in`: no build on first use
             return None
-        totals, longest = [], {}
+        totals, longest, lists = [], {}, {}
         for flag in (False, True):
             rows, cols, kernel = index.rows[flag], index.cols[flag], index.kernel[flag]
             totals += [rows.indices.numel(), kernel.row_full.indices.numel(), kernel.row_partial.indices.numel()]
             longest[flag] = (int(rows.counts.max()), int(cols.counts.max()))
-        return LayoutSizes(tuple(totals), longest)
+            lists[flag] = (rows.counts, cols.counts)
+        return LayoutSizes(tuple(totals), longest, lists)
 
     def cuda(self) -> "BlockMask":
         return self.to("cuda")

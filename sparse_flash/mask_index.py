@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["BlockIndex", "KernelIndex", "MaskGeometry", "MaskIndex", "WorkPlan", "build_index", "build_topk_index"]
+__all__ = ["BlockIndex", "BlockRuns", "KernelIndex", "MaskGeometry", "MaskIndex", "WorkPlan", "build_index", "build_topk_index"]
 
 # The int32 fields of one work item (`WorkPlan.items`): everything a program needs to start walking its share of
 # a list, read in one round trip. [lo, hi) ranges index the full and the partial lists; `*_first` is the first
@@ -550,53 +550,105 @@ def _kernel_index(rows: _Side, cols: _Side, row_plan: WorkPlan, col_plan: WorkPl
 
 class LayoutSizes(NamedTuple):
     """The sizes of a layout's lists that the host must know before they are written, known without reading
-    the device (`coordinate_sizes`), so that `build_index` need not wait for the device to count them.
+    the device (`run_sizes`, `BlockMask._list_sizes`), so that `build_index` need not wait for the device to
+    count them.
 
     Attributes:
         totals: the entries of each kind of list, `(live, full, partial)` without the causal flag, then with it
             (each side, rows or columns, holds them all).
         longest: `{flag: (most live blocks of a row, of a column)}`.
+        lists: `{flag: (row counts (B|1, H|1, Mq), column counts (B|1, H|1, Mk))}`, CPU tensors: each list's live
+            blocks, from which the host plans lists cut into chunks (no second wait); or None.
     """
 
     totals: tuple[int, int, int, int, int, int]
     longest: dict
+    lists: dict | None = None
 
 
-def coordinate_sizes(i: torch.Tensor, j: torch.Tensor, block_size: tuple[int, int], seq_len_q: int,
-                     seq_len_k: int) -> LayoutSizes:
-    """`LayoutSizes` of a `(1, 1, Mq, Mk)` layout from its nonzero blocks' coordinates on the host: int64 CPU
-    tensors `i` (query blocks) and `j` (key blocks), each pair once; O(nnz) work, no device involved. The
-    classes are `build_index`'s (tests/test_layout.py compares the two).
+class BlockRuns(NamedTuple):
+    """The nonzero blocks of a `(1, H, Mq, Mk)` layout as runs along its rows, on the host: int64 CPU tensors
+    `(n,)`; run n holds key blocks `start[n] .. end[n] - 1` of query block `row[n] % Mq` of head
+    `row[n] // Mq`. The runs of one row are disjoint; a run may be empty (`end <= start`: it holds nothing).
+    A mask constructor that knows its pattern lists it so (a band is one run per row, a butterfly block a run of
+    one): `run_sizes` counts its lists on the host and `mask.layout_from_runs` uploads it without a wait.
 
     Example:
-        >>> i, j = torch.tensor([0, 1, 1]), torch.tensor([1, 0, 1])  # (0, 1) holds no causal pair
-        >>> coordinate_sizes(i, j, (64, 64), 128, 128)
-        LayoutSizes(totals=(3, 3, 0, 2, 1, 1), longest={False: (2, 2), True: (2, 1)})
+        >>> runs = BlockRuns(torch.tensor([0, 1, 1]), torch.tensor([0, 0, 2]), torch.tensor([1, 1, 4]))
+        >>> runs.size()  # blocks (0, 0), (1, 0), (1, 2), (1, 3)
+        4
+    """
+
+    row: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+
+    def size(self) -> int:
+        """The number of blocks the runs hold (a host read of CPU tensors)."""
+        return int((self.end - self.start).clamp_(min=0).sum())
+
+
+def _run_column_counts(head_base: torch.Tensor | None, start: torch.Tensor, end: torch.Tensor, heads: int,
+                       Mk: int) -> torch.Tensor:
+    """int64 `(1, heads, Mk)`: each column's blocks among runs `[start, end)` (`end >= start`) of the heads at
+    `head_base` (`head x (Mk + 1)` per run, or None for one head): a difference array, +1 where a run starts and
+    -1 where it ends, summed along the keys."""
+    if head_base is not None:
+        start, end = start + head_base, end + head_base
+    steps = torch.bincount(start, minlength=heads * (Mk + 1)).sub_(torch.bincount(end, minlength=heads * (Mk + 1)))
+    return steps.view(heads, Mk + 1).cumsum_(1)[:, :Mk].reshape(1, heads, Mk)
+
+
+@functools.lru_cache(maxsize=64)
+def _row_bounds(Mq: int, Mk: int, bq: int, bk: int, seq_len_q: int, seq_len_k: int) -> torch.Tensor:
+    """int64 `(Mq, 2)` on the host, per query block: the key blocks holding a causal pair (`candidates`), and the
+    first key block that touches the causal diagonal (k_last > q_first). Kept per geometry; never written."""
+    q = torch.arange(Mq)
+    return torch.stack([candidates(True, (Mq, Mk, bq, bk, seq_len_q, seq_len_k), "cpu"), (q * bq + 1) // bk], 1)
+
+
+def run_sizes(runs: BlockRuns, heads: int, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int) -> LayoutSizes:
+    """`LayoutSizes` of a `(1, heads, Mq, Mk)` layout, with every list's count, from its runs on the host
+    (`BlockRuns`): O(runs + heads x (Mq + Mk)) work, no device involved. The classes are `build_index`'s
+    (tests/test_layout.py compares the two).
+
+    Example:
+        >>> runs = BlockRuns(torch.tensor([0, 1]), torch.tensor([1, 0]), torch.tensor([2, 2]))  # (0, 1) holds no causal pair
+        >>> run_sizes(runs, 1, (64, 64), 128, 128)[:2]
+        ((3, 3, 0, 2, 1, 1), {False: (2, 2), True: (2, 1)})
     """
     bq, bk = block_size
     Mq, Mk = -(-seq_len_q // bq), -(-seq_len_k // bk)
-    n = i.numel()
-    if n == 0:
-        return LayoutSizes((0,) * 6, {False: (0, 0), True: (0, 0)})
-    # Few operators (each costs microseconds of host time here), none selecting by a bool tensor:
-    live = j * bk < (i + 1).mul_(bq).clamp_(max=seq_len_q)  # with the causal flag: k_first <= q_last
-    # k_last > q_first; the clamp of k_last to the length matters only in a key tail, partial anyway
-    partial = (j + 1).mul_(bk) > i * bq + 1
-    tail = None  # blocks touching a sequence tail: partial with either flag
-    if Mq * bq > seq_len_q:
-        tail = i == Mq - 1
-    if Mk * bk > seq_len_k:
-        tail = (j == Mk - 1) if tail is None else tail.logical_or_(j == Mk - 1)
-    if tail is not None:
-        partial.logical_or_(tail)
-    partial.logical_and_(live)
-    weights = live.to(torch.float64)  # exact counts
-    counts = torch.stack([tail.sum() if tail is not None else torch.zeros((), dtype=torch.int64), live.sum(),
-                          partial.sum(), torch.bincount(i, minlength=Mq).max(), torch.bincount(j, minlength=Mk).max(),
-                          torch.bincount(i, weights, minlength=Mq).max().long(),
-                          torch.bincount(j, weights, minlength=Mk).max().long()])
-    p, nc, pc, row_f, col_f, row_t, col_t = counts.tolist()
-    return LayoutSizes((n, n - p, p, nc, nc - pc, pc), {False: (row_f, col_f), True: (row_t, col_t)})
+    row, start, end = runs
+    head_base = None
+    if heads > 1:
+        head = row.div(Mq, rounding_mode="floor")
+        i, head_base = row - head * Mq, head.mul_(Mk + 1)
+    else:
+        i = row
+    end = torch.maximum(end, start)  # an empty run: [start, start)
+    cand, lowest = _row_bounds(Mq, Mk, bq, bk, seq_len_q, seq_len_k).index_select(0, i).unbind(1)
+    live_end = torch.minimum(end, cand).clamp_(min=start)
+    sizes, live = end - start, live_end - start
+    first = torch.maximum(start, lowest)
+    partial_causal = live_end.sub(first).clamp_(min=0)  # the live blocks from `first` on
+    partial = None
+    if Mk * bk > seq_len_k:  # a key tail: the last column's blocks are partial with either flag
+        partial = ((end == Mk) & (sizes > 0)).long()
+        partial_causal += (live_end == Mk) & (first >= Mk) & (live > 0)  # not counted from `first` on already
+    if Mq * bq > seq_len_q:  # a query tail: every block of the last row
+        last = i == Mq - 1
+        partial = torch.where(last, sizes, 0 if partial is None else partial)
+        partial_causal = torch.where(last, live, partial_causal)
+    counts = {}
+    for flag, n, stop in ((False, sizes, end), (True, live, live_end)):
+        rows = torch.zeros(heads * Mq, dtype=torch.int64).index_add_(0, row, n).view(1, heads, Mq)
+        counts[flag] = (rows, _run_column_counts(head_base, start, stop, heads, Mk))
+    zero = torch.zeros((), dtype=torch.int64)
+    totals = torch.stack([sizes.sum(), zero if partial is None else partial.sum(), live.sum(), partial_causal.sum(),
+                          *(c.max() for flag in (False, True) for c in counts[flag])]).tolist()
+    n, p, nc, pc, row_f, col_f, row_t, col_t = totals
+    return LayoutSizes((n, n - p, p, nc, nc - pc, pc), {False: (row_f, col_f), True: (row_t, col_t)}, counts)
 
 
 def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int,
@@ -611,8 +663,9 @@ def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: in
     blocks, the numbers of each kind and the plans' sizes.
 
     `sizes`: the layout's `LayoutSizes` where the host knows them (a mask constructor that made the layout from
-    its coordinates, `coordinate_sizes`): the GPU builders then do not wait for the device at all where no list
-    is cut. They must be the layout's: nothing checks them on the device.
+    its runs, `run_sizes`; a CPU mask moved to a GPU): the GPU builders then do not wait for the device at all
+    (where lists are cut, when `sizes.lists` holds every list's count). They must be the layout's: nothing
+    checks them on the device.
     """
     B, H, Mq, Mk = layout.shape
     bq, bk = block_size
@@ -638,12 +691,17 @@ def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: in
             longest_row = {flag: longest[flag][0] for flag in (False, True)}
     if plans is None:
         # The four work plans (rows and columns of each flag) in one batch, their sizes read from the device together
+        # (or counted on the host from the lists' counts, where it has them)
         on_gpu, batch = _plan_sizes_on_gpu(inputs), None
         if on_gpu is None:
             batch = _plan_batch(inputs)
-            n, base, plan_sizes = batch.n, batch.base, _plan_sizes(batch).tolist()
+            n, base, plan_sizes = batch.n, batch.base, None
         else:
-            n, base, plan_sizes = on_gpu[0], on_gpu[1], on_gpu[2].tolist()
+            n, base, plan_sizes = on_gpu
+        if sizes is not None and sizes.lists is not None:
+            plan_sizes = _host_plan_sizes(inputs, sizes.lists)
+        else:
+            plan_sizes = (_plan_sizes(batch) if plan_sizes is None else plan_sizes).tolist()
         plans = (_split_plans_on_gpu(inputs, base, n, plan_sizes) if any(size[2] for size in plan_sizes) else
                  _unsplit_plans_on_gpu([plan._replace(chunk=0) for plan in inputs]))  # no list cut: whole lists
         plans = plans or _plan_items(batch or _plan_batch(inputs), plan_sizes)
@@ -652,6 +710,13 @@ def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: in
         rows[causal], cols[causal] = row_side.live, col_side.live
         kernel[causal] = _kernel_index(row_side, col_side, *plans[2 * causal:2 * causal + 2])
     return MaskIndex(nnz, nnz == layout.numel(), covers_causal, rows, cols, kernel, long_lists, longest_row)
+
+
+def _host_plan_sizes(inputs: list[_PlanInput], lists: dict) -> list[list[int]]:
+    """`_plan_sizes` of the four plans of `inputs` computed on the host from the lists' counts (`LayoutSizes.lists`,
+    CPU tensors): the same operators, no device read."""
+    counts = [c for flag in (False, True) for c in lists[flag]]  # in the order of `inputs`
+    return _plan_sizes(_plan_batch([plan._replace(counts=c) for plan, c in zip(inputs, counts)])).tolist()
 
 
 def _layout_sides_on_gpu(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int,

@@ -484,13 +484,27 @@ def test_hopper_launches_encode_their_descriptors_once_per_address():
 
 @pytest.mark.parametrize("build", [lambda: masks.butterfly(65536, 128, device="cuda"),
                                    lambda: masks.butterfly(1000, 64, seq_len_k=3000, device="cuda"),
+                                   lambda: masks.butterfly(65536, 128, num_global_blocks=2, device="cuda"),
                                    lambda: masks.local(65536, 128, window=3, device="cuda"),
-                                   lambda: masks.local(5000, (64, 32), window=2, causal=True, device="cuda")],
-                         ids=["butterfly", "butterfly_cross", "local", "local_causal"])
+                                   lambda: masks.local(5000, (64, 32), window=2, causal=True, device="cuda"),
+                                   lambda: masks.dense(65536, 128, device="cuda"),
+                                   lambda: masks.causal(65536, 128, device="cuda"),
+                                   lambda: masks.global_(65536, 128, num_global_blocks=2, device="cuda"),
+                                   lambda: masks.longformer(65536, 128, causal=True, device="cuda"),
+                                   lambda: masks.strided(65536, 128, device="cuda"),
+                                   lambda: masks.fixed(65536, 128, num_local_blocks=32, num_heads=4,
+                                                       num_different_global_patterns=2, device="cuda"),
+                                   lambda: masks.neighborhood_2d(256, 256, (16, 8), [1, 2], device="cuda"),
+                                   lambda: masks.butterfly_2d(256, 256, (16, 8), device="cuda"),
+                                   lambda: masks.neighborhood_3d(16, 64, 64, (2, 8, 8), device="cuda")],
+                         ids=["butterfly", "butterfly_cross", "butterfly_global", "local", "local_causal", "dense",
+                              "causal", "global", "longformer_causal", "strided", "fixed_heads", "neighborhood_2d",
+                              "butterfly_2d", "neighborhood_3d"])
 def test_listed_constructors_build_on_the_gpu_without_synchronising(build):
-    """Butterfly and local masks list their blocks on the host, upload them from pinned memory and count their
-    lists' sizes there: their builds on the GPU never synchronise (CUDA's own record, sync debug mode), and
-    their lists equal those built from the layout alone (which waits)."""
+    """The constructors that list their blocks as runs on the host upload them from pinned memory and count
+    their lists' sizes there (and the plans of lists cut into chunks): their builds on the GPU never
+    synchronise (CUDA's own record, sync debug mode), and their lists equal those built from the layout alone
+    (which waits)."""
     from sparse_flash import BlockMask
 
     build()  # warm-up: loads the builders

@@ -488,39 +488,103 @@ def test_lists_of_a_layout_built_on_the_gpu_equal_the_torch_ones(m):
     _assert_same_index(got, want)
 
 
+def _runs_of(layout: torch.Tensor, rng, mode: str):
+    """`BlockRuns` of a `(1, H, Mq, Mk)` layout: each row's maximal runs, cut at drawn places ("pieces"), or one
+    block each ("blocks"), with empty runs put anywhere on the grid, in a shuffled order."""
+    from sparse_flash.mask_index import BlockRuns
+
+    _, H, Mq, Mk = layout.shape
+    runs = []
+    for r, line in enumerate(layout.reshape(H * Mq, Mk).tolist()):
+        j = 0
+        while j < Mk:
+            if not line[j]:
+                j += 1
+                continue
+            end = j
+            while end < Mk and line[end]:
+                end += 1
+            cuts = range(j + 1, end) if mode == "blocks" else sorted(rng.sample(range(j + 1, end), rng.randint(0, end - j - 1)))
+            bounds = [j, *cuts, end]
+            runs += [(r, s, e) for s, e in zip(bounds, bounds[1:])]
+            j = end
+    if mode != "blocks":
+        runs += [(rng.randrange(H * Mq), x, x - rng.randint(0, 1)) for x in (rng.randint(0, Mk) for _ in range(3))]
+    rng.shuffle(runs)
+    rows, starts, ends = (torch.tensor([run[k] for run in runs], dtype=torch.int64) for k in range(3))
+    return BlockRuns(rows, starts, ends)
+
+
 @settings(deadline=None)
-@given(Mq=st.integers(1, 12), Mk=st.integers(1, 12), bq=st.sampled_from([16, 32, 48]), bk=st.sampled_from([16, 64]),
-       tail_q=st.integers(0, 47), tail_k=st.integers(0, 63), density=st.sampled_from([0.0, 0.2, 0.6, 1.0]),
+@given(H=st.integers(1, 3), Mq=st.integers(1, 12), Mk=st.integers(1, 12), bq=st.sampled_from([1, 3, 16, 32, 48]),
+       bk=st.sampled_from([1, 5, 16, 64]), tail_q=st.integers(0, 47), tail_k=st.integers(0, 63),
+       density=st.sampled_from([0.0, 0.2, 0.6, 1.0]), mode=st.sampled_from(["pieces", "blocks"]),
        seed=st.integers(0, 10_000))
-def test_coordinate_sizes_equal_the_counts_of_the_lists(Mq, Mk, bq, bk, tail_q, tail_k, density, seed):
-    """`mask_index.coordinate_sizes` (the host's count from a layout's coordinates, which lets a constructor's
-    build skip the device wait) gives the totals of each kind and the longest lists that the lists built from
-    the layout hold, for both causal flags, with and without sequence tails."""
+def test_run_sizes_and_layouts_equal_the_lists_of_the_layout(H, Mq, Mk, bq, bk, tail_q, tail_k, density, mode, seed):
+    """From a layout's runs on the host (`BlockRuns`: cut anywhere, one block each, empty ones among them, in
+    any order), `mask.layout_from_runs` makes the layout and `mask_index.run_sizes` gives the totals of each
+    kind, the longest lists and every list's count that the lists built from the layout hold, for both causal
+    flags, with and without sequence tails."""
+    import random
+
     from sparse_flash import mask_index
+    from sparse_flash.mask import layout_from_runs
 
     Nq, Nk = Mq * bq - min(tail_q, bq - 1), Mk * bk - min(tail_k, bk - 1)
-    layout = torch.rand(1, 1, Mq, Mk, generator=torch.Generator().manual_seed(seed)) < density
+    layout = torch.rand(1, H, Mq, Mk, generator=torch.Generator().manual_seed(seed)) < density
+    runs = _runs_of(layout, random.Random(seed), mode)
+    made = layout_from_runs(runs, H, Mq, Mk)
+    assert torch.equal(made, layout) and made.is_contiguous()
     index = mask_index.build_index(layout, (bq, bk), Nq, Nk)
-    i, j = layout[0, 0].nonzero().unbind(1)
-    got = mask_index.coordinate_sizes(i, j, (bq, bk), Nq, Nk)
+    got = mask_index.run_sizes(runs, H, (bq, bk), Nq, Nk)
     want = []
     for flag in (False, True):
         kernel = index.kernel[flag]
         want += [index.rows[flag].indices.numel(), kernel.row_full.indices.numel(), kernel.row_partial.indices.numel()]
         assert got.longest[flag] == (int(index.rows[flag].counts.max()), int(index.cols[flag].counts.max()))
+        rows, cols = got.lists[flag]
+        assert torch.equal(rows, index.rows[flag].counts.long()) and torch.equal(cols, index.cols[flag].counts.long())
     assert list(got.totals) == want
+
+
+# Every constructor that lists its blocks on the host (`pattern_runs`, `diagonal_runs`, the butterfly's grid)
+LISTED = {
+    "butterfly": lambda Nq, Nk, b, p: masks.butterfly(Nq, b, seq_len_k=Nk, n_factors=p or None, num_global_blocks=p % 2),
+    "local": lambda Nq, Nk, b, p: masks.local(Nq, b, seq_len_k=Nk, window=p),
+    "local_causal": lambda Nq, Nk, b, p: masks.local(Nq, b, seq_len_k=Nk, window=p, causal=True),
+    "dense": lambda Nq, Nk, b, p: masks.dense(Nq, b, seq_len_k=Nk),
+    "causal": lambda Nq, Nk, b, p: masks.causal(Nq, b, seq_len_k=Nk),
+    "global": lambda Nq, Nk, b, p: masks.global_(Nq, b, seq_len_k=Nk, num_global_blocks=p),
+    "longformer": lambda Nq, Nk, b, p: masks.longformer(Nq, b, seq_len_k=Nk, num_sliding_window_blocks=2 * p + 1,
+                                                        global_block_indices=(0,) if p < 3 else (0, 2),
+                                                        global_block_end_indices=None if p < 3 else (1, 4),
+                                                        causal=p % 2 == 1),
+    "strided": lambda Nq, Nk, b, p: masks.strided(Nq, b[0], stride=p + 1, bandwidth=max(1, p - 1)),
+    "fixed": lambda Nq, Nk, b, p: masks.fixed(Nq, b[0], num_local_blocks=p + 2, causal=p % 2 == 1, num_heads=2,
+                                              num_different_global_patterns=2),
+    # tiles of 4 x 4 (16 tokens) on an image of about Nq pixels, 2 x 2 x 4 on a video of about Nk
+    "neighborhood_2d": lambda Nq, Nk, b, p: masks.neighborhood_2d(4 * (1 + Nq // 80), 4 * (1 + p), 4,
+                                                                  [p % 3, (1, p % 2)]),
+    "neighborhood_3d": lambda Nq, Nk, b, p: masks.neighborhood_3d(2 * (1 + p), 4, 4 * (1 + Nk // 100), (2, 2, 4),
+                                                                  (1, p % 2, 2)),
+    "butterfly_2d": lambda Nq, Nk, b, p: masks.butterfly_2d(4 * (1 + Nq // 40), 4 * (3 + p), 4, n_factors=p or None),
+}
 
 
 @pytest.mark.parametrize("build", [
     lambda d: masks.butterfly(128 * 40 + 50, 128, device=d),
     lambda d: masks.butterfly(700, 64, seq_len_k=2000, n_factors=3, device=d),
+    lambda d: masks.butterfly(128 * 96 + 50, 128, num_global_blocks=2, device=d),
     lambda d: masks.local(128 * 40 + 50, 128, window=3, device=d),
     lambda d: masks.local(1000, (64, 32), seq_len_k=700, window=2, causal=True, device=d),
-], ids=["butterfly", "butterfly_cross", "local", "local_causal_cross"])
+    lambda d: masks.longformer(128 * 96 + 50, 128, global_block_indices=(0, 9), causal=True, device=d),
+    lambda d: masks.fixed(128 * 40, 128, num_local_blocks=8, num_heads=3, num_different_global_patterns=2, device=d),
+], ids=["butterfly", "butterfly_cross", "butterfly_global", "local", "local_causal_cross", "longformer", "fixed"])
 def test_constructors_that_list_their_blocks_build_without_waiting(build, monkeypatch):
-    """Butterfly and local masks list their blocks on the host and count their lists' sizes there
-    (`coordinate_sizes`): built by the GPU builders (here under TRITON_INTERPRET=1) they never wait for the
-    device, and their lists and plans equal those built from the layout alone."""
+    """Masks that list their blocks as runs on the host count their lists' sizes there (`run_sizes`), and
+    the plans of lists cut into chunks (global rows and columns) from those counts: built by the GPU builders
+    (here under TRITON_INTERPRET=1) they never wait for the device, and their lists and plans equal those
+    built from the layout alone."""
     from sparse_flash import mask_index
 
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -545,34 +609,29 @@ def test_butterfly_global_blocks_are_its_first_rows_and_columns():
         assert torch.equal(got, want) and masks.butterfly(1000, 64, seq_len_k=3000, num_global_blocks=g).nnz == int(want.sum())
 
 
-@settings(max_examples=10, deadline=None)
+@pytest.mark.parametrize("pattern", sorted(LISTED))
+@settings(max_examples=4, deadline=None)
 @given(Nq=st.integers(1, 400), Nk=st.integers(1, 400), bq=st.sampled_from([16, 32, 48]), bk=st.sampled_from([16, 64]),
-       pattern=st.sampled_from(["butterfly", "local", "local_causal"]), param=st.integers(0, 4))
-def test_listed_constructors_equal_their_layouts_on_drawn_geometries(Nq, Nk, bq, bk, pattern, param):
-    """Butterfly (any factors, global blocks) and local (any window, causal or not) masks built by the GPU
-    builders from their host-counted sizes (here under TRITON_INTERPRET=1) hold the index of their layout
-    built the usual way, on drawn lengths, tails and block sizes; and no build waits for the device."""
+       param=st.integers(0, 4))
+def test_listed_constructors_equal_their_layouts_on_drawn_geometries(pattern, Nq, Nk, bq, bk, param):
+    """Every constructor that lists its blocks (`LISTED`), built by the GPU builders from its host-counted sizes
+    (here under TRITON_INTERPRET=1), holds the index of its layout built the usual way, on drawn lengths,
+    tails and block sizes, and no build waits for the device."""
     from sparse_flash import mask_index
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
-    if pattern == "butterfly":
-        build = lambda: masks.butterfly(Nq, (bq, bk), seq_len_k=Nk, n_factors=param or None,  # noqa: E731
-                                        num_global_blocks=param % 2)
-    else:
-        build = lambda: masks.local(Nq, (bq, bk), seq_len_k=Nk, window=param,  # noqa: E731
-                                    causal=pattern == "local_causal")
     with pytest.MonkeyPatch.context() as patch:
         with mock.patch.object(mask_index, "_on_gpu", lambda t: True), DeviceWaits(patch) as counter:
-            m = build()
-    assert counter.waits <= (1 if pattern == "butterfly" and param % 2 else 0)  # cut global lists: their plans
+            m = LISTED[pattern](Nq, Nk, (bq, bk) if pattern not in ("strided", "fixed") else (bq, bq), param)
+    assert counter.waits == 0
     _assert_same_index(m._index, mask_index.build_index(m.layout, m.block_size, m.seq_len_q, m.seq_len_k))
 
 
 @settings(max_examples=8, deadline=None)
 @given(m=layouts())
 def test_a_mask_moved_to_a_gpu_builds_its_lists_from_its_own_sizes(m):
-    """`mask.to("cuda")` of a CPU mask hands the GPU builders the sizes of the mask's own lists
+    """`mask.to("cuda")` of a CPU mask hands the GPU builders the sizes of the mask's own lists and their counts
     (`BlockMask._list_sizes`), so the copy waits for the device at no point: built so (here under
     TRITON_INTERPRET=1), every list and plan equals the one built from the layout alone."""
     from sparse_flash import mask_index
@@ -583,6 +642,5 @@ def test_a_mask_moved_to_a_gpu_builds_its_lists_from_its_own_sizes(m):
     with pytest.MonkeyPatch.context() as patch:
         with mock.patch.object(mask_index, "_on_gpu", lambda t: True), DeviceWaits(patch) as counter:
             got = mask_index.build_index(m.layout, m.block_size, m.seq_len_q, m.seq_len_k, sizes)
-    cut = any(plan.split.numel() for flag in (False, True) for plan in m._index.kernel[flag][4:])
-    assert counter.waits <= int(cut)  # only the plan sizes of lists cut into chunks
+    assert counter.waits == 0  # also where lists are cut: their plans come from the lists' counts
     _assert_same_index(got, m._index)

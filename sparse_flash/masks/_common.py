@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple
 
@@ -13,7 +14,9 @@ from ..checks import (  # noqa: F401  (the constructors take their checks from h
     positive_int, probability, seed_value,
 )
 from ..mask import BlockMask
+from ..mask_index import BlockRuns, candidates
 
+MAX_LISTED_RUNS = 1 << 15  # runs a pattern lists on the host (`pattern_runs`); past it the layout is drawn on the device
 MAX_LAYOUT_BLOCKS = 2**31 - 1  # heads x Mq x Mk: the int32 offsets of the index lists address every block
 
 
@@ -150,8 +153,84 @@ def make(layout: torch.Tensor, geo: Geometry, name: str) -> BlockMask:
     )
 
 
-def make_from_coordinates(i: torch.Tensor, j: torch.Tensor, geo: Geometry, name: str, device) -> BlockMask:
-    """A `(1, 1, Mq, Mk)` mask of the blocks `(i[n], j[n])` (int64 CPU tensors, each pair once, on the grid):
-    the sizes of its lists are counted on the host, so its build on a GPU does not wait for the device
-    (`BlockMask._from_coordinates`). For patterns whose coordinates are few and cheap to list."""
-    return BlockMask._from_coordinates(i, j, (geo.block_q, geo.block_k), geo.seq_len_q, geo.seq_len_k, name, device)
+def make_from_runs(runs: BlockRuns, geo: Geometry, name: str, device, heads: int = 1, tiling=None) -> BlockMask:
+    """A `(1, heads, Mq, Mk)` mask of the blocks of `runs` (`mask_index.BlockRuns`, on the grid, the runs of a row
+    disjoint): the sizes of its lists are counted on the host, so its build on a GPU does not wait for the
+    device (`BlockMask._from_runs`)."""
+    return BlockMask._from_runs(runs, heads, (geo.block_q, geo.block_k), geo.seq_len_q, geo.seq_len_k, name, device,
+                                tiling)
+
+
+def _merged(ranges, limit: int) -> list[tuple[int, int]]:
+    """Half-open ranges clipped to `[0, limit)`, sorted and merged where they touch or overlap."""
+    out = []
+    for start, end in sorted((max(0, s), min(e, limit)) for s, e in ranges):
+        if start >= end:
+            continue
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def pattern_runs(geo: Geometry, *, band: tuple[torch.Tensor, torch.Tensor] | None = None, columns=(), rows=(),
+                 causal: bool = False) -> BlockRuns:
+    """The runs (`mask_index.BlockRuns`) of one head's pattern made of up to three parts, listed on the host in
+    O(Mq x (1 + 2 x len(columns))) whatever the number of blocks: per query block i the key blocks
+    `band[0][i] .. band[1][i] - 1` (int64 `(Mq,)` CPU tensors, clipped to the grid), every row's key blocks in
+    the half-open ranges `columns`, and every key block of the query blocks in the ranges `rows`; with `causal`
+    only the blocks holding a causal pair (`causal_blocks`).
+
+    Example:
+        >>> geo = geometry(512, 128)
+        >>> i = torch.arange(4)
+        >>> runs = pattern_runs(geo, band=(i - 1, i + 2), columns=[(0, 1)], rows=[(0, 1)])
+        >>> runs.size()  # the tridiagonal band (10 blocks), row 0 and column 0 (7), 3 shared
+        14
+    """
+    Mq, Mk = geo.num_blocks_q, geo.num_blocks_k
+    columns = _merged(columns, Mk)
+    gaps = _merged([(0, Mk)] if not columns else
+                   [(0, columns[0][0]), *((a[1], b[0]) for a, b in zip(columns, columns[1:])), (columns[-1][1], Mk)], Mk)
+    starts = [torch.full((Mq,), s, dtype=torch.int64) for s, _ in columns]
+    ends = [torch.full((Mq,), e, dtype=torch.int64) for _, e in columns]
+    if band is not None:  # the band's pieces between the columns
+        low, high = band[0].clamp(0, Mk), band[1].clamp(0, Mk)
+        starts += [low.clamp(min=s) for s, _ in gaps]
+        ends += [high.clamp(max=e) for _, e in gaps]
+    if not starts:
+        starts, ends = [torch.zeros(Mq, dtype=torch.int64)], [torch.zeros(Mq, dtype=torch.int64)]
+    start, end = torch.stack(starts, 1), torch.stack(ends, 1)  # (Mq, parts)
+    full = _merged(rows, Mq)
+    if full:  # a full row: one run of every key block, its other runs empty
+        is_full = torch.zeros(Mq, 1, dtype=torch.bool)
+        for s, e in full:
+            is_full[s:e] = True
+        first = torch.zeros(1, start.shape[1], dtype=torch.bool)
+        first[0, 0] = True
+        start = torch.where(is_full, torch.where(first, 0, Mk), start)
+        end = torch.where(is_full, Mk, end)
+    if causal:
+        end = torch.minimum(end, candidates(True, (Mq, Mk, *geo[:4]), "cpu")[:, None])
+    row = torch.arange(Mq)[:, None].expand_as(start)
+    return BlockRuns(row.flatten(), start.flatten(), end.flatten())
+
+
+def diagonal_runs(geo: Geometry, diagonals: list[int]) -> BlockRuns:
+    """The blocks `(i, j)` with `i - j` in `diagonals` (distinct ints), one run of one block each, one diagonal
+    after another: a few operators whatever their number (no selection by a bool tensor, a slow one)."""
+    Mq, Mk = geo.num_blocks_q, geo.num_blocks_k
+    firsts = [max(0, d) for d in diagonals]  # each diagonal's rows: firsts[n] to firsts[n] + lengths[n]
+    lengths = [max(0, min(Mq, Mk + d) - first) for d, first in zip(diagonals, firsts)]
+    total, starts = sum(lengths), list(itertools.accumulate(lengths, initial=0))
+    lengths = torch.tensor(lengths, dtype=torch.int64)
+    i = torch.arange(total) + torch.repeat_interleave(torch.tensor([f - s for f, s in zip(firsts, starts)],
+                                                                   dtype=torch.int64), lengths, output_size=total)
+    j = i - torch.repeat_interleave(torch.tensor(diagonals, dtype=torch.int64), lengths, output_size=total)
+    return BlockRuns(i, j, j + 1)
+
+
+def joined_runs(*parts: BlockRuns) -> BlockRuns:
+    """Runs of several parts side by side (each part's runs disjoint from the others' in every row)."""
+    return BlockRuns(*(torch.cat(column) for column in zip(*parts)))

@@ -6,8 +6,10 @@ import math
 
 import torch
 
-from ..mask import BlockMask, layout_from_coordinates
-from ._common import GridError, check_device, geometry, make, make_from_coordinates, positive_int
+from ..mask import BlockMask
+from ..mask_index import BlockRuns
+from ._common import (GridError, check_device, geometry, joined_runs, make, make_from_runs, pattern_runs,
+                      positive_int)
 
 MAX_FACTORS = 31  # a mask has fewer than 2**31 blocks a side (MAX_LAYOUT_BLOCKS), so at most 31 factors
 
@@ -69,8 +71,7 @@ def butterfly(
 
     name = "butterfly" if n_factors is None else f"butterfly(n_factors={n})"
     if butterfly_size is None:  # one grid cell per block: few coordinates, listed on the host (no device wait)
-        i, j = _host_butterfly(size, min(n, all_factors), Mq, Mk, num_global_blocks)
-        return make_from_coordinates(i, j, geo, name, device)
+        return make_from_runs(_host_butterfly(size, min(n, all_factors), geo, num_global_blocks), geo, name, device)
     # Blow each cell of a butterfly_size grid up to a square of blocks
     rows, cols = _coordinates(size, min(n, all_factors), device)
     small = _grid_with(rows, cols, cols < size, size, size)
@@ -81,34 +82,22 @@ def butterfly(
     return make(layout, geo, f"{name}[size {butterfly_size}]")
 
 
-def butterfly_layout(n: int, n_factors: int | None = None, device=None) -> torch.Tensor:
-    """bool `(n, n)`: the butterfly of `n` blocks a side (`butterfly`'s layout, without building a mask's lists).
-
-    Example:
-        >>> butterfly_layout(4).int().tolist()
-        [[1, 1, 1, 0], [1, 1, 0, 1], [1, 0, 1, 1], [0, 1, 1, 1]]
-    """
-    all_factors = math.ceil(math.log2(n))
-    factors = all_factors if n_factors is None else positive_int(n_factors, "n_factors", minimum=0, maximum=MAX_FACTORS)
-    return layout_from_coordinates(*_host_butterfly(n, min(factors, all_factors), n, n, 0), n, n, device)
-
-
-def _host_butterfly(size: int, factors: int, Mq: int, Mk: int, num_global_blocks: int):
-    """The nonzero blocks `(i, j)` of an `Mq x Mk` butterfly (int64 CPU tensors, each block once): the grid's
-    coordinates, then the first `num_global_blocks` rows and columns."""
+def _host_butterfly(size: int, factors: int, geo, num_global_blocks: int) -> BlockRuns:
+    """The nonzero blocks of an `Mq x Mk` butterfly as runs on the host (`BlockRuns`, each block once): the grid's
+    blocks one by one, then the first `num_global_blocks` rows and columns whole (the grid's blocks in them
+    left out: empty runs)."""
+    Mq, Mk = geo.num_blocks_q, geo.num_blocks_k
     rows, cols = _coordinates(size, factors, "cpu")
     keep = (rows < Mq) & (cols < Mk)
     if bool(keep.all()):  # a square grid of a power of two: every partner on it (no selection, a slow operator)
         i, j = rows.flatten(), cols.flatten()
     else:
         i, j = rows[keep], cols[keep]
-    if not num_global_blocks:
-        return i, j
-    rows, cols = torch.arange(min(num_global_blocks, Mq)), torch.arange(min(num_global_blocks, Mk))
-    where = torch.cat([i * Mk + j, (rows[:, None] * Mk + torch.arange(Mk)).flatten(),
-                       (torch.arange(Mq)[:, None] * Mk + cols).flatten()])
-    where = torch.unique(where)
-    return where // Mk, where % Mk
+    g = num_global_blocks
+    if not g:
+        return BlockRuns(i, j, j + 1)
+    grid = BlockRuns(i, j, torch.where((i >= g) & (j >= g), j + 1, j))
+    return joined_runs(grid, pattern_runs(geo, columns=[(0, g)], rows=[(0, g)]))
 
 
 def _coordinates(size: int, factors: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..mask import BlockMask
-from ._common import causal_blocks, check_device, geometry, make
+from ._common import check_device, geometry, make_from_runs, pattern_runs
 
 
 def causal(seq_len: int, block_size=128, *, seq_len_k: int | None = None, device=None) -> BlockMask:
@@ -29,4 +29,4 @@ def causal(seq_len: int, block_size=128, *, seq_len_k: int | None = None, device
     """
     device = check_device(device)
     geo = geometry(seq_len, block_size, seq_len_k)
-    return make(causal_blocks(geo, device), geo, "causal")
+    return make_from_runs(pattern_runs(geo, rows=[(0, geo.num_blocks_q)], causal=True), geo, "causal", device)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 from ..mask import BlockMask
-from ._common import check_device, geometry, make
+from ._common import check_device, geometry, make_from_runs, pattern_runs
 
 
 def dense(seq_len: int, block_size=128, *, seq_len_k: int | None = None, device=None) -> BlockMask:
@@ -27,5 +25,4 @@ def dense(seq_len: int, block_size=128, *, seq_len_k: int | None = None, device=
     """
     device = check_device(device)
     geo = geometry(seq_len, block_size, seq_len_k)
-    layout = torch.ones(geo.num_blocks_q, geo.num_blocks_k, dtype=torch.bool, device=device)
-    return make(layout, geo, "dense")
+    return make_from_runs(pattern_runs(geo, rows=[(0, geo.num_blocks_q)]), geo, "dense", device)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..mask import BlockMask
-from ._common import as_bool, block_coords, check_device, make, optional_heads, positive_int, square_geometry
+from ._common import (MAX_LISTED_RUNS, as_bool, block_coords, check_device, joined_runs, make, make_from_runs,
+                      optional_heads, pattern_runs, positive_int, square_geometry)
 
 
 def fixed(
@@ -71,20 +72,30 @@ def fixed(
         raise ValueError("horizontal_global_attention is defined for the bidirectional pattern only (causal=False)")
     geo = square_geometry("fixed", seq_len, block_size, heads=heads)
     M = geo.num_blocks_q
+    name = f"fixed(L={L}, G={G}{', causal' if causal else ''})"
+    # head h takes pattern h % P: its global blocks start `first` blocks into each window (the last window's
+    # clamped to the grid's end)
+    columns = [[(min(w + L - (1 + p) * G, max(M - G, 0)), min(w + L - (1 + p) * G, max(M - G, 0)) + G)
+                for w in range(0, M, L)] for p in range(min(P, heads))]
+    if heads * M * (2 * len(columns[0]) + 1) <= MAX_LISTED_RUNS:  # few runs: listed on the host, no device wait
+        i = torch.arange(M)
+        window = (i - i % L, torch.clamp(i - i % L + min(L, M), max=M))
+        per_pattern = [pattern_runs(geo, band=window, columns=cols, rows=cols if horizontal_global_attention else (),
+                                    causal=causal) for cols in columns]
+        runs = joined_runs(*(per_pattern[h % P]._replace(row=per_pattern[h % P].row + h * M) for h in range(heads)))
+        return make_from_runs(runs, geo, name, device, heads)
+    # many runs (short windows on a long grid: a global column every few blocks): the layout on the device
     i, j = block_coords(geo, device)
     local_ = (i // L) == (j // L)
     if causal:
         local_ &= j <= i
     layout = local_.expand(heads, M, M).clone()
     for h in range(heads):
-        first = L - (1 + h % P) * G  # offset of the global blocks inside each window
-        starts = torch.clamp(torch.arange(0, M, L, device=device) + first, max=max(M - G, 0))
-        # repeated columns (windows clamped at the end) set the same blocks again: no `unique`, which waits
-        cols = (starts[:, None] + torch.arange(min(G, M), device=device)[None, :]).clamp(max=M - 1).flatten()
+        cols = torch.tensor([c for s, e in columns[h % P] for c in range(s, min(e, M))], device=device)
         if causal:
             layout[h] |= (j == cols[:, None, None]).any(0) & (i >= j)
         else:
             layout[h, :, cols] = True
             if horizontal_global_attention:
                 layout[h, cols, :] = True
-    return make(layout, geo, f"fixed(L={L}, G={G}{', causal' if causal else ''})")
+    return make(layout, geo, name)

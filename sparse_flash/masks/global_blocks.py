@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 from ..mask import BlockMask
-from ._common import check_device, geometry, make, positive_int
+from ._common import check_device, geometry, make_from_runs, pattern_runs, positive_int
 
 
 def global_(
@@ -34,7 +32,4 @@ def global_(
     device = check_device(device)
     g = positive_int(num_global_blocks, "num_global_blocks", minimum=0)
     geo = geometry(seq_len, block_size, seq_len_k)
-    layout = torch.zeros(geo.num_blocks_q, geo.num_blocks_k, dtype=torch.bool, device=device)
-    layout[:g, :] = True
-    layout[:, :g] = True
-    return make(layout, geo, f"global({g})")
+    return make_from_runs(pattern_runs(geo, columns=[(0, g)], rows=[(0, g)]), geo, f"global({g})", device)

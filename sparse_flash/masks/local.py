@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from ..mask import BlockMask
-from ._common import as_bool, block_coords, check_device, geometry, make, make_from_coordinates, positive_int
-
-MAX_COORDINATES, MAX_DIAGONALS = 1 << 18, 256  # bands listed on the host: blocks of their diagonals, diagonals
+from ._common import as_bool, check_device, geometry, make_from_runs, pattern_runs, positive_int
 
 
 def local(
@@ -44,25 +40,7 @@ def local(
     causal = as_bool(causal, "causal")
     geo = geometry(seq_len, block_size, seq_len_k)
     name = f"local(window={window}{', causal' if causal else ''})"
-    Mq, Mk = geo.num_blocks_q, geo.num_blocks_k
-    lowest, highest = (0 if causal else -min(window, Mk - 1)), min(window, Mq - 1)  # the diagonals i - j kept
-    width = highest - lowest + 1
-    if width <= MAX_DIAGONALS and Mq * width <= MAX_COORDINATES:  # a narrow band: its blocks, listed on the host
-        return make_from_coordinates(*_host_band(Mq, Mk, lowest, highest), geo, name, device)
-    i, j = block_coords(geo, device)
-    d = i - j
-    layout = (d >= 0) & (d <= window) if causal else d.abs() <= window
-    return make(layout, geo, name)
+    i = torch.arange(geo.num_blocks_q)  # one run per row: j from i - window to i (+ window)
+    window = min(window, max(geo.num_blocks_q, geo.num_blocks_k))  # past the grid: all of it (no int64 overflow)
+    return make_from_runs(pattern_runs(geo, band=(i - window, i + 1 + (0 if causal else window))), geo, name, device)
 
-
-def _host_band(Mq: int, Mk: int, lowest: int, highest: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The blocks `(i, j)` of an `Mq x Mk` grid with `lowest <= i - j <= highest` (int64 CPU tensors), one
-    diagonal after another: a few operators whatever the width (no selection by a bool tensor, a slow one)."""
-    diagonals = range(lowest, highest + 1)
-    firsts = [max(0, d) for d in diagonals]  # each diagonal's rows: firsts[n] to firsts[n] + lengths[n]
-    lengths = [max(0, min(Mq, Mk + d) - first) for d, first in zip(diagonals, firsts)]
-    total, starts = sum(lengths), list(itertools.accumulate(lengths, initial=0))
-    lengths = torch.tensor(lengths)
-    i = torch.arange(total) + torch.repeat_interleave(torch.tensor([f - s for f, s in zip(firsts, starts)]), lengths,
-                                                      output_size=total)
-    return i, i - torch.repeat_interleave(torch.tensor(diagonals), lengths, output_size=total)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from ..mask import BlockMask
-from ._common import (as_bool, block_coords, block_indices, causal_blocks, check_device, check_on_grid, geometry,
-                     make, odd_int)
+from ._common import (as_bool, block_indices, check_device, check_on_grid, geometry, make_from_runs, odd_int,
+                      pattern_runs)
 
 
 def longformer(
@@ -66,11 +68,8 @@ def longformer(
     check_on_grid(starts, geo, "global_block_indices")
     if global_block_end_indices is not None:
         check_on_grid(ends, geo, "global_block_end_indices", ends=True)
-    i, j = block_coords(geo, device)
-    layout = (i - j).abs() <= w // 2
-    for s, e in zip(starts, ends):
-        layout[s:e, :] = True
-        layout[:, s:e] = True
-    if causal:
-        layout &= causal_blocks(geo, device)
-    return make(layout, geo, f"longformer(w={w}, global={starts}{', causal' if causal else ''})")
+    i = torch.arange(geo.num_blocks_q)
+    half = min(w // 2, max(geo.num_blocks_q, geo.num_blocks_k))  # past the grid: all of it (no int64 overflow)
+    ranges = list(zip(starts, ends))
+    runs = pattern_runs(geo, band=(i - half, i + half + 1), columns=ranges, rows=ranges, causal=causal)
+    return make_from_runs(runs, geo, f"longformer(w={w}, global={starts}{', causal' if causal else ''})", device)

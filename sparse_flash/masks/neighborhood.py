@@ -12,24 +12,48 @@ import math
 import torch
 
 from ..mask import BlockMask, Tiling
-from ._common import check_device, optional_heads
-from .butterfly import butterfly_layout
+from ..mask_index import BlockRuns
+from ._common import check_device, geometry, joined_runs, make_from_runs, optional_heads, positive_int
+from .butterfly import MAX_FACTORS
 from .tiles import per_axis, tiling_of
 
 
-def _band(n: int, window: int, device) -> torch.Tensor:
-    """`(n, n)`: positions along one tile axis within `window` of each other."""
-    i = torch.arange(n, device=device)
-    return (i[:, None] - i[None, :]).abs() <= window
+def _tile_positions(tiles: tuple[int, ...]) -> list[torch.Tensor]:
+    """int64 `(M,)` per axis: each tile's position along it, tiles in tile-major order (the last axis fastest)."""
+    grid = torch.meshgrid(*(torch.arange(n) for n in tiles), indexing="ij")
+    return [g.flatten() for g in grid]
 
 
-def _kron(*factors: torch.Tensor) -> torch.Tensor:
-    """The layout over tiles in tile-major order whose (a, b) entry is the AND of the per-axis factors at the
-    tiles' (t, h, w) coordinates: a Kronecker product, the last axis varying fastest."""
-    out = factors[0]
-    for f in factors[1:]:
-        out = torch.kron(out, f)
-    return out
+def _neighborhood_runs(tiles: tuple[int, int, int], window: tuple[int, int, int]) -> BlockRuns:
+    """The runs (`BlockRuns`) of one head's neighbourhood on the host: for each tile and each (frame, row)
+    offset within the window, the tiles of that row within the window along the last axis, one run (off the
+    grid: empty)."""
+    (T, H, W), (wt, wh, ww) = tiles, (min(w, n) for w, n in zip(window, tiles))
+    t, h, w = _tile_positions(tiles)
+    dt, dh = (g.flatten() for g in torch.meshgrid(torch.arange(-wt, wt + 1), torch.arange(-wh, wh + 1), indexing="ij"))
+    t2, h2 = t[:, None] + dt, h[:, None] + dh  # (M, offsets)
+    on = (t2 >= 0) & (t2 < T) & (h2 >= 0) & (h2 < H)
+    base = (t2 * H + h2) * W
+    start = torch.where(on, base + (w - ww).clamp(min=0)[:, None], 0)
+    end = torch.where(on, base + (w + ww + 1).clamp(max=W)[:, None], 0)
+    return BlockRuns(torch.arange(T * H * W)[:, None].expand_as(start).flatten(), start.flatten(), end.flatten())
+
+
+def _tiled_mask(runs: BlockRuns, heads: int, tiling: Tiling, name: str, device) -> BlockMask:
+    """The `(1, heads, M, M)` mask of these runs over the tiles, listed on the host (no device wait)."""
+    M = math.prod(tiling.tiles)
+    return make_from_runs(runs, geometry(M * math.prod(tiling.tile), math.prod(tiling.tile)), name, device, heads,
+                          tiling)
+
+
+def _neighborhood(tiling: Tiling, windows, device, name: str) -> BlockMask:
+    per_window = {}  # heads with the same window share one head's runs
+    for w in windows:
+        if w not in per_window:
+            per_window[w] = _neighborhood_runs(tiling.tiles, w)
+    M = math.prod(tiling.tiles)
+    runs = joined_runs(*(per_window[w]._replace(row=per_window[w].row + h * M) for h, w in enumerate(windows)))
+    return _tiled_mask(runs, len(windows), tiling, name, device)
 
 
 def _windows(window, axes: tuple[str, ...], num_heads) -> list[tuple[int, int, int]]:
@@ -47,18 +71,6 @@ def _describe(window) -> str:
     if isinstance(window, list):
         return "[" + ", ".join(map(_describe, window)) + "]"
     return str(tuple(window)) if isinstance(window, (tuple, list)) else str(window)
-
-
-def _tiled_mask(layout: torch.Tensor, tiling: Tiling, name: str) -> BlockMask:
-    return BlockMask.from_layout(layout, math.prod(tiling.tile), name=name, tiling=tiling)
-
-
-def _neighborhood(tiling: Tiling, windows, device, name: str) -> BlockMask:
-    layouts = {}  # heads with the same window share one layout
-    for w in windows:
-        if w not in layouts:
-            layouts[w] = _kron(*(_band(n, r, device) for n, r in zip(tiling.tiles, w)))
-    return _tiled_mask(torch.stack([layouts[w] for w in windows]), tiling, name)
 
 
 def neighborhood_2d(height: int, width: int, tile, window=1, *, num_heads: int | None = None,
@@ -156,16 +168,26 @@ def butterfly_2d(height: int, width: int, tile, *, n_factors: int | None = None,
         (1, 16, 32)
     """
     device = check_device(device)
+    if n_factors is not None:
+        n_factors = positive_int(n_factors, "n_factors", minimum=0, maximum=MAX_FACTORS)
     tiling = tiling_of(height, width, tile)
     _, rows, cols = tiling.tiles
 
-    def axis(n: int) -> torch.Tensor:
-        return butterfly_layout(n, n_factors, device)
-
-    def same(n: int) -> torch.Tensor:  # the tile's own row (column) only
-        return torch.eye(n, dtype=torch.bool, device=device)
-
-    layout = _kron(same(rows), axis(cols)) | _kron(axis(rows), same(cols))
+    # tile (r, c) attends (r, c') for c' among c's butterfly partners (itself included) and (r', c) for r' among
+    # r's other partners: one block per run, the partners past the grid's side as empty runs
+    factors = [all_factors if n_factors is None else min(n_factors, all_factors)
+               for all_factors in (math.ceil(math.log2(n)) for n in (rows, cols))]
+    r, c = _tile_positions((rows, cols))
+    along_row = c[:, None] ^ _partners(factors[1])  # (M, 1 + factors): self first
+    along_col = r[:, None] ^ _partners(factors[0])[1:]
+    start = torch.cat([r[:, None] * cols + along_row.clamp(max=cols - 1), along_col.clamp(max=rows - 1) * cols + c[:, None]], 1)
+    end = torch.where(torch.cat([along_row < cols, along_col < rows], 1), start + 1, start)
+    runs = BlockRuns(torch.arange(rows * cols)[:, None].expand_as(start).flatten(), start.flatten(), end.flatten())
     _, th, tw = tiling.tile
     name = f"butterfly_2d({th}x{tw} tiles{'' if n_factors is None else f', n_factors={n_factors}'})"
-    return _tiled_mask(layout, tiling, name)
+    return _tiled_mask(runs, 1, tiling, name, device)
+
+
+def _partners(factors: int) -> torch.Tensor:
+    """int64 `(1 + factors,)`: 0, then 2**k for each factor: XOR a position with them for its partners."""
+    return torch.cat([torch.zeros(1, dtype=torch.int64), 1 << torch.arange(factors)])

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from ..mask import BlockMask
-from ._common import block_coords, check_device, make, positive_int, square_geometry
+from ._common import check_device, diagonal_runs, joined_runs, make_from_runs, pattern_runs, positive_int, square_geometry
 
 
 def strided(
@@ -37,7 +39,7 @@ def strided(
     geo = square_geometry("strided", seq_len, block_size)
     stride = max(1, round(math.sqrt(geo.num_blocks_q))) if stride is None else stride
     bandwidth = stride if bandwidth is None else bandwidth
-    i, j = block_coords(geo, device)
-    d = i - j
-    layout = (d >= 0) & ((d % stride == 0) | (d < bandwidth))
-    return make(layout, geo, f"strided(stride={stride}, bandwidth={bandwidth})")
+    i = torch.arange(geo.num_blocks_q)  # the band i - j < bandwidth, then the diagonals i - j = k * stride past it
+    runs = joined_runs(pattern_runs(geo, band=(i - bandwidth + 1, i + 1)),
+                       diagonal_runs(geo, [d for d in range(0, geo.num_blocks_q, stride) if d >= bandwidth]))
+    return make_from_runs(runs, geo, f"strided(stride={stride}, bandwidth={bandwidth})", device)
