@@ -17,7 +17,7 @@ import torch
 
 from .checks import as_bool, as_pair, check_device, finite_float, is_int
 from .mask_index import (LONG_LIST_BLOCKS, BlockIndex, BlockRuns, KernelIndex, LayoutSizes, MaskGeometry, MaskIndex,
-                         build_index, build_topk_index, candidates, gpu_builders, run_sizes, topk_sizes,
+                         build_index, build_topk_index, candidates, gpu_builders, run_sizes, topk_sizes, union_runs,
                          topk_tables)
 
 __all__ = ["BlockMask", "Tiling"]
@@ -404,12 +404,15 @@ class BlockMask:
         self._own(layout.clone(memory_format=torch.contiguous_format), (bq, bk), seq_len_q, seq_len_k, name, tiling)
 
     def _own(self, layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int, name: str,
-             tiling: Tiling | None, index: MaskIndex | None = None, sizes: LayoutSizes | None = None) -> None:
+             tiling: Tiling | None, index: MaskIndex | None = None, sizes: LayoutSizes | None = None,
+             runs: BlockRuns | None = None) -> None:
         """Set the mask's values, checked already (`layout`: a contiguous bool tensor that nobody else writes),
-        and its index lists: `index`, or built from the layout (with its `sizes` where the host knows them)."""
+        and its index lists: `index`, or built from the layout (with its `sizes` where the host knows them).
+        `runs`: the layout's `BlockRuns` where a constructor listed them (host tensors nobody writes), kept so
+        that a union with another such mask is listed on the host too."""
         values = dict(
             _layout=layout, block_size=block_size, seq_len_q=seq_len_q, seq_len_k=seq_len_k, name=name, tiling=tiling,
-            _copies={}, _hash=None, _kernel_records={},  # caches derived from the values above
+            _copies={}, _hash=None, _kernel_records={}, _runs=runs,  # derived from the values above
         )
         for key, value in values.items():
             object.__setattr__(self, key, value)
@@ -578,7 +581,7 @@ class BlockMask:
         tiling = _check_tiling(tiling, (bq, bk), (1, heads, Mq, Mk), (seq_len_q, seq_len_k))
         mask = cls.__new__(cls)
         mask._own(layout_from_runs(runs, heads, Mq, Mk, device), (bq, bk), seq_len_q, seq_len_k, name, tiling,
-                  sizes=run_sizes(runs, heads, (bq, bk), seq_len_q, seq_len_k))
+                  sizes=run_sizes(runs, heads, (bq, bk), seq_len_q, seq_len_k), runs=runs)
         return mask
 
     @classmethod
@@ -681,7 +684,8 @@ class BlockMask:
         else:
             layout = layout.to(device)
         mask = BlockMask.__new__(BlockMask)
-        mask._own(layout, self.block_size, self.seq_len_q, self.seq_len_k, self.name, self.tiling, sizes=sizes)
+        mask._own(layout, self.block_size, self.seq_len_q, self.seq_len_k, self.name, self.tiling, sizes=sizes,
+                  runs=self._runs)
         return mask
 
     def _list_sizes(self) -> LayoutSizes | None:
@@ -811,8 +815,22 @@ class BlockMask:
 
     def __or__(self, other: "BlockMask") -> "BlockMask":
         self._check_same_geometry(other, "|")
-        return BlockMask(self._layout | other._layout, self.block_size, self.seq_len_q, self.seq_len_k,
-                         f"{self.name} | {other.name}", tiling=self._shared_tiling(other))
+        name, tiling = f"{self.name} | {other.name}", self._shared_tiling(other)
+        if self._runs is not None and other._runs is not None:  # both listed: the union listed too (no device wait)
+            heads = max(self._layout.shape[1], other._layout.shape[1])
+            runs = union_runs(self._heads_of_runs(heads), other._heads_of_runs(heads), self._layout.shape[-1])
+            return BlockMask._from_runs(runs, heads, self.block_size, self.seq_len_q, self.seq_len_k, name,
+                                        self.device, tiling)
+        return BlockMask(self._layout | other._layout, self.block_size, self.seq_len_q, self.seq_len_k, name,
+                         tiling=tiling)
+
+    def _heads_of_runs(self, heads: int) -> BlockRuns:
+        """This mask's runs for `heads` heads: its own, or its one head's repeated."""
+        runs, Mq = self._runs, self._layout.shape[2]
+        if self._layout.shape[1] == heads:
+            return runs
+        offsets = (torch.arange(heads) * Mq)[:, None]
+        return BlockRuns((runs.row + offsets).flatten(), runs.start.repeat(heads), runs.end.repeat(heads))
 
     def __and__(self, other: "BlockMask") -> "BlockMask":
         self._check_same_geometry(other, "&")

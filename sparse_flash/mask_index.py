@@ -588,6 +588,31 @@ class BlockRuns(NamedTuple):
         return int((self.end - self.start).clamp_(min=0).sum())
 
 
+def union_runs(a: BlockRuns, b: BlockRuns, Mk: int) -> BlockRuns:
+    """The runs of the union of two run sets on one grid of `Mk` key blocks (`BlockRuns`, host tensors): sorted
+    by row and start, runs that overlap or touch merged (a running maximum of the ends: each row's keys offset
+    past every earlier row's), empty runs dropped.
+
+    Example:
+        >>> a = BlockRuns(torch.tensor([0, 1]), torch.tensor([0, 2]), torch.tensor([2, 3]))
+        >>> union_runs(a, BlockRuns(torch.tensor([0]), torch.tensor([1]), torch.tensor([4])), 4)
+        BlockRuns(row=tensor([0, 1]), start=tensor([0, 2]), end=tensor([4, 3]))
+    """
+    row, start, end = (torch.cat(pair) for pair in zip(a, b))
+    width = Mk + 1
+    start, end = row * width + start, row * width + torch.maximum(end, start)
+    keep = (end > start).nonzero().squeeze(1)  # host tensors: no device involved
+    order = start.index_select(0, keep).argsort()
+    start, end = start.index_select(0, keep)[order], end.index_select(0, keep)[order].cummax(0).values
+    opens = torch.ones_like(start, dtype=torch.bool)
+    opens[1:] = start[1:] > end[:-1]  # a run past every earlier end starts a merged run
+    firsts = opens.nonzero().squeeze(1)
+    lasts = torch.cat([firsts[1:] - 1, torch.tensor([start.numel() - 1])]) if firsts.numel() else firsts
+    start, end = start.index_select(0, firsts), end.index_select(0, lasts)
+    row = start.div(width, rounding_mode="floor")
+    return BlockRuns(row, start - row * width, end - row * width)
+
+
 def _run_column_counts(head_base: torch.Tensor | None, start: torch.Tensor, end: torch.Tensor, heads: int,
                        Mk: int) -> torch.Tensor:
     """int64 `(1, heads, Mk)`: each column's blocks among runs `[start, end)` (`end >= start`) of the heads at

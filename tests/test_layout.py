@@ -569,6 +569,7 @@ LISTED = {
                                                                   (1, p % 2, 2)),
     "butterfly_2d": lambda Nq, Nk, b, p: masks.butterfly_2d(4 * (1 + Nq // 40), 4 * (3 + p), 4, n_factors=p or None),
 }
+ONE_GRID = sorted(set(LISTED) - {"neighborhood_2d", "neighborhood_3d", "butterfly_2d"})  # lengths as given
 
 
 @pytest.mark.parametrize("build", [
@@ -626,6 +627,27 @@ def test_listed_constructors_equal_their_layouts_on_drawn_geometries(pattern, Nq
             m = LISTED[pattern](Nq, Nk, (bq, bk) if pattern not in ("strided", "fixed") else (bq, bq), param)
     assert counter.waits == 0
     _assert_same_index(m._index, mask_index.build_index(m.layout, m.block_size, m.seq_len_q, m.seq_len_k))
+
+
+@settings(max_examples=12, deadline=None)
+@given(N=st.integers(1, 400), b=st.sampled_from([16, 32]), first=st.sampled_from(sorted(ONE_GRID)),
+       second=st.sampled_from(sorted(ONE_GRID)), p=st.integers(0, 4), q=st.integers(0, 4))
+def test_the_union_of_listed_masks_is_listed_too(N, b, first, second, p, q):
+    """`a | b` of two masks that listed their blocks (`LISTED`, one geometry; fixed has two heads, broadcast
+    against one) lists its blocks too (`mask_index.union_runs`): the layouts' union, built by the GPU builders
+    (here under TRITON_INTERPRET=1) without a device wait, with the lists of `from_layout`."""
+    from sparse_flash import mask_index
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
+    a, c = LISTED[first](N, N, (b, b), p), LISTED[second](N, N, (b, b), q)
+    with pytest.MonkeyPatch.context() as patch:
+        with mock.patch.object(mask_index, "_on_gpu", lambda t: True), DeviceWaits(patch) as counter:
+            both = a | c
+    assert counter.waits == 0 and both._runs is not None
+    assert torch.equal(both.layout, a.layout | c.layout) and both.name == f"{a.name} | {c.name}"
+    _assert_same_index(both._index, mask_index.build_index(both.layout, both.block_size, both.seq_len_q,
+                                                           both.seq_len_k))
 
 
 @settings(max_examples=8, deadline=None)
