@@ -17,7 +17,8 @@ import torch
 
 from .checks import as_bool, as_pair, check_device, finite_float, is_int
 from .mask_index import (LONG_LIST_BLOCKS, BlockIndex, BlockRuns, KernelIndex, LayoutSizes, MaskGeometry, MaskIndex,
-                         build_index, build_topk_index, candidates, gpu_builders, run_sizes, topk_sizes, union_runs,
+                         build_index, build_topk_index, candidates, complement_runs, gpu_builders, run_sizes, topk_sizes,
+                         union_runs,
                          topk_tables)
 
 __all__ = ["BlockMask", "Tiling"]
@@ -834,8 +835,15 @@ class BlockMask:
 
     def __and__(self, other: "BlockMask") -> "BlockMask":
         self._check_same_geometry(other, "&")
-        return BlockMask(self._layout & other._layout, self.block_size, self.seq_len_q, self.seq_len_k,
-                         f"({self.name}) & ({other.name})", tiling=self._shared_tiling(other))
+        name, tiling = f"({self.name}) & ({other.name})", self._shared_tiling(other)
+        if self._runs is not None and other._runs is not None:  # both listed: a & b = ~(~a | ~b), on the host
+            heads, (Mq, Mk) = max(self._layout.shape[1], other._layout.shape[1]), self._layout.shape[-2:]
+            gaps = [complement_runs(m._heads_of_runs(heads), heads * Mq, Mk) for m in (self, other)]
+            runs = complement_runs(union_runs(*gaps, Mk), heads * Mq, Mk)
+            return BlockMask._from_runs(runs, heads, self.block_size, self.seq_len_q, self.seq_len_k, name,
+                                        self.device, tiling)
+        return BlockMask(self._layout & other._layout, self.block_size, self.seq_len_q, self.seq_len_k, name,
+                         tiling=tiling)
 
     def _shared_tiling(self, other: "BlockMask") -> Tiling | None:
         """A combination keeps the operands' tiling when they agree on it (or only one has one)."""

@@ -613,6 +613,24 @@ def union_runs(a: BlockRuns, b: BlockRuns, Mk: int) -> BlockRuns:
     return BlockRuns(row, start - row * width, end - row * width)
 
 
+def complement_runs(runs: BlockRuns, lists: int, Mk: int) -> BlockRuns:
+    """The runs of the blocks that `runs` leave out, on `lists` rows of `Mk` key blocks: per row the gap before
+    each of its merged runs and the one after its last (some empty).
+
+    Example:
+        >>> complement_runs(BlockRuns(torch.tensor([0]), torch.tensor([1]), torch.tensor([2])), 2, 3)
+        BlockRuns(row=tensor([0, 0, 1]), start=tensor([0, 2, 0]), end=tensor([1, 3, 3]))
+    """
+    none = torch.zeros(0, dtype=torch.int64)
+    row, start, end = union_runs(runs, BlockRuns(none, none, none), Mk)  # sorted, merged
+    first = torch.ones_like(row, dtype=torch.bool)
+    first[1:] = row[1:] != row[:-1]
+    before = torch.where(first, 0, torch.cat([end.new_zeros(1), end[:-1]]))  # the previous end in its row
+    last_end = torch.zeros(lists, dtype=torch.int64).scatter_reduce_(0, row, end, "amax")
+    rows = torch.arange(lists)
+    return BlockRuns(torch.cat([row, rows]), torch.cat([before, last_end]), torch.cat([start, torch.full_like(rows, Mk)]))
+
+
 def _run_column_counts(head_base: torch.Tensor | None, start: torch.Tensor, end: torch.Tensor, heads: int,
                        Mk: int) -> torch.Tensor:
     """int64 `(1, heads, Mk)`: each column's blocks among runs `[start, end)` (`end >= start`) of the heads at

@@ -95,7 +95,7 @@ class DeviceWaits(TorchDispatchMode):
     BOOL_INDEXED = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default)
 
     HOST = ("_causal_blocks", "run_sizes", "_host_plan_sizes", "_host_butterfly", "pattern_runs",
-            "diagonal_runs", "_neighborhood_runs", "union_runs")  # list blocks on the host
+            "diagonal_runs", "_neighborhood_runs", "union_runs", "complement_runs")  # list blocks on the host
 
     def __init__(self, monkeypatch, host=HOST, ops=()):
         super().__init__()

@@ -632,10 +632,12 @@ def test_listed_constructors_equal_their_layouts_on_drawn_geometries(pattern, Nq
 @settings(max_examples=12, deadline=None)
 @given(N=st.integers(1, 400), b=st.sampled_from([16, 32]), first=st.sampled_from(sorted(ONE_GRID)),
        second=st.sampled_from(sorted(ONE_GRID)), p=st.integers(0, 4), q=st.integers(0, 4))
-def test_the_union_of_listed_masks_is_listed_too(N, b, first, second, p, q):
-    """`a | b` of two masks that listed their blocks (`LISTED`, one geometry; fixed has two heads, broadcast
-    against one) lists its blocks too (`mask_index.union_runs`): the layouts' union, built by the GPU builders
-    (here under TRITON_INTERPRET=1) without a device wait, with the lists of `from_layout`."""
+@pytest.mark.parametrize("op", ["|", "&"])
+def test_unions_and_intersections_of_listed_masks_are_listed_too(op, N, b, first, second, p, q):
+    """`a | b` and `a & b` of two masks that listed their blocks (`LISTED`, one geometry; fixed has two heads,
+    broadcast against one) list their blocks too (`mask_index.union_runs`, `complement_runs`): the layouts'
+    union or intersection, built by the GPU builders (here under TRITON_INTERPRET=1) without a device wait, with
+    the lists of `from_layout`."""
     from sparse_flash import mask_index
 
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -643,9 +645,10 @@ def test_the_union_of_listed_masks_is_listed_too(N, b, first, second, p, q):
     a, c = LISTED[first](N, N, (b, b), p), LISTED[second](N, N, (b, b), q)
     with pytest.MonkeyPatch.context() as patch:
         with mock.patch.object(mask_index, "_on_gpu", lambda t: True), DeviceWaits(patch) as counter:
-            both = a | c
+            both = a | c if op == "|" else a & c
     assert counter.waits == 0 and both._runs is not None
-    assert torch.equal(both.layout, a.layout | c.layout) and both.name == f"{a.name} | {c.name}"
+    assert torch.equal(both.layout, a.layout | c.layout if op == "|" else a.layout & c.layout)
+    assert both.name == (f"{a.name} | {c.name}" if op == "|" else f"({a.name}) & ({c.name})")
     _assert_same_index(both._index, mask_index.build_index(both.layout, both.block_size, both.seq_len_q,
                                                            both.seq_len_k))
 
