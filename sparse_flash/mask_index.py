@@ -569,7 +569,8 @@ class LayoutSizes(NamedTuple):
 class BlockRuns(NamedTuple):
     """The nonzero blocks of a `(1, H, Mq, Mk)` layout as runs along its rows, on the host: int64 CPU tensors
     `(n,)`; run n holds key blocks `start[n] .. end[n] - 1` of query block `row[n] % Mq` of head
-    `row[n] // Mq`. The runs of one row are disjoint; a run may be empty (`end <= start`: it holds nothing).
+    `row[n] // Mq`. The runs of one row are disjoint; a run may be empty (`end <= start`: it holds nothing);
+    every start lies in `[0, Mk]`.
     A mask constructor that knows its pattern lists it so (a band is one run per row, a butterfly block a run of
     one): `run_sizes` counts its lists on the host and `mask.layout_from_runs` uploads it without a wait.
 

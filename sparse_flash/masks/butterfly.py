@@ -8,8 +8,7 @@ import torch
 
 from ..mask import BlockMask
 from ..mask_index import BlockRuns
-from ._common import (GridError, check_device, geometry, joined_runs, make, make_from_runs, pattern_runs,
-                      positive_int)
+from ._common import GridError, check_device, geometry, joined_runs, make_from_runs, pattern_runs, positive_int
 
 MAX_FACTORS = 31  # a mask has fewer than 2**31 blocks a side (MAX_LAYOUT_BLOCKS), so at most 31 factors
 
@@ -70,16 +69,21 @@ def butterfly(
     n = all_factors if n is None else n
 
     name = "butterfly" if n_factors is None else f"butterfly(n_factors={n})"
-    if butterfly_size is None:  # one grid cell per block: few coordinates, listed on the host (no device wait)
+    if butterfly_size is None:  # one grid cell per block: listed on the host block by block (no device wait)
         return make_from_runs(_host_butterfly(size, min(n, all_factors), geo, num_global_blocks), geo, name, device)
-    # Blow each cell of a butterfly_size grid up to a square of blocks
-    rows, cols = _coordinates(size, min(n, all_factors), device)
-    small = _grid_with(rows, cols, cols < size, size, size)
-    layout = small[torch.arange(Mq, device=device) * size // Mq][:, torch.arange(Mk, device=device) * size // Mk]
-    if num_global_blocks:
-        layout[:num_global_blocks, :] = True
-        layout[:, :num_global_blocks] = True
-    return make(layout, geo, f"{name}[size {butterfly_size}]")
+    # each cell of a butterfly_size grid blown up to the blocks that map to it: per query block, one run of key
+    # blocks per partner cell (key block j maps to cell j * size // Mk: cell b holds a contiguous range)
+    _, cells = _coordinates(size, min(n, all_factors), "cpu")  # (1 + factors, size)
+    partner = cells[:, torch.arange(Mq) * size // Mq].T  # (Mq, 1 + factors): the partners of each row's cell
+    on = partner < size  # partners past a size that is not a power of two fall off the grid: empty runs at 0
+    start = torch.where(on, (partner * Mk + size - 1) // size, 0)  # the first key block of the cell
+    end = torch.where(on, ((partner + 1) * Mk + size - 1) // size, 0)
+    g = num_global_blocks
+    i = torch.arange(Mq)[:, None]
+    start = torch.where(i >= g, start.clamp(min=min(g, Mk)), end)  # global rows and columns whole below (no block twice)
+    grid = BlockRuns(i.expand_as(start).flatten(), start.flatten(), torch.maximum(start, end).flatten())
+    runs = joined_runs(grid, pattern_runs(geo, columns=[(0, g)], rows=[(0, g)])) if g else grid
+    return make_from_runs(runs, geo, f"{name}[size {butterfly_size}]", device)
 
 
 def _host_butterfly(size: int, factors: int, geo, num_global_blocks: int) -> BlockRuns:
@@ -107,12 +111,3 @@ def _coordinates(size: int, factors: int, device) -> tuple[torch.Tensor, torch.T
     powers = torch.arange(factors, device=device)
     cols = torch.cat([r[None], r[None] ^ (1 << powers)[:, None]])
     return r.expand_as(cols), cols
-
-
-def _grid_with(rows: torch.Tensor, cols: torch.Tensor, keep: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """bool `(height, width)`, True at each `(rows, cols)` where `keep`. The coordinates that are not kept go to
-    a spare row past the end, cut off after: no selection by `keep`, which would wait for the device to count
-    them."""
-    grid = torch.zeros(height + 1, width, dtype=torch.bool, device=rows.device)
-    grid[torch.where(keep, rows, height), torch.where(keep, cols, 0)] = True
-    return grid[:height]
