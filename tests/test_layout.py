@@ -555,10 +555,11 @@ LISTED = {
     "dense": lambda Nq, Nk, b, p: masks.dense(Nq, b, seq_len_k=Nk),
     "causal": lambda Nq, Nk, b, p: masks.causal(Nq, b, seq_len_k=Nk),
     "global": lambda Nq, Nk, b, p: masks.global_(Nq, b, seq_len_k=Nk, num_global_blocks=p),
-    "longformer": lambda Nq, Nk, b, p: masks.longformer(Nq, b, seq_len_k=Nk, num_sliding_window_blocks=2 * p + 1,
-                                                        global_block_indices=(0,) if p < 3 else (0, 2),
-                                                        global_block_end_indices=None if p < 3 else (1, 4),
-                                                        causal=p % 2 == 1),
+    # two global ranges where the longer grid has room for them (4 blocks), one global block otherwise
+    "longformer": lambda Nq, Nk, b, p: masks.longformer(
+        Nq, b, seq_len_k=Nk, num_sliding_window_blocks=2 * p + 1, causal=p % 2 == 1,
+        **({"global_block_indices": (0,)} if p < 3 or max(-(-Nq // b[0]), -(-Nk // b[1])) < 4 else
+           {"global_block_indices": (0, 2), "global_block_end_indices": (1, 4)})),
     "strided": lambda Nq, Nk, b, p: masks.strided(Nq, b[0], stride=p + 1, bandwidth=max(1, p - 1)),
     "fixed": lambda Nq, Nk, b, p: masks.fixed(Nq, b[0], num_local_blocks=p + 2, causal=p % 2 == 1, num_heads=2,
                                               num_different_global_patterns=2),
