@@ -46,6 +46,15 @@ def _blocks(t: torch.Tensor, num_blocks: int, block: int) -> torch.Tensor:
     return F.pad(t.contiguous(), (0, 0, 0, num_blocks * block - N)).reshape(B * H * num_blocks, block, D)
 
 
+def _gather(blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`blocks[ids]`: `(*ids.shape, *blocks.shape[1:])` for `blocks` `(num_blocks, ...)`, with a deterministic
+    backward. A key block that many rows gather gets their gradients summed: `F.embedding`'s backward sums them
+    in a fixed order (on CPU one thread per block, in index order), where that of `blocks[ids]` on CPU adds them
+    from several threads in any order (PyTorch lists it as nondeterministic: dK and dV 1 ulp apart from run to
+    run)."""
+    return F.embedding(ids, blocks.flatten(1)).unflatten(-1, blocks.shape[1:])
+
+
 def _dense_attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The all-ones mask: every key for each query, in chunks of query rows that bound the score memory (no
     index lists, so no mask to build, also inside torch.compile)."""
@@ -124,7 +133,8 @@ def attention_torch(
         kv_rows = ((b * Hkv + hq // groups) * Mk)[:, None] + kb  # (n, width)
 
         n = len(rows)
-        s = torch.matmul(q_blocks[rows], k_blocks[kv_rows].reshape(n, width * bk, D).transpose(-1, -2)) * scale
+        k_rows, v_rows = (_gather(t, kv_rows).reshape(n, width * bk, D) for t in (k_blocks, v_blocks))
+        s = torch.matmul(_gather(q_blocks, rows), k_rows.transpose(-1, -2)) * scale
         # key positions built flat, never as a (n, width, bk) view reshaped and then broadcast over the query
         # axis: inductor's CPU code indexed such a view by the query offset when `width` was symbolic
         k_pos = (kb.repeat_interleave(bk, dim=1) * bk + offs_k.repeat(width))[:, None, :]  # (n, 1, width * bk)
@@ -136,7 +146,7 @@ def attention_torch(
         s = poison_scores(s, allowed, q_bad_blocks[rows][:, :, None], k_bad_blocks[kv_rows].reshape(n, 1, -1),
                           v_bad_blocks[kv_rows].reshape(n, 1, -1), exact)
         p, lse = _softmax_rows(s)
-        outs.append(torch.matmul(p, v_blocks[kv_rows].reshape(n, width * bk, D)))
+        outs.append(torch.matmul(p, v_rows))
         lses.append(lse)
 
     out, lse = torch.cat(outs), torch.cat(lses)

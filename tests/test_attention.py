@@ -233,6 +233,29 @@ def test_triton_backward_is_deterministic():
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_torch_backward_is_deterministic_on_several_threads(causal):
+    """Gradients bit-identical from run to run with several CPU threads: a key block that many query blocks
+    attend gets its gradients summed in a fixed order (the backward of plain indexing added them from several
+    threads in any order: dK and dV 1 ulp apart)."""
+    mask = masks.butterfly(300, 32) | masks.local(300, 32, window=1)
+    q, k, v = make_qkv(2, 4, 2, 300, 300, 40, dtype=torch.float32, device="cpu", seed=3)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(4))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = []
+        for _ in range(6):
+            a, b, c = (t.detach().clone().requires_grad_() for t in (q, k, v))
+            sparse_flash.block_sparse_attention(a, b, c, mask, causal=causal, backend="torch").backward(do)
+            runs.append((a.grad, b.grad, c.grad))
+    finally:
+        torch.set_num_threads(threads)
+    for run in runs[1:]:
+        for name, x, y in zip(("dq", "dk", "dv"), runs[0], run):
+            assert torch.equal(x, y), name
+
+
 @contextlib.contextmanager
 def split_every_list():
     """Masks built in this context cut every list longer than 2 blocks into chunks of about 2 blocks, at
