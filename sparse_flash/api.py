@@ -194,23 +194,36 @@ def block_sparse_attention(
     return _dispatch(q, k, v, mask, causal, scale, return_lse, backend)
 
 
+def _batched_by_vmap(t: torch.Tensor) -> bool:
+    """Whether `t` is batched by torch.func.vmap at any level of its transforms (`vmap(grad(f))` wraps a
+    batched tensor in a gradient-tracking one)."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        if functorch.is_batchedtensor(t):
+            return True
+        t = functorch.get_unwrapped(t)
+    return False
+
+
 def _check_transforms(impl: str, q, k, v) -> None:
     """Refuse what a backend cannot differentiate or batch, rather than give a wrong tangent or a deep error:
-    `torch.func` transforms (vmap on every backend; any on triton) and forward-mode AD on triton, whose
-    kernels have no jvp (a tangent was dropped: the inference path skips autograd)."""
+    `torch.func.vmap` on every backend (at any level: `vmap(grad(f))` too), any `torch.func` transform on
+    triton, and forward-mode AD on triton, whose kernels have no jvp (a tangent was dropped: the inference path
+    skips autograd). The torch and reference backends support the other transforms (grad, vjp, jvp, jacrev,
+    jacfwd, hessian)."""
     if torch.compiler.is_compiling():
         return
-    functorch = torch._C._functorch
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not functorch.is_functorch_wrapped_tensor(t):
+        if not torch._C._functorch.is_functorch_wrapped_tensor(t):
             continue
-        if functorch.is_batchedtensor(t):
+        if _batched_by_vmap(t):
             raise RuntimeError(f"{name} is batched by torch.func.vmap, which block_sparse_attention does not "
                                "support (its masks and kernels take whole batches): call it on the batch instead")
         if impl == "triton":
-            raise RuntimeError(f"{name} is a torch.func transform's tensor (grad, jvp, jacrev, ...): the triton "
+            raise RuntimeError(f"{name} is a torch.func transform's tensor (grad, vjp, jvp, jacrev, ...): the triton "
                                "backend does not support torch.func; backend='torch' and backend='reference' "
-                               "support torch.func.jvp, and torch.autograd gives gradients on every backend")
+                               "support torch.func.grad, vjp, jvp, jacrev, jacfwd and hessian, and "
+                               "torch.autograd gives gradients on every backend")
     if impl == "triton" and forward_ad._current_level >= 0:  # a dual level is open: is any input a dual tensor?
         for name, t in (("q", q), ("k", k), ("v", v)):
             if forward_ad.unpack_dual(t).tangent is not None:
@@ -225,7 +238,8 @@ def _dispatch(q, k, v, mask, causal, scale, return_lse, backend):
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     causal, return_lse = bool(causal), bool(return_lse)
     if q.numel() == 0 or k.numel() == 0:  # no batch, heads, queries or keys: nothing to compute
-        out, lse = _EmptyAttention.apply(q, k, v)
+        empty_attention = _EmptyAttention if torch.compiler.is_compiling() else _EmptyAttentionWithJvp
+        out, lse = empty_attention.apply(q, k, v)
         return (out, lse) if return_lse else out
     # Every backend takes mask=None as the all-ones mask (no mask is built: inside torch.compile it could not be)
     mask = None if mask is _DENSE else mask.to(q.device)
@@ -248,19 +262,34 @@ def _dispatch(q, k, v, mask, causal, scale, return_lse, backend):
 
 class _EmptyAttention(torch.autograd.Function):
     """Attention where q or k has no element: out zeros `(B, Hq, Nq, D)` (a query with no key is an empty row),
-    lse -inf `(B, Hq, Nq)` (float32, float64 for float64 inputs); zero gradients."""
+    lse -inf `(B, Hq, Nq)` (float32, float64 for float64 inputs); zero gradients. Written for torch.func
+    (forward apart from setup_context, a generated vmap rule)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, q, k, v):
-        ctx.shapes = (q.shape, k.shape, v.shape)
+    def forward(q, k, v):
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=lse_dtype, device=q.device)
-        ctx.mark_non_differentiable(lse)
-        return q.new_zeros(q.shape), lse
+        return q.new_zeros(q.shape), torch.full(q.shape[:3], float("-inf"), dtype=lse_dtype, device=q.device)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.shapes = tuple(t.shape for t in inputs)
+        ctx.mark_non_differentiable(output[1])
 
     @staticmethod
     def backward(ctx, dout, dlse):
         return tuple(dout.new_zeros(shape) for shape in ctx.shapes)
+
+
+class _EmptyAttentionWithJvp(_EmptyAttention):
+    """`_EmptyAttention` with forward-mode AD too (zero tangents). Eager only: Dynamo traces no autograd.Function
+    with a custom jvp, and torch.compile has no forward-mode AD to serve."""
+
+    @staticmethod
+    def jvp(ctx, dq, dk, dv):
+        tangent = next(t for t in (dq, dk, dv) if t is not None)
+        return tangent.new_zeros(ctx.shapes[0]), None
 
 
 def flash_attention(

@@ -646,9 +646,12 @@ def _run_column_counts(head_base: torch.Tensor | None, start: torch.Tensor, end:
 @functools.lru_cache(maxsize=64)
 def _row_bounds(Mq: int, Mk: int, bq: int, bk: int, seq_len_q: int, seq_len_k: int) -> torch.Tensor:
     """int64 `(Mq, 2)` on the host, per query block: the key blocks holding a causal pair (`candidates`), and the
-    first key block that touches the causal diagonal (k_last > q_first). Kept per geometry; never written."""
-    q = torch.arange(Mq)
-    return torch.stack([candidates(True, (Mq, Mk, bq, bk, seq_len_q, seq_len_k), "cpu"), (q * bq + 1) // bk], 1)
+    first key block that touches the causal diagonal (k_last > q_first). Kept per geometry; never written. Made
+    as a plain tensor inside a torch.func transform too (a mask built in torch.func.grad): a tensor made there
+    is the transform's, and the cache outlives it."""
+    with torch._C._DisableFuncTorch():
+        q = torch.arange(Mq)
+        return torch.stack([candidates(True, (Mq, Mk, bq, bk, seq_len_q, seq_len_k), "cpu"), (q * bq + 1) // bk], 1)
 
 
 def run_sizes(runs: BlockRuns, heads: int, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int) -> LayoutSizes:

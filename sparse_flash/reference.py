@@ -27,17 +27,39 @@ def _softmax_rows(s: torch.Tensor):
 
 class _CleanRows(torch.autograd.Function):
     """`t` with the rows `bad` marks set to 0; their gradient is NaN, never 0 (the rows are not in the result,
-    but the result is no function of them either: a zero gradient would pass for a real one)."""
+    but the result is no function of them either: a zero gradient would pass for a real one). Written for
+    torch.func (forward apart from setup_context, a generated vmap rule): grad, vjp and jacrev run through it."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, t, bad):
-        ctx.save_for_backward(bad)
+    def forward(t, bad):
         return t.masked_fill(bad[..., None], 0.0)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
 
     @staticmethod
     def backward(ctx, grad):
         (bad, ) = ctx.saved_tensors
         return grad.masked_fill(bad[..., None], float("nan")), None
+
+
+class _CleanRowsWithJvp(_CleanRows):
+    """`_CleanRows` with forward-mode AD too (`torch.func.jacfwd` and `hessian` of a differentiable input,
+    `torch.autograd.forward_ad`): the tangent of a bad row is NaN, as its gradient. Eager only: Dynamo traces
+    no autograd.Function with a custom jvp, and torch.compile has no forward-mode AD to serve."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
+        ctx.save_for_forward(inputs[1])
+
+    @staticmethod
+    def jvp(ctx, tangent, _):
+        (bad, ) = ctx.saved_tensors
+        return tangent.masked_fill(bad[..., None], float("nan"))
 
 
 def split_non_finite(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +68,8 @@ def split_non_finite(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     bad = ~torch.isfinite(t).all(dim=-1)
     if not t.requires_grad:
         return t.masked_fill(bad[..., None], 0.0), bad
-    return _CleanRows.apply(t, bad), bad
+    clean_rows = _CleanRows if torch.compiler.is_compiling() else _CleanRowsWithJvp
+    return clean_rows.apply(t, bad), bad
 
 
 def exact_scores(q: torch.Tensor, k: torch.Tensor, scale: float, compute: torch.dtype) -> torch.Tensor:

@@ -1048,6 +1048,69 @@ def test_forward_mode_ad_gives_the_tangent_or_a_clear_error(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_vmap_is_a_clear_error(backend):
+    """vmap is refused at any level of the transforms: `vmap(grad(f))` (per-sample gradients) wraps the batched
+    tensor in a gradient-tracking one (a probe got a deep error from PyTorch there)."""
     q = torch.randn(2, 1, 1, 64, 16)
+    attend = lambda x: sparse_flash.block_sparse_attention(x, x, x, masks.local(64, 16), backend=backend)
     with pytest.raises(RuntimeError, match="batched by torch.func.vmap"):
-        torch.func.vmap(lambda x: sparse_flash.block_sparse_attention(x, x, x, masks.local(64, 16), backend=backend))(q)
+        torch.func.vmap(attend)(q)
+    with pytest.raises(RuntimeError, match="batched by torch.func.vmap"):
+        torch.func.vmap(torch.func.grad(lambda x: attend(x).sum()))(q)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_func_transforms_give_the_dense_float64_derivatives(backend):
+    """torch.func.grad, vjp, jacrev, jacfwd and hessian on the torch and reference backends equal
+    torch.autograd's derivatives of the dense float64 oracle (a probe found grad, vjp and jacrev crashing deep in
+    PyTorch: autograd.Functions without setup_context); the triton backend refuses them, naming torch.func."""
+    mask = masks.butterfly(40, 16) | masks.local(40, 16, window=1)
+    q, k, v = (t.detach().double() for t in _inputs(torch.float32, n=40, d=8, seed=5))
+    do = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    attend = lambda q, k, v: sparse_flash.block_sparse_attention(q, k, v, mask, causal=True, backend=backend)
+    if backend == "triton":
+        with pytest.raises(RuntimeError, match="torch.func"):
+            torch.func.grad(lambda q: attend(q.float(), k.float(), v.float()).sum())(q)
+        return
+    oracle = lambda q, k, v: attention_reference(q, k, v, mask, causal=True)[0]
+    want = torch.autograd.grad(oracle(*(t.requires_grad_() for t in (q, k, v))), (q, k, v), do)
+    q, k, v = (t.detach() for t in (q, k, v))
+    got = torch.func.grad(lambda q, k, v: (attend(q, k, v) * do).sum(), argnums=(0, 1, 2))(q, k, v)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+    out, pull = torch.func.vjp(attend, q, k, v)
+    torch.testing.assert_close(out, oracle(q, k, v), atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(pull(do), want, atol=1e-12, rtol=1e-10)
+    row = lambda f: lambda q: f(q, k, v)[0, 1, 20]  # one query row: a (8, 1, 2, 40, 8) Jacobian
+    dense = torch.autograd.functional.jacobian(row(oracle), q)
+    torch.testing.assert_close(torch.func.jacrev(row(attend))(q), dense, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(torch.func.jacfwd(row(attend))(q), dense, atol=1e-12, rtol=1e-10)
+    q1 = q[:, :1, :20]  # the hessian of a small problem: (1, 1, 20, 8) squared
+    scalar = lambda f: lambda q: f(q, k[:, :1, :20], v[:, :1, :20]).square().sum()
+    small = lambda q, k, v: sparse_flash.block_sparse_attention(q, k, v, masks.local(20, 16), backend=backend)
+    torch.testing.assert_close(torch.func.hessian(scalar(small))(q1), torch.autograd.functional.hessian(
+        scalar(lambda q, k, v: attention_reference(q, k, v, masks.local(20, 16))[0]), q1), atol=1e-12, rtol=1e-10)
+
+
+def test_masks_built_inside_torch_func_transforms_leave_the_caches_usable():
+    """A mask built inside a transform (a loss that makes its own mask) fills a cache of the mask geometry; a
+    probe found that cache holding the transform's tensor, an internal assert of PyTorch in the next mask built
+    under torch.func.grad."""
+    q = torch.randn(1, 1, 20, 8, dtype=torch.float64)
+
+    def loss(q):
+        return sparse_flash.block_sparse_attention(q, q, q, masks.local(20, 16), backend="torch").square().sum()
+
+    first = torch.func.hessian(loss)(q)
+    assert torch.equal(torch.func.hessian(loss)(q), first)
+    torch.testing.assert_close(torch.func.grad(loss)(q), torch.autograd.functional.jacobian(loss, q))
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_torch_func_transforms_of_an_empty_problem_are_zero(backend):
+    """No key: the output is 0 whatever q, so every derivative is 0 (through the empty path's autograd.Function,
+    written for torch.func as well)."""
+    q, k = torch.randn(1, 1, 5, 8, dtype=torch.float64), torch.randn(1, 1, 0, 8, dtype=torch.float64)
+    attend = lambda q: sparse_flash.flash_attention(q, k, k, backend=backend)
+    assert not torch.func.grad(lambda q: attend(q).sum())(q).any()
+    assert not torch.func.jacrev(attend)(q).any()
+    assert not torch.func.jvp(attend, (q, ), (q, ))[1].any()
+    assert not torch.func.hessian(lambda q: attend(q).sum())(q).any()
