@@ -274,16 +274,21 @@ class BlockSparseAttention(nn.Module):
         return self._pattern_mask(seq_len_q, seq_len_k, device)
 
     def _pattern_mask(self, seq_len_q: int, seq_len_k: int, device: torch.device) -> BlockMask:
+        """The cached mask of these lengths, built on a miss; the least recently used leaves the cache first.
+        Inside torch.compile the cache is only read: reordering it there mutates the layer's state, which Dynamo
+        refuses inside `torch.utils.checkpoint` (so uses in compiled calls do not count as recent)."""
         key = (seq_len_q, seq_len_k, str(device))
         mask = self._masks.get(key)
-        if mask is not None:
-            self._masks.move_to_end(key)
-        else:
-            if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            if mask is None:
                 raise RuntimeError(
                     f"BlockSparseAttention has no {self.mask!r} mask for lengths ({seq_len_q}, {seq_len_k}) on "
                     f"{device}; call .prepare({seq_len_q}, {seq_len_k}, {str(device)!r}) before torch.compile"
                 )
+            return mask
+        if mask is not None:
+            self._masks.move_to_end(key)
+        else:
             mask = self._build_pattern(seq_len_q, seq_len_k, device)
             self._masks[key] = mask
             if len(self._masks) > MASK_CACHE_SIZE:

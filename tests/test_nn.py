@@ -290,6 +290,24 @@ def test_compile_fullgraph_with_prepared_pattern_mask():
     assert counter.frame_count == 1
 
 
+def test_pattern_layer_compiles_fullgraph_inside_activation_checkpointing():
+    """A pattern layer under `torch.utils.checkpoint` inside `torch.compile(fullgraph=True)`: reading the mask
+    cache must not mutate the layer (a probe found the cache's LRU bookkeeping refused by Dynamo as a side
+    effect inside the checkpoint); output and gradients as eagerly, one graph."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    attn = BlockSparseAttention(64, 4, mask="local", block_size=32, causal=True, backend="torch")
+    attn.prepare(100)
+    model = lambda x: checkpoint(attn, x, use_reentrant=False)
+    x = torch.randn(2, 100, 64)
+    compiled, counter = compile_counted(model)
+    for ours, eager in zip(forward_backward(compiled, x), forward_backward(model, x)):
+        torch.testing.assert_close(ours, eager, atol=1e-5, rtol=1e-4)
+    forward_backward(compiled, x)
+    assert counter.frame_count == 1
+
+
 @needs_triton
 def test_attention_ops_are_tagged_for_inductors_cuda_graphs():
     """Inductor's CUDA graphs run ops tagged cudagraph_unsafe outside the graphs they capture (the launch plans
