@@ -169,7 +169,10 @@ def block_sparse_attention(
         `out` with q's shape and dtype, or `(out, lse)` with lse float32 `(B, Hq, Nq)` (float64 for float64
         inputs) in natural log
         (not differentiable). If a query row of the mask is all zero, its output is 0, its lse is -inf and
-        its gradients are 0.
+        its gradients are 0. The triton backend saves `out` (with q, k, v and lse) for its backward, so an
+        in-place edit of `out` before the backward (`out.mul_(2)`, `out += x`) makes the backward raise
+        PyTorch's "modified by an inplace operation" RuntimeError, never a wrong gradient: edit a copy
+        (`out = out * 2`). The torch and reference backends differentiate through the edit.
 
     Non-finite inputs: a NaN or infinity in q at row i, or in k or v at key j, reaches only the rows it
     belongs to or that attend it (row i; the rows whose allowed keys include j), as exact arithmetic has it: a

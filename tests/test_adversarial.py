@@ -1024,6 +1024,25 @@ def test_a_gradient_penalty_through_the_triton_kernels_is_an_error_not_a_wrong_v
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_an_inplace_edit_of_the_output_gives_the_right_gradient_or_a_clear_error(backend):
+    """The triton backend saves `out` for its backward: an in-place edit of it before the backward is PyTorch's
+    "modified by an inplace operation" error there, never a gradient of the unedited output; the torch and
+    reference backends differentiate through the edit."""
+    mask = masks.local(64, 16)
+    q, k, v = _inputs(torch.float32, n=64)
+    out = sparse_flash.block_sparse_attention(q, k, v, mask, backend=backend)
+    out.mul_(2)
+    if backend == "triton":
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.square().sum().backward()
+        return
+    got = torch.autograd.grad(out.square().sum(), (q, k, v))
+    edited = 2 * sparse_flash.block_sparse_attention(q, k, v, mask, backend="reference")
+    for g, want in zip(got, torch.autograd.grad(edited.square().sum(), (q, k, v))):
+        torch.testing.assert_close(g, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_forward_mode_ad_gives_the_tangent_or_a_clear_error(backend):
     """Forward-mode AD: the torch and reference backends give the tangent (against a difference quotient); the
     triton kernels have no jvp, so a tangent is an error there (a probe found it dropped: the inference path
