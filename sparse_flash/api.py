@@ -6,8 +6,6 @@ Backends load lazily: `reference` (dense oracle), `torch` (block-sparse in plain
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch.autograd import forward_ad
 
@@ -23,22 +21,23 @@ _DENSE = object()  # stands for the all-ones mask in flash_attention
 FLOAT32_SCALE_LIMIT = torch.finfo(torch.float32).max / 1.4426950408889634  # |scale| x log2(e) within float32
 
 
-@functools.cache
+_TRITON_INSTALLED = {}  # filled by the first `_triton_installed()`: {"installed": bool}
+
+
+@torch.compiler.assume_constant_result
 def _triton_installed() -> bool:
-    """Whether Triton imports (asked once: every call would otherwise pay for the import statement)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@functools.cache
-def _attention_triton():
-    """The kernels' entry point, loaded on first use (it imports Triton)."""
-    from .kernels import attention_triton
-
-    return attention_triton
+    """Whether Triton imports, asked once (a failed import searches the path again on every call). A plain dict
+    keeps the answer and torch.compile takes it as a constant without tracing this function: Dynamo traces
+    through a functools cache, with a warning, and refuses the dict's first write inside
+    `torch.utils.checkpoint`."""
+    if "installed" not in _TRITON_INSTALLED:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            _TRITON_INSTALLED["installed"] = False
+        else:
+            _TRITON_INSTALLED["installed"] = True
+    return _TRITON_INSTALLED["installed"]
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
@@ -163,7 +162,12 @@ def block_sparse_attention(
         return_lse: also return the log-sum-exp of each query's scores.
         backend: `"auto"` (triton on CUDA when usable, else torch), `"triton"`, `"torch"` (block-sparse in
             plain PyTorch, any device) or `"reference"` (dense and materialised: the oracle). A requested
-            backend that cannot run raises instead of falling back.
+            backend that cannot run raises instead of falling back. Under torch.compile the torch backend's
+            graph depends on the mask's longest row (`mask.longest_row(causal)`) rounded up to a power of two:
+            a mask whose longest row rounds to another power compiles anew (about log2 of the key blocks graphs
+            in all; masks of other constructors may take graphs of their own), where the triton backend
+            reuses one graph for every mask of a geometry. Past `torch._dynamo.config.recompile_limit` (8)
+            graphs a fullgraph call fails: raise it, or use the triton backend.
 
     Returns:
         `out` with q's shape and dtype, or `(out, lse)` with lse float32 `(B, Hq, Nq)` (float64 for float64
@@ -247,7 +251,9 @@ def _dispatch(q, k, v, mask, causal, scale, return_lse, backend):
     # Every backend takes mask=None as the all-ones mask (no mask is built: inside torch.compile it could not be)
     mask = None if mask is _DENSE else mask.to(q.device)
     if impl == "triton":
-        out, lse = _attention_triton()(q, k, v, mask, causal=causal, scale=scale)
+        from .kernels.function import attention_triton  # loads Triton on first use
+
+        out, lse = attention_triton(q, k, v, mask, causal=causal, scale=scale)
     else:
         # Autocast would run these backends' products in 16 bits while they return q's dtype: they compute in
         # their own precision, as the kernels do (the output keeps q's dtype under autocast on every backend).

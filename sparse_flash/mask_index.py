@@ -366,12 +366,20 @@ def _item_ranges(batch: _PlanBatch, lists, chunk_id, n) -> list[torch.Tensor]:
     return out + firsts
 
 
-@functools.lru_cache(maxsize=256)  # masks of one geometry ask again (host operators: tens of microseconds)
 def _causal_blocks(Mq: int, Mk: int, bq: int, bk: int, seq_len_q: int) -> int:
     """Blocks of a full Mq x Mk layout that hold a causal pair (key <= query): per query block i, the key
-    blocks starting at or before its last query."""
-    q_last = torch.clamp(torch.arange(1, Mq + 1) * bq, max=seq_len_q) - 1
-    return int(torch.clamp(q_last // bk + 1, max=Mk).sum())
+    blocks starting at or before its last query. Python ints only: torch.compile traces them as constants;
+    eagerly they are cached per geometry (masks of one geometry ask again)."""
+    if torch.compiler.is_compiling():  # dynamo would skip the cache (and warn)
+        return _count_causal_blocks(Mq, Mk, bq, bk, seq_len_q)
+    return _cached_causal_blocks(Mq, Mk, bq, bk, seq_len_q)
+
+
+def _count_causal_blocks(Mq: int, Mk: int, bq: int, bk: int, seq_len_q: int) -> int:
+    return sum(_causal_candidates(i, Mk, bq, bk, seq_len_q) for i in range(Mq))
+
+
+_cached_causal_blocks = functools.lru_cache(maxsize=256)(_count_causal_blocks)
 
 
 def _chunk_size(total: int, num_lists: int) -> int:

@@ -1,5 +1,7 @@
 """torch.compile(fullgraph=True) of a model calling block_sparse_attention: no graph break, same numbers."""
 
+import warnings
+
 import pytest
 import torch
 from conftest import DEVICE, triton_usable
@@ -71,3 +73,27 @@ def test_fake_tensors_take_the_registered_op():
             inference = sparse_flash.block_sparse_attention(q, k, v, mask, backend="triton")
     assert out.shape == q.shape and lse.shape == (2, 4, 256) and lse.dtype == torch.float32
     assert q.grad.shape == q.shape and inference.shape == q.shape
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+def test_fullgraph_traces_no_functools_cache(backend):
+    """Dynamo warns where it traces through a functools cache (it ignores the cache): the backend choice (is
+    Triton installed? the kernels' entry point) and a top-k mask built in the graph (the causal blocks of its
+    geometry) read no such cache there. The top-k mask is non-causal, with more keys than queries and enough
+    blocks kept per row to maybe hold every causal block: the path that counts them."""
+    scores = torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(0), device=DEVICE)
+    q = torch.randn(1, 2, 64, 16, device=DEVICE, requires_grad=True)
+    kv = torch.randn(1, 2, 128, 16, device=DEVICE, requires_grad=True)
+    sparse_flash.BlockMask.from_topk(scores, 5, block_size=16, seq_len_k=128).row_index(True)  # first use: eager
+
+    def attend(q, kv, scores):
+        mask = sparse_flash.BlockMask.from_topk(scores, 5, block_size=16, seq_len_k=128)
+        return sparse_flash.block_sparse_attention(q, kv, kv, mask, backend=backend)
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(attend, fullgraph=True, backend="aot_eager")(q, kv, scores)
+        out.square().sum().backward()
+    assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]
+    torch.testing.assert_close(out, attend(q, kv, scores), atol=1e-5, rtol=1e-4)
