@@ -4,7 +4,8 @@ Works on any device, differentiates (twice, too) through PyTorch's autograd and 
 `torch.compile(fullgraph=True)`. Rows (batch, head, query block) are processed in chunks padded to the
 longest row of the chunk, so memory stays proportional to the nonzero blocks and no `Nq x Nk` tensor is ever
 built. Eagerly, rows are sorted by their number of key blocks first, so that a chunk pads little; inside
-`torch.compile` shapes must not depend on the mask's data, so every row pads to the mask's longest row.
+`torch.compile` shapes must not depend on the mask's data, so every row pads to the mask's longest row (the
+graph guards on the power of two at or above it: `_row_chunks`).
 """
 
 from __future__ import annotations
@@ -20,11 +21,18 @@ _CHUNK_ELEMENTS = 1 << 23  # score elements per chunk: bounds the working memory
 
 def _row_chunks(counts: torch.Tensor, longest: int, block_elements: int):
     """The work rows in chunks: `(chunks, order)`, each chunk `(rows, width)` with its rows padded to `width`
-    key blocks of `block_elements` score elements each; `order` is the row order of the chunks (None: as is)."""
+    key blocks of `block_elements` score elements each; `order` is the row order of the chunks (None: as is).
+
+    Inside torch.compile every row pads to the mask's longest row, and the rows per chunk follow the power of
+    two at or above it: the graph guards on that power, not on the longest row itself, so masks whose longest
+    rows fall between the same powers of two share a graph (once Dynamo has made the width symbolic)."""
     total = counts.numel()
     if torch.compiler.is_compiling():
         width = max(longest, 1)
-        n = max(1, _CHUNK_ELEMENTS // (width * block_elements))
+        bound = 1
+        while bound < width:  # guards on `width > bound` only
+            bound *= 2
+        n = max(1, _CHUNK_ELEMENTS // (bound * block_elements))
         device = counts.device
         return [(torch.arange(lo, min(lo + n, total), device=device), width) for lo in range(0, total, n)], None
     order = torch.argsort(counts, descending=True, stable=True)

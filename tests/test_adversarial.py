@@ -478,6 +478,25 @@ def test_torch_backend_compiles_fullgraph(compiler):
 
 
 
+def test_torch_backend_under_compile_shares_a_graph_between_masks_of_close_longest_rows():
+    """Inside torch.compile the torch backend pads rows to the mask's longest row and sizes its chunks by the
+    power of two at or above it: masks whose longest rows lie between the same powers of two share a graph
+    once Dynamo has made the width symbolic (a probe found one graph per longest row, and with fullgraph a
+    failure after the recompile limit of 8)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    q = torch.randn(1, 2, 512, 16, generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda q, mask: sparse_flash.block_sparse_attention(q, q, q, mask, backend="torch"),
+                             fullgraph=True, backend=counter)
+    for window in (4, 5, 6, 7):  # longest rows 9, 11, 13 and 15 blocks
+        mask = masks.local(512, 16, window=window)
+        torch.testing.assert_close(compiled(q, mask), sparse_flash.block_sparse_attention(q, q, q, mask,
+                                                                                          backend="torch"))
+    assert counter.frame_count <= 2
+
+
 def _reference_out(q, k, v, mask, causal, scale=None):
     q, k, v = (t.detach().double() for t in (q, k, v))
     return attention_reference(q, k, v, mask, causal=causal, scale=scale)[0]
