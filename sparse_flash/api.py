@@ -21,23 +21,25 @@ _DENSE = object()  # stands for the all-ones mask in flash_attention
 FLOAT32_SCALE_LIMIT = torch.finfo(torch.float32).max / 1.4426950408889634  # |scale| x log2(e) within float32
 
 
-_TRITON_INSTALLED = {}  # filled by the first `_triton_installed()`: {"installed": bool}
+_TRITON_INSTALLED = {}  # {"installed": bool}, filled by the first `_triton_installed()` outside torch.compile
 
 
-@torch.compiler.assume_constant_result
 def _triton_installed() -> bool:
-    """Whether Triton imports, asked once (a failed import searches the path again on every call). A plain dict
-    keeps the answer and torch.compile takes it as a constant without tracing this function: Dynamo traces
-    through a functools cache, with a warning, and refuses the dict's first write inside
-    `torch.utils.checkpoint`."""
-    if "installed" not in _TRITON_INSTALLED:
+    """Whether Triton imports, asked once (a failed import searches the path again on every call). The answer
+    is kept in a plain dict, which torch.compile reads as a constant (through a functools cache Dynamo traces
+    anyway, with a warning), and written outside torch.compile only (a write in a trace is a side effect,
+    which Dynamo refuses inside `torch.utils.checkpoint`)."""
+    installed = _TRITON_INSTALLED.get("installed")
+    if installed is None:
         try:
             import triton  # noqa: F401
         except ImportError:
-            _TRITON_INSTALLED["installed"] = False
+            installed = False
         else:
-            _TRITON_INSTALLED["installed"] = True
-    return _TRITON_INSTALLED["installed"]
+            installed = True
+        if not torch.compiler.is_compiling():
+            _TRITON_INSTALLED["installed"] = installed
+    return installed
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
