@@ -59,7 +59,10 @@ def _gather(blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     backward. A key block that many rows gather gets their gradients summed: `F.embedding`'s backward sums them
     in a fixed order (on CPU one thread per block, in index order), where that of `blocks[ids]` on CPU adds them
     from several threads in any order (PyTorch lists it as nondeterministic: dK and dV 1 ulp apart from run to
-    run)."""
+    run). Inside torch.compile it is plain indexing: inductor's CPU code for the backward of `F.embedding` with
+    these ids aborted the process (torch 2.13, a heap corruption); compiled, dK and dV sum in inductor's order."""
+    if torch.compiler.is_compiling():
+        return blocks[ids]
     return F.embedding(ids, blocks.flatten(1)).unflatten(-1, blocks.shape[1:])
 
 
