@@ -1056,23 +1056,11 @@ _CAUSAL_LISTS_OF_CHOICE = (
 
 def _causal_lists_of_choice(layout: torch.Tensor, block_size, seq_len_q: int, seq_len_k: int) -> tuple:
     """The per-flag dicts (`_unpack`) of a non-causal top-k choice's layout, built by `build_index` (it waits for
-    the device). Called through `_eager_causal_lists`."""
+    the device, so inside torch.compile it raises `_CAUSAL_LISTS_OF_CHOICE`: under fullgraph=True that error
+    reaches the caller; without it Dynamo runs the frame eagerly, where the lists build)."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError(_CAUSAL_LISTS_OF_CHOICE)
     return _unpack(build_index(layout, block_size, seq_len_q, seq_len_k))
-
-
-_EAGER = {}
-
-
-def _eager_causal_lists():
-    """`_causal_lists_of_choice` marked for torch.compile as never traced: inside it a graph break, under
-    fullgraph=True an error that says why. Made on first use outside torch.compile (marking it at import would
-    load Dynamo, and Dynamo Triton; marking it inside a compiled region is itself a graph break)."""
-    if not _EAGER:
-        try:
-            _EAGER["fn"] = torch.compiler.disable(_causal_lists_of_choice, reason=_CAUSAL_LISTS_OF_CHOICE)
-        except TypeError:  # a torch without the reason
-            _EAGER["fn"] = torch.compiler.disable(_causal_lists_of_choice)
-    return _EAGER["fn"]
 
 
 def build_topk_index(selected: torch.Tensor, tables: TopkTables, ks: tuple[int, ...], causal: bool,
@@ -1143,8 +1131,6 @@ def build_topk_index(selected: torch.Tensor, tables: TopkTables, ks: tuple[int, 
         q_last = torch.clamp((i + 1) * block_size[0], max=seq_len_q) - 1
         covers = int((j * block_size[1] <= q_last).sum()) == B * H * _causal_blocks(Mq, Mk, *block_size, seq_len_q)
     if len(rows) == 1:  # the other flag: on first use
-        causal_lists = None if causal else _eager_causal_lists()  # (only outside torch.compile: see above)
-
         def fill(flag):
             if in_capture or _capturing(selected.device):
                 where = "was made inside a CUDA-graph capture" if in_capture else "is first used so inside one"
@@ -1152,7 +1138,8 @@ def build_topk_index(selected: torch.Tensor, tables: TopkTables, ks: tuple[int, 
                     f"this top-k mask (chosen for causal={causal} attention) builds its lists for causal={flag} "
                     f"attention on first use, and {where}: those lists would not follow the graph's replays. "
                     f"Use it with causal={causal}, or once with causal={flag} outside the capture first")
-            built = static_lists((flag, )) if causal else causal_lists(layout, block_size, seq_len_q, seq_len_k)
+            built = (static_lists((flag, )) if causal else
+                     _causal_lists_of_choice(layout, block_size, seq_len_q, seq_len_k))
             for mine, theirs in zip(lazy, built):
                 dict.__setitem__(mine, flag, theirs[flag])
 

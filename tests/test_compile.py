@@ -97,3 +97,24 @@ def test_fullgraph_traces_no_functools_cache(backend):
         out.square().sum().backward()
     assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]
     torch.testing.assert_close(out, attend(q, kv, scores), atol=1e-5, rtol=1e-4)
+
+
+def test_a_non_causal_top_k_mask_chosen_inside_fullgraph_compile_builds_and_says_why_causal_use_cannot():
+    """A top-k mask chosen with causal=False builds its causal=True lists on first use, which waits for the
+    device: chosen inside torch.compile(fullgraph=True) it attends without causal alike; used with causal=True
+    there, the error says what to do; without fullgraph Dynamo runs that frame eagerly and the result is right.
+    Each graph starts from a reset Dynamo (the mask's module keeps no state that an earlier use could set)."""
+    scores = torch.randn(1, 2, 8, 8, generator=torch.Generator().manual_seed(1), device=DEVICE)
+    q = torch.randn(1, 2, 128, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+
+    def attend(q, scores, causal):
+        mask = sparse_flash.BlockMask.from_topk(scores, 3, block_size=16, seq_len_q=128, seq_len_k=128)
+        return sparse_flash.block_sparse_attention(q, q, q, mask, causal=causal, backend="torch")
+
+    for causal, fullgraph in ((False, True), (True, False)):
+        torch._dynamo.reset()
+        out = torch.compile(attend, fullgraph=fullgraph, backend="aot_eager")(q, scores, causal)
+        torch.testing.assert_close(out, attend(q, scores, causal), atol=1e-5, rtol=1e-4)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="Use the mask once with causal=True before the compiled call"):
+        torch.compile(attend, fullgraph=True, backend="aot_eager")(q, scores, True)
