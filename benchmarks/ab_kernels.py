@@ -286,10 +286,14 @@ def main():
 
     chosen = [r for r in rows if args.rows is None or any(p.lower() in text(r) for p in args.rows.split("|"))]
     results = []
-    for row in chosen:
-        results += run_row(versions, row, getattr(torch, args.dtype), args.repeats, do_bench, supported=supported)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+    for row in chosen:  # the results file rewritten after every row: a run cut by its time limit keeps its rows
+        done = run_row(versions, row, getattr(torch, args.dtype), args.repeats, do_bench, supported=supported)
+        results += done
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+        for r in done:
+            print(f"{str(r['row'])} {r['pass']}: base {r['base_ms']:.3f} ms, new {r['new_ms']:.3f} ms, "
+                  f"gain {r['gain']:.3f}", flush=True)
     print(f"{'row':44} {'pass':4} {'base ms':>8} {'new ms':>8} {'gain':>6} {'median gain':>11} {'max diff':>9}")
     for r in results:
         print(f"{str(r['row']):44} {r['pass']:4} {r['base_ms']:8.3f} {r['new_ms']:8.3f} {r['gain']:6.3f} "
