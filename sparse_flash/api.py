@@ -11,7 +11,7 @@ from torch.autograd import forward_ad
 
 from .kernels import settings
 from .mask import BlockMask
-from .checks import finite_float, is_bool
+from .checks import finite_float, is_bool, triton_blocks
 
 BACKENDS = ("auto", "reference", "torch", "triton")
 HEAD_DIM_RANGE = (8, 256)
@@ -25,10 +25,11 @@ _TRITON_INSTALLED = {}  # {"installed": bool}, filled by the first `_triton_inst
 
 
 def _triton_installed() -> bool:
-    """Whether Triton imports, asked once (a failed import searches the path again on every call). The answer
-    is kept in a plain dict, which torch.compile reads as a constant (through a functools cache Dynamo traces
-    anyway, with a warning), and written outside torch.compile only (a write in a trace is a side effect,
-    which Dynamo refuses inside `torch.utils.checkpoint`)."""
+    """Whether Triton imports, asked once (a failed import searches the path again on every call). Inside
+    torch.compile the function runs as it is and its answer is a constant of the graph (marked below): no guard
+    on the cache, so a first call made compiled and the eager calls that fill the cache after it share one
+    graph. The cache is written outside torch.compile only (a write in a trace is a side effect, which Dynamo
+    refuses inside `torch.utils.checkpoint`), for a Dynamo that would trace the function after all."""
     installed = _TRITON_INSTALLED.get("installed")
     if installed is None:
         try:
@@ -40,6 +41,11 @@ def _triton_installed() -> bool:
         if not torch.compiler.is_compiling():
             _TRITON_INSTALLED["installed"] = installed
     return installed
+
+
+# What `torch.compiler.assume_constant_result` sets; calling it here would import Dynamo, and Triton with it, on
+# `import sparse_flash`.
+_triton_installed._dynamo_marked_constant = True
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
@@ -246,6 +252,8 @@ def _dispatch(q, k, v, mask, causal, scale, return_lse, backend):
     _check_transforms(impl, q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     causal, return_lse = bool(causal), bool(return_lse)
+    if impl == "triton" and mask is not _DENSE:  # refused alike for empty inputs
+        triton_blocks(mask.block_size)
     if q.numel() == 0 or k.numel() == 0:  # no batch, heads, queries or keys: nothing to compute
         empty_attention = _EmptyAttention if torch.compiler.is_compiling() else _EmptyAttentionWithJvp
         out, lse = empty_attention.apply(q, k, v)

@@ -144,6 +144,12 @@ def as_pair(block_size, name: str = "block_size") -> tuple[int, int]:
     return pair
 
 
+def triton_blocks(block_size: tuple[int, int], name: str = "mask block sizes") -> None:
+    """Refuse block sizes `(block_q, block_k)` that the triton backend cannot tile (each a multiple of 16)."""
+    if block_size[0] % 16 or block_size[1] % 16:
+        raise ValueError(f"the triton backend needs {name} that are multiples of 16, got {tuple(block_size)}")
+
+
 def block_pair(block_size) -> tuple[int, int]:
     """`block_size` as `(block_q, block_k)`, each an int in [1, MAX_INT]."""
     bq, bk = as_pair(block_size)

@@ -95,6 +95,8 @@ def _png_path(path: str, what: str) -> Path:
         raise UsageError(f"{what} must name a file, got {path!r}")
     if Path(path).suffix.lower() not in ("", ".png"):
         raise UsageError(f"{what} must name a .png file (or a name without a suffix), got {path!r}")
+    if Path(path).is_dir():
+        raise UsageError(f"{what} must name a file, got the folder {path!r}")
     folder = Path(path).parent
     if not folder.is_dir():  # said before any work, not after it
         raise UsageError(f"{what}: the folder {str(folder)!r} of {path!r} does not exist")

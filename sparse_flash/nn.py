@@ -8,6 +8,7 @@ its key blocks per call from the data (MoBA).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import numbers
@@ -21,7 +22,7 @@ from torch import nn
 from . import masks
 from .api import BACKENDS, HEAD_DIM_RANGE, block_sparse_attention, flash_attention
 from .mask import BlockMask
-from .checks import as_bool, block_pair, check_device, is_bool, positive_int
+from .checks import as_bool, block_pair, check_device, is_bool, positive_int, triton_blocks
 from .masks._common import GridError
 
 __all__ = ["BlockSparseAttention", "MoBAAttention"]
@@ -191,15 +192,14 @@ class BlockSparseAttention(nn.Module):
             raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
         if isinstance(mask, str):
             block_size = 128 if block_size is None else block_size
-            mask_params = dict(mask_params or {})
+            mask_params = copy.deepcopy(dict(mask_params or {}))  # the caller's lists stay the caller's
             _check_pattern(mask, mask_params, block_size)
         elif mask_params:
             raise ValueError(f"mask_params only applies to a pattern name, but mask is {type(mask).__name__}")
         elif mask is not None and not isinstance(mask, BlockMask):
             raise TypeError(f"mask must be a BlockMask, a pattern name or None, got {type(mask).__name__}")
-        if backend == "triton" and block_size is not None and any(b % 16 for b in block_pair(block_size)):
-            raise ValueError(f"backend='triton' needs mask block sizes that are multiples of 16, got block_size "
-                             f"{block_size!r}")
+        if backend == "triton" and block_size is not None:
+            triton_blocks(block_pair(block_size), "block_size (backend='triton')")
         device = _parameter_device(device)
 
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
@@ -227,8 +227,9 @@ class BlockSparseAttention(nn.Module):
 
     @property
     def mask_params(self):
-        """The pattern's parameters (read-only; None without a pattern name)."""
-        return None if self._mask_params is None else types.MappingProxyType(self._mask_params)
+        """The pattern's parameters (a read-only copy: editing a list in it changes nothing; None without a pattern
+        name)."""
+        return None if self._mask_params is None else types.MappingProxyType(copy.deepcopy(self._mask_params))
 
     def __getstate__(self):
         state = super().__getstate__().copy()
@@ -430,6 +431,14 @@ def _most_overlapping(bq: int, bk: int) -> int:
     return max(-(-(i + 1) * bq // bk) - (i * bq) // bk for i in range(bk // math.gcd(bq, bk)))
 
 
+def _check_causal_top_k(causal: bool, top_k: int, pair: tuple[int, int]) -> None:
+    """A causal choice keeps the key blocks that overlap each query block, which count among its `top_k`."""
+    if causal and top_k < _most_overlapping(*pair):
+        raise ValueError(f"top_k must be at least {_most_overlapping(*pair)} with causal=True and block_size "
+                         f"{pair}: each query block keeps the key blocks that overlap it (up to "
+                         f"{_most_overlapping(*pair)}), which count among the top_k; got {top_k}")
+
+
 class MoBAAttention(BlockSparseAttention):
     """Multi-head attention that chooses, per call, the key blocks each query block attends to: MoBA (Lu et al.,
     2025, "MoBA: Mixture of Block Attention for Long-Context LLMs"), on the block-sparse kernels.
@@ -473,13 +482,7 @@ class MoBAAttention(BlockSparseAttention):
                  num_kv_heads: int | None = None, kdim: int | None = None, vdim: int | None = None,
                  dropout: float = 0.0, bias: bool = True, backend: str = "auto", device=None, dtype=None):
         pair, top_k = block_pair(block_size), positive_int(top_k, "top_k")
-        if backend == "triton" and (pair[0] % 16 or pair[1] % 16):
-            raise ValueError(f"backend='triton' needs block sizes that are multiples of 16, got block_size "
-                             f"{block_size!r}")
-        if as_bool(causal, "causal") and top_k < _most_overlapping(*pair):
-            raise ValueError(f"top_k must be at least {_most_overlapping(*pair)} with causal=True and block_size "
-                             f"{block_size!r}: each query block keeps the key blocks that overlap it (up to "
-                             f"{_most_overlapping(*pair)}), which count among the top_k; got {top_k}")
+        _check_causal_top_k(as_bool(causal, "causal"), top_k, pair)
         super().__init__(embed_dim, num_heads, num_kv_heads=num_kv_heads, kdim=kdim, vdim=vdim, mask=None,
                          block_size=block_size, causal=causal, dropout=dropout, bias=bias, backend=backend,
                          device=device, dtype=dtype)
@@ -496,6 +499,7 @@ class MoBAAttention(BlockSparseAttention):
         """The mask of a call with heads q `(B, num_heads, Nq, D)` and k `(B, num_kv_heads, Nk, D)`: each query
         block's `top_k` key blocks by gate score, `(B, num_heads, Mq, Mk)`."""
         bq, bk = self.block_pair
+        _check_causal_top_k(self.causal, self.top_k, self.block_pair)  # `causal` may have been set since
         with torch.no_grad():
             keys = _block_means(k, bk).repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
             queries = _block_means(q, bq)  # (B, H, Mq, D)

@@ -97,11 +97,13 @@ def test_user_errors_are_plain(capsys, argv, message):
     assert out == ""  # said before any work (a missing folder was reported after the mask was printed)
 
 
-def test_a_png_that_cannot_be_written_is_a_plain_error(capsys, tmp_path):
+@pytest.mark.parametrize("name", ["x.png", "pictures"])
+def test_a_png_naming_a_folder_is_a_usage_error_before_any_work(capsys, tmp_path, name):
     pytest.importorskip("matplotlib")
-    (tmp_path / "x.png").mkdir()  # a folder where the file would go
-    code, _, err = run(capsys, "masks", "show", "local", "--seq-len", "256", "--png", str(tmp_path / "x.png"))
-    assert code == 1 and "cannot write the picture" in err and "Traceback" not in err
+    (tmp_path / name).mkdir()  # a folder where the file would go
+    code, out, err = run(capsys, "masks", "show", "local", "--seq-len", "256", "--png", str(tmp_path / name) + "/")
+    assert code == 2 and "must name a file, got the folder" in err and "Traceback" not in err
+    assert out == ""  # said before the mask is printed
 
 
 @pytest.mark.parametrize(

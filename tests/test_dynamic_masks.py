@@ -891,7 +891,10 @@ def test_moba_causal_outputs_never_depend_on_later_tokens(block_size, top_k):
 def test_moba_causal_top_k_keeps_room_for_the_overlapping_key_blocks():
     with pytest.raises(ValueError, match="top_k must be at least 2"):
         MoBAAttention(16, 1, (32, 16), 1)
-    MoBAAttention(16, 1, (32, 16), 1, causal=False)  # no causal rule: any top_k
+    layer = MoBAAttention(16, 1, (32, 16), 1, causal=False)  # no causal rule: any top_k
+    layer.causal = True  # the rule holds for a flag set after construction too (else rows would keep no key)
+    with pytest.raises(ValueError, match="top_k must be at least 2"):
+        layer(torch.randn(1, 64, 16))
 
 
 def test_moba_block_size_and_top_k_are_fixed_and_checked_for_the_backend():

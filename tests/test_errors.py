@@ -79,6 +79,8 @@ def test_triton_rejects_float64_and_odd_blocks():
     q, k, v = (t.float().to(dev) for t in (q, k, v))
     with pytest.raises(ValueError, match=r"multiples of 16, got \(24, 24\)"):
         call(q, k, v, mask=masks.dense(64, 24, device=dev), backend="triton")
+    with pytest.raises(ValueError, match=r"multiples of 16, got \(24, 24\)"):  # refused for empty inputs too
+        call(q[:0], k[:0], v[:0], mask=masks.dense(64, 24, device=dev), backend="triton")
 
 
 def test_import_needs_torch_alone():

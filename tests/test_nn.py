@@ -1,7 +1,8 @@
 """BlockSparseAttention: the layer against manual attention and nn.MultiheadAttention, masks, training, compile."""
 
+import copy
 import os
-
+import pickle
 import pytest
 import torch
 import torch.nn.functional as F
@@ -135,6 +136,22 @@ def test_pattern_masks_are_built_per_length_and_cached():
     layer(torch.randn(1, 100, 32))
     assert layer.prepare(100) is first
     assert layer.prepare(64).num_blocks == (4, 4)
+
+
+def test_mask_params_are_the_layers_own():
+    """Lists in `mask_params` (the caller's, or reached through the read-only view) cannot change the layer: its
+    copies and reloads build the mask its cache holds."""
+    given = {"global_block_indices": [0]}
+    layer = BlockSparseAttention(32, 2, mask="longformer", mask_params=given, block_size=16, backend="torch")
+    x = torch.randn(1, 128, 32)
+    y = layer(x)
+    given["global_block_indices"].append(5)
+    layer.mask_params["global_block_indices"].append(6)
+    assert layer.mask_params["global_block_indices"] == [0]
+    layer._masks.clear()  # rebuilt from the parameters
+    for other in (layer, copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        torch.testing.assert_close(other(x), y, rtol=0, atol=0)
+    assert layer.prepare(128) == masks.longformer(128, 16, global_block_indices=[0])
 
 
 def test_per_call_mask_overrides_the_layer_mask():

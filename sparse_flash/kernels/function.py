@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import triton_blocks
 from ..mask import BlockMask
 from . import ops, settings
 from .dispatch import attn_bwd, attn_fwd
@@ -98,9 +99,7 @@ def attention_triton(q, k, v, mask: BlockMask | None, *, causal: bool, scale: fl
     """
     index = geometry = None  # the dense path
     if mask is not None:
-        bq, bk = mask.block_size
-        if bq % 16 or bk % 16:
-            raise ValueError(f"the triton backend needs mask block sizes that are multiples of 16, got {mask.block_size}")
+        triton_blocks(mask.block_size)
         index, geometry = mask._records(causal)
     if 0 < scale * 1.4426950408889634 <= 2.0**-150:  # float32 rounds these to 0 (2^-149 is its smallest value)
         scale = 0.0  # below float32's smallest value: the kernels' arithmetic holds it as 0 (x -inf would be NaN)
