@@ -192,10 +192,10 @@ def _check_tiling(tiling, block_size: tuple[int, int], shape, lengths: tuple[int
     if not isinstance(tiling, Tiling):
         raise TypeError(f"tiling must be a sparse_flash.mask.Tiling or None, got {type(tiling).__name__}")
     grid, tile = tuple(tiling.grid), tuple(tiling.tile)
-    if len(grid) != 3 or len(tile) != 3 or any(
-            isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in (*grid, *tile)):
+    if len(grid) != 3 or len(tile) != 3 or any(not is_int(x) or x < 1 for x in (*grid, *tile)):
         raise ValueError(f"tiling must hold (frames, height, width) and (tile_t, tile_h, tile_w) of positive ints, "
                          f"got {tiling!r}")
+    grid, tile = tuple(map(int, grid)), tuple(map(int, tile))  # NumPy ints become Python ints
     if any(g % t for g, t in zip(grid, tile)):
         raise ValueError(f"tiling's tile {tile} must divide its grid {grid} along every axis")
     size = math.prod(tile)

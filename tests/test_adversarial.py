@@ -143,6 +143,10 @@ def test_tiling_is_checked_and_kept_by_algebra():
         BlockMask.from_layout(torch.eye(4, dtype=torch.bool), 32, tiling=tiling)
     with pytest.raises(TypeError, match="tiling"):
         BlockMask.from_layout(torch.eye(4, dtype=torch.bool), 16, tiling=((1, 8, 8), (1, 4, 4)))
+    numpy = pytest.importorskip("numpy")
+    given = Tiling((1, numpy.int64(8), 8), (1, 4, numpy.int32(4)))  # NumPy ints are ints, kept as Python ints
+    mask = BlockMask.from_layout(torch.eye(4, dtype=torch.bool), 16, tiling=given)
+    assert mask.tiling == tiling and all(type(x) is int for x in (*mask.tiling.grid, *mask.tiling.tile))
 
 
 # ---------------------------------------------------------------- scales, dtypes, double backward

@@ -311,6 +311,13 @@ BAD = {
     "num_heads zero": (lambda: masks.neighborhood_2d(8, 8, 2, num_heads=0), ValueError, "num_heads must be at least 1"),
     "n_factors negative": (lambda: masks.butterfly_2d(8, 8, 2, n_factors=-1), ValueError, "n_factors"),
     "other geometry": (lambda: masks.neighborhood_2d(8, 8, 2) | masks.global_(64, 8), ValueError, "same"),
+    # grids past the int32 lists: refused before any run is built (these allocated gigabytes, then failed)
+    "grid too big 2d": (lambda: masks.neighborhood_2d(65536, 65536, 1), ValueError,
+                        r"4294967296 tiles \(1 x 65536 x 65536 of 1 x 1 x 1 tokens\) and 1 head\(s\)"),
+    "grid too big 3d": (lambda: masks.neighborhood_3d(1024, 1024, 1024, 1), ValueError, "int32 index lists"),
+    "grid too big butterfly": (lambda: masks.butterfly_2d(65536, 65536, 1), ValueError, "int32 index lists"),
+    "heads too many": (lambda: masks.neighborhood_2d(64, 64, 8, 1, num_heads=2**40), ValueError,
+                       "1099511627776 head"),
 }
 
 

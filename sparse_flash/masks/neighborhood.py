@@ -13,7 +13,7 @@ import torch
 
 from ..mask import BlockMask, Tiling
 from ..mask_index import BlockRuns
-from ._common import check_device, geometry, joined_runs, make_from_runs, optional_heads, positive_int
+from ._common import MAX_LAYOUT_BLOCKS, Geometry, check_device, geometry, joined_runs, make_from_runs, optional_heads, positive_int
 from .butterfly import MAX_FACTORS
 from .tiles import per_axis, tiling_of
 
@@ -39,32 +39,48 @@ def _neighborhood_runs(tiles: tuple[int, int, int], window: tuple[int, int, int]
     return BlockRuns(torch.arange(T * H * W)[:, None].expand_as(start).flatten(), start.flatten(), end.flatten())
 
 
-def _tiled_mask(runs: BlockRuns, heads: int, tiling: Tiling, name: str, device) -> BlockMask:
+def _tile_geometry(tiling: Tiling, heads: int) -> Geometry:
+    """The geometry of a `(1, heads, M, M)` mask over these tiles, checked before any run is built: its layout
+    must fit the int32 index lists (`_common.geometry`), said in tiles."""
+    M, tokens = math.prod(tiling.tiles), math.prod(tiling.tile)
+    if heads * M * M > MAX_LAYOUT_BLOCKS:
+        raise ValueError(
+            f"{M} tiles ({' x '.join(map(str, tiling.tiles))} of {' x '.join(map(str, tiling.tile))} tokens) and "
+            f"{heads} head(s) give {heads} x {M} x {M} = "
+            f"{heads * M * M} blocks, more than the {MAX_LAYOUT_BLOCKS} that the mask's int32 index lists address; "
+            "use larger tiles or a smaller grid"
+        )
+    return geometry(M * tokens, tokens, heads=heads)
+
+
+def _tiled_mask(runs: BlockRuns, geo: Geometry, heads: int, tiling: Tiling, name: str, device) -> BlockMask:
     """The `(1, heads, M, M)` mask of these runs over the tiles, listed on the host (no device wait)."""
-    M = math.prod(tiling.tiles)
-    return make_from_runs(runs, geometry(M * math.prod(tiling.tile), math.prod(tiling.tile)), name, device, heads,
-                          tiling)
+    return make_from_runs(runs, geo, name, device, heads, tiling)
 
 
-def _neighborhood(tiling: Tiling, windows, device, name: str) -> BlockMask:
+def _neighborhood(tiling: Tiling, windows: list, geo: Geometry, device, name: str) -> BlockMask:
     per_window = {}  # heads with the same window share one head's runs
     for w in windows:
         if w not in per_window:
             per_window[w] = _neighborhood_runs(tiling.tiles, w)
     M = math.prod(tiling.tiles)
     runs = joined_runs(*(per_window[w]._replace(row=per_window[w].row + h * M) for h, w in enumerate(windows)))
-    return _tiled_mask(runs, len(windows), tiling, name, device)
+    return _tiled_mask(runs, geo, len(windows), tiling, name, device)
 
 
-def _windows(window, axes: tuple[str, ...], num_heads) -> list[tuple[int, int, int]]:
-    """One `(t, h, w)` window per head: a list gives one per head, anything else one for all heads."""
+def _windows(window, axes: tuple[str, ...], num_heads, tiling: Tiling) -> tuple[list[tuple[int, int, int]], Geometry]:
+    """One `(t, h, w)` window per head (a list gives one per head, anything else one for all heads), and the
+    mask's geometry, checked before a window is repeated per head."""
     if isinstance(window, list):
         if not window:
             raise ValueError("window: a per-head list needs at least one window, got []")
         if num_heads is not None and optional_heads(num_heads) != len(window):
             raise ValueError(f"window lists {len(window)} per-head windows but num_heads={num_heads}")
-        return [per_axis(w, f"window[{k}]", axes, 0, 0) for k, w in enumerate(window)]
-    return [per_axis(window, "window", axes, 0, 0)] * optional_heads(num_heads)
+        windows = [per_axis(w, f"window[{k}]", axes, 0, 0) for k, w in enumerate(window)]
+        return windows, _tile_geometry(tiling, len(windows))
+    one, heads = per_axis(window, "window", axes, 0, 0), optional_heads(num_heads)
+    geo = _tile_geometry(tiling, heads)
+    return [one] * heads, geo
 
 
 def _describe(window) -> str:
@@ -105,9 +121,9 @@ def neighborhood_2d(height: int, width: int, tile, window=1, *, num_heads: int |
     """
     device = check_device(device)
     tiling = tiling_of(height, width, tile)
-    windows = _windows(window, ("h", "w"), num_heads)
+    windows, geo = _windows(window, ("h", "w"), num_heads, tiling)
     _, th, tw = tiling.tile
-    return _neighborhood(tiling, windows, device, f"neighborhood_2d({th}x{tw} tiles, window={_describe(window)})")
+    return _neighborhood(tiling, windows, geo, device, f"neighborhood_2d({th}x{tw} tiles, window={_describe(window)})")
 
 
 def neighborhood_3d(frames: int, height: int, width: int, tile, window=1, *, num_heads: int | None = None,
@@ -138,9 +154,9 @@ def neighborhood_3d(frames: int, height: int, width: int, tile, window=1, *, num
     """
     device = check_device(device)
     tiling = tiling_of(height, width, tile, frames)
-    windows = _windows(window, ("t", "h", "w"), num_heads)
+    windows, geo = _windows(window, ("t", "h", "w"), num_heads, tiling)
     tt, th, tw = tiling.tile
-    return _neighborhood(tiling, windows, device,
+    return _neighborhood(tiling, windows, geo, device,
                          f"neighborhood_3d({tt}x{th}x{tw} tiles, window={_describe(window)})")
 
 
@@ -171,6 +187,7 @@ def butterfly_2d(height: int, width: int, tile, *, n_factors: int | None = None,
     if n_factors is not None:
         n_factors = positive_int(n_factors, "n_factors", minimum=0, maximum=MAX_FACTORS)
     tiling = tiling_of(height, width, tile)
+    geo = _tile_geometry(tiling, 1)
     _, rows, cols = tiling.tiles
 
     # tile (r, c) attends (r, c') for c' among c's butterfly partners (itself included) and (r', c) for r' among
@@ -185,7 +202,7 @@ def butterfly_2d(height: int, width: int, tile, *, n_factors: int | None = None,
     runs = BlockRuns(torch.arange(rows * cols)[:, None].expand_as(start).flatten(), start.flatten(), end.flatten())
     _, th, tw = tiling.tile
     name = f"butterfly_2d({th}x{tw} tiles{'' if n_factors is None else f', n_factors={n_factors}'})"
-    return _tiled_mask(runs, 1, tiling, name, device)
+    return _tiled_mask(runs, geo, 1, tiling, name, device)
 
 
 def _partners(factors: int) -> torch.Tensor:
