@@ -316,6 +316,8 @@ BAD = {
                         r"4294967296 tiles \(1 x 65536 x 65536 of 1 x 1 x 1 tokens\) and 1 head\(s\)"),
     "grid too big 3d": (lambda: masks.neighborhood_3d(1024, 1024, 1024, 1), ValueError, "int32 index lists"),
     "grid too big butterfly": (lambda: masks.butterfly_2d(65536, 65536, 1), ValueError, "int32 index lists"),
+    "tokens too many": (lambda: masks.neighborhood_2d(2**62, 2**62, 2**62), ValueError,
+                        r"the grid \(1, 4611686018427387904, 4611686018427387904\) holds"),
     "heads too many": (lambda: masks.neighborhood_2d(64, 64, 8, 1, num_heads=2**40), ValueError,
                        "1099511627776 head"),
 }

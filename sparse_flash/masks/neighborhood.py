@@ -13,7 +13,7 @@ import torch
 
 from ..mask import BlockMask, Tiling
 from ..mask_index import BlockRuns
-from ._common import MAX_LAYOUT_BLOCKS, Geometry, check_device, geometry, joined_runs, make_from_runs, optional_heads, positive_int
+from ._common import MAX_INT, MAX_LAYOUT_BLOCKS, Geometry, check_device, geometry, joined_runs, make_from_runs, optional_heads, positive_int
 from .butterfly import MAX_FACTORS
 from .tiles import per_axis, tiling_of
 
@@ -50,6 +50,8 @@ def _tile_geometry(tiling: Tiling, heads: int) -> Geometry:
             f"{heads * M * M} blocks, more than the {MAX_LAYOUT_BLOCKS} that the mask's int32 index lists address; "
             "use larger tiles or a smaller grid"
         )
+    if M * tokens > MAX_INT:
+        raise ValueError(f"the grid {tiling.grid} holds {M * tokens} tokens, more than {MAX_INT}")
     return geometry(M * tokens, tokens, heads=heads)
 
 
