@@ -130,10 +130,11 @@ def unsplit_plans(plans: list[PlanInput], longest: int):
         Per plan `(items, chunks, slots, lead)`: int32 `(B, H, M, FIELDS)` items, `(B * H * M,)` chunks (all 1)
         and slots (all -1), and `(1,)` the most heavy lists of one (batch, head).
 
-    Example (on the CPU under TRITON_INTERPRET=1, as the tests run it):
-        >>> counts = torch.tensor([[[1, 3, 2]]], dtype=torch.int32)  # (B, H, M): live blocks of 3 lists
-        >>> full = (counts, torch.tensor([0, 1, 4, 6], dtype=torch.int32), torch.arange(6, dtype=torch.int32))
-        >>> part = (torch.zeros_like(counts), torch.zeros(4, dtype=torch.int32), torch.zeros(0, dtype=torch.int32))
+    Example (on a GPU, or on the CPU under TRITON_INTERPRET=1 as the CPU tests run it):
+        >>> i32 = dict(dtype=torch.int32, device="cuda" if torch.cuda.is_available() else "cpu")
+        >>> counts = torch.tensor([[[1, 3, 2]]], **i32)  # (B, H, M): live blocks of 3 lists
+        >>> full = (counts, torch.tensor([0, 1, 4, 6], **i32), torch.arange(6, **i32))
+        >>> part = (torch.zeros_like(counts), torch.zeros(4, **i32), torch.zeros(0, **i32))
         >>> [(items, chunks, slots, lead)] = unsplit_plans([PlanInput(counts, full, part, 4.0)], longest=3)
         >>> items[0, 0, :, 0].tolist()  # the lists by rank: longest first
         [1, 2, 0]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -1057,10 +1058,15 @@ _CAUSAL_LISTS_OF_CHOICE = (
 def _causal_lists_of_choice(layout: torch.Tensor, block_size, seq_len_q: int, seq_len_k: int) -> tuple:
     """The per-flag dicts (`_unpack`) of a non-causal top-k choice's layout, built by `build_index` (it waits for
     the device, so inside torch.compile it raises `_CAUSAL_LISTS_OF_CHOICE`: under fullgraph=True that error
-    reaches the caller; without it Dynamo runs the frame eagerly, where the lists build)."""
+    reaches the caller; without it Dynamo runs the frame eagerly, where the lists build). The build itself is
+    never traced: Dynamo would otherwise compile `build_index` as a frame of its own, breaking its graph at every
+    device read (and some torch versions fail on those reads with an internal error)."""
     if torch.compiler.is_compiling():
         raise RuntimeError(_CAUSAL_LISTS_OF_CHOICE)
-    return _unpack(build_index(layout, block_size, seq_len_q, seq_len_k))
+    build = build_index
+    if "torch._dynamo" in sys.modules:  # a compiled caller may be running this frame eagerly (no import otherwise)
+        build = torch.compiler.disable(build_index)
+    return _unpack(build(layout, block_size, seq_len_q, seq_len_k))
 
 
 def build_topk_index(selected: torch.Tensor, tables: TopkTables, ks: tuple[int, ...], causal: bool,

@@ -7,6 +7,7 @@ a subprocess without TRITON_INTERPRET, so the kernels are real JIT functions the
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -115,18 +116,20 @@ def cases():
 
 
 def gluon_cases():
-    """(dtype, dense, causal, mask block, split lists, head dim) of the warp-specialised Hopper forward (Gluon),
-    or none where this Triton has no Gluon."""
+    """(dtype, dense, causal, mask block, split lists, head dim, the items' mean K/V tiles) of the warp-specialised
+    Hopper forward (Gluon), or none where this Triton has no Gluon."""
     import torch
 
     from sparse_flash.kernels import dispatch
 
     if dispatch.gluon_modules() is None:
         return []
-    return [(torch.bfloat16, False, False, 128, False, 128), (torch.float16, True, False, 128, False, 128),
-            (torch.bfloat16, True, True, 128, False, 128), (torch.float16, False, True, 256, False, 128),
-            (torch.bfloat16, False, False, 128, True, 128), (torch.bfloat16, False, True, 256, True, 128),
-            (torch.bfloat16, False, True, 128, False, 64)]
+    long, short = math.inf, 4.0  # items' mean K/V tiles: two per turn of the loop where D allows, or one
+    return [(torch.bfloat16, False, False, 128, False, 128, long), (torch.float16, True, False, 128, False, 128, long),
+            (torch.bfloat16, True, True, 128, False, 128, long), (torch.float16, False, True, 256, False, 128, long),
+            (torch.bfloat16, False, False, 128, True, 128, long), (torch.bfloat16, False, True, 256, True, 128, long),
+            (torch.bfloat16, False, True, 128, False, 64, long), (torch.bfloat16, False, False, 128, True, 64, long),
+            (torch.bfloat16, False, False, 128, True, 128, short), (torch.bfloat16, False, False, 128, False, 64, short)]
 
 
 def gluon_bwd_cases():
@@ -185,12 +188,14 @@ def main() -> int:
         except Exception as e:
             failed += 1
             print(f"FAIL {name}: {type(e).__name__}: {e}")
-    for dtype, dense, causal, block, split, head_dim in gluon_cases():
-        name = f"hopper fwd {dtype} dense={dense} causal={causal} block={block} split={split} D={head_dim}"
+    for dtype, dense, causal, block, split, head_dim, mean_tiles in gluon_cases():
+        name = (f"hopper fwd {dtype} dense={dense} causal={causal} block={block} split={split} D={head_dim} "
+                f"mean_tiles={mean_tiles}")
         try:
             from sparse_flash.kernels.gluon import merge
 
-            kernel = dispatch.gluon_modules().fwd.compile_sm90(dtype, dense, causal, block, split, head_dim=head_dim)
+            kernel = dispatch.gluon_modules().fwd.compile_sm90(dtype, dense, causal, block, split, head_dim=head_dim,
+                                                               mean_tiles=mean_tiles)
             shared = kernel.metadata.shared
             assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
             if split:  # and the launch that merges the chunks
@@ -313,6 +318,30 @@ def test_resource_report_reads_registers_spills_and_injected_fences_from_ptxas()
              "ptxas info    : Used 168 registers, used 3 barriers, 40 bytes cumulative stack size"]
     assert parse_ptxas(lines) == {"registers": 168, "spill_bytes": 68, "injected_fences": 2}
     assert parse_ptxas(lines[2:])["injected_fences"] == 0
+
+
+def test_the_hopper_forward_pairs_tiles_only_for_long_items():
+    """Two score tiles per turn where the items walk `PAIRED_MIN_TILES` K/V tiles or more on average (and D and
+    the causal flag allow it); the mean is the row lists' blocks over their number, in 128-key tiles."""
+    from sparse_flash import masks
+    from sparse_flash.kernels import dispatch
+
+    if dispatch.gluon_modules() is None:
+        pytest.skip("this Triton has no Gluon")
+    fwd = dispatch.gluon_modules().fwd
+    for mask, causal in ((masks.longformer(16384, 128), False), (masks.butterfly(16384, 128), False),
+                         (masks.butterfly(8192, 256), False), (masks.butterfly(16384, 128), True)):
+        index, geometry = mask.kernel_records(causal)
+        mean = fwd._mean_tiles(index, geometry)
+        counts = mask.row_index(causal).counts.double()
+        assert mean == pytest.approx(counts.mean().item() * (mask.block_size[1] // fwd.BLOCK))
+        for head_dim in (64, 128):
+            expected = mean >= fwd.PAIRED_MIN_TILES and (head_dim == 64 or (not causal and mask.block_size[1] == 128))
+            assert fwd._constexprs(mask.block_size[1], False, causal, False, mask.block_size[0], head_dim,
+                                   mean)["PAIRED"] == expected
+    assert fwd._mean_tiles(*masks.longformer(16384, 128).kernel_records(False)) < fwd.PAIRED_MIN_TILES  # 4-5 tiles
+    assert fwd._mean_tiles(*masks.butterfly(16384, 128).kernel_records(False)) >= fwd.PAIRED_MIN_TILES  # 8
+    assert fwd._constexprs(128, True, False, False, 128, 64)["PAIRED"]  # dense: every item walks all keys
 
 
 def test_kernels_compile_for_sm90():

@@ -29,6 +29,8 @@ imports it only when it can.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -427,7 +429,8 @@ class FwdPlan:
         self.D = D
         self.launch = bound_launch(_attn_fwd_hopper_kernel, self.grid[0], (
             self.items, self.starts, self.full_idx, self.part_idx, Nq, scale * LOG2E),
-            _constexprs(block_k, dense, causal, split, BLOCK if dense else geometry.block_q, D), MAX_REGS)
+            _constexprs(block_k, dense, causal, split, BLOCK if dense else geometry.block_q, D,
+                        math.inf if dense else _mean_tiles(index, geometry)), MAX_REGS)
         self.out_shape, self.lse_shape, self.dtype, self.device = q.shape, (B, Hq, Nq), q.dtype, q.device
 
     def __call__(self, q, k, v):
@@ -442,17 +445,34 @@ class FwdPlan:
         return out, lse
 
 
-def _paired(head_dim: int, causal: bool, sub: int) -> bool:
+PAIRED_MIN_TILES = 6  # the mean K/V tiles per item from which two tiles share a turn (`_paired`)
+
+
+def _paired(head_dim: int, causal: bool, sub: int, mean_tiles: float = math.inf) -> bool:
     """Whether the compute warpgroups take two score tiles per turn of their loop: at D = 64 (step 96), and at
     D = 128 without the causal flag on 128-token key blocks, with 240 registers for each compute warpgroup
     (step 99; ptxas: 522 -> 440 instructions per tile, no spills). At D = 128 the causal kernel (3.8 KB) and
-    the one of 256-token key blocks (2.1 KB) spill paired, so they keep one tile per turn."""
-    return head_dim <= 64 or (not causal and sub == 1)
+    the one of 256-token key blocks (2.1 KB) spill paired, so they keep one tile per turn.
+
+    Only where the items walk `PAIRED_MIN_TILES` tiles or more on average (`mean_tiles`): on the H200 the
+    paired loop gained 1-6% on dense rows and on lists of 6-52 tiles, and lost 8-22% on lists of 4-5
+    (Longformer, random at 4,096 tokens; tuning log, step 102), whose items run the pair's code and the odd
+    tile's both, once each."""
+    return mean_tiles >= PAIRED_MIN_TILES and (head_dim <= 64 or (not causal and sub == 1))
 
 
-def _constexprs(block_k: int, dense: bool, causal: bool, split: bool, block_q: int, head_dim: int) -> dict:
+def _mean_tiles(index: KernelIndex, geometry: MaskGeometry) -> float:
+    """The K/V tiles (`BLOCK` keys each) that a query block's row list holds on average: its blocks, full and
+    partial, over the lists (host sizes: nothing read from the device)."""
+    lists = geometry.batch * geometry.heads * geometry.blocks_q
+    blocks = int(index.row_full.indices.shape[0]) + int(index.row_partial.indices.shape[0])
+    return blocks * (geometry.block_k // BLOCK) / max(lists, 1)
+
+
+def _constexprs(block_k: int, dense: bool, causal: bool, split: bool, block_q: int, head_dim: int,
+                mean_tiles: float = math.inf) -> dict:
     dead_tiles = causal and max(block_q, block_k) > BLOCK  # a partial block may reach past an item's rows
-    paired = _paired(head_dim, causal, block_k // BLOCK)
+    paired = _paired(head_dim, causal, block_k // BLOCK, mean_tiles)
     return dict(SUB=block_k // BLOCK, MASK_BLOCK_K=block_k, DENSE=dense, CAUSAL=causal, DEAD_TILES=dead_tiles,
                 SPLIT=split, K_STAGES=K_BUFFERS, V_STAGES=V_BUFFERS, PAIRED=paired, LOAD_WARP_REGS=LOAD_REGS,
                 COMPUTE_REGS=PAIRED_REGS if paired and head_dim > 64 else COMPUTE_REGS)
@@ -467,9 +487,10 @@ def attn_fwd(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, 
 
 
 def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causal: bool = False, block_k: int = BLOCK,
-                 split: bool = False, block_q: int | None = None, head_dim: int = 128):
+                 split: bool = False, block_q: int | None = None, head_dim: int = 128, mean_tiles: float = math.inf):
     """The kernel compiled for sm_90a on any machine (no GPU needed), as the launcher would launch it at
-    D = `head_dim`; for compile checks (tests/test_codegen.py) and `benchmarks/kernel_resources.py`."""
+    D = `head_dim` for items of `mean_tiles` K/V tiles on average (`_paired`); for compile checks
+    (tests/test_codegen.py) and `benchmarks/kernel_resources.py`."""
     D = head_dim
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], GL_DTYPES[dtype])
@@ -478,5 +499,5 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
                Lse="*fp32", OutPart="*fp32", LsePart="*fp32", K=f"*{name}", V=f"*{name}", Items="*i32",
                Starts="*i32", FullIdx="*i32",
                PartIdx="*i32", Nq="i32", qk_scale="fp32")
-    constexprs = _constexprs(block_k, dense, causal, split, block_q or (BLOCK if dense else block_k), D)
+    constexprs = _constexprs(block_k, dense, causal, split, block_q or (BLOCK if dense else block_k), D, mean_tiles)
     return compile_gluon_sm90(_attn_fwd_hopper_kernel, sig, dict(constexprs, num_warps=4), MAX_REGS)
