@@ -18,7 +18,7 @@ import torch
 from .checks import as_bool, as_pair, check_device, finite_float, is_int
 from .mask_index import (LONG_LIST_BLOCKS, BlockIndex, BlockRuns, KernelIndex, LayoutSizes, MaskGeometry, MaskIndex,
                          build_index, build_topk_index, candidates, complement_runs, gpu_builders, run_sizes, topk_sizes,
-                         union_runs,
+                         union_runs, untraced,
                          topk_tables)
 
 __all__ = ["BlockMask", "Tiling"]
@@ -327,9 +327,23 @@ def _rebuild(layout, block_size, seq_len_q, seq_len_k, name, tiling):
 
 
 
+_IN_COMPILE = ("a mask pattern or layout cannot be built inside torch.compile with fullgraph=True (its index lists' "
+               "sizes depend on the blocks it holds): build the mask before the compiled call and pass it in, or "
+               "choose it inside the graph with BlockMask.from_topk (without fullgraph the build runs eagerly)")
 _IN_CAPTURE = ("a mask pattern or layout cannot be built inside a CUDA-graph capture (its layout comes from the "
                "host, its lists' sizes from the device): build the mask before the capture, or choose it inside the "
                "graph with BlockMask.from_topk")
+
+
+def check_eager(layout: torch.Tensor | None) -> None:
+    """A pattern or layout mask is built eagerly: inside torch.compile the check raises `_IN_COMPILE` (under
+    fullgraph=True the caller gets it; without, Dynamo runs the constructor eagerly, where the check passes and
+    the builders run `untraced`), inside a CUDA-graph capture `_IN_CAPTURE` (not CUDA's own error from the first
+    wait, deep inside)."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError(_IN_COMPILE)
+    if layout is not None and layout.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(_IN_CAPTURE)
 
 
 def layout_from_runs(runs: BlockRuns, heads: int, Mq: int, Mk: int, device=None) -> torch.Tensor:
@@ -418,9 +432,8 @@ class BlockMask:
         for key, value in values.items():
             object.__setattr__(self, key, value)
         if index is None:
-            if layout.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(_IN_CAPTURE)  # not CUDA's own error from the first wait, deep inside
-            index = build_index(layout, block_size, seq_len_q, seq_len_k, sizes)
+            check_eager(layout)
+            index = untraced(build_index)(layout, block_size, seq_len_q, seq_len_k, sizes)
         object.__setattr__(self, "_index", index)
         object.__setattr__(self, "nnz", index.nnz)
 
@@ -580,6 +593,7 @@ class BlockMask:
         bq, bk = block_size
         Mq, Mk = -(-seq_len_q // bq), -(-seq_len_k // bk)
         tiling = _check_tiling(tiling, (bq, bk), (1, heads, Mq, Mk), (seq_len_q, seq_len_k))
+        check_eager(None)  # before the upload and the host's counts
         mask = cls.__new__(cls)
         mask._own(layout_from_runs(runs, heads, Mq, Mk, device), (bq, bk), seq_len_q, seq_len_k, name, tiling,
                   sizes=run_sizes(runs, heads, (bq, bk), seq_len_q, seq_len_k), runs=runs)

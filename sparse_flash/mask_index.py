@@ -1058,15 +1058,18 @@ _CAUSAL_LISTS_OF_CHOICE = (
 def _causal_lists_of_choice(layout: torch.Tensor, block_size, seq_len_q: int, seq_len_k: int) -> tuple:
     """The per-flag dicts (`_unpack`) of a non-causal top-k choice's layout, built by `build_index` (it waits for
     the device, so inside torch.compile it raises `_CAUSAL_LISTS_OF_CHOICE`: under fullgraph=True that error
-    reaches the caller; without it Dynamo runs the frame eagerly, where the lists build). The build itself is
-    never traced: Dynamo would otherwise compile `build_index` as a frame of its own, breaking its graph at every
-    device read (and some torch versions fail on those reads with an internal error)."""
+    reaches the caller; without it Dynamo runs the frame eagerly, where the lists build, `untraced`)."""
     if torch.compiler.is_compiling():
         raise RuntimeError(_CAUSAL_LISTS_OF_CHOICE)
-    build = build_index
-    if "torch._dynamo" in sys.modules:  # a compiled caller may be running this frame eagerly (no import otherwise)
-        build = torch.compiler.disable(build_index)
-    return _unpack(build(layout, block_size, seq_len_q, seq_len_k))
+    return _unpack(untraced(build_index)(layout, block_size, seq_len_q, seq_len_k))
+
+
+def untraced(fn):
+    """`fn`, never traced by torch.compile: for the builders that wait for the device, which a compiled caller
+    without fullgraph runs eagerly at a graph break. Dynamo would otherwise compile them as frames of their own,
+    breaking at every device read (and torch 2.11's fails on those breaks with an internal assertion). Where
+    Dynamo is not loaded nothing is compiling, and `fn` is returned as it is (no import for this)."""
+    return torch.compiler.disable(fn) if "torch._dynamo" in sys.modules else fn
 
 
 def build_topk_index(selected: torch.Tensor, tables: TopkTables, ks: tuple[int, ...], causal: bool,

@@ -574,6 +574,34 @@ def test_a_non_causal_top_k_mask_first_used_causally_inside_fullgraph_says_what_
         out = torch.compile(attend, fullgraph=fullgraph, backend="aot_eager")(q, k, v, mask)
         torch.testing.assert_close(out.double(), _reference_out(q, k, v, mask, True), atol=1e-5, rtol=1e-5)
 
+MADE_INSIDE = {
+    "butterfly": lambda: masks.butterfly(64, 16),
+    "random": lambda: masks.random(64, 16, density=0.5, seed=1),
+    "union": lambda: masks.butterfly(64, 16) | masks.local(64, 16, window=1),
+    "from_layout": lambda: BlockMask.from_layout(torch.tensor([[1, 0, 0, 1], [1, 1, 0, 0], [0, 1, 1, 0],
+                                                               [1, 0, 1, 1]], dtype=torch.bool), 16),
+}
+
+
+@pytest.mark.parametrize("made", sorted(MADE_INSIDE))
+def test_a_mask_built_inside_a_compiled_function(made):
+    """A pattern or layout mask made inside the compiled function: without fullgraph it builds eagerly at a
+    graph break and the call equals the eager one (torch 2.11's Dynamo, tracing the builders as frames of their
+    own, failed with an internal assertion); with fullgraph the error says to build it before the call."""
+    q, k, v = _inputs(torch.float32, n=64, requires_grad=False)
+
+    def attend(q, k, v):
+        return sparse_flash.block_sparse_attention(q, k, v, MADE_INSIDE[made](), causal=True, backend="torch")
+
+    torch._dynamo.reset()
+    out = torch.compile(attend, backend="aot_eager")(q, k, v)
+    torch.testing.assert_close(out.double(), _reference_out(q, k, v, MADE_INSIDE[made](), True),
+                               atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="build the mask before the compiled call"):
+        torch.compile(attend, fullgraph=True, backend="aot_eager")(q, k, v)
+
+
 def test_nn_layer_compiles_on_cpu_with_backend_auto():
     layer = sparse_flash.nn.BlockSparseAttention(32, 2, mask="bigbird", block_size=16)
     x = torch.randn(2, 96, 32)

@@ -13,7 +13,7 @@ from ..checks import (  # noqa: F401  (the constructors take their checks from h
     MAX_INT, MAX_SEED, as_bool, as_pair, block_indices, block_pair, check_device, is_bool, odd_int, optional_heads,
     positive_int, probability, seed_value,
 )
-from ..mask import BlockMask
+from ..mask import BlockMask, check_eager
 from ..mask_index import BlockRuns, candidates
 
 # runs a pattern lists on the host (`pattern_runs`); past it the layout is drawn on the device and its lists wait
@@ -100,7 +100,8 @@ def geometry(seq_len, block_size, seq_len_k=None, heads: int = 1) -> Geometry:
     """Block counts for a query length, a key length (default: the same) and a block size.
 
     Refuses grids whose `heads x Mq x Mk` layout the int32 index lists cannot address, before any tensor
-    is allocated."""
+    is allocated. Inside torch.compile a RuntimeError: patterns are built eagerly (`mask.check_eager`)."""
+    check_eager(None)
     seq_len = positive_int(seq_len, "seq_len")
     seq_len_k = seq_len if seq_len_k is None else positive_int(seq_len_k, "seq_len_k")
     bq, bk = block_pair(block_size)
