@@ -577,11 +577,13 @@ ONE_GRID = sorted(set(LISTED) - {"neighborhood_2d", "neighborhood_3d", "butterfl
     lambda d: masks.butterfly(128 * 40 + 50, 128, device=d),
     lambda d: masks.butterfly(700, 64, seq_len_k=2000, n_factors=3, device=d),
     lambda d: masks.butterfly(128 * 96 + 50, 128, num_global_blocks=2, device=d),
+    lambda d: masks.butterfly(128 * 40 + 50, 128, butterfly_size=16, num_global_blocks=1, device=d),
+    lambda d: masks.butterfly(900, 64, seq_len_k=2000, butterfly_size=6, device=d),
     lambda d: masks.local(128 * 40 + 50, 128, window=3, device=d),
     lambda d: masks.local(1000, (64, 32), seq_len_k=700, window=2, causal=True, device=d),
     lambda d: masks.longformer(128 * 96 + 50, 128, global_block_indices=(0, 9), causal=True, device=d),
     lambda d: masks.fixed(128 * 40, 128, num_local_blocks=8, num_heads=3, num_different_global_patterns=2, device=d),
-], ids=["butterfly", "butterfly_cross", "butterfly_global", "local", "local_causal_cross", "longformer", "fixed"])
+], ids=["butterfly", "butterfly_cross", "butterfly_global", "butterfly_size", "butterfly_size_cross", "local", "local_causal_cross", "longformer", "fixed"])
 def test_constructors_that_list_their_blocks_build_without_waiting(build, monkeypatch):
     """Masks that list their blocks as runs on the host count their lists' sizes there (`run_sizes`), and
     the plans of lists cut into chunks (global rows and columns) from those counts: built by the GPU builders

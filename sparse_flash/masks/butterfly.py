@@ -71,8 +71,9 @@ def butterfly(
     name = "butterfly" if n_factors is None else f"butterfly(n_factors={n})"
     if butterfly_size is None:  # one grid cell per block: listed on the host block by block (no device wait)
         return make_from_runs(_host_butterfly(size, min(n, all_factors), geo, num_global_blocks), geo, name, device)
-    # each cell of a butterfly_size grid blown up to the blocks that map to it: per query block, one run of key
-    # blocks per partner cell (key block j maps to cell j * size // Mk: cell b holds a contiguous range)
+    # each cell of a butterfly_size grid blown up to the blocks that map to it, listed on the host too (no device
+    # wait): per query block, one run of key blocks per partner cell (key block j maps to cell j * size // Mk:
+    # cell b holds a contiguous range)
     _, cells = _coordinates(size, min(n, all_factors), "cpu")  # (1 + factors, size)
     partner = cells[:, torch.arange(Mq) * size // Mq].T  # (Mq, 1 + factors): the partners of each row's cell
     on = partner < size  # partners past a size that is not a power of two fall off the grid: empty runs at 0
