@@ -409,11 +409,13 @@ def _block_means(x: torch.Tensor, block: int) -> torch.Tensor:
     M, whole = -(-N // block), N // block
     # summed in float32 from x itself: no float32 copy of x (at 32,768 tokens and 16 heads of 128, a copy took
     # 0.19 ms of a 2.7 ms call on the H200)
-    sums = x[:, :, :whole * block].reshape(B, H, whole, block, D).sum(3, dtype=torch.float32)
-    if whole < M:  # the tail block: the sum of its real rows
-        sums = torch.cat([sums, x[:, :, whole * block:].sum(2, keepdim=True, dtype=torch.float32)], 2)
-    rows = torch.clamp(N - torch.arange(M, device=x.device) * block, max=block)
-    return sums / rows[:, None]
+    # Divided by Python numbers: torch 2.11's Inductor failed to compile the mean over a clamped row count
+    # (`clamp(N - arange(M) * block, max=block)`) for CUDA, with a sympy error, once fused with the gate
+    means = x[:, :, :whole * block].reshape(B, H, whole, block, D).sum(3, dtype=torch.float32) / block
+    if whole < M:  # the tail block: the mean of its real rows
+        tail = x[:, :, whole * block:].sum(2, keepdim=True, dtype=torch.float32) / (N - whole * block)
+        means = torch.cat([means, tail], 2)
+    return means
 
 
 def _overlapping(Nq: int, Nk: int, bq: int, bk: int, device) -> torch.Tensor:

@@ -81,7 +81,7 @@ def test_fullgraph_traces_no_functools_cache(backend):
     Triton installed? the kernels' entry point) and a top-k mask built in the graph (the causal blocks of its
     geometry) read no such cache there. The top-k mask is non-causal, with more keys than queries and enough
     blocks kept per row to maybe hold every causal block: the path that counts them."""
-    scores = torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(0), device=DEVICE)
+    scores = torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     q = torch.randn(1, 2, 64, 16, device=DEVICE, requires_grad=True)
     kv = torch.randn(1, 2, 128, 16, device=DEVICE, requires_grad=True)
     sparse_flash.BlockMask.from_topk(scores, 5, block_size=16, seq_len_k=128).row_index(True)  # first use: eager
@@ -104,7 +104,7 @@ def test_a_non_causal_top_k_mask_chosen_inside_fullgraph_compile_builds_and_says
     device: chosen inside torch.compile(fullgraph=True) it attends without causal alike; used with causal=True
     there, the error says what to do; without fullgraph Dynamo runs that frame eagerly and the result is right.
     Each graph starts from a reset Dynamo (the mask's module keeps no state that an earlier use could set)."""
-    scores = torch.randn(1, 2, 8, 8, generator=torch.Generator().manual_seed(1), device=DEVICE)
+    scores = torch.randn(1, 2, 8, 8, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     q = torch.randn(1, 2, 128, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)
 
     def attend(q, scores, causal):
