@@ -950,8 +950,9 @@ _CAPTURED: dict = {}  # tables that a CUDA graph reads: kept for the life of the
 
 
 def _capturing(device: torch.device) -> bool:
-    """Whether work on `device` is being captured into a CUDA graph now (kernels recorded, not run)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    """Whether work on `device` is being captured into a CUDA graph now (kernels recorded, not run). False
+    while torch.compile traces: Dynamo cannot trace the query (a graph break, an error under fullgraph)."""
+    return device.type == "cuda" and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing()
 
 
 def topk_tables(ks: tuple[int, ...], causal: bool, geometry: tuple[int, ...], device) -> TopkTables:
@@ -1132,7 +1133,7 @@ def build_topk_index(selected: torch.Tensor, tables: TopkTables, ks: tuple[int, 
         return out
 
     compiling = torch.compiler.is_compiling()
-    in_capture = not compiling and _capturing(selected.device)  # dynamo cannot trace the capture query
+    in_capture = _capturing(selected.device)
     rows, cols, kernel, long_lists, longest_row = static_lists(sizes.flags if compiling else (causal, ))
     covers = sizes.covers_causal
     if covers is None:  # a non-causal choice that may hold every causal block: count the causal ones it kept
