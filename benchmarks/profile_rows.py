@@ -1,10 +1,12 @@
 """Where the time of a benchmark row goes: GPU kernel time against wall time per call.
 
-For each row and competitor it reports the `do_bench` median (what bench_attention.py reports), the summed
-GPU kernel time of one call from the profiler (in all and per kernel), and the host time per call, so a row that is bound by
-Python and launch overhead rather than by its kernels shows as wall >> kernel time.
+For each row and competitor (causal where the benchmark's row is) it reports the `do_bench` median (what
+bench_attention.py reports), the summed GPU kernel time of one call from the profiler (in all and per kernel),
+and the host time per call, so a row that is bound by Python and launch overhead rather than by its kernels
+shows as wall >> kernel time.
 
     python benchmarks/profile_rows.py --out rows.json [--rows d128]
+    python benchmarks/profile_rows.py --out rows.json --rows slowest   # the rows under 1.2x flex, per kernel
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ ROWS = {  # (B, H, N, D, mask[, Hkv])
     "d128": [(4, 16, 4096, 128, "random"), (1, 16, 16384, 128, "random"), (1, 16, 16384, 128, "butterfly"),
              (4, 32, 4096, 128, "butterfly", 8), (4, 32, 4096, 128, "random", 8)],
     "density": [(1, 16, 16384, 128, m) for m in ("dense", "local", "butterfly", "bigbird", "longformer")],
+    # the rows under 1.2x FlexAttention forward+backward in the latest run, beside dense rows of their shapes
+    "slowest": [(4, 16, 4096, 128, "causal"), (4, 16, 4096, 128, "dense"), (1, 8, 65536, 64, "random"),
+                (4, 16, 4096, 64, "random"), (4, 16, 4096, 64, "dense")],
 }
 
 
@@ -79,14 +84,14 @@ def main():
     results = []
     for B, H, N, D, name, *kv_heads in ROWS[args.rows]:
         Hkv = kv_heads[0] if kv_heads else H
-        mask = build_mask(name, N, "cuda")[0]
-        fm = mask.to_flex(False, eager_exact=False)
+        mask, causal = build_mask(name, N, "cuda")
+        fm = mask.to_flex(causal, eager_exact=False)
         gen = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=gen).requires_grad_()
         k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=gen).requires_grad_()
                 for _ in range(2))
         do = torch.randn_like(q)
-        impls = {"ours": lambda: sparse_flash.block_sparse_attention(q, k, v, mask, backend="triton"),
+        impls = {"ours": lambda: sparse_flash.block_sparse_attention(q, k, v, mask, causal=causal, backend="triton"),
                  "flex": lambda: flex(q, k, v, block_mask=fm, enable_gqa=Hkv != H)}
         for impl, fn in impls.items():
             with torch.no_grad():
