@@ -119,16 +119,3 @@ def test_a_non_causal_top_k_mask_chosen_inside_fullgraph_compile_builds_and_says
     with pytest.raises(Exception, match="Use the mask once with causal=True before the compiled call"):
         torch.compile(attend, fullgraph=True, backend="aot_eager")(q, scores, True)
 
-
-def test_the_cuda_graph_capture_query_is_not_traced():
-    """Whether a CUDA graph is being captured is asked of the device eagerly only: Dynamo cannot trace the
-    query, so a top-k mask first used with the other causal flag inside a compiled function (`fill`) failed
-    with a graph break under fullgraph instead of the error that says what to do (on the H100)."""
-    from sparse_flash import mask_index
-
-    @torch.compile(fullgraph=True, backend="eager")
-    def shifted(x):
-        return x + int(mask_index._capturing(torch.device("cuda")))
-
-    torch._dynamo.reset()
-    assert shifted(torch.zeros(1)).item() == 0

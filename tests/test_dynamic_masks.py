@@ -542,17 +542,27 @@ def test_moba_layer_compiles_fullgraph(backend):
 
 def test_from_topk_never_asks_for_the_capture_state_inside_torch_compile(monkeypatch):
     """Dynamo cannot trace `torch.cuda.is_current_stream_capturing` (it fails a fullgraph compile): a top-k
-    mask built inside torch.compile must not ask it. On the CPU the query is reached only for CUDA tensors, so
-    here every device is made to answer it, as on a GPU."""
+    mask built inside torch.compile must not ask it, nor one first used there with its other causal flag
+    (`fill`; the GPU suite found that one). On the CPU the query is reached only for CUDA tensors, so here
+    every device is taken for a GPU (`mask_index._capturing`, which answers without asking while compiling)."""
     scores = torch.randn(1, 2, 4, 4, generator=torch.Generator().manual_seed(0))
-    want = BlockMask.from_topk(scores, 2, causal=True, block_size=16).layout
-    monkeypatch.setattr(mask_index, "_capturing", lambda device: torch.cuda.is_current_stream_capturing())
+    q = torch.randn(1, 2, 64, 8, generator=torch.Generator().manual_seed(1))
 
     def build(s):
         return BlockMask.from_topk(s, 2, causal=True, block_size=16).layout
 
+    def attend_causally(s):  # a non-causal choice: its causal lists are built on first use (`fill`)
+        mask = BlockMask.from_topk(s, 2, block_size=16)
+        return sparse_flash.block_sparse_attention(q, q, q, mask, causal=True, backend="torch")
+
+    want = build(scores)
+    capturing = mask_index._capturing
+    monkeypatch.setattr(mask_index, "_capturing", lambda device: capturing(torch.device("cuda")))
     torch._dynamo.reset()
     assert torch.equal(torch.compile(build, fullgraph=True, backend="aot_eager")(scores), want)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="Use the mask once with causal=True before the compiled call"):
+        torch.compile(attend_causally, fullgraph=True, backend="aot_eager")(scores)
 
 
 def test_topk_tables_are_made_once_per_geometry_and_equal_the_plain_arithmetic():
