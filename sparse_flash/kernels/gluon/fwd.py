@@ -154,16 +154,19 @@ def _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows: gl.constexpr, p_layout:
 
 
 @gluon.jit
-def _tile_step(qk, acc, m_i, l_i, j, t, q, k_smem, k_ready, k_empty, v_smem, v_ready, v_empty, zero_s, n_full, plo,
-               PartIdx, q_tok, qk_scale, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr,
-               CAUSAL: gl.constexpr, o_rows: gl.constexpr, p_layout: gl.constexpr):
-    """Tile j of an item (ring position t) but its last: S of tile j + 1 starts on the tensor cores, the online
-    softmax of tile j (`qk`) runs under it, then O += P V; both K and V buffers are released once every warp of
-    the warpgroup is past both products. Returns `(acc, qk of tile j + 1, m_i, l_i)`."""
+def _tile_step(qk, acc, m_i, l_i, t, q, k_smem, k_ready, k_empty, v_smem, v_ready, v_empty, zero_s, qk_scale,
+               o_rows: gl.constexpr, p_layout: gl.constexpr):
+    """A tile of an item (ring position t) but its last: S of the next tile starts on the tensor cores, the
+    online softmax of this one (`qk`) runs under it, then O += P V; both K and V buffers are released once every
+    warp of the warpgroup is past both products. Returns `(acc, qk of the next tile, m_i, l_i)`.
+
+    No causal element mask: only an item's last live tile can need one. Its query rows and the key tiles are
+    128-aligned (`supported`), so a tile before the diagonal one is wholly allowed, and the lists walk their
+    blocks in ascending order, the diagonal block (partial list) after the full list, the dead tiles of a
+    block larger than a tile left out (`_partial_tiles`)."""
     K_STAGES: gl.constexpr = k_smem.type.shape[0]
     V_STAGES: gl.constexpr = v_smem.type.shape[0]
     qk_next = _issue_qk(q, k_smem, k_ready, t + 1, zero_s)  # runs under this tile's softmax
-    qk = _mask_partial(qk, j, n_full, plo, PartIdx, q_tok, SUB, MASK_BLOCK_K, DENSE, CAUSAL)
     p, alpha, m_i, l_i = _softmax(qk, m_i, l_i, qk_scale)
     acc = _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout)
     acc, qk_next = warpgroup_mma_wait(num_outstanding=0, deps=(acc, qk_next))
@@ -306,17 +309,14 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
             # no turn copies the next tile's scores into the set the loop carries (64 moves per tile, 13% of its
             # instructions; tuning log, steps 96 and 99).
             for pair in range((n_tiles - 1) // 2 if PAIRED else 0):
-                acc, qk_odd, m_i, l_i = _tile_step(qk, acc, m_i, l_i, 2 * pair, t, q, k_smem, k_ready, k_empty, v_smem,
-                                                   v_ready, v_empty, zero_s, n_full, plo, PartIdx, q_tok, qk_scale,
-                                                   SUB, MASK_BLOCK_K, DENSE, CAUSAL, o_rows, p_layout)
-                acc, qk, m_i, l_i = _tile_step(qk_odd, acc, m_i, l_i, 2 * pair + 1, t + 1, q, k_smem, k_ready,
-                                               k_empty, v_smem, v_ready, v_empty, zero_s, n_full, plo, PartIdx, q_tok,
-                                               qk_scale, SUB, MASK_BLOCK_K, DENSE, CAUSAL, o_rows, p_layout)
+                acc, qk_odd, m_i, l_i = _tile_step(qk, acc, m_i, l_i, t, q, k_smem, k_ready, k_empty, v_smem, v_ready,
+                                                   v_empty, zero_s, qk_scale, o_rows, p_layout)
+                acc, qk, m_i, l_i = _tile_step(qk_odd, acc, m_i, l_i, t + 1, q, k_smem, k_ready, k_empty, v_smem,
+                                               v_ready, v_empty, zero_s, qk_scale, o_rows, p_layout)
                 t += 2
             for j in range(2 * ((n_tiles - 1) // 2) if PAIRED else 0, n_tiles - 1):
-                acc, qk, m_i, l_i = _tile_step(qk, acc, m_i, l_i, j, t, q, k_smem, k_ready, k_empty, v_smem,
-                                               v_ready, v_empty, zero_s, n_full, plo, PartIdx, q_tok, qk_scale, SUB,
-                                               MASK_BLOCK_K, DENSE, CAUSAL, o_rows, p_layout)
+                acc, qk, m_i, l_i = _tile_step(qk, acc, m_i, l_i, t, q, k_smem, k_ready, k_empty, v_smem, v_ready,
+                                               v_empty, zero_s, qk_scale, o_rows, p_layout)
                 t += 1
             qk = _mask_partial(qk, n_tiles - 1, n_full, plo, PartIdx, q_tok, SUB, MASK_BLOCK_K, DENSE, CAUSAL)
             p, alpha, m_i, l_i = _softmax(qk, m_i, l_i, qk_scale)
@@ -451,8 +451,9 @@ PAIRED_MIN_TILES = 6  # the mean K/V tiles per item from which two tiles share a
 def _paired(head_dim: int, causal: bool, sub: int, mean_tiles: float = math.inf) -> bool:
     """Whether the compute warpgroups take two score tiles per turn of their loop: at D = 64 (step 96), and at
     D = 128 without the causal flag on 128-token key blocks, with 240 registers for each compute warpgroup
-    (step 99; ptxas: 522 -> 440 instructions per tile, no spills). At D = 128 the causal kernel (3.8 KB) and
-    the one of 256-token key blocks (2.1 KB) spill paired, so they keep one tile per turn.
+    (step 99; ptxas: 522 -> 440 instructions per tile, no spills). At D = 128 the causal kernel spills paired
+    (256 bytes; 491 instructions per tile against 456 in one tile per turn, step 104) and so does the one of
+    256-token key blocks (2.1 KB): they keep one tile per turn.
 
     Only where the items walk `PAIRED_MIN_TILES` tiles or more on average (`mean_tiles`): on the H200 the
     paired loop gained 1-6% on dense rows and on lists of 6-52 tiles, and lost 8-22% on lists of 4-5
