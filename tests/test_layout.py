@@ -7,7 +7,7 @@ from unittest import mock
 import pytest
 import torch
 from conftest import DeviceWaits
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from sparse_flash import BlockMask, masks
@@ -672,3 +672,27 @@ def test_a_mask_moved_to_a_gpu_builds_its_lists_from_its_own_sizes(m):
             got = mask_index.build_index(m.layout, m.block_size, m.seq_len_q, m.seq_len_k, sizes)
     assert counter.waits == 0  # also where lists are cut: their plans come from the lists' counts
     _assert_same_index(got, m._index)
+
+
+@pytest.mark.parametrize("block", [(128, 128), (256, 128), (128, 256), (256, 256)])
+@settings(max_examples=5, deadline=None)
+@given(blocks=st.integers(1, 5), density=st.floats(0.1, 1.0), seed=st.integers(0, 2**16))
+def test_causal_lists_leave_the_element_mask_to_each_items_last_tile(block, blocks, density, seed):
+    """The Hopper forward masks only the last live tile of an item (tuning log, step 104): walking a query
+    block's causal full list, then its partial list, each block as 128-key tiles, the tiles that start at or
+    before a 128-row item's last row come first (the kernel counts them and takes that many), and every one of
+    them but the last is wholly allowed for the item's rows. Lengths are multiples of 128 and of the blocks,
+    as that kernel requires."""
+    bq, bk = block
+    n = blocks * max(bq, bk)
+    layout = torch.rand(1, 1, n // bq, n // bk, generator=torch.Generator().manual_seed(seed)) < density
+    index, _ = BlockMask.from_layout(layout, block, seq_len_q=n, seq_len_k=n).kernel_records(True)
+    assume(index is not None)  # every causal block held: the dense causal walk, no lists
+    full, part = index.row_full, index.row_partial
+    for i in range(n // bq):
+        walk = [full.indices[full.offsets[i]:full.offsets[i + 1]], part.indices[part.offsets[i]:part.offsets[i + 1]]]
+        tiles = [int(j) * bk + t for side in walk for j in side for t in range(0, bk, 128)]
+        for first_row in range(i * bq, (i + 1) * bq, 128):
+            live = [start for start in tiles if start <= first_row + 127]
+            assert tiles[:len(live)] == live, (i, first_row, tiles)
+            assert all(start + 127 <= first_row for start in live[:-1]), (i, first_row, tiles)
