@@ -216,6 +216,35 @@ def test_hopper_kernels_at_head_dim_64_match_reference(mask_name, causal, monkey
     assert min(served.values()) > 0, served
 
 
+@pytest.mark.skipif(not SM90, reason="the Hopper forward needs sm_90")
+@pytest.mark.parametrize("mask_name", ["dense", "local_window_8"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hopper_forward_with_two_tiles_per_turn_matches_reference(mask_name, causal, head_dim, monkeypatch):
+    """The forward's loop with two score tiles per turn (`gluon/fwd.py: _paired`), which the 1,024-token tests
+    above reach only on non-causal dense rows (their causal lists average 4.5 tiles, under
+    `PAIRED_MIN_TILES`): at 2,048 tokens (dense causal lists of 8.5 tiles on average, a 17-block band's 6.75)
+    every call here where the policy pairs is paired, and outputs, log-sum-exp and gradients pass the 2x rule
+    against the float64 reference."""
+    from sparse_flash.kernels import launch, settings
+    from sparse_flash.kernels.gluon import fwd as gluon_fwd
+    from sparse_flash.testing import compare_to_reference, make_qkv
+
+    decided = []
+    real = gluon_fwd._paired
+    monkeypatch.setattr(gluon_fwd, "_paired", lambda *a: decided.append(real(*a)) or decided[-1])
+    monkeypatch.setattr(launch, "_DENSE_PLANS", {})  # plans of this signature made by another test: made again
+    n = 2048
+    mask = (masks.local(n, 128, window=8, device="cuda") if mask_name == "local_window_8" else
+            masks.dense(n, 128, device="cuda"))
+    q, k, v = make_qkv(2, 4, 2, n, n, head_dim, dtype=torch.bfloat16, device="cuda", seed=13)
+    with settings.override(hopper_d64=True):
+        result = compare_to_reference(q, k, v, mask, causal=causal, backend="triton")
+    assert not result.failures(), result.failures()
+    assert decided, "the Hopper forward did not serve the call"
+    assert all(decided) == real(head_dim, causal, 1), decided  # paired exactly where the policy pairs long lists
+
+
 @pytest.mark.skipif(not SM90, reason="the Hopper backward kernels need sm_90")
 @pytest.mark.parametrize("mask_name", list(HOPPER_MASKS))
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
