@@ -64,11 +64,19 @@ def host_us(step, reps=30, warmup=0, burst=8) -> float:
 
 
 def measure(step, grad_of=None):
+    """`do_bench`'s median, the kernels' device time and the host time of `step`; with `grad_of`, those inputs'
+    gradients are dropped before every call, as `do_bench` drops them (kept, each backward would add into them:
+    an elementwise add per input that the benchmark does not time)."""
     from triton.testing import do_bench
 
-    kernels = kernel_us(step)
+    def fresh():
+        for t in grad_of or ():
+            t.grad = None
+        return step()
+
+    kernels = kernel_us(fresh)
     return {"bench_ms": do_bench(step, warmup=25, rep=100, grad_to_none=grad_of, return_mode="median"),
-            "kernel_us": sum(kernels.values()), "kernels_us": kernels, "host_us": host_us(step)}
+            "kernel_us": sum(kernels.values()), "kernels_us": kernels, "host_us": host_us(fresh)}
 
 
 def main():
