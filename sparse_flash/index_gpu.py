@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .kernels.memory import new_output
-from .kernels.launch import launch  # Triton's launcher costs tens of microseconds of host time per call
+from .kernels.launch import cdiv, launch, next_power_of_2  # Triton's launcher costs tens of microseconds of host time per call
 
 FIELDS = 10  # int32 fields of a work item: `mask_index.ITEM_FIELDS`, in that order
 WARPS, STAGES = 4, 3  # Triton's default launch options, passed explicitly to the direct launches
@@ -72,18 +72,22 @@ def _cuts(shapes: list[tuple[int, ...]]) -> list[int]:
 def int32_arena(shapes: list[tuple[int, ...]], device: torch.device,
                 own: Collection[int] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """`(allocations, pieces)` of `int32_pieces`: the shared allocation, then each own piece's in order."""
-    own = sorted(own)
-    shared = [shape for i, shape in enumerate(shapes) if i not in own]
-    allocations = [new_output(sum(_cuts(shared)), torch.int32, device),
-                   *(new_output(shapes[i], torch.int32, device) for i in own)]
-    return allocations, pieces_of(allocations, shapes, own)
+    cuts = _cuts([shape for i, shape in enumerate(shapes) if i not in own])  # `own`: a range or set (O(1) `in`)
+    allocations = [new_output(sum(cuts), torch.int32, device),
+                   *(new_output(shapes[i], torch.int32, device) for i in sorted(own))]
+    return allocations, _pieces(allocations, shapes, own, cuts)
 
 
 def pieces_of(allocations: list[torch.Tensor], shapes: list[tuple[int, ...]],
               own: Collection[int] = ()) -> list[torch.Tensor]:
     """The pieces of `allocations` (those of `int32_arena(shapes, device, own)`), in the order of `shapes`."""
-    shared_shapes = [shape for i, shape in enumerate(shapes) if i not in own]
-    shared = iter(allocations[0].split(_cuts(shared_shapes))[::2])
+    return _pieces(allocations, shapes, own, _cuts([shape for i, shape in enumerate(shapes) if i not in own]))
+
+
+def _pieces(allocations: list[torch.Tensor], shapes: list[tuple[int, ...]], own: Collection[int],
+            cuts: list[int]) -> list[torch.Tensor]:
+    """`pieces_of` with the shared pieces' `_cuts` computed already."""
+    shared = iter(allocations[0].split(cuts)[::2])
     owned = iter(allocations[1:])
     return [next(owned) if i in own else next(shared).view(shape) for i, shape in enumerate(shapes)]
 
@@ -101,7 +105,7 @@ def _on(device: torch.device):
 def supported(lists_per_head: int, longest: int) -> bool:
     """Whether one program can order `lists_per_head` lists of at most `longest` blocks (its sort key, the
     length and the list number, must fit in 31 bits)."""
-    block = triton.next_power_of_2(lists_per_head)
+    block = next_power_of_2(lists_per_head)
     return block <= MAX_LISTS and (longest + 1) * block < 2**31
 
 
@@ -173,10 +177,10 @@ def _unsplit_plans(plans: list[PlanInput], longest: int, shapes: list[tuple[int,
             for n, p in enumerate(slots + [slots[0]] * (MAX_PLANS - len(slots))):  # unused slots: never reached
                 counts, full, part, heavy_above = plans[p]
                 B, H, M = counts.shape
-                block = triton.next_power_of_2(M)
+                block = next_power_of_2(M)
                 chunk = max(1, min(block, PLAN_TILE // block))  # lists per program
                 if n < len(slots):
-                    end += B * H * triton.cdiv(M, chunk)
+                    end += B * H * cdiv(M, chunk)
                 args += [counts, *full[:3], *part[:3], *out[p], M, float(heavy_above), end]
                 consts.update({f"BLOCK{n}": block, f"CHUNK{n}": chunk})
             launch(_unsplit_plans_kernel, (end, ), (*args, longest), dict(**consts, FIELDS=FIELDS), WARPS, STAGES)
@@ -262,7 +266,7 @@ def _unsplit_plans_kernel(C0, FC0, FO0, FI0, PC0, PO0, PI0, I0, K0, S0, L0, M0, 
 
 def sizes_supported(lists_per_head: int) -> bool:
     """Whether one program holds the `lists_per_head` lists of one (batch, head) (`plan_sizes`)."""
-    return triton.next_power_of_2(lists_per_head) <= MAX_LISTS
+    return next_power_of_2(lists_per_head) <= MAX_LISTS
 
 
 def plan_sizes(counts: list[torch.Tensor], chunks: list[int], max_chunks: int):
@@ -289,7 +293,7 @@ def plan_sizes(counts: list[torch.Tensor], chunks: list[int], max_chunks: int):
         for p, (c, chunk) in enumerate(zip(counts, chunks)):
             B, H, M = c.shape
             launch(_plan_sizes_kernel, (B * H, ), (c, n, sizes[p], base[p], M, chunk, max_chunks),
-                   dict(BLOCK=triton.next_power_of_2(M)), WARPS, STAGES)
+                   dict(BLOCK=next_power_of_2(M)), WARPS, STAGES)
     return n, tuple(base), sizes
 
 
@@ -317,8 +321,8 @@ def _plan_sizes_kernel(Counts, N, Sizes, base, lists_per_head, chunk, max_chunks
 def split_supported(lists_per_head: int, width: int, longest: int) -> bool:
     """Whether one program orders the `width` items (chunks of lists) of one (batch, head) and holds its
     `lists_per_head` lists (`split_plan`; the sort key, the length and the item number, must fit in 31 bits)."""
-    block = triton.next_power_of_2(width)
-    return block <= MAX_LISTS and triton.next_power_of_2(lists_per_head) <= MAX_LISTS and (longest + 1) * block < 2**31
+    block = next_power_of_2(width)
+    return block <= MAX_LISTS and next_power_of_2(lists_per_head) <= MAX_LISTS and (longest + 1) * block < 2**31
 
 
 SPLIT_PLAN_OWN = (0, 3, 4)  # `split_plan_shapes`' pieces whose sizes differ from mask to mask (`int32_pieces`)
@@ -365,11 +369,11 @@ def split_plan(counts: torch.Tensor, full: tuple, part: tuple, n: torch.Tensor, 
         out = (*int32_pieces(kept, device, SPLIT_PLAN_OWN), scratch)
     items, chunks, slots, split, slot_list, scratch = out
     lead = torch.zeros(1, dtype=torch.int32, device=device) if lead is None else lead
-    WIDTH = triton.next_power_of_2(width)
+    WIDTH = next_power_of_2(width)
     with _on(device):
         launch(_split_lists_kernel, (B * H, ),
                (n, firsts, chunks, slots, split, slot_list, scratch, base, firsts.shape[1], M, width),
-               dict(BLOCK=triton.next_power_of_2(M)), WARPS, STAGES)
+               dict(BLOCK=next_power_of_2(M)), WARPS, STAGES)
         launch(_split_items_kernel, (B * H, ),
                (counts, *full[:3], *part[:3], n, slots, scratch, items, lead, base, M, width, longest,
                 float(heavy_above)),
@@ -465,8 +469,8 @@ MAX_ENTRIES = 16384  # kept blocks of one (batch, head) (rows x widest row, padd
 def topk_supported(rows: int, width: int, cols: int) -> bool:
     """Whether one program holds the kept blocks of one (batch, head) of a top-k mask (`topk_lists`: its row
     lists) and a whole column (its column lists)."""
-    block = triton.next_power_of_2(rows)
-    return block * triton.next_power_of_2(width) <= MAX_ENTRIES and block <= MAX_BLOCKS
+    block = next_power_of_2(rows)
+    return block * next_power_of_2(width) <= MAX_ENTRIES and block <= MAX_BLOCKS
 
 
 def topk_lists(selected: torch.Tensor, counts: torch.Tensor, partial: torch.Tensor, cols: int, sizes: tuple,
@@ -528,20 +532,20 @@ def _topk_lists(selected, counts, partial, cols: int, sizes: tuple, kind, per_gr
     allocations, pieces = int32_arena(shapes, device, every_third(shapes))
     rows, col_lists = _sides_of(pieces)
     per_col = new_output((3, n_cols), torch.int32, device)  # the columns' kind counts, while building
-    block, width, groups = triton.next_power_of_2(Mq), triton.next_power_of_2(W), triton.next_power_of_2(G)
+    block, width, groups = next_power_of_2(Mq), next_power_of_2(W), next_power_of_2(G)
     chunk = max(1, min(block, ROW_TILE // width))  # rows per program
     column_warps = max(1, block // 512)  # a column of up to 512 query blocks is one warp's
     with _on(device):
-        launch(_topk_rows_kernel, (B * H * triton.cdiv(Mq, chunk), ),
+        launch(_topk_rows_kernel, (B * H * cdiv(Mq, chunk), ),
                (selected, counts, partial, per_group, *[t for part in rows for t in part], kind, B * H, H, G, Mq,
                 cols, W),
                dict(BLOCK=block, ROWS=chunk, WIDTH=width, GROUPS=groups), WARPS, STAGES)
         launch(_topk_col_counts_kernel, (n_cols, ), (kind, per_col, n_cols, Mq), dict(BLOCK=block), column_warps,
                STAGES)
-        col_chunk = max(1, min(triton.next_power_of_2(cols), COLUMN_TILE // block))  # columns per program
-        launch(_topk_col_write_kernel, (B * H * triton.cdiv(cols, col_chunk), ),
+        col_chunk = max(1, min(next_power_of_2(cols), COLUMN_TILE // block))  # columns per program
+        launch(_topk_col_write_kernel, (B * H * cdiv(cols, col_chunk), ),
                (kind, per_col, per_group, *[t for part in col_lists for t in part], n_cols, H, G, Mq, cols),
-               dict(BLOCK=block, COLS=triton.next_power_of_2(cols), CHUNK=col_chunk, GROUPS=groups), WARPS, STAGES)
+               dict(BLOCK=block, COLS=next_power_of_2(cols), CHUNK=col_chunk, GROUPS=groups), WARPS, STAGES)
     return allocations, (rows, col_lists)
 
 
@@ -712,7 +716,7 @@ def layout_lists(layout: torch.Tensor, block_size: tuple, seq_len_q: int, seq_le
 def _layout_lists(layout, B, H, Mq, Mk, device, geometry, known):
     """`layout_lists` on the layout's device (its current CUDA device)."""
     rows, cols = B * H * Mq, B * H * Mk  # lists of each side: programs [0, rows) take rows, the rest columns
-    blocks = dict(BLOCK0=triton.next_power_of_2(Mk), BLOCK1=triton.next_power_of_2(Mq))
+    blocks = dict(BLOCK0=next_power_of_2(Mk), BLOCK1=next_power_of_2(Mq))
     # each kind's count per list, rows then columns (one table: one cumsum gives both sides' list ends)
     kinds = new_output((KINDS, rows + cols), torch.int32, device)
     # the counts' sums (atomics): read where the host does not know them, else never (no zeros needed)
@@ -858,7 +862,7 @@ MAX_CHOOSE = 2048  # key blocks of a row that `choose_topk` ranks in one program
 def choose_supported(cols: int, dtype: torch.dtype) -> bool:
     """Whether one program can rank a row of `cols` key blocks of scores of `dtype` (`choose_topk`): it ranks
     32-bit keys, so float64 scores, which would round to ties (or to infinities) there, take the torch sort."""
-    return dtype != torch.float64 and triton.next_power_of_2(cols) <= MAX_CHOOSE
+    return dtype != torch.float64 and next_power_of_2(cols) <= MAX_CHOOSE
 
 
 def choose_topk(scores: torch.Tensor, counts: torch.Tensor, width: int, causal: bool, cand: torch.Tensor):
@@ -884,7 +888,7 @@ def _choose_topk(scores, counts, cand, width: int, causal: bool):
     device = scores.device
     selected = new_output((B, H, Mq, width), torch.int64, device)
     layout = new_output((B, H, Mq, Mk), torch.bool, device)
-    block = triton.next_power_of_2(Mk)
+    block = next_power_of_2(Mk)
     with _on(device):
         launch(_choose_topk_kernel, (B * H * Mq, ),
                (scores.contiguous(), counts.contiguous(), cand.contiguous(), selected, layout, H, counts.shape[0], Mq,

@@ -641,15 +641,19 @@ def complement_runs(runs: BlockRuns, lists: int, Mk: int) -> BlockRuns:
     return BlockRuns(torch.cat([row, rows]), torch.cat([before, last_end]), torch.cat([start, torch.full_like(rows, Mk)]))
 
 
-def _run_column_counts(head_base: torch.Tensor | None, start: torch.Tensor, end: torch.Tensor, heads: int,
+def _run_column_counts(starts: torch.Tensor, head_base: torch.Tensor | None, end: torch.Tensor, heads: int,
                        Mk: int) -> torch.Tensor:
     """int64 `(1, heads, Mk)`: each column's blocks among runs `[start, end)` (`end >= start`) of the heads at
     `head_base` (`head x (Mk + 1)` per run, or None for one head): a difference array, +1 where a run starts and
-    -1 where it ends, summed along the keys."""
-    if head_base is not None:
-        start, end = start + head_base, end + head_base
-    steps = torch.bincount(start, minlength=heads * (Mk + 1)).sub_(torch.bincount(end, minlength=heads * (Mk + 1)))
-    return steps.view(heads, Mk + 1).cumsum_(1)[:, :Mk].reshape(1, heads, Mk)
+    -1 where it ends, summed along the keys. `starts`: the +1s, `_run_starts(start, head_base, heads, Mk)` (the
+    same for both causal flags)."""
+    ends = _run_starts(end, head_base, heads, Mk)
+    return (starts - ends).view(heads, Mk + 1).cumsum_(1)[:, :Mk].reshape(1, heads, Mk)
+
+
+def _run_starts(start: torch.Tensor, head_base: torch.Tensor | None, heads: int, Mk: int) -> torch.Tensor:
+    """int64 `(heads x (Mk + 1),)`: how many runs start at each key block of each head (`_run_column_counts`)."""
+    return torch.bincount(start if head_base is None else start + head_base, minlength=heads * (Mk + 1))
 
 
 @functools.lru_cache(maxsize=64)
@@ -696,10 +700,10 @@ def run_sizes(runs: BlockRuns, heads: int, block_size: tuple[int, int], seq_len_
         last = i == Mq - 1
         partial = torch.where(last, sizes, 0 if partial is None else partial)
         partial_causal = torch.where(last, live, partial_causal)
-    counts = {}
+    counts, starts = {}, _run_starts(start, head_base, heads, Mk)
     for flag, n, stop in ((False, sizes, end), (True, live, live_end)):
         rows = torch.zeros(heads * Mq, dtype=torch.int64).index_add_(0, row, n).view(1, heads, Mq)
-        counts[flag] = (rows, _run_column_counts(head_base, start, stop, heads, Mk))
+        counts[flag] = (rows, _run_column_counts(starts, head_base, stop, heads, Mk))
     zero = torch.zeros((), dtype=torch.int64)
     totals = torch.stack([sizes.sum(), zero if partial is None else partial.sum(), live.sum(), partial_causal.sum(),
                           *(c.max() for flag in (False, True) for c in counts[flag])]).tolist()

@@ -19,7 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..mask_index import HEAVY_FACTOR, ITEM_FIELDS, BlockIndex, KernelIndex, MaskGeometry
 from . import settings
-from .launch import launch
+from .launch import cdiv, launch, next_power_of_2
 from .memory import new_output
 
 # Time per item besides its key tiles (Q load, first S, last O += P V, O store), in key tiles, for balancing:
@@ -294,15 +294,15 @@ def _placed_items(along: str, B, Hq, Hkv, Nq, Nk, causal: bool, full: BlockIndex
         blocks, block, tile = g.blocks_k, g.block_k, BLOCK_N
     n = B * heads * tiles
     device = full.offsets.device
-    BLOCK = triton.next_power_of_2(n)
+    BLOCK = next_power_of_2(n)
     run = -(-n // (BUNDLES_PER_PROGRAM * num_programs))  # items per run, as `assign_programs` cuts them
-    RUNS = triton.next_power_of_2(-(-n // run))
-    PROGRAMS = triton.next_power_of_2(num_programs)
+    RUNS = next_power_of_2(-(-n // run))
+    PROGRAMS = next_power_of_2(num_programs)
     scratch = new_output(7 * BLOCK + 3 * RUNS + PROGRAMS, torch.int32, device)
     placed = new_output((n, ITEM_WIDTH), torch.int32, device)
     starts = new_output(num_programs + 1, torch.int32, device)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # Triton's current device
-        launch(_order_items_kernel, (triton.cdiv(n, ORDER_ITEMS), ),
+        launch(_order_items_kernel, (cdiv(n, ORDER_ITEMS), ),
                (full.offsets, part.offsets, scratch, placed, starts, n, tiles, heads, n_own, other_heads, mul, div,
                 n_other, g.batch, g.heads, blocks, block, num_programs, float(HEAVY_FACTOR)),
                dict(CAUSAL=causal, BALANCE=balance, TILE=tile, ITEMS=ORDER_ITEMS, CHUNK=ORDER_CHUNK,
@@ -344,7 +344,7 @@ def deal_runs(costs, num_programs: int):
     owners = torch.zeros(costs.shape[0], dtype=torch.long, device=costs.device)
     with torch.cuda.device(costs.device) if costs.is_cuda else contextlib.nullcontext():  # Triton's current device
         launch(_deal_runs_kernel, (1, ), (costs, owners, costs.shape[0], num_programs),
-               dict(PROGRAMS=triton.next_power_of_2(num_programs)), 4, 3)
+               dict(PROGRAMS=next_power_of_2(num_programs)), 4, 3)
     return owners
 
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ...mask_index import KernelIndex, MaskGeometry
-from ..launch import BoundLaunch
+from ..launch import BoundLaunch, cdiv
 from ..memory import new_output
 from .common import (ITEM_BLOCK, LOG2E, dense_key_tiles, dot_precision, item_ranges, list_ranges, list_tile_start,
                      load_unmasked_rows, schedule, store_rows)
@@ -356,7 +356,7 @@ class DqPlan:
             self.rows = SplitPlan(q.device)
             lists = [self.rows.dummy] * 4
             block_q, block_k = cfg.q_block_m, cfg.q_block_n
-            items = triton.cdiv(Nq, cfg.q_block_m)
+            items = cdiv(Nq, cfg.q_block_m)
         else:
             self.rows = SplitPlan(q.device, index.row_plan, B, Hq, geometry, D, parts=1)
             lists = [index.row_full.indices, index.row_partial.indices, index.row_plan.items, index.row_plan.lead]
@@ -408,7 +408,7 @@ class DkdvPlan:
             self.cols = SplitPlan(q.device)
             lists = [self.cols.dummy] * 6
             block_q, block_k = cfg.kv_block_m, cfg.kv_block_n
-            items = triton.cdiv(Nk, cfg.kv_block_n)
+            items = cdiv(Nk, cfg.kv_block_n)
             mask_strides = (0, 0)
         else:
             self.cols = SplitPlan(q.device, index.col_plan, B, Hkv, geometry, D, along="cols", parts=2)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ...mask_index import KernelIndex, MaskGeometry
-from ..launch import BoundLaunch, cached_plan, plan_key
+from ..launch import BoundLaunch, cached_plan, cdiv, plan_key
 from ..memory import new_output
 from .common import (LOG2E, dense_key_tiles, dot_precision, item_ranges, list_tile_start, load_unmasked_rows, schedule,
                      store_rows)
@@ -202,7 +202,7 @@ class FwdPlan:
             block_q, block_k = cfg.block_m, cfg.block_n
             self.split = SplitPlan(q.device)
             full_idx, part_idx, items, lead = [self.split.dummy] * 4
-            grid = triton.cdiv(Nq, cfg.block_m) * B * Hq
+            grid = cdiv(Nq, cfg.block_m) * B * Hq
         else:
             block_q, block_k = geometry.block_q, geometry.block_k
             cfg = fwd_config(D, q.dtype, block_q, block_k, causal, Nq, geometry.long_lists)
