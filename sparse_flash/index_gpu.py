@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from .kernels.memory import new_output
-from .kernels.launch import cdiv, launch, next_power_of_2  # Triton's launcher costs tens of microseconds of host time per call
+# `launch`: Triton's own launcher costs tens of microseconds of host time per call
+from .kernels.launch import cdiv, launch, next_power_of_2
 
 FIELDS = 10  # int32 fields of a work item: `mask_index.ITEM_FIELDS`, in that order
 WARPS, STAGES = 4, 3  # Triton's default launch options, passed explicitly to the direct launches
