@@ -179,17 +179,18 @@ def _dq_compute_partition(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_r
         part_lo = gl.load(rec + 4) * SUB
         part_hi = gl.load(rec + 5) * SUB
         qb = c % 2
+        # O and lse asked for before the wait for Q and dO: their reads overlap it (tuning log, step 108)
+        o = gl.load(Out + (q_row.to(gl.int64) + offs_r)[:, None] * HEAD_D + offs_d[None, :])  # (BM, D)
+        lse = gl.load(Lse + q_row + offs_m)  # (BM,) natural log; -inf for a row with no allowed key
         mbarrier.wait(q_ready.index(qb), (c // 2) & 1)
         q = q_smem.index(qb).slice(HALF * BM, BM)  # (BM, D) in shared memory
         do = do_smem.index(qb).slice(HALF * BM, BM)
         if c > 0:  # the item before's dQ has left its Q buffer: the item after next may load there
             release_after_store(q_empty.index((c + 1) % 2))
         # delta = rowsum(dO * O), stored for the dK/dV launch
-        o = gl.load(Out + (q_row.to(gl.int64) + offs_r)[:, None] * HEAD_D + offs_d[None, :])  # (BM, D)
         delta = gl.sum(o.to(gl.float32) * do.load(o_layout).to(gl.float32), 1)  # (BM,)
         gl.store(Delta + q_row + offs_r, delta)
         delta = gl.convert_layout(delta, rows_layout)
-        lse = gl.load(Lse + q_row + offs_m)  # (BM,) natural log; -inf for a row with no allowed key
         lse = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # log2; empty rows: P = 0
         if STORE_LSE2:  # the dK/dV kernel reads it as is: no conversion per tile there (tuning log, step 97)
             gl.store(Lse2 + q_row + offs_m, lse)
