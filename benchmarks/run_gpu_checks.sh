@@ -33,6 +33,10 @@ if [ $tests = 1 ]; then
   timeout "${TEST_TIMEOUT:-360}" python -m pytest -q $workers -p no:cacheprovider --durations=15 -o faulthandler_timeout=150 "${kexpr[@]}" ${TESTS:-tests/} > "$RES/pytest.log" 2>&1
   echo "pytest exit code $?" >> "$RES/pytest.log"
   pkill -f "python -m pytest" 2>/dev/null; sleep 1  # workers left by a timeout must not share the GPU with the benchmark
+  # seconds per test file, for tests/gpu_seconds.json after a whole-suite run (the shards' split, conftest.py)
+  [ -f "$OUT/durations.txt" ] && python -c "import collections, json, sys; s = collections.Counter()
+for line in open(sys.argv[1]): t, name = line.split(None, 1); s[name.split('::')[0]] += float(t)
+json.dump({k: round(v, 1) for k, v in sorted(s.items())}, open(sys.argv[2], 'w'), indent=1)" "$OUT/durations.txt" "$OUT/gpu_seconds.json"
 fi
 if [ $bench = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" python benchmarks/bench_attention.py $quick --out "$RES/bench" > "$RES/bench.log" 2>&1

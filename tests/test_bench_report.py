@@ -1,4 +1,5 @@
-"""The benchmark's bookkeeping on made-up timings: ratios, the summary the targets are read from, the table.
+"""The benchmark's bookkeeping on made-up timings: ratios, the summary the targets are read from, the table;
+and the GPU suite's split into shards.
 
 The timings come from a GPU run; what is computed from them is plain Python and is checked here, so a
 wrong ratio or a miscounted row cannot slip into the README's numbers.
@@ -114,3 +115,24 @@ def test_dense_backward_in_any_order_is_compared_with_the_default_and_cudnn():
     meta = {"date": "d", "gpu": "g", "torch": "t", "triton": "tr", "cuda": "c", "host": {}}
     text = bench.markdown(meta, rs, [], s)
     assert "| 4,16,16,16384,128 | bfloat16 | 13.000 | 1.15x | 1.04x |" in text
+
+
+def test_gpu_shards_split_the_test_files_by_their_recorded_seconds():
+    """SPARSE_FLASH_SHARD=i/n splits the test files by their GPU seconds (`conftest.shard_files`): every file in
+    exactly one shard, the same shards every time, no shard with more than the largest file over an even
+    share; every test file has a recorded time or counts 1 s."""
+    import json
+
+    from conftest import GPU_SECONDS, shard_files
+
+    with open(GPU_SECONDS) as f:
+        seconds = json.load(f)
+    files = {f"tests/{p.name}" for p in Path(__file__).parent.glob("test_*.py")}
+    assert all(name.startswith("tests/test_") and value >= 0 for name, value in seconds.items())
+    for count in (1, 2, 3, 5):
+        shards = shard_files(files, count)
+        assert shards == shard_files(set(sorted(files, reverse=True)), count)
+        assert sorted(name for shard in shards for name in shard) == sorted(files)
+        loads = [sum(seconds.get(name, 1.0) for name in shard) for shard in shards]
+        assert max(loads) <= sum(loads) / count + max(seconds.values())
+    assert [sorted(s) for s in shard_files({"a", "b", "c"}, 2, {"a": 1, "b": 1, "c": 1})] == [["a", "c"], ["b"]]
