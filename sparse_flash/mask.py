@@ -600,6 +600,17 @@ class BlockMask:
         return mask
 
     @classmethod
+    def _from_sized_layout(cls, layout: torch.Tensor, sizes: LayoutSizes, block_size: tuple[int, int], seq_len_q: int,
+                           seq_len_k: int, name: str) -> "BlockMask":
+        """A mask owning `layout` (a bool `(1, H, Mq, Mk)` that a mask constructor made and never writes, on the
+        grid of these lengths) whose lists' sizes the constructor counted from its pattern on the host
+        (`masks._common.pattern_sizes`; they must be the layout's: nothing checks them on the device): on a GPU
+        the build does not wait for the device."""
+        mask = cls.__new__(cls)
+        mask._own(_check_layout(layout).contiguous(), tuple(block_size), seq_len_q, seq_len_k, name, None, sizes=sizes)
+        return mask
+
+    @classmethod
     def _from_index(cls, layout: torch.Tensor, index: MaskIndex, block_size, seq_len_q: int, seq_len_k: int,
                     name: str = "custom") -> "BlockMask":
         """A mask owning `layout` (not copied: the caller made it and never writes it) whose index lists are

@@ -547,6 +547,73 @@ def test_run_sizes_and_layouts_equal_the_lists_of_the_layout(H, Mq, Mk, bq, bk, 
     assert list(got.totals) == want
 
 
+@st.composite
+def patterns(draw, Mq: int, Mk: int) -> dict:
+    """Keyword arguments of `masks._common.pattern_runs` on a grid of Mq x Mk blocks: a band of drawn offsets and
+    width (or none), column and row ranges reaching past the grid, empty or overlapping, causal or not."""
+    i = torch.arange(Mq)
+    pattern = {"causal": draw(st.booleans())}
+    if draw(st.booleans()):
+        shift, before, after = draw(st.integers(-3, 3)), draw(st.integers(0, 5)), draw(st.integers(0, 6))
+        pattern["band"] = (i + shift - before, i + shift + after)
+    ranges = st.tuples(st.integers(-2, max(Mq, Mk) + 1), st.integers(0, 3)).map(lambda r: (r[0], r[0] + r[1]))
+    pattern["columns"] = draw(st.lists(ranges, max_size=5))
+    pattern["rows"] = draw(st.lists(ranges, max_size=2))
+    return pattern
+
+
+@settings(deadline=None)
+@given(data=st.data(), Nq=st.integers(1, 600), Nk=st.integers(1, 600), bq=st.sampled_from([16, 32, 48]),
+       bk=st.sampled_from([16, 32, 64]), heads=st.integers(1, 4))
+def test_pattern_sizes_equal_those_counted_from_the_patterns_runs(data, Nq, Nk, bq, bk, heads):
+    """`pattern_sizes` counts from a pattern (band, columns, rows, causal: one per head, heads sharing them) the
+    totals, longest lists and every list's count that `run_sizes` counts from its runs (`pattern_runs`), for
+    both causal flags, with and without sequence tails."""
+    from sparse_flash.mask_index import run_sizes
+    from sparse_flash.masks._common import geometry, joined_runs, pattern_runs, pattern_sizes
+
+    geo = geometry(Nq, (bq, bk), Nk)
+    Mq = geo.num_blocks_q
+    drawn = data.draw(st.lists(patterns(Mq, geo.num_blocks_k), min_size=1, max_size=3))
+    head_pattern = data.draw(st.lists(st.integers(0, len(drawn) - 1), min_size=heads, max_size=heads))
+    runs = [pattern_runs(geo, **pattern) for pattern in drawn]
+    runs = joined_runs(*(runs[p]._replace(row=runs[p].row + h * Mq) for h, p in enumerate(head_pattern)))
+    want, got = run_sizes(runs, heads, (bq, bk), Nq, Nk), pattern_sizes(geo, drawn, head_pattern)
+    assert (got.totals, got.longest) == (want.totals, want.longest)
+    for flag in (False, True):
+        assert all(torch.equal(a, b) for a, b in zip(got.lists[flag], want.lists[flag]))
+
+
+@settings(max_examples=8, deadline=None)
+@given(N=st.integers(1, 700), b=st.sampled_from([16, 32]), L=st.integers(1, 6), G=st.integers(1, 6),
+       P=st.integers(1, 3), causal=st.booleans(), horizontal=st.booleans(), extra_heads=st.integers(0, 2))
+def test_fixed_with_too_many_runs_to_list_builds_without_waiting(N, b, L, G, P, causal, horizontal, extra_heads):
+    """Past `MAX_LISTED_RUNS` (a global column every few blocks on a long grid: `masks.fixed(65536, 128)` has
+    131,584 runs) `fixed` makes its layout on the device and counts its lists' sizes from the pattern
+    (`pattern_sizes`): the layout that it lists otherwise, built by the GPU builders (here under
+    TRITON_INTERPRET=1) without a device wait, with the lists of `from_layout`."""
+    import sys
+
+    from sparse_flash import mask_index
+
+    assume(G <= L and P * G <= L and not (causal and horizontal))
+    kwargs = dict(num_local_blocks=L, num_global_blocks=G, causal=causal, horizontal_global_attention=horizontal,
+                  num_different_global_patterns=P, num_heads=P + extra_heads if P > 1 or extra_heads else None)
+    listed = masks.fixed(N, b, **kwargs)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys.modules["sparse_flash.masks.fixed"], "MAX_LISTED_RUNS", -1)
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        if interpreted:
+            patch.setattr(mask_index, "_on_gpu", lambda t: True)
+        with DeviceWaits(patch) as counter:
+            made = masks.fixed(N, b, **kwargs)
+    assert listed._runs is not None and made._runs is None
+    assert torch.equal(made.layout, listed.layout) and made.name == listed.name
+    assert counter.waits == 0 or not interpreted
+    _assert_same_index(made._index, mask_index.build_index(made.layout, made.block_size, made.seq_len_q,
+                                                           made.seq_len_k))
+
+
 # Every constructor that lists its blocks on the host (`pattern_runs`, `diagonal_runs`, the butterfly's grid)
 LISTED = {
     "butterfly": lambda Nq, Nk, b, p: masks.butterfly(Nq, b, seq_len_k=Nk, n_factors=p or None, num_global_blocks=p % 2),

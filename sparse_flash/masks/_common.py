@@ -14,11 +14,11 @@ from ..checks import (  # noqa: F401  (the constructors take their checks from h
     positive_int, probability, seed_value,
 )
 from ..mask import BlockMask, check_eager
-from ..mask_index import BlockRuns, candidates
+from ..mask_index import BlockRuns, LayoutSizes, candidates
 
-# runs a pattern lists on the host (`pattern_runs`); past it the layout is drawn on the device and its lists wait
-# for it. Counting lists on the host costs ~45 ns a run (`run_sizes`: 3 ms for the 67,584 runs of a 4-head fixed
-# pattern at 65,536 tokens), about what a device wait and the layout's own count cost at this size.
+# runs a pattern lists on the host (`pattern_runs`); past it the layout is made on the device and its lists' sizes
+# are counted from the pattern (`pattern_sizes`). Counting lists from runs costs ~45 ns a run (`run_sizes`: 3 ms
+# for the 67,584 runs of a 4-head fixed pattern at 65,536 tokens).
 MAX_LISTED_RUNS = 1 << 17
 MAX_LAYOUT_BLOCKS = 2**31 - 1  # heads x Mq x Mk: the int32 offsets of the index lists address every block
 
@@ -151,7 +151,12 @@ def causal_blocks(geo: Geometry, device) -> torch.Tensor:
     return j * geo.block_k <= last_query
 
 
-def make(layout: torch.Tensor, geo: Geometry, name: str) -> BlockMask:
+def make(layout: torch.Tensor, geo: Geometry, name: str, sizes: LayoutSizes | None = None) -> BlockMask:
+    """A mask of a layout that a constructor made; `sizes`: its lists' sizes where the constructor counted them
+    from its pattern (`pattern_sizes`), so that its build on a GPU does not wait for the device."""
+    if sizes is not None:
+        return BlockMask._from_sized_layout(layout, sizes, (geo.block_q, geo.block_k), geo.seq_len_q, geo.seq_len_k,
+                                            name)
     return BlockMask.from_layout(
         layout, (geo.block_q, geo.block_k), seq_len_q=geo.seq_len_q, seq_len_k=geo.seq_len_k, name=name
     )
@@ -219,6 +224,88 @@ def pattern_runs(geo: Geometry, *, band: tuple[torch.Tensor, torch.Tensor] | Non
         end = torch.minimum(end, candidates(True, (Mq, Mk, *geo[:4]), "cpu")[:, None])
     row = torch.arange(Mq)[:, None].expand_as(start)
     return BlockRuns(row.flatten(), start.flatten(), end.flatten())
+
+
+def pattern_sizes(geo: Geometry, patterns: list[dict], head_pattern: list[int]) -> LayoutSizes:
+    """The `LayoutSizes` of a `(1, H, Mq, Mk)` layout whose head h holds pattern `patterns[head_pattern[h]]`
+    (the keyword arguments of `pattern_runs`: band, columns, rows, causal), counted from the pattern itself in
+    O(Mq + Mk) per pattern, however many blocks or runs it has: what `mask_index.run_sizes` counts from its runs
+    (tests/test_layout.py compares them), for patterns with too many runs to list (`MAX_LISTED_RUNS`).
+
+    Example:
+        >>> geo = geometry(512, 128)
+        >>> i = torch.arange(4)
+        >>> sizes = pattern_sizes(geo, [dict(band=(i - 1, i + 2), columns=[(0, 1)], rows=[(0, 1)])], [0])
+        >>> sizes.totals[0], sizes.longest[False]  # 14 blocks; row 0 and column 0 hold 4 each
+        (14, (4, 4))
+    """
+    Mq, Mk = geo.num_blocks_q, geo.num_blocks_k
+    cand = candidates(True, (Mq, Mk, *geo[:4]), "cpu")  # (Mq,) the key blocks holding a causal pair
+    lowest = torch.clamp((torch.arange(Mq) * geo.block_q + 1) // geo.block_k, max=Mk)  # first on the diagonal
+    key_tail, query_tail = Mk * geo.block_k > geo.seq_len_k, Mq * geo.block_q > geo.seq_len_q
+    counted = [_pattern_counts(geo, cand, lowest, key_tail, query_tail, **pattern) for pattern in patterns]
+    lists, totals, longest = {}, [], {}
+    for flag in (False, True):
+        rows = torch.stack([counted[p][flag][0] for p in head_pattern]).unsqueeze(0)  # (1, H, Mq)
+        cols = torch.stack([counted[p][flag][1] for p in head_pattern]).unsqueeze(0)  # (1, H, Mk)
+        partial = sum(counted[p][flag][2] for p in head_pattern)
+        lists[flag] = (rows, cols)
+        n = int(rows.sum())
+        totals += [n, n - partial, partial]
+        longest[flag] = (int(rows.max()), int(cols.max()))
+    return LayoutSizes(tuple(totals), longest, lists)
+
+
+def _pattern_counts(geo: Geometry, cand: torch.Tensor, lowest: torch.Tensor, key_tail: bool, query_tail: bool, *,
+                    band=None, columns=(), rows=(), causal: bool = False) -> dict:
+    """`{flag: (row counts (Mq,), column counts (Mk,), partial blocks)}` of one head's pattern (`pattern_sizes`)
+    for attention calls with each causal flag: a block is live where the call's flag allows it (key block below
+    `cand` with the flag), partial where it needs an element mask (a key or query tail; with the flag, from the
+    row's `lowest` key block on)."""
+    Mq, Mk = geo.num_blocks_q, geo.num_blocks_k
+    in_columns = torch.zeros(Mk + 1, dtype=torch.int64)  # prefix counts of the column blocks: [0, x) holds ...[x]
+    for start, end in _merged(columns, Mk):
+        in_columns[start + 1:end + 1] += 1
+    in_columns = in_columns.cumsum(0)
+    is_column = in_columns[1:] > in_columns[:-1]  # (Mk,)
+    full = torch.zeros(Mq, dtype=torch.bool)  # rows that hold every key block
+    for start, end in _merged(rows, Mq):
+        full[start:end] = True
+    if band is None:
+        low = high = torch.zeros(Mq, dtype=torch.int64)
+    else:
+        low, high = band[0].clamp(0, Mk), band[1].clamp(0, Mk)
+        high = torch.maximum(high, low)
+
+    def count(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Each row's blocks among key blocks [a, b) (int64 (Mq,), a <= b)."""
+        lo = torch.minimum(torch.maximum(low, a), b)
+        hi = torch.maximum(torch.minimum(high, b), lo)
+        band_only = (hi - lo) - (in_columns[hi] - in_columns[lo])
+        return torch.where(full, b - a, in_columns[b] - in_columns[a] + band_only)
+
+    zero, every = torch.zeros(Mq, dtype=torch.int64), torch.full((Mq,), Mk, dtype=torch.int64)
+    counted = {}
+    for flag in (False, True):
+        end = cand if flag or causal else every  # each row's live key blocks: [0, end)
+        row_counts = count(zero, end)
+        if flag:  # from the diagonal on; the last key block where the row does not reach the diagonal before it
+            first = torch.minimum(lowest, end)
+            partial = count(first, end)
+            if key_tail:
+                partial = partial + torch.where((lowest >= Mk) & (end == Mk), count(torch.clamp(end - 1, min=0), end), 0)
+        else:
+            partial = count(torch.clamp(end - 1, min=0), end) * (end == Mk) if key_tail else torch.zeros_like(end)
+        if query_tail:  # every block of the last row
+            partial[-1] = row_counts[-1]
+        # columns: a column block counts every row that reaches it; otherwise the full rows and the band's rows
+        reach = torch.bincount(end, minlength=Mk + 1).flip(0).cumsum(0).flip(0)[1:]  # rows with end > j
+        reach_full = torch.bincount(end[full], minlength=Mk + 1).flip(0).cumsum(0).flip(0)[1:]
+        band_end = torch.where(full, low, torch.maximum(torch.minimum(high, end), low))
+        marks = (torch.bincount(low, minlength=Mk + 1) - torch.bincount(band_end, minlength=Mk + 1)).cumsum(0)[:Mk]
+        col_counts = torch.where(is_column, reach, reach_full + marks)
+        counted[flag] = (row_counts, col_counts, int(partial.sum()))
+    return counted
 
 
 def diagonal_runs(geo: Geometry, diagonals: list[int]) -> BlockRuns:

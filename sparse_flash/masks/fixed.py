@@ -6,7 +6,7 @@ import torch
 
 from ..mask import BlockMask
 from ._common import (MAX_LISTED_RUNS, as_bool, block_coords, check_device, joined_runs, make, make_from_runs,
-                      optional_heads, pattern_runs, positive_int, square_geometry)
+                      optional_heads, pattern_runs, pattern_sizes, positive_int, square_geometry)
 
 
 def fixed(
@@ -77,25 +77,41 @@ def fixed(
     # clamped to the grid's end)
     columns = [[(min(w + L - (1 + p) * G, max(M - G, 0)), min(w + L - (1 + p) * G, max(M - G, 0)) + G)
                 for w in range(0, M, L)] for p in range(min(P, heads))]
-    if heads * M * (2 * len(columns[0]) + 1) <= MAX_LISTED_RUNS:  # few runs: listed on the host, no device wait
-        i = torch.arange(M)
-        window = (i - i % L, torch.clamp(i - i % L + min(L, M), max=M))
-        per_pattern = [pattern_runs(geo, band=window, columns=cols, rows=cols if horizontal_global_attention else (),
-                                    causal=causal) for cols in columns]
+    i = torch.arange(M)
+    window = (i - i % L, torch.clamp(i - i % L + min(L, M), max=M))
+    patterns = [dict(band=window, columns=cols, rows=cols if horizontal_global_attention else (), causal=causal)
+                for cols in columns]
+    if heads * M * (2 * len(columns[0]) + 1) <= MAX_LISTED_RUNS:  # few runs: listed on the host
+        per_pattern = [pattern_runs(geo, **pattern) for pattern in patterns]
         runs = joined_runs(*(per_pattern[h % P]._replace(row=per_pattern[h % P].row + h * M) for h in range(heads)))
         return make_from_runs(runs, geo, name, device, heads)
-    # many runs (short windows on a long grid: a global column every few blocks): the layout on the device
-    i, j = block_coords(geo, device)
+    # many runs (short windows on a long grid: a global column every few blocks): the layout made on the device,
+    # its lists' sizes counted from the pattern; neither waits for the device
+    i, j = block_coords(geo, device)  # (M, 1) and (1, M)
     local_ = (i // L) == (j // L)
     if causal:
         local_ &= j <= i
     layout = local_.expand(heads, M, M).clone()
     for h in range(heads):
-        cols = torch.tensor([c for s, e in columns[h % P] for c in range(s, min(e, M))], device=device)
+        cols = _global_columns(j, M, L, G, h % P)  # (1, M): no list of them copied to the device
         if causal:
-            layout[h] |= (j == cols[:, None, None]).any(0) & (i >= j)
+            layout[h] |= cols & (i >= j)
         else:
-            layout[h, :, cols] = True
+            layout[h] |= cols
             if horizontal_global_attention:
-                layout[h, cols, :] = True
-    return make(layout, geo, name)
+                layout[h] |= cols.view(M, 1)
+    return make(layout, geo, name, pattern_sizes(geo, patterns, [h % P for h in range(heads)]))
+
+
+def _global_columns(j: torch.Tensor, M: int, L: int, G: int, p: int) -> torch.Tensor:
+    """bool like `j` (key block numbers): the global columns of pattern `p`, `G` blocks starting `(1 + p) * G`
+    before the end of each window of `L` (those of a partial last window clamped to the grid's end), as `fixed`
+    lists them, by arithmetic on `j`."""
+    offset = j % L
+    first = L - (1 + p) * G
+    cols = (j - offset + L <= M) & (offset >= first) & (offset < first + G)  # windows that fit the grid
+    last = (M - 1) // L * L  # the last window's first block
+    if last + L > M:  # a partial last window
+        start = min(last + L - (1 + p) * G, max(M - G, 0))
+        cols |= (j >= start) & (j < start + G)
+    return cols
