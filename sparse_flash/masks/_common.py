@@ -263,11 +263,10 @@ def _pattern_counts(geo: Geometry, cand: torch.Tensor, lowest: torch.Tensor, key
     `cand` with the flag), partial where it needs an element mask (a key or query tail; with the flag, from the
     row's `lowest` key block on)."""
     Mq, Mk = geo.num_blocks_q, geo.num_blocks_k
-    in_columns = torch.zeros(Mk + 1, dtype=torch.int64)  # prefix counts of the column blocks: [0, x) holds ...[x]
-    for start, end in _merged(columns, Mk):
-        in_columns[start + 1:end + 1] += 1
-    in_columns = in_columns.cumsum(0)
-    is_column = in_columns[1:] > in_columns[:-1]  # (Mk,)
+    ranges = torch.tensor(_merged(columns, Mk), dtype=torch.int64).view(-1, 2)  # disjoint [start, end) pairs
+    marks = torch.bincount(ranges[:, 0], minlength=Mk + 1) - torch.bincount(ranges[:, 1], minlength=Mk + 1)
+    is_column = marks.cumsum(0)[:Mk] > 0  # (Mk,)
+    in_columns = torch.nn.functional.pad(is_column.cumsum(0), (1, 0))  # (Mk + 1,): [0, x) holds in_columns[x]
     full = torch.zeros(Mq, dtype=torch.bool)  # rows that hold every key block
     for start, end in _merged(rows, Mq):
         full[start:end] = True
