@@ -271,12 +271,21 @@ def _mask_mods(ours: sparse_flash.BlockMask):
         d = q_idx // BLOCK - kv_idx // BLOCK
         return (d <= LOCAL_WINDOW) & (d >= -LOCAL_WINDOW)
 
+    def fixed_mod(b, h, q_idx, kv_idx):  # `masks.fixed`'s defaults on a grid of whole windows: 4 blocks, the last global
+        q, k = q_idx // BLOCK, kv_idx // BLOCK
+        return (q // 4 == k // 4) | (k % 4 == 3)
+
+    def longformer_mod(b, h, q_idx, kv_idx):  # `masks.longformer`'s defaults: a window of +-1 block, block 0 global
+        q, k = q_idx // BLOCK, kv_idx // BLOCK
+        return ((q - k <= 1) & (k - q <= 1)) | (q == 0) | (k == 0)
+
     table = ours.layout[0, 0].clone()  # a plain tensor (the layout is read-only)
 
     def table_mod(b, h, q_idx, kv_idx):
         return table[q_idx // BLOCK, kv_idx // BLOCK]
 
-    return {"butterfly": butterfly_mod, "local": local_mod, "random": table_mod, "bigbird": table_mod}
+    return {"butterfly": butterfly_mod, "local": local_mod, "random": table_mod, "bigbird": table_mod,
+            "fixed": fixed_mod, "longformer": longformer_mod}
 
 
 LOCAL_WINDOW = 3
@@ -295,7 +304,10 @@ def mask_costs(sizes=(65536, 1 << 20)) -> list[dict]:
         "local": lambda n: masks.local(n, BLOCK, window=LOCAL_WINDOW, device="cuda"),
         "random": lambda n: masks.random(n, BLOCK, density=0.1, seed=0, device="cuda"),
         "bigbird": lambda n: masks.bigbird(n, BLOCK, seed=0, device="cuda"),
+        "fixed": lambda n: masks.fixed(n, BLOCK, device="cuda"),  # 131,584 runs at 65,536 tokens: counted from the pattern
+        "longformer": lambda n: masks.longformer(n, BLOCK, device="cuda"),
     }
+    only_short = ("fixed", "longformer")  # at 65,536 tokens only (fixed at 2**20 holds 16.8M blocks)
     try:
         from torch.nn.attention.flex_attention import create_block_mask
     except ImportError as e:
@@ -310,6 +322,8 @@ def mask_costs(sizes=(65536, 1 << 20)) -> list[dict]:
 
     for n in sizes:
         for name, build in builders.items():
+            if name in only_short and n > 65536:
+                continue
             m = build(n)  # loads the kernels of this geometry
             meta = m.kernel_index(False).nbytes() + m.kernel_index(True).nbytes()
             flex_build = None
