@@ -38,10 +38,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ...mask_index import KernelIndex, MaskGeometry
+from .. import settings
 from ..aot import compile_gluon_sm90, descriptor_type
 from ..launch import cached_plan, plan_key
 from ..memory import new_output
-from .. import settings
 from ..schedule import assign_programs, split_items, whole_plan
 from ..triton.common import LOG2E
 from ..triton.split import SplitPlan
