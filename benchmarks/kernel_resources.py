@@ -136,9 +136,6 @@ def hopper_rows(D: int):
     for label, dense, causal in (("sparse", False, False), ("dense", True, False), ("sparse causal", False, True),
                                  ("dense causal", True, True)):
         yield f"hopper fwd D={D} {label}", partial(gluon.fwd.compile_sm90, torch.bfloat16, dense, causal, head_dim=D)
-        if D == 64 or not causal:  # with `settings.hopper_ahead` (`gluon/fwd.py: _ahead`)
-            yield f"hopper fwd D={D} {label} ahead", partial(gluon.fwd.compile_sm90, torch.bfloat16, dense, causal,
-                                                             head_dim=D, ahead=True)
         yield f"hopper dQ D={D} {label}", partial(gluon.dq.compile_sm90, torch.bfloat16, dense, causal, head_dim=D)
         yield f"hopper dK/dV D={D} {label}", partial(gluon.dkdv.compile_sm90, torch.bfloat16, dense, causal, head_dim=D)
         yield f"hopper one-pass D={D} {label}", partial(gluon.bwd.compile_sm90, torch.bfloat16, dense, causal,
@@ -175,7 +172,7 @@ def tile_loop(cubin: bytes) -> dict:
 
 def hopper_report():
     print(f"triton {triton.__version__}, sm_90a, bf16, one program per SM; tile loop per exponential")
-    print(f"{'kernel':36} {'regs cap':>8} {'spill B':>7} {'fences':>6} {'smem KB':>7} {'instr':>6} {'moves':>6}")
+    print(f"{'kernel':34} {'regs cap':>8} {'spill B':>7} {'fences':>6} {'smem KB':>7} {'instr':>6} {'moves':>6}")
     for D in (64, 128):
         for label, build in hopper_rows(D):
             compiled = build()
@@ -183,7 +180,7 @@ def hopper_report():
             loop = tile_loop(compiled.asm["cubin"])
             per_exp = (f"{loop['instructions'] / loop['exps']:6.2f} {loop['moves'] / loop['exps']:6.2f}" if loop
                        else f"{'-':>6} {'-':>6}")
-            print(f"{label:36} {r['registers']:8d} {r['spill_bytes']:7d} {r['injected_fences']:6d} "
+            print(f"{label:34} {r['registers']:8d} {r['spill_bytes']:7d} {r['injected_fences']:6d} "
                   f"{compiled.metadata.shared / 1024:7.1f} {per_exp}", flush=True)
 
 

@@ -116,8 +116,8 @@ def cases():
 
 
 def gluon_cases():
-    """(dtype, dense, causal, mask block, split lists, head dim, the items' mean K/V tiles, `settings.hopper_ahead`)
-    of the warp-specialised Hopper forward (Gluon), or none where this Triton has no Gluon."""
+    """(dtype, dense, causal, mask block, split lists, head dim, the items' mean K/V tiles) of the warp-specialised
+    Hopper forward (Gluon), or none where this Triton has no Gluon."""
     import torch
 
     from sparse_flash.kernels import dispatch
@@ -125,14 +125,11 @@ def gluon_cases():
     if dispatch.gluon_modules() is None:
         return []
     long, short = math.inf, 4.0  # items' mean K/V tiles: two per turn of the loop where D allows, or one
-    cases = [(torch.bfloat16, False, False, 128, False, 128, long), (torch.float16, True, False, 128, False, 128, long),
-             (torch.bfloat16, True, True, 128, False, 128, long), (torch.float16, False, True, 256, False, 128, long),
-             (torch.bfloat16, False, False, 128, True, 128, long), (torch.bfloat16, False, True, 256, True, 128, long),
-             (torch.bfloat16, False, True, 128, False, 64, long), (torch.bfloat16, False, False, 128, True, 64, long),
-             (torch.bfloat16, False, False, 128, True, 128, short), (torch.bfloat16, False, False, 128, False, 64, short)]
-    ahead = [(torch.bfloat16, False, False, 128, False, 128, short), (torch.bfloat16, False, True, 256, True, 64, long),
-             (torch.float16, True, True, 128, False, 64, long)]  # each item's first S under the item before's
-    return [(*case, False) for case in cases] + [(*case, True) for case in ahead]
+    return [(torch.bfloat16, False, False, 128, False, 128, long), (torch.float16, True, False, 128, False, 128, long),
+            (torch.bfloat16, True, True, 128, False, 128, long), (torch.float16, False, True, 256, False, 128, long),
+            (torch.bfloat16, False, False, 128, True, 128, long), (torch.bfloat16, False, True, 256, True, 128, long),
+            (torch.bfloat16, False, True, 128, False, 64, long), (torch.bfloat16, False, False, 128, True, 64, long),
+            (torch.bfloat16, False, False, 128, True, 128, short), (torch.bfloat16, False, False, 128, False, 64, short)]
 
 
 def gluon_bwd_cases():
@@ -191,14 +188,14 @@ def main() -> int:
         except Exception as e:
             failed += 1
             print(f"FAIL {name}: {type(e).__name__}: {e}")
-    for dtype, dense, causal, block, split, head_dim, mean_tiles, ahead in gluon_cases():
+    for dtype, dense, causal, block, split, head_dim, mean_tiles in gluon_cases():
         name = (f"hopper fwd {dtype} dense={dense} causal={causal} block={block} split={split} D={head_dim} "
-                f"mean_tiles={mean_tiles} ahead={ahead}")
+                f"mean_tiles={mean_tiles}")
         try:
             from sparse_flash.kernels.gluon import merge
 
             kernel = dispatch.gluon_modules().fwd.compile_sm90(dtype, dense, causal, block, split, head_dim=head_dim,
-                                                               mean_tiles=mean_tiles, ahead=ahead)
+                                                               mean_tiles=mean_tiles)
             shared = kernel.metadata.shared
             assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
             if split:  # and the launch that merges the chunks
@@ -345,23 +342,6 @@ def test_the_hopper_forward_pairs_tiles_only_for_long_items():
     assert fwd._mean_tiles(*masks.longformer(16384, 128).kernel_records(False)) < fwd.PAIRED_MIN_TILES  # 4-5 tiles
     assert fwd._mean_tiles(*masks.butterfly(16384, 128).kernel_records(False)) >= fwd.PAIRED_MIN_TILES  # 8
     assert fwd._constexprs(128, True, False, False, 128, 64)["PAIRED"]  # dense: every item walks all keys
-
-
-def test_the_hopper_forward_computes_the_next_items_scores_ahead_only_where_switched_on():
-    """`settings.hopper_ahead` (off by default) starts each item's first S under the item before's last tile at
-    D = 64, causal or not, and at D = 128 without the causal flag (`gluon/fwd.py: _ahead`); the launch plans
-    take the setting in force when they are built."""
-    from sparse_flash.kernels import dispatch, settings
-
-    if dispatch.gluon_modules() is None:
-        pytest.skip("this Triton has no Gluon")
-    fwd = dispatch.gluon_modules().fwd
-    assert settings.Settings().hopper_ahead is False
-    for head_dim in (64, 128):
-        for causal in (False, True):
-            assert fwd._constexprs(128, False, causal, False, 128, head_dim)["AHEAD"] is False
-            expected = head_dim == 64 or not causal
-            assert fwd._constexprs(128, False, causal, False, 128, head_dim, 8.0, True)["AHEAD"] is expected
 
 
 def test_kernels_compile_for_sm90():

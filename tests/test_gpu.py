@@ -245,46 +245,6 @@ def test_hopper_forward_with_two_tiles_per_turn_matches_reference(mask_name, cau
     assert all(decided) == real(head_dim, causal, 1), decided  # paired exactly where the policy pairs long lists
 
 
-@pytest.mark.skipif(not SM90, reason="the Hopper forward needs sm_90")
-@pytest.mark.parametrize("mask_name", [*HOPPER_MASKS, "bigbird_split"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_hopper_forward_with_scores_ahead_matches_reference(mask_name, causal, head_dim, monkeypatch):
-    """`settings.hopper_ahead`: each item's first S computed under the item before's last tile. On 8 programs
-    every program walks 16-32 items (items without a tile among them: rows with no block; split lists' chunks),
-    so nearly every item's first S comes from the item before: outputs and log-sum-exp equal the default
-    kernel's bit for bit (the same products and operations in the same order), and outputs, log-sum-exp and
-    gradients pass the 2x rule against the float64 reference."""
-    from sparse_flash import mask_index
-    from sparse_flash.kernels import launch, settings
-    from sparse_flash.kernels.gluon import fwd as gluon_fwd
-    from sparse_flash.testing import compare_to_reference, make_qkv
-
-    monkeypatch.setattr(gluon_fwd, "num_sms", lambda device: 8)
-    monkeypatch.setattr(launch, "_DENSE_PLANS", {})  # plans of this signature made by another test: made again
-    if mask_name == "bigbird_split":  # every list longer than 2 blocks cut into chunks, each an item
-        monkeypatch.setattr(mask_index, "SPLIT_MIN_CHUNK", 2)
-        monkeypatch.setattr(mask_index, "SPLIT_FACTOR", 0)
-        monkeypatch.setattr(mask_index, "SPLIT_MAX_CHUNKS", 3)
-    decided = []
-    real = gluon_fwd._ahead
-    monkeypatch.setattr(gluon_fwd, "_ahead", lambda *a: decided.append(real(*a)) or decided[-1])
-    n = 1024
-    mask = (masks.bigbird(n, 128, seed=0, device="cuda") if mask_name == "bigbird_split" else
-            HOPPER_MASKS[mask_name](n, 4))
-    q, k, v = make_qkv(2, 4, 2, n, n, head_dim, dtype=torch.bfloat16, device="cuda", seed=17)
-    outputs = {}
-    for ahead in (False, True):
-        with settings.override(hopper_d64=True, hopper_ahead=ahead):
-            outputs[ahead] = sparse_flash.block_sparse_attention(q, k, v, mask, causal=causal, backend="triton",
-                                                                 return_lse=True)
-    assert decided == [False, real(head_dim, causal, True)], decided  # the Hopper forward served both calls
-    assert all(torch.equal(a, b) for a, b in zip(outputs[False], outputs[True]))
-    with settings.override(hopper_d64=True, hopper_ahead=True):
-        result = compare_to_reference(q, k, v, mask, causal=causal, backend="triton")
-    assert not result.failures(), result.failures()
-
-
 @pytest.mark.skipif(not SM90, reason="the Hopper backward kernels need sm_90")
 @pytest.mark.parametrize("mask_name", list(HOPPER_MASKS))
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])

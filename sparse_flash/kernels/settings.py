@@ -10,7 +10,6 @@ so a bad value never stops `import sparse_flash`; an empty value counts as unset
 | `deterministic` | `SPARSE_FLASH_DETERMINISTIC` | on | gradients bit-identical from run to run; off (and `torch.use_deterministic_algorithms` off) the one-pass backward adds dQ in any order |
 | `hopper_one_pass_dense` | `SPARSE_FLASH_HOPPER_ONE_PASS_DENSE` | on | the dense non-causal backward takes the one-pass Gluon kernel, faster than the two Gluon passes (H200, backward only, in a fixed order): D = 128 0.99-1.16x (run to run), D = 64 1.04-1.07x (`gluon/bwd.py`; tuning log, steps 83 and 85) |
 | `hopper_one_pass` | `SPARSE_FLASH_HOPPER_ONE_PASS` | off | the one-pass Gluon backward wherever it serves a call (in a fixed order while `deterministic`), in place of the two Gluon passes: 0.53-1.16x their speed in a fixed order, 0.64-1.2x in any order (step 83). In a fixed order its programs wait for each other; the launch is cooperative (the driver starts it only when all its programs can be resident) |
-| `hopper_ahead` | `SPARSE_FLASH_HOPPER_AHEAD` | off | the Gluon forward computes each work item's first scores under the item before's last tile (`gluon/fwd.py: _ahead`; D = 64, and D = 128 without the causal flag); off until timed against the default (tuning log, step 109) |
 | `hopper_split` | `SPARSE_FLASH_HOPPER_SPLIT` | on | the Gluon kernels also take masks whose work plan splits long lists |
 | `hopper_balance` | `SPARSE_FLASH_HOPPER_BALANCE` | on | Gluon work items placed on programs by load (off: in turn) |
 | `hopper_d64` | `SPARSE_FLASH_HOPPER_D64` | on | the Gluon kernels also at head dim 64 (off: 128 only); measured against the Triton kernels at 64: forward 0.96-1.76x, backward 1.12-1.34x (tuning log, step 58) |
@@ -55,7 +54,6 @@ class Settings:
     deterministic: bool = True
     hopper_one_pass: bool = False
     hopper_one_pass_dense: bool = True
-    hopper_ahead: bool = False
     hopper_split: bool = True
     hopper_balance: bool = True
     hopper_d64: bool = True
@@ -75,7 +73,6 @@ ENVIRONMENT = {  # field: the variable that sets it
     "deterministic": "SPARSE_FLASH_DETERMINISTIC",
     "hopper_one_pass": "SPARSE_FLASH_HOPPER_ONE_PASS",
     "hopper_one_pass_dense": "SPARSE_FLASH_HOPPER_ONE_PASS_DENSE",
-    "hopper_ahead": "SPARSE_FLASH_HOPPER_AHEAD",
     "hopper_split": "SPARSE_FLASH_HOPPER_SPLIT",
     "hopper_balance": "SPARSE_FLASH_HOPPER_BALANCE",
     "hopper_d64": "SPARSE_FLASH_HOPPER_D64",

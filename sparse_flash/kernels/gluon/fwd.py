@@ -38,7 +38,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ...mask_index import KernelIndex, MaskGeometry
-from .. import settings
 from ..aot import compile_gluon_sm90, descriptor_type
 from ..launch import cached_plan, plan_key
 from ..memory import new_output
@@ -229,52 +228,6 @@ def _diagonal_exact(acc, m_i, q, K, V, k_row, key0, q_tok, qk_scale, o_layout: g
 
 
 @gluon.jit
-def _first_scores(q, k_smem, k_ready, k_empty, t, zero_s):
-    """S of an item's first tile (K ring position t), waited for; its K buffer released."""
-    K_STAGES: gl.constexpr = k_smem.type.shape[0]
-    qk = _issue_qk(q, k_smem, k_ready, t, zero_s)
-    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))  # (BLOCK_M, BLOCK_N)
-    release(k_empty.index(t % K_STAGES))
-    return qk
-
-
-@gluon.jit
-def _item_tiles(rec, PartIdx, Nq, ITEM_ROWS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr,
-                BLOCK_N: gl.constexpr, DENSE: gl.constexpr, DEAD_TILES: gl.constexpr):
-    """The K/V tiles that the item at `rec` (`ITEM_ROWS` query rows) walks: its full list's, then the live
-    tiles of its partial list (`_partial_tiles`)."""
-    q_first = gl.load(rec) % Nq
-    n_full = (gl.load(rec + 3) - gl.load(rec + 2)) * SUB
-    return n_full + _partial_tiles(PartIdx, gl.load(rec + 4), gl.load(rec + 5), q_first + ITEM_ROWS - 1, SUB,
-                                   MASK_BLOCK_K, BLOCK_N, DENSE, DEAD_TILES)
-
-
-@gluon.jit
-def _last_tile(qk, acc, m_i, l_i, t, n_tiles, n_full, plo, rec, PartIdx, q, q_tok, K, V, v_smem, v_ready, qk_scale,
-               SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr,
-               o_layout: gl.constexpr, p_layout: gl.constexpr):
-    """The item's last tile (ring position t, scores `qk`): its element mask where it is on the causal
-    diagonal, the softmax and O += P V, waited for. Returns `(acc, m_i, l_i)`."""
-    BLOCK_N: gl.constexpr = qk.type.shape[1]
-    HEAD_D: gl.constexpr = acc.type.shape[1]
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    qk = _mask_partial(qk, n_tiles - 1, n_full, plo, PartIdx, q_tok, SUB, MASK_BLOCK_K, DENSE, CAUSAL)
-    p, alpha, m_i, l_i = _softmax(qk, m_i, l_i, qk_scale)
-    if CAUSAL:
-        if n_tiles > n_full:  # the last tile is a partial one: on the causal diagonal
-            key0 = list_tile_start(PartIdx, plo * SUB + n_tiles - 1 - n_full, SUB, MASK_BLOCK_K, BLOCK_N, DENSE)
-            acc = _diagonal_pv(acc, alpha, p, m_i, q, v_smem, v_ready, t, K, V, gl.load(rec + 1), key0, q_tok,
-                               qk_scale, o_layout, p_layout, HEAD_D)
-        else:
-            acc = _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    else:
-        acc = _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    return acc, m_i, l_i
-
-
-@gluon.jit
 def _store_lse(L, row, m_i, l_safe, empty, offs_m):
     """Rows [row, row + BLOCK_M) of the log-sum-exp L: natural log, -inf for an empty row."""
     gl.store(L + row + offs_m, gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453))
@@ -304,8 +257,7 @@ def _store_tile_tma(o_desc, o_smem, L, row, out, m_i, l_safe, empty, offs_m):
 def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Lse,
                        OutPart, LsePart, K, V, Items, Starts, PartIdx, Nq, qk_scale, SUB: gl.constexpr,
                        MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, DEAD_TILES: gl.constexpr,
-                       SPLIT: gl.constexpr, PAIRED: gl.constexpr, AHEAD: gl.constexpr, HALF: gl.constexpr,
-                       WARPS: gl.constexpr):
+                       SPLIT: gl.constexpr, PAIRED: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
     """One compute warpgroup: the online softmax over each item's K/V tiles for its half of the item's
     query rows, then O and the log-sum-exp (SPLIT: for a chunk of a split list, into its scratch rows).
 
@@ -333,41 +285,24 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
     offs_d = gl.arange(0, HEAD_D, layout=o_cols)  # (HEAD_D,)
     t = 0  # K/V tiles consumed so far (ring positions, as in the load warp)
     c = 0
-    first = gl.load(Starts + gl.program_id(0))
-    last = gl.load(Starts + gl.program_id(0) + 1)
-    if AHEAD:  # (`_ahead`) each item's first S is computed under the item before's last tile, where it has one
-        n_tiles = 0  # the item's K/V tiles, counted during the item before
-        if first < last:
-            n_tiles = _item_tiles(Items + first * ITEM_WIDTH, PartIdx, Nq, 2 * BLOCK_M, SUB, MASK_BLOCK_K, BLOCK_N,
-                                  DENSE, DEAD_TILES)
-        qk = zero_s  # where `ahead`: the scores of the item's first tile
-        ahead = 0
-    for it in range(first, last):
+    for it in range(gl.load(Starts + gl.program_id(0)), gl.load(Starts + gl.program_id(0) + 1)):
         rec = Items + it * ITEM_WIDTH
         q_row = gl.load(rec) + HALF * BLOCK_M  # this warpgroup's first row of Q, O and the log-sum-exp
         q_tok = q_row % Nq  # its position in the sequence
         n_full = (gl.load(rec + 3) - gl.load(rec + 2)) * SUB
         plo = gl.load(rec + 4)
-        if not AHEAD:
-            n_tiles = n_full + _partial_tiles(PartIdx, plo, gl.load(rec + 5), q_tok - HALF * BLOCK_M + 2 * BLOCK_M - 1,
-                                              SUB, MASK_BLOCK_K, BLOCK_N, DENSE, DEAD_TILES)
+        n_tiles = n_full + _partial_tiles(PartIdx, plo, gl.load(rec + 5), q_tok - HALF * BLOCK_M + 2 * BLOCK_M - 1, SUB,
+                                          MASK_BLOCK_K, BLOCK_N, DENSE, DEAD_TILES)
         qb = c % 2
         mbarrier.wait(q_ready.index(qb), (c // 2) & 1)
         q = q_smem.index(qb).slice(HALF * BLOCK_M, BLOCK_M)  # (BLOCK_M, HEAD_D) in shared memory
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, s_rows)  # running max, log2 units
         l_i = gl.zeros([BLOCK_M], gl.float32, s_rows)  # running sum of exp2
         acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)  # (BLOCK_M, HEAD_D) unnormalised O
-        if AHEAD:
-            n_next = 0  # the next item's K/V tiles (0: no next item)
-            if it + 1 < last:
-                n_next = _item_tiles(rec + ITEM_WIDTH, PartIdx, Nq, 2 * BLOCK_M, SUB, MASK_BLOCK_K, BLOCK_N, DENSE,
-                                     DEAD_TILES)
         if n_tiles > 0:
-            if AHEAD:
-                if ahead == 0:
-                    qk = _first_scores(q, k_smem, k_ready, k_empty, t, zero_s)
-            else:
-                qk = _first_scores(q, k_smem, k_ready, k_empty, t, zero_s)
+            qk = _issue_qk(q, k_smem, k_ready, t, zero_s)
+            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))  # (BLOCK_M, BLOCK_N) scores of tile 0
+            release(k_empty.index(t % K_STAGES))
             if c > 0:  # the item before's O has left its Q buffer: the item after next may load its Q there
                 release_after_store(q_empty.index((c + 1) % 2))
             # PAIRED (`_paired`): two tiles per turn, S alternating between two register sets (qk, qk_odd), so
@@ -383,32 +318,24 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
                 acc, qk, m_i, l_i = _tile_step(qk, acc, m_i, l_i, t, q, k_smem, k_ready, k_empty, v_smem, v_ready,
                                                v_empty, zero_s, qk_scale, o_rows, p_layout)
                 t += 1
-            if AHEAD:
-                if n_next > 0:  # the next item's first S on the tensor cores under this item's last softmax
-                    mbarrier.wait(q_ready.index((c + 1) % 2), ((c + 1) // 2) & 1)
-                    q_next = q_smem.index((c + 1) % 2).slice(HALF * BLOCK_M, BLOCK_M)
-                    qk_next = _issue_qk(q_next, k_smem, k_ready, t + 1, zero_s)
-                    acc, m_i, l_i = _last_tile(qk, acc, m_i, l_i, t, n_tiles, n_full, plo, rec, PartIdx, q, q_tok, K,
-                                               V, v_smem, v_ready, qk_scale, SUB, MASK_BLOCK_K, DENSE, CAUSAL,
-                                               o_layout, p_layout)
-                    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk_next, ))
-                    release(k_empty.index((t + 1) % K_STAGES))
-                    ahead = 1
+            qk = _mask_partial(qk, n_tiles - 1, n_full, plo, PartIdx, q_tok, SUB, MASK_BLOCK_K, DENSE, CAUSAL)
+            p, alpha, m_i, l_i = _softmax(qk, m_i, l_i, qk_scale)
+            if CAUSAL:
+                if n_tiles > n_full:  # the last tile is a partial one: on the causal diagonal
+                    key0 = list_tile_start(PartIdx, plo * SUB + n_tiles - 1 - n_full, SUB, MASK_BLOCK_K, BLOCK_N,
+                                           DENSE)
+                    acc = _diagonal_pv(acc, alpha, p, m_i, q, v_smem, v_ready, t, K, V, gl.load(rec + 1), key0,
+                                       q_tok, qk_scale, o_layout, p_layout, HEAD_D)
                 else:
-                    acc, m_i, l_i = _last_tile(qk, acc, m_i, l_i, t, n_tiles, n_full, plo, rec, PartIdx, q, q_tok, K,
-                                               V, v_smem, v_ready, qk_scale, SUB, MASK_BLOCK_K, DENSE, CAUSAL,
-                                               o_layout, p_layout)
-                    ahead = 0
+                    acc = _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             else:
-                acc, m_i, l_i = _last_tile(qk, acc, m_i, l_i, t, n_tiles, n_full, plo, rec, PartIdx, q, q_tok, K, V,
-                                           v_smem, v_ready, qk_scale, SUB, MASK_BLOCK_K, DENSE, CAUSAL, o_layout,
-                                           p_layout)
+                acc = _issue_pv(acc, alpha, p, v_smem, v_ready, t, o_rows, p_layout)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             release(v_empty.index(t % V_STAGES))
             t += 1
         elif c > 0:
             release_after_store(q_empty.index((c + 1) % 2))
-        if AHEAD:
-            n_tiles = n_next
         # Empty rows (no allowed key): output 0 and lse -inf, never 0/0.
         empty = l_i == 0.0
         l_safe = gl.where(empty, 1.0, l_i)
@@ -433,7 +360,7 @@ def _compute_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
 def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, OutPart, LsePart, K, V, Items, Starts, FullIdx,
                             PartIdx, Nq, qk_scale, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr,
                             CAUSAL: gl.constexpr, DEAD_TILES: gl.constexpr, SPLIT: gl.constexpr,
-                            K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, PAIRED: gl.constexpr, AHEAD: gl.constexpr,
+                            K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, PAIRED: gl.constexpr,
                             LOAD_WARP_REGS: gl.constexpr, COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
     """One resident program per SM; program p walks items [Starts[p], Starts[p + 1]) (`hopper.assign_programs`)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -448,10 +375,10 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, OutPart, LsePar
     gl.warp_specialize([
         (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Lse,
                               OutPart, LsePart, K, V, Items, Starts, PartIdx, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
-                              CAUSAL, DEAD_TILES, SPLIT, PAIRED, AHEAD, FIRST_HALF, num_warps)),  # rows [0, 64) of each item
+                              CAUSAL, DEAD_TILES, SPLIT, PAIRED, FIRST_HALF, num_warps)),  # rows [0, 64) of each item
         (_compute_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Lse,
                               OutPart, LsePart, K, V, Items, Starts, PartIdx, Nq, qk_scale, SUB, MASK_BLOCK_K, DENSE,
-                              CAUSAL, DEAD_TILES, SPLIT, PAIRED, AHEAD, SECOND_HALF, num_warps)),  # query rows [64, 128)
+                              CAUSAL, DEAD_TILES, SPLIT, PAIRED, SECOND_HALF, num_warps)),  # query rows [64, 128)
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                            v_empty, Items, Starts, FullIdx, PartIdx, Nq, SUB, MASK_BLOCK_K, DENSE, DEAD_TILES)),
     ], [num_warps, 1], [COMPUTE_REGS, LOAD_WARP_REGS])
@@ -503,8 +430,7 @@ class FwdPlan:
         self.launch = bound_launch(_attn_fwd_hopper_kernel, self.grid[0], (
             self.items, self.starts, self.full_idx, self.part_idx, Nq, scale * LOG2E),
             _constexprs(block_k, dense, causal, split, BLOCK if dense else geometry.block_q, D,
-                        math.inf if dense else _mean_tiles(index, geometry), settings.current().hopper_ahead),
-            MAX_REGS)
+                        math.inf if dense else _mean_tiles(index, geometry)), MAX_REGS)
         self.out_shape, self.lse_shape, self.dtype, self.device = q.shape, (B, Hq, Nq), q.dtype, q.device
 
     def __call__(self, q, k, v):
@@ -536,14 +462,6 @@ def _paired(head_dim: int, causal: bool, sub: int, mean_tiles: float = math.inf)
     return mean_tiles >= PAIRED_MIN_TILES and (head_dim <= 64 or (not causal and sub == 1))
 
 
-def _ahead(head_dim: int, causal: bool, enabled: bool) -> bool:
-    """Whether each item's first S is computed under the item before's last tile (`settings.hopper_ahead`): at
-    D = 64, and at D = 128 without the causal flag. At D = 128 the causal kernel would keep the next item's S
-    in flight beside the diagonal tile's own product (`_diagonal_pv`) and spills 3.5 KB (ptxas, Triton 3.6;
-    D = 64 causal: 4 bytes, non-causal D = 128 paired: none, one tile per turn: 64 bytes, outside the loop)."""
-    return enabled and (head_dim <= 64 or not causal)
-
-
 def _mean_tiles(index: KernelIndex, geometry: MaskGeometry) -> float:
     """The K/V tiles (`BLOCK` keys each) that a query block's row list holds on average: its blocks, full and
     partial, over the lists (host sizes: nothing read from the device)."""
@@ -553,12 +471,11 @@ def _mean_tiles(index: KernelIndex, geometry: MaskGeometry) -> float:
 
 
 def _constexprs(block_k: int, dense: bool, causal: bool, split: bool, block_q: int, head_dim: int,
-                mean_tiles: float = math.inf, ahead: bool = False) -> dict:
+                mean_tiles: float = math.inf) -> dict:
     dead_tiles = causal and max(block_q, block_k) > BLOCK  # a partial block may reach past an item's rows
     paired = _paired(head_dim, causal, block_k // BLOCK, mean_tiles)
     return dict(SUB=block_k // BLOCK, MASK_BLOCK_K=block_k, DENSE=dense, CAUSAL=causal, DEAD_TILES=dead_tiles,
-                SPLIT=split, K_STAGES=K_BUFFERS, V_STAGES=V_BUFFERS, PAIRED=paired,
-                AHEAD=_ahead(head_dim, causal, ahead), LOAD_WARP_REGS=LOAD_REGS,
+                SPLIT=split, K_STAGES=K_BUFFERS, V_STAGES=V_BUFFERS, PAIRED=paired, LOAD_WARP_REGS=LOAD_REGS,
                 COMPUTE_REGS=PAIRED_REGS if paired and head_dim > 64 else COMPUTE_REGS)
 
 
@@ -571,11 +488,10 @@ def attn_fwd(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, 
 
 
 def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causal: bool = False, block_k: int = BLOCK,
-                 split: bool = False, block_q: int | None = None, head_dim: int = 128, mean_tiles: float = math.inf,
-                 ahead: bool = False):
+                 split: bool = False, block_q: int | None = None, head_dim: int = 128, mean_tiles: float = math.inf):
     """The kernel compiled for sm_90a on any machine (no GPU needed), as the launcher would launch it at
-    D = `head_dim` for items of `mean_tiles` K/V tiles on average (`_paired`), with `settings.hopper_ahead`
-    as `ahead` (`_ahead`); for compile checks (tests/test_codegen.py) and `benchmarks/kernel_resources.py`."""
+    D = `head_dim` for items of `mean_tiles` K/V tiles on average (`_paired`); for compile checks
+    (tests/test_codegen.py) and `benchmarks/kernel_resources.py`."""
     D = head_dim
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], GL_DTYPES[dtype])
@@ -584,6 +500,5 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
                Lse="*fp32", OutPart="*fp32", LsePart="*fp32", K=f"*{name}", V=f"*{name}", Items="*i32",
                Starts="*i32", FullIdx="*i32",
                PartIdx="*i32", Nq="i32", qk_scale="fp32")
-    constexprs = _constexprs(block_k, dense, causal, split, block_q or (BLOCK if dense else block_k), D, mean_tiles,
-                             ahead)
+    constexprs = _constexprs(block_k, dense, causal, split, block_q or (BLOCK if dense else block_k), D, mean_tiles)
     return compile_gluon_sm90(_attn_fwd_hopper_kernel, sig, dict(constexprs, num_warps=4), MAX_REGS)
