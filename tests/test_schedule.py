@@ -42,17 +42,23 @@ def test_dense_items_walk_every_key_tile():
     assert items[:, 2].eq(0).all() and items[:, 3].eq(768 // 128).all() and items[:, 4].eq(items[:, 5]).all()
 
 
-@pytest.mark.parametrize("Nk", [1024, 512])
-def test_dense_causal_items_end_on_the_diagonal_longest_first(Nk):
-    """Query tile i: key tiles [0, i) full and tile i on the diagonal (none past the keys' end)."""
-    Nq = 1024
-    items = schedule.row_items(1, 2, 2, Nq, Nk, True, None, None, "cpu")
+@pytest.mark.parametrize("Nq, Nk, balance", [(1024, 1024, True), (1024, 512, True), (1024, 1024, False),
+                                              (4096 + 128, 4096 + 128, True)])
+def test_dense_causal_items_end_on_the_diagonal_in_head_order_or_longest_first(Nq, Nk, balance):
+    """Query tile i: key tiles [0, i) full and tile i on the diagonal (none past the keys' end). Items start
+    in (batch, head) and tile order where the programs are balanced by load and the heads hold at most
+    HEAD_ORDER_TOKENS tokens, else longest first (`longest_first`)."""
+    with settings.override(hopper_balance=balance):
+        items = schedule.row_items(1, 2, 2, Nq, Nk, True, None, None, "cpu")
     key_tiles = Nk // 128
     for q_row, kv_row, lo, hi, plo, phi in items.tolist():
         i = (q_row % Nq) // 128
         assert (lo, hi, plo, phi) == (0, min(i, key_tiles), min(i, key_tiles), min(i + 1, key_tiles))
     length = items[:, 3] - items[:, 2] + items[:, 5] - items[:, 4]
-    assert (length[:-1] >= length[1:]).all()
+    if balance and max(Nq, Nk) <= schedule.HEAD_ORDER_TOKENS:
+        assert (items[1:, 0] > items[:-1, 0]).all()  # by (batch, head), then query tile
+    else:
+        assert (length[:-1] >= length[1:]).all() and not (items[1:, 0] > items[:-1, 0]).all()
 
 
 def test_sparse_causal_items_take_the_full_and_partial_lists():
@@ -396,7 +402,9 @@ def _plan_on_host(along, B, Hq, Hkv, N, causal, index, geometry, programs, sub, 
     ("rows", 1, 4, 4, 16, 128, 6, False, True),
     # more items than one program ranks, and than one chunk it counts against
     ("rows", 2, 4, 4, 24, 128, 9, True, True), ("cols", 2, 4, 2, 40, 128, 5, False, True),
-    ("rows", 2, 4, 4, 24, 128, 7, True, False), ("cols", 2, 2, 2, 40, 256, 11, False, False)])
+    ("rows", 2, 4, 4, 24, 128, 7, True, False), ("cols", 2, 2, 2, 40, 256, 11, False, False),
+    # causal calls past HEAD_ORDER_TOKENS start longest first, balanced too
+    ("rows", 1, 2, 2, 40, 128, 5, True, True), ("cols", 1, 2, 1, 20, 256, 6, True, True)])
 def test_triton_launches_order_and_place_items_as_the_torch_operators_do(along, B, Hq, Hkv, blocks, block, programs,
                                                                          causal, balance):
     """`schedule.placed_items` (Triton launches, under TRITON_INTERPRET=1 as on a GPU) gives exactly the

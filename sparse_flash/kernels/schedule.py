@@ -29,6 +29,9 @@ ITEM_WIDTH = 8  # int32 fields of a Gluon item record: the six of `row_items` or
 # of a chunk of a split list (-1: the item writes its output; `split_items`), padding
 BUNDLES_PER_PROGRAM = 16  # runs of items per program that the balancing places (bounds its host time)
 ROW_BLOCK = 128  # query rows per item of the kernels that walk row lists (`row_items`), and key rows per list tile
+# Causal calls of at most this many tokens per head start their items in (batch, head) order, longer ones longest
+# first (`longest_first`; tuning log, step 111)
+HEAD_ORDER_TOKENS = 4096
 
 
 def list_ranges(full: BlockIndex, part: BlockIndex, lists):
@@ -44,8 +47,8 @@ def row_items(B, Hq, Hkv, Nq, Nk, causal: bool, index: KernelIndex | None, geome
     lists count mask blocks of the tile's mask row (`index.row_full`, `index.row_partial`), or for the dense path (None)
     ROW_BLOCK-key tiles (causal: the tile on the diagonal is the partial list).
 
-    Order (`order_items`): causal calls longest list first, other calls heavy lists first, then by
-    (batch, head) and query tile, so that the programs in flight share one head's K and V in L2.
+    Order (`order_items`): heavy lists first, then by (batch, head) and query tile, so that the programs in
+    flight share one head's K and V in L2; causal calls longest list first where `longest_first` says so.
     """
     tiles = Nq // ROW_BLOCK
     b = torch.arange(B, device=device).view(B, 1, 1)
@@ -63,7 +66,8 @@ def row_items(B, Hq, Hkv, Nq, Nk, causal: bool, index: KernelIndex | None, geome
         g = geometry
         row = (((b % g.batch) * g.heads + h % g.heads) * g.blocks_q + (i * ROW_BLOCK) // g.block_q).expand(shape)
         lo, hi, plo, phi = list_ranges(index.row_full, index.row_partial, row)  # each tile's mask row
-    return order_items(torch.stack([q_row, kv_row, lo, hi, plo, phi], -1).reshape(-1, 6), causal)
+    return order_items(torch.stack([q_row, kv_row, lo, hi, plo, phi], -1).reshape(-1, 6),
+                       longest_first(causal, Nq, Nk))
 
 
 def column_items(B, Hq, Hkv, Nq, Nk, causal: bool, index: KernelIndex | None, geometry: MaskGeometry | None, device,
@@ -71,7 +75,8 @@ def column_items(B, Hq, Hkv, Nq, Nk, causal: bool, index: KernelIndex | None, ge
     """int32 `(items, 6)` records, one per BLOCK_N-key tile of each (batch, KV head): (first K/V row, first Q
     row of the group's first query head, full list start, end, partial list start, end). Lists count mask
     blocks of the column (`index.col_full`, `index.col_partial`), or BLOCK_M-row query tiles for the dense
-    path (index None; causal: the tiles on the diagonal are the partial list). Order: `order_items`."""
+    path (index None; causal: the tiles on the diagonal are the partial list). Order: `order_items`, as
+    `row_items`."""
     G = Hq // Hkv
     tiles = Nk // BLOCK_N
     b = torch.arange(B, device=device).view(B, 1, 1)
@@ -93,7 +98,8 @@ def column_items(B, Hq, Hkv, Nq, Nk, causal: bool, index: KernelIndex | None, ge
         g = geometry
         col = (((b % g.batch) * g.heads + hk % g.heads) * g.blocks_k + (n * BLOCK_N) // g.block_k).expand(shape)
         lo, hi, plo, phi = list_ranges(index.col_full, index.col_partial, col)  # each tile's mask column
-    return order_items(torch.stack([kv_row, q_row0, lo, hi, plo, phi], -1).reshape(-1, 6), causal)
+    return order_items(torch.stack([kv_row, q_row0, lo, hi, plo, phi], -1).reshape(-1, 6),
+                       longest_first(causal, Nq, Nk))
 
 
 def split_items(along: str, B, Hq, Hkv, Nq, Nk, index: KernelIndex, geometry: MaskGeometry, copy_strides,
@@ -163,14 +169,28 @@ def whole_items(items):
     return torch.cat([items, torch.full_like(items[:, :1], -1), torch.zeros_like(items[:, :1])], 1).contiguous()
 
 
-def order_items(items, causal: bool):
-    """Items (fields 2-5: full and partial list ranges) in the order they start: causal calls longest list
-    first (their lists grow along the diagonal, and the long ones must not come last); other calls heavy
-    lists first (longer than `mask_index.HEAVY_FACTOR` x the mean, as the Triton kernels' work plans start
-    them), then as given (by (batch, head) and tile, so that the programs in flight share one head's
-    tensors in L2). Returns int32 records."""
+def longest_first(causal: bool, Nq: int, Nk: int) -> bool:
+    """Whether a call's work items start longest list first (`order_items`): causal calls, whose lists grow
+    along the diagonal, where the programs take their items in turn (without `settings.hopper_balance` the
+    long ones must not come last) or the heads are longer than HEAD_ORDER_TOKENS. With the balancing, which
+    places items by load whatever their order, a causal call of 4,096 tokens runs 2-7% faster with its items
+    in (batch, head) order, forward and backward (the programs in flight share fewer heads' K and V), and one
+    of 16,384 tokens 2-3% slower (tuning log, step 111).
+
+    Example:
+        >>> longest_first(True, 4096, 4096), longest_first(True, 16384, 16384), longest_first(False, 16384, 16384)
+        (False, True, False)
+    """
+    return causal and (max(Nq, Nk) > HEAD_ORDER_TOKENS or not settings.current().hopper_balance)
+
+
+def order_items(items, longest: bool):
+    """Items (fields 2-5: full and partial list ranges) in the order they start: with `longest`
+    (`longest_first`) longest list first; otherwise heavy lists first (longer than `mask_index.HEAVY_FACTOR` x
+    the mean, as the Triton kernels' work plans start them), then as given (by (batch, head) and tile, so
+    that the programs in flight share one head's tensors in L2). Returns int32 records."""
     length = items[:, 3] - items[:, 2] + items[:, 5] - items[:, 4]
-    if causal:
+    if longest:
         order = torch.argsort(-length, stable=True)
     else:
         heavy = length > HEAVY_FACTOR * length.float().mean()
@@ -305,8 +325,8 @@ def _placed_items(along: str, B, Hq, Hkv, Nq, Nk, causal: bool, full: BlockIndex
         launch(_order_items_kernel, (cdiv(n, ORDER_ITEMS), ),
                (full.offsets, part.offsets, scratch, placed, starts, n, tiles, heads, n_own, other_heads, mul, div,
                 n_other, g.batch, g.heads, blocks, block, num_programs, float(HEAVY_FACTOR)),
-               dict(CAUSAL=causal, BALANCE=balance, TILE=tile, ITEMS=ORDER_ITEMS, CHUNK=ORDER_CHUNK,
-                    PROGRAMS=PROGRAMS), 4, 3)
+               dict(LONGEST=longest_first(causal, Nq, Nk), BALANCE=balance, TILE=tile, ITEMS=ORDER_ITEMS,
+                    CHUNK=ORDER_CHUNK, PROGRAMS=PROGRAMS), 4, 3)
         if balance:
             launch(_deal_items_kernel, (1, ), (scratch, placed, starts, n, num_programs, run, sub),
                    dict(ITEM_COST=ITEM_COST, BLOCK=BLOCK, RUNS=RUNS, PROGRAMS=PROGRAMS),
@@ -404,12 +424,12 @@ def _item_length(FullOffsets, PartOffsets, lst, valid):
 def _order_items_kernel(FullOffsets, PartOffsets, Scratch, Placed, Starts,
                         n, tiles, heads, n_own, other_heads, other_mul, other_div, n_other, g_batch, g_heads,
                         g_blocks, g_block, num_programs, heavy_factor,
-                        CAUSAL: tl.constexpr, BALANCE: tl.constexpr, TILE: tl.constexpr, ITEMS: tl.constexpr,
+                        LONGEST: tl.constexpr, BALANCE: tl.constexpr, TILE: tl.constexpr, ITEMS: tl.constexpr,
                         CHUNK: tl.constexpr, PROGRAMS: tl.constexpr):
     """Program pid: the records of items pid * ITEMS + [0, ITEMS) of a (B, heads, tiles) grid of tiles (as
     `whole_items(row_items or column_items)`), each at its position in the start order (`order_items`), from
-    a count over all items of those that start before it: causal calls longest first (ties in item order),
-    others heavy lists first, each class in item order. With BALANCE the records go to Scratch (6 fields per
+    a count over all items of those that start before it: with LONGEST (`longest_first`) longest first (ties
+    in item order), otherwise heavy lists first, each class in item order. With BALANCE the records go to Scratch (6 fields per
     position) for `_deal_items_kernel`; without, item at position pos goes to program pos % num_programs and
     its record straight to Placed (`assign_programs`: each program's items in start order), and program 0
     writes Starts.
@@ -431,7 +451,7 @@ def _order_items_kernel(FullOffsets, PartOffsets, Scratch, Placed, Starts,
     phi = tl.load(PartOffsets + lst + 1, mask=valid, other=0)
     length = (hi - lo) + (phi - plo)
     pos = tl.zeros([ITEMS], tl.int32)
-    if CAUSAL:  # longer lists, then equal ones of lower item number
+    if LONGEST:  # longer lists, then equal ones of lower item number
         for first in range(0, n, CHUNK):
             j = first + tl.arange(0, CHUNK)
             vj = j < n
