@@ -55,10 +55,10 @@ def cases():
     from sparse_flash import index_gpu
 
     yield ("schedule.deal_runs", schedule._deal_runs_kernel, dict(PROGRAMS=256), (), dict(num_warps=4))
-    for causal in (True, False):
+    for longest in (True, False):
         for balance in (True, False):
-            yield (f"schedule.placed_items order causal={causal} balance={balance}", schedule._order_items_kernel,
-                   dict(CAUSAL=causal, BALANCE=balance, TILE=128, ITEMS=schedule.ORDER_ITEMS,
+            yield (f"schedule.placed_items order longest={longest} balance={balance}", schedule._order_items_kernel,
+                   dict(LONGEST=longest, BALANCE=balance, TILE=128, ITEMS=schedule.ORDER_ITEMS,
                         CHUNK=schedule.ORDER_CHUNK, PROGRAMS=256),
                    (), dict(num_warps=4, types={n: "*i32" for n in ("Scratch", "Placed", "Starts")}
                             | {"heavy_factor": "fp32"}))
