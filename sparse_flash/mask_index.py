@@ -524,17 +524,19 @@ def _plan_sizes_on_gpu(plans: list[_PlanInput]):
 
 
 def _split_plans_on_gpu(plans: list[_PlanInput], base: tuple[int, ...], n: torch.Tensor,
-                        sizes: list[list[int]]) -> list[WorkPlan] | None:
+                        sizes: list[list[int]], firsts: torch.Tensor | None = None) -> list[WorkPlan] | None:
     """`_plan_items` of plans in which some list is cut into chunks (`n`: every list's chunks, plan p's at
-    `base[p]`), two Triton launches per plan (`sparse_flash.index_gpu.split_plan`), or None where that does not
-    apply (`_on_gpu`, no Triton, more items or lists per head than one program orders)."""
+    `base[p]`; `firsts`: their prefix sums of `index_gpu.split_plan`, or None to sum them here), two Triton
+    launches per plan (`sparse_flash.index_gpu.split_plan`), or None where that does not apply (`_on_gpu`, no
+    Triton, more items or lists per head than one program orders)."""
     index_gpu = gpu_builders(n)
     if index_gpu is None or not all(index_gpu.split_supported(plan.counts.shape[-1], size[1], size[4])
                                     for plan, size in zip(plans, sizes)):
         return None
-    is_split = (n > 1).long()
-    # exclusive prefix sums over the batch: the split lists' scratch slots and the split lists themselves
-    firsts = torch.nn.functional.pad(torch.stack([n * is_split, is_split]).cumsum(1), (1, 0))
+    if firsts is None:
+        is_split = (n > 1).long()
+        # exclusive prefix sums over the batch: the split lists' scratch slots and the split lists themselves
+        firsts = torch.nn.functional.pad(torch.stack([n * is_split, is_split]).cumsum(1), (1, 0))
     out = []
     leads = torch.zeros(len(plans), dtype=torch.int32, device=n.device)  # one fill for every plan's count
     shapes = [index_gpu.split_plan_shapes(plan.counts, tuple(size[:4])) for plan, size in zip(plans, sizes)]
@@ -750,19 +752,22 @@ def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: in
             plans = _unsplit_plans_on_gpu([plan._replace(chunk=0) for plan in inputs])
             longest_row = {flag: longest[flag][0] for flag in (False, True)}
     if plans is None:
-        # The four work plans (rows and columns of each flag) in one batch, their sizes read from the device together
-        # (or counted on the host from the lists' counts, where it has them)
-        on_gpu, batch = _plan_sizes_on_gpu(inputs), None
-        if on_gpu is None:
-            batch = _plan_batch(inputs)
-            n, base, plan_sizes = batch.n, batch.base, None
-        else:
-            n, base, plan_sizes = on_gpu
+        # The four work plans (rows and columns of each flag) in one batch. Where the host has every list's count,
+        # it counts their chunks, prefix sums and the plans' sizes and uploads the first two at once (no launch,
+        # no device operator before the plans' own launches); otherwise the chunks come from the device, the sizes
+        # too (read together) or from the host's counts
+        batch = firsts = None
         if sizes is not None and sizes.lists is not None:
-            plan_sizes = _host_plan_sizes(inputs, sizes.lists)
+            n, firsts, base, plan_sizes = _host_split(inputs, sizes.lists, layout.device)
         else:
+            on_gpu = _plan_sizes_on_gpu(inputs)
+            if on_gpu is None:
+                batch = _plan_batch(inputs)
+                n, base, plan_sizes = batch.n, batch.base, None
+            else:
+                n, base, plan_sizes = on_gpu
             plan_sizes = (_plan_sizes(batch) if plan_sizes is None else plan_sizes).tolist()
-        plans = (_split_plans_on_gpu(inputs, base, n, plan_sizes) if any(size[2] for size in plan_sizes) else
+        plans = (_split_plans_on_gpu(inputs, base, n, plan_sizes, firsts) if any(size[2] for size in plan_sizes) else
                  _unsplit_plans_on_gpu([plan._replace(chunk=0) for plan in inputs]))  # no list cut: whole lists
         plans = plans or _plan_items(batch or _plan_batch(inputs), plan_sizes)
         longest_row = {flag: plan_sizes[2 * flag][-1] for flag in (False, True)}
@@ -772,11 +777,38 @@ def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: in
     return MaskIndex(nnz, nnz == layout.numel(), covers_causal, rows, cols, kernel, long_lists, longest_row)
 
 
-def _host_plan_sizes(inputs: list[_PlanInput], lists: dict) -> list[list[int]]:
-    """`_plan_sizes` of the four plans of `inputs` computed on the host from the lists' counts (`LayoutSizes.lists`,
-    CPU tensors): the same operators, no device read."""
+def _host_split(inputs: list[_PlanInput], lists: dict, device: torch.device):
+    """`(n, firsts, base, sizes)` of the four plans of `inputs` from the lists' counts on the host
+    (`LayoutSizes.lists`, CPU tensors): every list's chunks `n` (`_PlanBatch.n`) and their exclusive prefix sums
+    `firsts` (`index_gpu.split_plan`) uploaded together to `device` without waiting, the first list of each plan
+    `base`, and each plan's sizes (`_plan_sizes`, host ints). The same numbers as `plan_sizes` on the device and
+    `_plan_sizes` of `_plan_batch` (tests/test_layout.py compares them).
+
+    Example:
+        >>> counts = torch.tensor([[[40, 1, 2, 1]]])  # one (b, h) of four lists: the first cut into two chunks
+        >>> plan = _PlanInput(counts, 32, 11.0, None, None)
+        >>> n, firsts, base, sizes = _host_split([plan] * 4, {False: (counts, counts), True: (counts, counts)}, "cpu")
+        >>> n[:4].tolist(), sizes[0]  # (items, the most of one (b, h), split lists, scratch slots, longest)
+        ([2, 1, 1, 1], [5, 5, 1, 2, 40])
+    """
     counts = [c for flag in (False, True) for c in lists[flag]]  # in the order of `inputs`
-    return _plan_sizes(_plan_batch([plan._replace(counts=c) for plan, c in zip(inputs, counts)])).tolist()
+    chunks, sizes, base = [], [], [0]
+    for plan, c in zip(inputs, counts):
+        flat = c.reshape(-1).long()
+        n = torch.where(flat > plan.chunk, torch.clamp((flat + plan.chunk - 1) // plan.chunk, max=SPLIT_MAX_CHUNKS), 1)
+        split = n > 1
+        chunks.append(n)
+        base.append(base[-1] + flat.numel())
+        sizes.append(torch.stack([n.sum(), n.view(-1, c.shape[-1]).sum(1).max(), split.sum(), (n * split).sum(),
+                                  flat.max()]))
+    n = torch.cat(chunks)
+    is_split = (n > 1).long()
+    firsts = torch.nn.functional.pad(torch.stack([n * is_split, is_split]).cumsum(1), (1, 0))
+    both = torch.cat([n, firsts.reshape(-1)])
+    if torch.device(device).type != "cpu":
+        both = both.pin_memory().to(device, non_blocking=True)  # the host buffer is kept until the copy ran
+    L = n.numel()
+    return both[:L], both[L:].view(2, L + 1), tuple(base), torch.stack(sizes).tolist()
 
 
 def _layout_sides_on_gpu(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int,

@@ -116,7 +116,7 @@ class DeviceWaits(TorchDispatchMode):
                      torch.ops.aten.unique_dim.default, torch.ops.aten.unique_consecutive.default)
     BOOL_INDEXED = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default)
 
-    HOST = ("_causal_blocks", "run_sizes", "_host_plan_sizes", "_host_butterfly", "pattern_runs", "pattern_sizes",
+    HOST = ("_causal_blocks", "run_sizes", "_host_split", "_host_butterfly", "pattern_runs", "pattern_sizes",
             "diagonal_runs", "_neighborhood_runs", "union_runs", "complement_runs")  # list blocks on the host
 
     def __init__(self, monkeypatch, host=HOST, ops=()):

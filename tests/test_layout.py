@@ -658,12 +658,15 @@ def test_constructors_that_list_their_blocks_build_without_waiting(build, monkey
     built from the layout alone."""
     from sparse_flash import mask_index
 
+    from sparse_flash import index_gpu
+
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
-    with mock.patch.object(mask_index, "_on_gpu", lambda t: True), DeviceWaits(monkeypatch) as counter:
+    with mock.patch.object(mask_index, "_on_gpu", lambda t: True), DeviceWaits(monkeypatch) as counter, \
+            mock.patch.object(index_gpu, "plan_sizes", side_effect=AssertionError("chunks counted on the device")):
         m = build("cpu")
     monkeypatch.undo()
-    assert counter.waits == 0
+    assert counter.waits == 0  # and the chunks of cut lists come from the host's counts (`_host_split`)
     want = BlockMask.from_layout(m.layout, m.block_size, seq_len_q=m.seq_len_q, seq_len_k=m.seq_len_k)
     _assert_same_index(m._index, want._index)
 
@@ -721,6 +724,28 @@ def test_unions_and_intersections_of_listed_masks_are_listed_too(op, N, b, first
     assert both.name == (f"{a.name} | {c.name}" if op == "|" else f"({a.name}) & ({c.name})")
     _assert_same_index(both._index, mask_index.build_index(both.layout, both.block_size, both.seq_len_q,
                                                            both.seq_len_k))
+
+
+@settings(deadline=None)
+@given(B=st.integers(1, 2), H=st.integers(1, 3), M=st.lists(st.integers(1, 9), min_size=4, max_size=4),
+       chunk=st.integers(1, 6), data=st.data())
+def test_host_split_equals_the_plan_batch(B, H, M, chunk, data):
+    """`mask_index._host_split` counts from the lists' counts on the host the chunks of every list, their prefix
+    sums and the four plans' sizes that the plan batch counts (`_plan_batch`, `_plan_sizes`) and that
+    `_split_plans_on_gpu` sums, lists of one block to lists cut into more than `SPLIT_MAX_CHUNKS` chunks."""
+    from sparse_flash import mask_index
+
+    lengths = st.integers(0, chunk * (mask_index.SPLIT_MAX_CHUNKS + 2))
+    counts = [torch.tensor(data.draw(st.lists(lengths, min_size=B * H * m, max_size=B * H * m))).view(B, H, m)
+              for m in M]
+    inputs = [mask_index._PlanInput(c.to(torch.int32), chunk + p, 1.0, None, None) for p, c in enumerate(counts)]
+    n, firsts, base, sizes = mask_index._host_split(inputs, {False: counts[:2], True: counts[2:]}, "cpu")
+    batch = mask_index._plan_batch(inputs)
+    assert torch.equal(n, batch.n) and base == batch.base
+    assert sizes == mask_index._plan_sizes(batch).tolist()
+    is_split = (batch.n > 1).long()
+    want = torch.nn.functional.pad(torch.stack([batch.n * is_split, is_split]).cumsum(1), (1, 0))
+    assert torch.equal(firsts, want)
 
 
 @settings(max_examples=8, deadline=None)
