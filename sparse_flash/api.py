@@ -190,15 +190,19 @@ def block_sparse_attention(
     belongs to or that attend it (row i; the rows whose allowed keys include j), as exact arithmetic has it: a
     pair whose score q_i . k_j is NaN or +inf makes its row NaN, one whose score is -inf gives the key weight 0
     in that row (a row whose every score is -inf is empty: output 0), a non-finite v_j makes every row that
-    attends j NaN; and the gradients that flow through them. Every other row and gradient stays exact, on every
-    backend. A gradient that does flow
-    through a non-finite row is non-finite or exact, never a stand-in zero: a non-finite query or key row
-    gets a NaN gradient on every backend; the triton kernels keep dV exact where only values are non-finite
-    (the probabilities do not depend on them), the torch and reference backends make it NaN; likewise the
-    log-sum-exp of a row that attends a non-finite value: exact from the kernels, NaN from the others. Open on
-    the triton backend (strict xfail tests): in a causal diagonal tile, a non-finite key reaches the dQ of the
-    rows before it (the Triton dQ kernel; the Hopper one is exact), and a non-finite query the dK of the keys
-    after it.
+    attends j non-finite (the triton kernels: in the columns where v_j is, as exact arithmetic has it; the
+    torch and reference backends: the whole row NaN); and the gradients that flow through them. Every other row
+    and gradient stays exact, on every backend. A gradient that does flow through a non-finite row is
+    non-finite or exact, never a stand-in zero: a non-finite query or key row that reaches an output gets a
+    NaN gradient on every backend (one that reaches none, a query of an empty row or a key that no row
+    attends, gets the exact 0 from the triton kernels and NaN from the others); the triton kernels keep dV
+    exact where only values are non-finite (the probabilities do not depend on them), the torch and reference
+    backends make it NaN; likewise the log-sum-exp of a row that attends a non-finite value: exact from the
+    kernels, NaN from the others. Open on the triton backend (strict xfail tests): in a causal diagonal tile, a
+    non-finite key reaches the dQ of the rows before it (the Triton dQ kernel; the Hopper one is exact), and a
+    non-finite query the dK of the keys after it; the Triton backward kernels may also give a non-finite key
+    that no row attends a NaN gradient where exact arithmetic has 0 (dK for a non-finite value, dV for a
+    non-finite key).
 
     Example:
         >>> q = k = v = torch.randn(2, 4, 1000, 64)

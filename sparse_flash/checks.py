@@ -8,6 +8,7 @@ their arguments with these (torch only, no import of the rest of the package).
 from __future__ import annotations
 
 import numbers
+import os
 import sys
 
 import torch
@@ -154,3 +155,28 @@ def block_pair(block_size) -> tuple[int, int]:
     """`block_size` as `(block_q, block_k)`, each an int in [1, MAX_INT]."""
     bq, bk = as_pair(block_size)
     return positive_int(bq, "block_size"), positive_int(bk, "block_size")
+
+
+def picture_path(path):
+    """`path` for a picture to write: None, a file name or path whose folder exists, or a binary file object
+    (anything with `write`); checked before any drawing, so a bad name costs no work.
+
+    Example:
+        >>> picture_path("/no/such/folder/masks.png")
+        Traceback (most recent call last):
+        ...
+        ValueError: path: the folder '/no/such/folder' of '/no/such/folder/masks.png' does not exist
+    """
+    if path is None or hasattr(path, "write"):
+        return path
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a file name, a path or a binary file object, got {type(path).__name__}")
+    name = os.fspath(path)
+    if not name:
+        raise ValueError("path must name a file, got an empty string")
+    if os.path.isdir(name):
+        raise ValueError(f"path must name a file, got the folder {name!r}")
+    folder = os.path.dirname(name) or "."
+    if not os.path.isdir(folder):
+        raise ValueError(f"path: the folder {folder!r} of {name!r} does not exist")
+    return path

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from .checks import as_bool, as_pair, check_device, finite_float, is_int
+from .checks import MAX_INT, as_bool, block_pair, check_device, finite_float, is_int
 from .mask_index import (LONG_LIST_BLOCKS, BlockIndex, BlockRuns, KernelIndex, LayoutSizes, MaskGeometry, MaskIndex,
                          build_index, build_topk_index, candidates, complement_runs, gpu_builders, run_sizes, topk_sizes,
                          union_runs, untraced,
@@ -179,6 +179,9 @@ def _check_length(value, name: str, blocks: int, block: int, where: str = "the l
         raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
     if value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if blocks * block > MAX_INT:  # token positions are int64
+        raise ValueError(f"block_size {block} x {blocks} blocks = {blocks * block} tokens: more than int64 positions "
+                         f"hold (2**63 - 1); use a smaller block_size")
     value, needed = int(value), -(-int(value) // block)
     if needed != blocks:
         raise ValueError(f"{name}={value} with block size {block} needs ceil({value}/{block}) = {needed} blocks, "
@@ -233,7 +236,7 @@ def _check_scores(scores, block_size, seq_len_q, seq_len_k):
                          f"{tuple(scores.shape)}")
     if scores.is_meta:
         raise ValueError("scores must hold real values (a cpu or cuda tensor), got a tensor on the meta device")
-    bq, bk = as_pair(block_size)
+    bq, bk = block_pair(block_size)
     Mq, Mk = scores.shape[-2:]
     seq_len_q = _check_length(Mq * bq if seq_len_q is None else seq_len_q, "seq_len_q", Mq, bq, "scores.shape[2] =")
     seq_len_k = _check_length(Mk * bk if seq_len_k is None else seq_len_k, "seq_len_k", Mk, bk, "scores.shape[3] =")
@@ -408,7 +411,7 @@ class BlockMask:
                  name: str = "custom", *, tiling: Tiling | None = None):
         """Validate and own a layout; arguments as in `BlockMask.from_layout`."""
         layout = _check_layout(layout)
-        bq, bk = as_pair(block_size)
+        bq, bk = block_pair(block_size)
         Mq, Mk = layout.shape[-2:]
         seq_len_q = _check_length(Mq * bq if seq_len_q is None else seq_len_q, "seq_len_q", Mq, bq)
         seq_len_k = _check_length(Mk * bk if seq_len_k is None else seq_len_k, "seq_len_k", Mk, bk)
@@ -620,7 +623,7 @@ class BlockMask:
             raise TypeError(f"_from_index takes a 4-D bool layout, got {type(layout).__name__} "
                             f"{getattr(layout, 'dtype', '')} {tuple(getattr(layout, 'shape', ()))}")
         layout = _check_layout(layout)
-        bq, bk = as_pair(block_size)
+        bq, bk = block_pair(block_size)
         Mq, Mk = layout.shape[-2:]
         seq_len_q = _check_length(seq_len_q, "seq_len_q", Mq, bq)
         seq_len_k = _check_length(seq_len_k, "seq_len_k", Mk, bk)

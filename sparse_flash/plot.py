@@ -6,11 +6,10 @@ video (`BlockMask.tiling` set) are also drawn as the picture they stand for.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
-from .checks import positive_int
+from .checks import picture_path, positive_int
 from .mask import BlockMask, Tiling
 
 _MAX_GRID_LINES = 64  # tile borders are drawn up to this many tiles per side
@@ -50,17 +49,14 @@ def plot_mask(mask: BlockMask, path=None, *, heads: int = 4, ax=None):
 
     Raises:
         ImportError: matplotlib is missing (install the `viz` extra: `pip install sparse-flash[viz]`).
-        TypeError, ValueError: `heads` is not an int from 1, or `path` is not a file name, a path or a
-            writable binary file.
+        TypeError, ValueError: `heads` is not an int from 1, or `path` is not a file name in an existing
+            folder, a path or a writable binary file.
 
     Example:
         >>> fig = sparse_flash.masks.butterfly(4096, 128).plot("butterfly.png")
     """
     heads = positive_int(heads, "heads")
-    if path is not None and not isinstance(path, (str, os.PathLike)) and not hasattr(path, "write"):
-        raise TypeError(f"path must be a file name, a path or a binary file object, got {type(path).__name__}")
-    if isinstance(path, str) and not path:
-        raise ValueError("path must name a file, got an empty string")
+    path = picture_path(path)
     plt = _pyplot(interactive=ax is not None)
     B, H, Mq, Mk = mask.shape
     layouts = mask.layout.reshape(B * H, Mq, Mk).cpu()

@@ -150,8 +150,11 @@ def attention_torch(
         # axis: inductor's CPU code indexed such a view by the query offset when `width` was symbolic
         k_pos = (kb.repeat_interleave(bk, dim=1) * bk + offs_k.repeat(width))[:, None, :]  # (n, 1, width * bk)
         allowed = valid.repeat_interleave(bk, dim=1)[:, None, :] & (k_pos < Nk)  # (n, 1 or bq, width * bk)
+        q_pos = (i[:, None] * bq + offs_q)[:, :, None]  # (n, bq, 1)
+        if Mq * bq > Nq:  # the padded rows of a query tail attend nothing: no NaN reaches a gradient through them
+            allowed = allowed & (q_pos < Nq)
         if causal:
-            allowed = allowed & (k_pos <= (i[:, None] * bq + offs_q)[:, :, None])
+            allowed = allowed & (k_pos <= q_pos)
         exact = None if q_raw_blocks is None else exact_scores(
             q_raw_blocks[rows], k_raw_blocks[kv_rows].reshape(n, width * bk, D), scale, compute)
         s = poison_scores(s, allowed, q_bad_blocks[rows][:, :, None], k_bad_blocks[kv_rows].reshape(n, 1, -1),

@@ -4,6 +4,7 @@ the same way on every backend."""
 
 import copy
 import io
+import os
 import pickle
 
 import pytest
@@ -820,6 +821,36 @@ def test_a_nan_input_leaves_the_gradients_it_does_not_reach_exact(backend, poiso
     torch.testing.assert_close(gradient(poisoned)[:, :, exact], gradient(clean)[:, :, exact], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("backend, where", [
+    pytest.param(b, w, marks=_KERNELS_LEAK) if (b, w) == ("triton", "k") else (b, w) for b in BACKENDS for w in "kv"])
+def test_a_non_finite_key_that_no_query_attends_leaves_every_other_gradient_exact(backend, where):
+    """Causal cross-attention with more keys than queries and a query tail (6 queries in a 32-row block): a NaN
+    at key 20, which no query attends, changes no output and no gradient of any other key or query. The padded
+    rows of the query tail attend nothing: the torch backend once let them attend key 20 under the causal rule,
+    and 0 x NaN in their backward made every key of the block NaN."""
+    Nq, Nk = 6, 32
+    mask = masks.dense(Nq, 32, seq_len_k=Nk)
+    g = torch.Generator().manual_seed(0)
+    dtype = torch.float32 if backend == "triton" else torch.float64
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g, dtype=dtype) for n in (Nq, Nk, Nk))
+    dout = torch.randn(1, 2, Nq, 16, generator=g, dtype=dtype)
+
+    def run(poison):
+        inputs = [t.clone() for t in (q, k, v)]
+        if poison:
+            inputs["qkv".index(where)][0, :, 20, 0] = float("nan")
+        inputs = [t.requires_grad_() for t in inputs]
+        out = sparse_flash.block_sparse_attention(*inputs, mask, causal=True, backend=backend)
+        return (out, *torch.autograd.grad(out, inputs, dout))
+
+    got, clean = run(True), run(False)
+    others = torch.tensor([j != 20 for j in range(Nk)])
+    for name, x, y in zip(("out", "dq"), got[:2], clean[:2]):
+        torch.testing.assert_close(x, y, atol=0, rtol=0, msg=name)
+    for name, x, y in zip(("dk", "dv"), got[2:], clean[2:]):
+        torch.testing.assert_close(x[:, :, others], y[:, :, others], atol=0, rtol=0, msg=name)
+
+
 @pytest.mark.parametrize("build", [lambda d: masks.butterfly(256, 32, device=d),
                                    lambda d: masks.fixed(256, 32, device=d),
                                    lambda d: masks.neighborhood_2d(16, 16, 4, device=d),
@@ -845,6 +876,11 @@ def test_gallery_refuses_bad_paths_and_rectangular_blocks_before_drawing():
         masks.gallery(123, seq_len=64, block_size=16)
     with pytest.raises(TypeError, match="block_size"):
         masks.gallery(seq_len=256, block_size=(16, 32))
+    missing = os.path.join(os.path.dirname(os.path.abspath(__file__)), "no-such-folder", "masks.png")
+    for call in (lambda p: masks.gallery(p, seq_len=64, block_size=16), masks.local(64, 16).plot):
+        for path, match in ((missing, "does not exist"), (os.path.dirname(missing) + "/..", "folder"), ("", "empty")):
+            with pytest.raises(ValueError, match=match):  # before every pattern is built and drawn
+                call(path)
     assert plt.get_fignums() == before  # no figure left open
 
 

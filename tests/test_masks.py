@@ -251,6 +251,10 @@ def test_unknown_pattern_name():
         (lambda: masks.butterfly(1024, 128, butterfly_size=64), ValueError, "butterfly_size"),
         (lambda: masks.fixed(1024, 128, num_global_blocks=5), ValueError, "num_global_blocks"),
         (lambda: masks.fixed(1024, 128, causal=True, horizontal_global_attention=True), ValueError, "horizontal"),
+        # token positions past int64: a clear error naming block_size, never an overflow from inside the build
+        (lambda: BlockMask.from_layout(torch.ones(1, 1, dtype=torch.bool), 2**63), ValueError, "block_size"),
+        (lambda: BlockMask.from_layout(torch.ones(2, 2, dtype=torch.bool), 2**62), ValueError, "block_size"),
+        (lambda: BlockMask.from_topk(torch.randn(1, 1, 2, 2), 1, block_size=2**62), ValueError, "block_size"),
     ],
 )
 def test_constructor_errors(call, exc, match):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import os
 
+from ..checks import picture_path
 from ._common import geometry
 from .bigbird import bigbird
 from .butterfly import butterfly
@@ -73,8 +73,7 @@ def gallery(path=None, *, seq_len: int = 4096, block_size: int = 128):
     if not isinstance(block_size, int) or isinstance(block_size, bool):
         raise TypeError(f"block_size must be an int (square blocks: some patterns take no other), got "
                         f"{type(block_size).__name__} {block_size!r}")
-    if path is not None and not isinstance(path, (str, os.PathLike)) and not hasattr(path, "write"):
-        raise TypeError(f"path must be a file name, a path or a binary file object, got {type(path).__name__}")
+    path = picture_path(path)
     try:
         import matplotlib
 
