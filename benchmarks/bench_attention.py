@@ -291,6 +291,18 @@ def _mask_mods(ours: sparse_flash.BlockMask):
 LOCAL_WINDOW = 3
 
 
+def mask_builders() -> dict:
+    """The constructors whose builds `mask_costs` times, each `n -> BlockMask` on the GPU."""
+    return {
+        "butterfly": lambda n: masks.butterfly(n, BLOCK, device="cuda"),
+        "local": lambda n: masks.local(n, BLOCK, window=LOCAL_WINDOW, device="cuda"),
+        "random": lambda n: masks.random(n, BLOCK, density=0.1, seed=0, device="cuda"),
+        "bigbird": lambda n: masks.bigbird(n, BLOCK, seed=0, device="cuda"),
+        "fixed": lambda n: masks.fixed(n, BLOCK, device="cuda"),  # 131,584 runs at 65,536 tokens: counted from the pattern
+        "longformer": lambda n: masks.longformer(n, BLOCK, device="cuda"),
+    }
+
+
 def mask_costs(sizes=(65536, 1 << 20)) -> list[dict]:
     """Host time to build masks with their index lists on the GPU (from the call to the device idle), and their
     metadata bytes; FlexAttention's `create_block_mask` of the same pattern beside them at 65,536 tokens.
@@ -299,14 +311,7 @@ def mask_costs(sizes=(65536, 1 << 20)) -> list[dict]:
     `create_block_mask` (ours, flex, ours, ...): the host's clock and load drift over a run, and turns give
     both the same conditions. The median of each is reported."""
     out = []
-    builders = {
-        "butterfly": lambda n: masks.butterfly(n, BLOCK, device="cuda"),
-        "local": lambda n: masks.local(n, BLOCK, window=LOCAL_WINDOW, device="cuda"),
-        "random": lambda n: masks.random(n, BLOCK, density=0.1, seed=0, device="cuda"),
-        "bigbird": lambda n: masks.bigbird(n, BLOCK, seed=0, device="cuda"),
-        "fixed": lambda n: masks.fixed(n, BLOCK, device="cuda"),  # 131,584 runs at 65,536 tokens: counted from the pattern
-        "longformer": lambda n: masks.longformer(n, BLOCK, device="cuda"),
-    }
+    builders = mask_builders()
     only_short = ("fixed", "longformer")  # at 65,536 tokens only (fixed at 2**20 holds 16.8M blocks)
     try:
         from torch.nn.attention.flex_attention import create_block_mask

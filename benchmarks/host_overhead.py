@@ -7,7 +7,13 @@ both launch modes and for FlexAttention (compiled), then a cProfile of the API f
     python benchmarks/host_overhead.py --out host.json
     python benchmarks/host_overhead.py --row 1,8,16384,64,longformer --out host.json
 
-`--row B,H,N,D,MASK` (a mask of `bench_attention.build_mask`) times that problem instead. Where the Hopper
+    python benchmarks/host_overhead.py --builds --out builds.json
+
+`--row B,H,N,D,MASK` (a mask of `bench_attention.build_mask`) times that problem instead. `--builds` times the
+benchmark's mask builds at 65,536 tokens instead (`bench_attention.mask_costs`' constructors): per constructor
+the host time from the call until the device is idle (median of 30), the host time inside each phase of the
+build (layout, sizes, lists, plans; nested phases count in their callers too) and the CUDA launches of one
+build (the profiler's kernel and memcpy records). Where the Hopper
 (Gluon) kernels serve a pass, the pieces of their calls are timed one by one (descriptors, Triton's
 descriptor encoding, the bound launches, chunk sums and merges); where the Triton forward serves it, its
 launcher's pieces. Every piece that fails prints its error and the rest still run.
@@ -16,6 +22,7 @@ launcher's pieces. Every piece that fails prints its error and the rest still ru
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import inspect
 import io
@@ -124,6 +131,76 @@ def hopper_parts(q, k, v, do, index, geometry, causal: bool) -> dict:
     return _timed(parts)
 
 
+BUILD_PHASES = {  # module: functions timed per build (`--builds`), as the constructors reach them
+    "sparse_flash.mask": ("layout_from_runs", "run_sizes", "build_index"),
+    "sparse_flash.mask_index": ("_layout_sides_on_gpu", "_unsplit_plans_on_gpu", "_split_plans_on_gpu", "_host_split",
+                                "_plan_sizes_on_gpu"),
+    "sparse_flash.masks._common": ("pattern_runs", "pattern_sizes", "make", "make_from_runs"),
+}
+
+
+def build_phases(n: int = 65536, repeats: int = 30) -> dict:
+    """Per mask constructor of `bench_attention.mask_costs`: the median host time of a build until the device
+    is idle, the mean host time of each phase (`BUILD_PHASES`, wrapped where the constructors look them up) and
+    the device's kernel and copy records of one build."""
+    import importlib
+    import statistics
+    import sys
+    import time
+    from unittest import mock
+
+    from bench_attention import mask_builders
+
+    spent = {}
+
+    def timed(name, f):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+        return wrapper
+
+    patches = []
+    for module_name, names in BUILD_PHASES.items():
+        importlib.import_module(module_name)
+        # every module that imported the function by name: `mask` and the pattern modules look them up there
+        holders = [m for m in list(sys.modules.values()) if m is not None and
+                   getattr(m, "__name__", "").startswith("sparse_flash")]
+        for name in names:
+            f = getattr(sys.modules[module_name], name, None)
+            if f is None:
+                continue
+            patches += [mock.patch.object(m, name, timed(name, f)) for m in holders if getattr(m, name, None) is f]
+    out = {}
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        for name, build in mask_builders().items():
+            for _ in range(5):
+                build(n)
+            torch.cuda.synchronize()
+            spent.clear()
+            times = []
+            for _ in range(repeats):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                build(n)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            phases = {k: round(v / repeats * 1e6, 1) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                build(n)
+                torch.cuda.synchronize()
+            device = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            out[name] = {"ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times), "phases_us": phases,
+                         "device_records": len(device)}
+            print(f"{name:10} {out[name]['ms']:.3f} ms (min {out[name]['min_ms']:.3f}), {len(device)} device records; "
+                  + ", ".join(f"{k} {v:.0f} us" for k, v in phases.items()), flush=True)
+    return out
+
+
 def parse_row(text: str):
     B, H, N, D, name = text.split(",")
     return int(B), int(H), int(N), int(D), name
@@ -134,7 +211,12 @@ def main():
     parser.add_argument("--out", default="host.json")
     parser.add_argument("--row", type=parse_row, default=None, metavar="B,H,N,D,MASK",
                         help="the problem (default: 1,2,1024,64 butterfly, non-causal)")
+    parser.add_argument("--builds", action="store_true", help="time the benchmark's mask builds by phase instead")
     args = parser.parse_args()
+    if args.builds:
+        with open(args.out, "w") as f:
+            json.dump(build_phases(), f, indent=1)
+        return
     from torch.nn.attention.flex_attention import flex_attention
 
     from bench_attention import build_mask
