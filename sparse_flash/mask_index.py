@@ -758,7 +758,7 @@ def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: in
         # too (read together) or from the host's counts
         batch = firsts = None
         if sizes is not None and sizes.lists is not None:
-            n, firsts, base, plan_sizes = _host_split(inputs, sizes.lists, layout.device)
+            n, firsts, base, plan_sizes = _host_split(inputs, sizes, layout.device)
         else:
             on_gpu = _plan_sizes_on_gpu(inputs)
             if on_gpu is None:
@@ -777,38 +777,47 @@ def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: in
     return MaskIndex(nnz, nnz == layout.numel(), covers_causal, rows, cols, kernel, long_lists, longest_row)
 
 
-def _host_split(inputs: list[_PlanInput], lists: dict, device: torch.device):
-    """`(n, firsts, base, sizes)` of the four plans of `inputs` from the lists' counts on the host
-    (`LayoutSizes.lists`, CPU tensors): every list's chunks `n` (`_PlanBatch.n`) and their exclusive prefix sums
-    `firsts` (`index_gpu.split_plan`) uploaded together to `device` without waiting, the first list of each plan
-    `base`, and each plan's sizes (`_plan_sizes`, host ints). The same numbers as `plan_sizes` on the device and
-    `_plan_sizes` of `_plan_batch` (tests/test_layout.py compares them).
+def _host_split(inputs: list[_PlanInput], sizes: LayoutSizes, device: torch.device):
+    """`(n, firsts, base, plan sizes)` of the four plans of `inputs` from the lists' counts on the host
+    (`sizes.lists`, CPU tensors; `sizes.longest` their longest lists): every list's chunks `n` (`_PlanBatch.n`)
+    and their exclusive prefix sums `firsts` (`index_gpu.split_plan`) uploaded together to `device` without
+    waiting, the first list of each plan `base`, and each plan's sizes (`_plan_sizes`, host ints). The same
+    numbers as `plan_sizes` on the device and `_plan_sizes` of `_plan_batch` (tests/test_layout.py compares
+    them); the four plans side by side, in a few operators whatever their number of lists.
 
     Example:
         >>> counts = torch.tensor([[[40, 1, 2, 1]]])  # one (b, h) of four lists: the first cut into two chunks
         >>> plan = _PlanInput(counts, 32, 11.0, None, None)
-        >>> n, firsts, base, sizes = _host_split([plan] * 4, {False: (counts, counts), True: (counts, counts)}, "cpu")
-        >>> n[:4].tolist(), sizes[0]  # (items, the most of one (b, h), split lists, scratch slots, longest)
+        >>> sizes = LayoutSizes((), {False: (40, 40), True: (40, 40)}, {False: (counts, counts), True: (counts, counts)})
+        >>> n, firsts, base, plan_sizes = _host_split([plan] * 4, sizes, "cpu")
+        >>> n[:4].tolist(), plan_sizes[0]  # (items, the most of one (b, h), split lists, scratch slots, longest)
         ([2, 1, 1, 1], [5, 5, 1, 2, 40])
     """
-    counts = [c for flag in (False, True) for c in lists[flag]]  # in the order of `inputs`
-    chunks, sizes, base = [], [], [0]
-    for plan, c in zip(inputs, counts):
-        flat = c.reshape(-1).long()
-        n = torch.where(flat > plan.chunk, torch.clamp((flat + plan.chunk - 1) // plan.chunk, max=SPLIT_MAX_CHUNKS), 1)
-        split = n > 1
-        chunks.append(n)
-        base.append(base[-1] + flat.numel())
-        sizes.append(torch.stack([n.sum(), n.view(-1, c.shape[-1]).sum(1).max(), split.sum(), (n * split).sum(),
-                                  flat.max()]))
-    n = torch.cat(chunks)
+    counts = [c for flag in (False, True) for c in sizes.lists[flag]]  # in the order of `inputs`
+    base, lists_per_head = [0], []
+    for c in counts:
+        base.append(base[-1] + c.numel())
+        lists_per_head.append(c.shape[-1])
+    flat = torch.cat([c.reshape(-1) for c in counts]).long()
+    chunk = torch.repeat_interleave(torch.tensor([plan.chunk for plan in inputs]),
+                                    torch.tensor([b - a for a, b in zip(base, base[1:])]), output_size=base[-1])
+    n = torch.where(flat > chunk, torch.clamp((flat + chunk - 1) // chunk, max=SPLIT_MAX_CHUNKS), 1)
     is_split = (n > 1).long()
-    firsts = torch.nn.functional.pad(torch.stack([n * is_split, is_split]).cumsum(1), (1, 0))
-    both = torch.cat([n, firsts.reshape(-1)])
+    # exclusive prefix sums: the split lists' scratch slots and the split lists (`firsts`), then the items
+    sums = torch.nn.functional.pad(torch.stack([n * is_split, is_split, n]).cumsum(1), (1, 0))
+    heads = counts[0].shape[0] * counts[0].shape[1]
+    # every (plan, b, h)'s first list, and one past its last: the items of each (b, h) of each plan
+    bounds = torch.tensor(base[:-1])[:, None] + torch.tensor(lists_per_head)[:, None] * torch.arange(heads + 1)
+    per_head = sums[2, bounds].diff(dim=1).amax(1)
+    edges = torch.tensor(base)
+    slots, split, items = (sums[:, edges[1:]] - sums[:, edges[:-1]]).unbind(0)
+    longest = [m for flag in (False, True) for m in sizes.longest[flag]]
+    plan_sizes = [[*row, m] for row, m in zip(torch.stack([items, per_head, split, slots], 1).tolist(), longest)]
+    L = base[-1]
+    both = torch.cat([n, sums[:2].reshape(-1)])
     if torch.device(device).type != "cpu":
         both = both.pin_memory().to(device, non_blocking=True)  # the host buffer is kept until the copy ran
-    L = n.numel()
-    return both[:L], both[L:].view(2, L + 1), tuple(base), torch.stack(sizes).tolist()
+    return both[:L], both[L:].view(2, L + 1), tuple(base), plan_sizes
 
 
 def _layout_sides_on_gpu(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int,

@@ -739,7 +739,9 @@ def test_host_split_equals_the_plan_batch(B, H, M, chunk, data):
     counts = [torch.tensor(data.draw(st.lists(lengths, min_size=B * H * m, max_size=B * H * m))).view(B, H, m)
               for m in M]
     inputs = [mask_index._PlanInput(c.to(torch.int32), chunk + p, 1.0, None, None) for p, c in enumerate(counts)]
-    n, firsts, base, sizes = mask_index._host_split(inputs, {False: counts[:2], True: counts[2:]}, "cpu")
+    longest = {flag: tuple(int(c.max()) for c in pair) for flag, pair in ((False, counts[:2]), (True, counts[2:]))}
+    layout_sizes = mask_index.LayoutSizes((), longest, {False: counts[:2], True: counts[2:]})
+    n, firsts, base, sizes = mask_index._host_split(inputs, layout_sizes, "cpu")
     batch = mask_index._plan_batch(inputs)
     assert torch.equal(n, batch.n) and base == batch.base
     assert sizes == mask_index._plan_sizes(batch).tolist()
