@@ -18,8 +18,7 @@ import torch
 from .checks import MAX_INT, as_bool, block_pair, check_device, finite_float, is_int
 from .mask_index import (LONG_LIST_BLOCKS, BlockIndex, BlockRuns, KernelIndex, LayoutSizes, MaskGeometry, MaskIndex,
                          build_index, build_topk_index, candidates, complement_runs, gpu_builders, run_sizes, topk_sizes,
-                         union_runs, untraced,
-                         topk_tables)
+                         topk_tables, union_runs, untraced, upload)
 
 __all__ = ["BlockMask", "Tiling"]
 
@@ -369,9 +368,7 @@ def layout_from_runs(runs: BlockRuns, heads: int, Mq: int, Mk: int, device=None)
     if not single:  # marks: starts in the first plane, ends in the second; an empty run's go to a spare place
         marks = 2 * heads * Mq * width
         where = torch.cat([where, where + (end - start + heads * Mq * width)]).where(torch.cat([end > start] * 2), marks)
-    if target.type != "cpu" and not torch.compiler.is_compiling():
-        where = where.pin_memory().to(target, non_blocking=True)  # the host buffer is kept until the copy ran
-    where = where.to(target)
+    where = upload(where, target)
     if single:
         layout = torch.zeros(heads * Mq * Mk, dtype=torch.bool, device=target).index_fill_(0, where, True)
         return layout.view(1, heads, Mq, Mk)
@@ -709,7 +706,7 @@ class BlockMask:
         layout, sizes = self._layout, None
         if (device.type == "cuda" and layout.device.type == "cpu" and not torch.compiler.is_compiling()
                 and not torch.cuda.is_current_stream_capturing()):
-            layout, sizes = layout.pin_memory().to(device, non_blocking=True), self._list_sizes()
+            layout, sizes = upload(layout, device), self._list_sizes()
         else:
             layout = layout.to(device)
         mask = BlockMask.__new__(BlockMask)

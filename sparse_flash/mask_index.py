@@ -814,9 +814,7 @@ def _host_split(inputs: list[_PlanInput], sizes: LayoutSizes, device: torch.devi
     longest = [m for flag in (False, True) for m in sizes.longest[flag]]
     plan_sizes = [[*row, m] for row, m in zip(torch.stack([items, per_head, split, slots], 1).tolist(), longest)]
     L = base[-1]
-    both = torch.cat([n, sums[:2].reshape(-1)])
-    if torch.device(device).type != "cpu":
-        both = both.pin_memory().to(device, non_blocking=True)  # the host buffer is kept until the copy ran
+    both = upload(torch.cat([n, sums[:2].reshape(-1)]), device)
     return both[:L], both[L:].view(2, L + 1), tuple(base), plan_sizes
 
 
@@ -992,6 +990,21 @@ class TopkTables(NamedTuple):
 _TABLES: dict = {}  # (ks, causal, geometry, device) -> TopkTables, most recent last
 _TABLES_KEPT = 32
 _CAPTURED: dict = {}  # tables that a CUDA graph reads: kept for the life of the process, never evicted
+
+
+def upload(t: torch.Tensor, device) -> torch.Tensor:
+    """CPU tensor `t` on `device` (None: torch's default device), copied without waiting for the device (outside torch.compile and CUDA-graph
+    capture, where it is a plain `.to`): the one place that moves the host's tables of a build to a GPU. The
+    host buffer stays alive (pinned, held by the copy's event; or staged by the driver) until the copy ran.
+
+    Example:
+        >>> upload(torch.arange(3), torch.device("cpu")).tolist()
+        [0, 1, 2]
+    """
+    device = torch.get_default_device() if device is None else torch.device(device)
+    if device.type == "cpu" or torch.compiler.is_compiling() or _capturing(device):
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _capturing(device: torch.device) -> bool:

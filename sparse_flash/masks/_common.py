@@ -244,27 +244,28 @@ def pattern_sizes(geo: Geometry, patterns: list[dict], head_pattern: list[int]) 
     lowest = torch.clamp((torch.arange(Mq) * geo.block_q + 1) // geo.block_k, max=Mk)  # first on the diagonal
     key_tail, query_tail = Mk * geo.block_k > geo.seq_len_k, Mq * geo.block_q > geo.seq_len_q
     counted = [_pattern_counts(geo, cand, lowest, key_tail, query_tail, **pattern) for pattern in patterns]
-    lists, totals, longest = {}, [], {}
-    for flag in (False, True):
-        rows = torch.stack([counted[p][flag][0] for p in head_pattern]).unsqueeze(0)  # (1, H, Mq)
-        cols = torch.stack([counted[p][flag][1] for p in head_pattern]).unsqueeze(0)  # (1, H, Mk)
-        partial = sum(counted[p][flag][2] for p in head_pattern)
-        lists[flag] = (rows, cols)
-        n = int(rows.sum())
-        totals += [n, n - partial, partial]
-        longest[flag] = (int(rows.max()), int(cols.max()))
-    return LayoutSizes(tuple(totals), longest, lists)
+    rows = torch.stack([counted[p][0] for p in head_pattern], 1).unsqueeze(1)  # (2, 1, H, Mq): per flag
+    cols = torch.stack([counted[p][1] for p in head_pattern], 1).unsqueeze(1)  # (2, 1, H, Mk)
+    partial = sum(counted[p][2] for p in head_pattern)  # (2,)
+    n = rows.sum((1, 2, 3))
+    # every number the host needs, read at once: per flag the blocks, the partial ones and the longest lists
+    n, partial, most_rows, most_cols = torch.stack([n, partial, rows.amax((1, 2, 3)), cols.amax((1, 2, 3))]).tolist()
+    lists = {flag: (rows[int(flag)], cols[int(flag)]) for flag in (False, True)}  # (1, H, Mq), (1, H, Mk)
+    totals = tuple(x for flag in (0, 1) for x in (n[flag], n[flag] - partial[flag], partial[flag]))
+    longest = {flag: (most_rows[flag], most_cols[flag]) for flag in (False, True)}
+    return LayoutSizes(totals, longest, lists)
 
 
 def _pattern_counts(geo: Geometry, cand: torch.Tensor, lowest: torch.Tensor, key_tail: bool, query_tail: bool, *,
-                    band=None, columns=(), rows=(), causal: bool = False) -> dict:
-    """`{flag: (row counts (Mq,), column counts (Mk,), partial blocks)}` of one head's pattern (`pattern_sizes`)
-    for attention calls with each causal flag: a block is live where the call's flag allows it (key block below
-    `cand` with the flag), partial where it needs an element mask (a key or query tail; with the flag, from the
-    row's `lowest` key block on)."""
+                    band=None, columns=(), rows=(), causal: bool = False) -> tuple:
+    """`(row counts (2, Mq), column counts (2, Mk), partial blocks (2,))` of one head's pattern
+    (`pattern_sizes`) for attention calls without and with the causal flag (first dimension): a block is live
+    where the call's flag allows it (key block below `cand` with the flag), partial where it needs an element
+    mask (a key or query tail; with the flag, from the row's `lowest` key block on). Both flags side by side,
+    in a few dozen operators."""
     Mq, Mk = geo.num_blocks_q, geo.num_blocks_k
     ranges = torch.tensor(_merged(columns, Mk), dtype=torch.int64).view(-1, 2)  # disjoint [start, end) pairs
-    marks = torch.bincount(ranges[:, 0], minlength=Mk + 1) - torch.bincount(ranges[:, 1], minlength=Mk + 1)
+    marks = torch.zeros(Mk + 1, dtype=torch.int64).index_add_(0, ranges.flatten(), _SIGNS.repeat(len(ranges)))
     is_column = marks.cumsum(0)[:Mk] > 0  # (Mk,)
     in_columns = torch.nn.functional.pad(is_column.cumsum(0), (1, 0))  # (Mk + 1,): [0, x) holds in_columns[x]
     full = torch.zeros(Mq, dtype=torch.bool)  # rows that hold every key block
@@ -277,34 +278,36 @@ def _pattern_counts(geo: Geometry, cand: torch.Tensor, lowest: torch.Tensor, key
         high = torch.maximum(high, low)
 
     def count(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """Each row's blocks among key blocks [a, b) (int64 (Mq,), a <= b)."""
+        """Each row's blocks among key blocks [a, b) (int64 (..., Mq), a <= b)."""
         lo = torch.minimum(torch.maximum(low, a), b)
         hi = torch.maximum(torch.minimum(high, b), lo)
         band_only = (hi - lo) - (in_columns[hi] - in_columns[lo])
         return torch.where(full, b - a, in_columns[b] - in_columns[a] + band_only)
 
-    zero, every = torch.zeros(Mq, dtype=torch.int64), torch.full((Mq,), Mk, dtype=torch.int64)
-    counted = {}
-    for flag in (False, True):
-        end = cand if flag or causal else every  # each row's live key blocks: [0, end)
-        row_counts = count(zero, end)
-        if flag:  # from the diagonal on; the last key block where the row does not reach the diagonal before it
-            first = torch.minimum(lowest, end)
-            partial = count(first, end)
-            if key_tail:
-                partial = partial + torch.where((lowest >= Mk) & (end == Mk), count(torch.clamp(end - 1, min=0), end), 0)
-        else:
-            partial = count(torch.clamp(end - 1, min=0), end) * (end == Mk) if key_tail else torch.zeros_like(end)
-        if query_tail:  # every block of the last row
-            partial[-1] = row_counts[-1]
-        # columns: a column block counts every row that reaches it; otherwise the full rows and the band's rows
-        reach = torch.bincount(end, minlength=Mk + 1).flip(0).cumsum(0).flip(0)[1:]  # rows with end > j
-        reach_full = torch.bincount(end[full], minlength=Mk + 1).flip(0).cumsum(0).flip(0)[1:]
-        band_end = torch.where(full, low, torch.maximum(torch.minimum(high, end), low))
-        marks = (torch.bincount(low, minlength=Mk + 1) - torch.bincount(band_end, minlength=Mk + 1)).cumsum(0)[:Mk]
-        col_counts = torch.where(is_column, reach, reach_full + marks)
-        counted[flag] = (row_counts, col_counts, int(partial.sum()))
-    return counted
+    # each row's live key blocks [0, end), per flag
+    end = torch.stack([cand if causal else torch.full((Mq,), Mk, dtype=torch.int64), cand])
+    # from 0, from the diagonal on (with the flag) and the last key block, in one count
+    starts = torch.stack([torch.zeros_like(end), torch.minimum(lowest, end), torch.clamp(end - 1, min=0)])
+    row_counts, partial, last = count(starts, end).unbind(0)
+    partial = partial * _FLAGS
+    if key_tail:  # the last key block, where the row reaches it (with the flag: if the row's diagonal is not before it)
+        partial += torch.where(_FLAGS.bool() & (lowest < Mk), 0, last * (end == Mk))
+    if query_tail:  # every block of the last row
+        partial[:, -1] = row_counts[:, -1]
+    # columns: a column block counts every row that reaches it; otherwise the full rows and the band's rows
+    offsets = torch.tensor([[0], [Mk + 1]])  # both flags' bins in one count
+    reach = torch.bincount((end + offsets).flatten(), minlength=2 * (Mk + 1)).view(2, Mk + 1)
+    reach_full = torch.bincount((end + offsets)[:, full].flatten(), minlength=2 * (Mk + 1)).view(2, Mk + 1)
+    reach, reach_full = (x.flip(1).cumsum(1).flip(1)[:, 1:] for x in (reach, reach_full))  # rows with end > j
+    band_end = torch.where(full, low, torch.maximum(torch.minimum(high, end), low))
+    opened = torch.bincount(low, minlength=Mk + 1)
+    closed = torch.bincount((band_end + offsets).flatten(), minlength=2 * (Mk + 1)).view(2, Mk + 1)
+    col_counts = torch.where(is_column, reach, reach_full + (opened - closed).cumsum(1)[:, :Mk])
+    return row_counts, col_counts, partial.sum(1)
+
+
+_FLAGS = torch.tensor([[0], [1]])  # (2, 1): the causal flag of each row of `_pattern_counts`' tables
+_SIGNS = torch.tensor([1, -1])  # a range's start and end marks
 
 
 def diagonal_runs(geo: Geometry, diagonals: list[int]) -> BlockRuns:
