@@ -523,17 +523,22 @@ def test_hopper_launches_encode_their_descriptors_once_per_address():
                                    lambda: masks.strided(65536, 128, device="cuda"),
                                    lambda: masks.fixed(65536, 128, num_local_blocks=32, num_heads=4,
                                                        num_different_global_patterns=2, device="cuda"),
+                                   lambda: masks.fixed(65536, 128, device="cuda"),  # too many runs: counted
+                                   lambda: masks.fixed(65536, 128, num_heads=3, num_different_global_patterns=2,
+                                                       horizontal_global_attention=True, device="cuda"),
                                    lambda: masks.neighborhood_2d(256, 256, (16, 8), [1, 2], device="cuda"),
                                    lambda: masks.butterfly_2d(256, 256, (16, 8), device="cuda"),
                                    lambda: masks.neighborhood_3d(16, 64, 64, (2, 8, 8), device="cuda"),
                                    lambda: (masks.butterfly(65536, 128, device="cuda") | masks.global_(65536, 128, device="cuda")
                                             | masks.local(65536, 128, window=1, device="cuda"))],
                          ids=["butterfly", "butterfly_cross", "butterfly_global", "local", "local_causal", "dense",
-                              "causal", "global", "longformer_causal", "strided", "fixed_heads", "neighborhood_2d",
+                              "causal", "global", "longformer_causal", "strided", "fixed_heads", "fixed", "fixed_horizontal",
+                              "neighborhood_2d",
                               "butterfly_2d", "neighborhood_3d", "union"])
 def test_listed_constructors_build_on_the_gpu_without_synchronising(build):
     """The constructors that list their blocks as runs on the host upload them from pinned memory and count
-    their lists' sizes there (and the plans of lists cut into chunks): their builds on the GPU never
+    their lists' sizes there (and the plans of lists cut into chunks; `fixed` with too many runs to list counts
+    them from its pattern and uploads its global columns): their builds on the GPU never
     synchronise (CUDA's own record, sync debug mode), and their lists equal those built from the layout alone
     (which waits)."""
     from sparse_flash import BlockMask

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from ..mask import BlockMask
-from ..mask_index import upload
 from ._common import (MAX_LISTED_RUNS, as_bool, block_coords, check_device, joined_runs, make, make_from_runs,
                       optional_heads, pattern_runs, pattern_sizes, positive_int, square_geometry)
 
@@ -86,19 +85,33 @@ def fixed(
         per_pattern = [pattern_runs(geo, **pattern) for pattern in patterns]
         runs = joined_runs(*(per_pattern[h % P]._replace(row=per_pattern[h % P].row + h * M) for h in range(heads)))
         return make_from_runs(runs, geo, name, device, heads)
-    # many runs (short windows on a long grid: a global column every few blocks): the layout made on the device
-    # from the windows and one upload of each head's global columns, its lists' sizes counted from the pattern;
-    # neither waits for the device
-    flags = bytearray(heads * M)  # per head, 1 at its global columns
-    for h in range(heads):
-        for start, end in columns[h % P]:
-            end = min(end, M)  # a window's global blocks past a grid shorter than them
-            flags[h * M + start:h * M + end] = b"\x01" * max(end - start, 0)
-    is_column = upload(torch.frombuffer(flags, dtype=torch.uint8), device).view(heads, 1, M).bool()
+    # many runs (short windows on a long grid: a global column every few blocks): the layout made on the device,
+    # its lists' sizes counted from the pattern; neither waits for the device
     i, j = block_coords(geo, device)  # (M, 1) and (1, M)
-    layout = (i // L == j // L) | is_column  # (heads, M, M): the windows, the global columns
+    local_ = (i // L) == (j // L)
     if causal:
-        layout &= j <= i
-    elif horizontal_global_attention:
-        layout |= is_column.transpose(1, 2)  # and the global rows
-    return make(layout.unsqueeze(0), geo, name, pattern_sizes(geo, patterns, [h % P for h in range(heads)]))
+        local_ &= j <= i
+    layout = local_.expand(heads, M, M).clone()
+    for h in range(heads):
+        cols = _global_columns(j, M, L, G, h % P)  # (1, M): no list of them copied to the device
+        if causal:
+            layout[h] |= cols & (i >= j)
+        else:
+            layout[h] |= cols
+            if horizontal_global_attention:
+                layout[h] |= cols.view(M, 1)
+    return make(layout, geo, name, pattern_sizes(geo, patterns, [h % P for h in range(heads)]))
+
+
+def _global_columns(j: torch.Tensor, M: int, L: int, G: int, p: int) -> torch.Tensor:
+    """bool like `j` (key block numbers): the global columns of pattern `p`, `G` blocks starting `(1 + p) * G`
+    before the end of each window of `L` (those of a partial last window clamped to the grid's end), as `fixed`
+    lists them, by arithmetic on `j`."""
+    offset = j % L
+    first = L - (1 + p) * G
+    cols = (j - offset + L <= M) & (offset >= first) & (offset < first + G)  # windows that fit the grid
+    last = (M - 1) // L * L  # the last window's first block
+    if last + L > M:  # a partial last window
+        start = min(last + L - (1 + p) * G, max(M - G, 0))
+        cols |= (j >= start) & (j < start + G)
+    return cols
