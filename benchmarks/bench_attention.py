@@ -12,6 +12,7 @@ run first waits (up to 90 s) for the host's 1-minute load to fall below 1.5, and
     python benchmarks/bench_attention.py                 # the full table (about 10 minutes on an H200)
     python benchmarks/bench_attention.py --quick         # two shapes, fewer masks
     python benchmarks/bench_attention.py --out DIR       # where json, markdown and plots go
+    python benchmarks/bench_attention.py --out DIR --resume  # continue a run that a time limit cut short
 
 Writes `bench.json`, `bench.jsonl`, `bench.md`, `tflops_vs_density.png` and `time_vs_length.png` under --out,
 by default `benchmarks/results/latest` (the repository keeps the latest run only: benchmarks/results/README.md).
@@ -147,26 +148,70 @@ class Competitors:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def run_rows(shapes, mask_names, dtypes, log) -> list[dict]:
+def row_tasks(mname: str, dtype: torch.dtype) -> list[tuple[str, str]]:
+    """The (impl, mode) pairs one (shape, dtype, mask) group of `run_rows` times, each once: sparse_flash and
+    flex forward and forward+backward; cuDNN and flash SDPA on the dense and causal masks; the dense
+    forward+backward with dQ in any order and the butterfly forward with a bool mask in bf16."""
+    impls = ["sparse_flash", "flex"]
+    if mname in ("dense", "causal"):
+        impls += ["sdpa_cudnn", "sdpa_flash"]
+    if mname == "dense" and dtype == torch.bfloat16:
+        impls.append(ANY_ORDER)
+    if mname == "butterfly" and dtype == torch.bfloat16:
+        impls.append("sdpa_bool_mask")
+    return [(impl, mode) for impl in impls for mode in ("fwd", "fwd+bwd")
+            if not (impl == "sdpa_bool_mask" and mode == "fwd+bwd") and not (impl == ANY_ORDER and mode == "fwd")]
+
+
+def group_of(row: dict) -> tuple:
+    """The (shape, dtype, mask) group of a row of `run_rows`."""
+    return tuple(row[f] for f in ("B", "Hq", "Hkv", "N", "D", "dtype", "mask"))
+
+
+def finished_groups(previous: list[dict]) -> dict:
+    """`{group: rows}` of the groups of `previous` (rows of a run cut short, as `bench.jsonl` logged them)
+    that hold every row of `row_tasks`: what `--resume` keeps. A group with a row missing is timed again
+    whole (its rows were timed in turns with each other).
+
+    Example:
+        >>> r = dict(B=1, Hq=1, Hkv=1, N=64, D=64, dtype="bfloat16", mask="random")
+        >>> rows = [dict(r, impl=i, mode=m) for i, m in row_tasks("random", torch.bfloat16)]
+        >>> list(finished_groups(rows)), finished_groups(rows[:-1])
+        ([(1, 1, 1, 64, 64, 'bfloat16', 'random')], {})
+    """
+    groups = {}
+    for row in previous:
+        groups.setdefault(group_of(row), []).append(row)
+    return {g: rs for g, rs in groups.items()
+            if {(r["impl"], r["mode"]) for r in rs} == set(row_tasks(g[-1], getattr(torch, g[-2])))}
+
+
+def run_rows(shapes, mask_names, dtypes, log, finished: dict | None = None) -> list[dict]:
+    """The rows of every (shape, dtype, mask) group, each row passed to `log` when it is done; the groups in
+    `finished` (`finished_groups` of a run cut short) are taken from it, not timed again."""
     comp = Competitors()
     rows = []
+    finished = finished or {}
     for B, Hq, Hkv, N, D in shapes:
         for dtype in dtypes:
+            todo = [m for m in mask_names if (B, Hq, Hkv, N, D, str(dtype).replace("torch.", ""), m) not in finished]
+            for mname in mask_names:
+                for row in finished.get((B, Hq, Hkv, N, D, str(dtype).replace("torch.", ""), mname), []):
+                    rows.append(row)
+                    log(row)
+            if not todo:
+                continue
             gen = torch.Generator(device="cuda").manual_seed(0)
             q = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype, generator=gen).requires_grad_()
             k = torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=gen).requires_grad_()
             v = torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=gen).requires_grad_()
-            for mname in mask_names:
+            for mname in todo:
                 mask, causal = build_mask(mname, N, "cuda")
                 density = live_density(mask, causal)
-                impls = {"sparse_flash": comp.ours, "flex": comp.flex_attention}
-                if mname in ("dense", "causal"):
-                    impls["sdpa_cudnn"] = comp.sdpa("cudnn")
-                    impls["sdpa_flash"] = comp.sdpa("flash")
-                if mname == "dense" and dtype == torch.bfloat16:
-                    impls[ANY_ORDER] = comp.ours_any_order
-                if mname == "butterfly" and dtype == torch.bfloat16:
-                    impls["sdpa_bool_mask"] = comp.sdpa_bool_mask
+                tasks = row_tasks(mname, dtype)
+                impls = {"sparse_flash": comp.ours, "flex": comp.flex_attention, "sdpa_cudnn": comp.sdpa("cudnn"),
+                         "sdpa_flash": comp.sdpa("flash"), ANY_ORDER: comp.ours_any_order,
+                         "sdpa_bool_mask": comp.sdpa_bool_mask}
                 try:
                     with torch.no_grad():
                         ref = comp.flex_attention(q, k, v, mask, causal)
@@ -174,9 +219,6 @@ def run_rows(shapes, mask_names, dtypes, log) -> list[dict]:
                     ref = torch.full_like(q, float("nan"))
                 # sparse_flash and flex run twice, in opposite orders, and keep the faster median: whichever
                 # runs first after a new mask (compiles, idle GPU) would otherwise pay for it.
-                tasks = [(impl, mode) for impl in impls for mode in ("fwd", "fwd+bwd")
-                         if not (impl == "sdpa_bool_mask" and mode == "fwd+bwd") and not (impl == ANY_ORDER
-                                                                                        and mode == "fwd")]
                 tasks += [t for t in reversed(tasks) if t[0] in ("sparse_flash", "flex")]
                 done = {}
                 for impl, mode in tasks:
@@ -552,6 +594,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="two shapes and four masks")
     parser.add_argument("--out", default="benchmarks/results/latest", help="output folder (default: %(default)s)")
     parser.add_argument("--no-mask-costs", action="store_true", help="skip the mask construction timings")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue a run cut short: keep the finished groups of OUT/bench.jsonl, time the rest")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_attention needs a CUDA GPU", file=sys.stderr)
@@ -564,6 +608,12 @@ def main(argv=None) -> int:
           flush=True)
     shapes = QUICK_SHAPES if args.quick else SHAPES
     mask_names = QUICK_MASKS if args.quick else MASKS
+    finished = {}
+    if args.resume and (out / "bench.jsonl").exists():
+        finished = finished_groups([json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()
+                                    if line.strip()])
+        meta["resumed_groups"] = len(finished)
+        print(f"resuming: {len(finished)} finished (shape, dtype, mask) groups kept", flush=True)
     log_file = open(out / "bench.jsonl", "w")
 
     def log(row):
@@ -573,9 +623,9 @@ def main(argv=None) -> int:
         print(f"{row['B']},{row['Hq']},{row['Hkv']},{row['N']},{row['D']} {row['dtype']:8s} {row['mask']:10s} "
               f"{row['mode']:7s} {row['impl']:14s} {speed}", flush=True)
 
-    rows = run_rows(shapes, mask_names, [torch.bfloat16], log)
-    rows += run_rows([(4, 16, 16, 4096, 128)], ["butterfly"], [torch.float16], log)
-    rows += run_rows([(1, 8, 8, 65536, 64)], ["neighborhood_2d"], [torch.bfloat16], log)  # a 256 x 256 image
+    rows = run_rows(shapes, mask_names, [torch.bfloat16], log, finished)
+    rows += run_rows([(4, 16, 16, 4096, 128)], ["butterfly"], [torch.float16], log, finished)
+    rows += run_rows([(1, 8, 8, 65536, 64)], ["neighborhood_2d"], [torch.bfloat16], log, finished)  # a 256 x 256 image
     add_ratios(rows)
     costs = [] if args.no_mask_costs else mask_costs()
     summary = summarize(rows)

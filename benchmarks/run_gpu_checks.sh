@@ -4,7 +4,9 @@
 # as they happen (a run cut by its time limit still names them); a short summary prints last.
 #   OUT=out bash benchmarks/run_gpu_checks.sh [--quick] [--no-tests] [--no-bench]
 #   (TESTS=files to test, KEXPR=a pytest -k expression, WORKERS, TEST_TIMEOUT and BENCH_TIMEOUT seconds,
-#   SPARSE_FLASH_SHARD=i/n: the i-th of n shards of the test files, for a suite split over several calls)
+#   SPARSE_FLASH_SHARD=i/n: the i-th of n shards of the test files, for a suite split over several calls;
+#   BENCH_RESUME=DIR: a folder holding the bench.jsonl of a benchmark cut short by its time limit (the last call's
+#   $OUT/bench.jsonl, carried): its finished groups are kept and the rest is timed)
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 RES=$(mktemp -d)
@@ -39,8 +41,13 @@ for line in open(sys.argv[1]): t, name = line.split(None, 1); s[name.split('::')
 json.dump({k: round(v, 1) for k, v in sorted(s.items())}, open(sys.argv[2], 'w'), indent=1)" "$OUT/durations.txt" "$OUT/gpu_seconds.json"
 fi
 if [ $bench = 1 ]; then
-  timeout "${BENCH_TIMEOUT:-420}" python benchmarks/bench_attention.py $quick --out "$RES/bench" > "$RES/bench.log" 2>&1
+  resume=""
+  if [ -n "${BENCH_RESUME:-}" ]; then
+    mkdir -p "$RES/bench" && cp "$BENCH_RESUME/bench.jsonl" "$RES/bench/" && resume=--resume
+  fi
+  timeout "${BENCH_TIMEOUT:-420}" python benchmarks/bench_attention.py $quick $resume --out "$RES/bench" > "$RES/bench.log" 2>&1
   echo "bench exit code $?" >> "$RES/bench.log"
+  cp "$RES/bench/bench.jsonl" "$OUT/" 2>/dev/null  # beside the archive: a run cut short goes on from it (BENCH_RESUME)
 fi
 tar czf "$OUT/results.tgz" -C "$RES" .
 [ -f "$RES/pytest.log" ] && grep -E "passed|failed|error|exit code" "$RES/pytest.log" | tail -3

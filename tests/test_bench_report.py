@@ -136,3 +136,24 @@ def test_gpu_shards_split_the_test_files_by_their_recorded_seconds():
         loads = [sum(seconds.get(name, 1.0) for name in shard) for shard in shards]
         assert max(loads) <= sum(loads) / count + max(seconds.values())
     assert [sorted(s) for s in shard_files({"a", "b", "c"}, 2, {"a": 1, "b": 1, "c": 1})] == [["a", "c"], ["b"]]
+
+
+def test_a_resumed_run_keeps_only_groups_with_every_row():
+    """`--resume` (a benchmark cut short by a time limit, continued in a second call): a (shape, dtype, mask)
+    group is kept only when it holds every (impl, mode) row that a run times for it (the SDPA rows on dense and
+    causal, the bool-mask row on butterfly, the any-order row on dense), else it is timed again whole; an error
+    row counts as done."""
+    import torch
+
+    assert bench.row_tasks("random", torch.bfloat16) == [("sparse_flash", "fwd"), ("sparse_flash", "fwd+bwd"),
+                                                         ("flex", "fwd"), ("flex", "fwd+bwd")]
+    assert ("sdpa_bool_mask", "fwd") in bench.row_tasks("butterfly", torch.bfloat16)
+    assert ("sdpa_bool_mask", "fwd") not in bench.row_tasks("butterfly", torch.float16)
+    assert (bench.ANY_ORDER, "fwd+bwd") in bench.row_tasks("dense", torch.bfloat16)
+    full = [row(i, m, 1.0, mask="dense", N=16384, D=128, density=1.0) for i, m in bench.row_tasks("dense", torch.bfloat16)]
+    short = [row(i, m, 1.0) for i, m in bench.row_tasks("random", torch.bfloat16)]
+    short[-1] = {k: v for k, v in short[-1].items() if k != "ms"} | {"error": "OutOfMemoryError"}
+    cut = [row(i, m, 1.0, mask="causal") for i, m in bench.row_tasks("causal", torch.bfloat16)][:-1]
+    kept = bench.finished_groups(full + short + cut)
+    assert sorted(g[-1] for g in kept) == ["dense", "random"]
+    assert kept[bench.group_of(full[0])] == full
