@@ -8,6 +8,7 @@ both launch modes and for FlexAttention (compiled), then a cProfile of the API f
     python benchmarks/host_overhead.py --row 1,8,16384,64,longformer --out host.json
 
     python benchmarks/host_overhead.py --builds --out builds.json
+    python benchmarks/host_overhead.py --turns --out turns.json
 
 `--row B,H,N,D,MASK` (a mask of `bench_attention.build_mask`) times that problem instead. `--builds` times the
 benchmark's mask builds at 65,536 tokens instead (`bench_attention.mask_costs`' constructors): per constructor
@@ -16,7 +17,10 @@ build (layout, sizes, lists, plans; nested phases count in their callers too) an
 build (the profiler's kernel and memcpy records). Where the Hopper
 (Gluon) kernels serve a pass, the pieces of their calls are timed one by one (descriptors, Triton's
 descriptor encoding, the bound launches, chunk sums and merges); where the Triton forward serves it, its
-launcher's pieces. Every piece that fails prints its error and the rest still run.
+launcher's pieces. Every piece that fails prints its error and the rest still run. `--turns` times each
+build alone, then in turns with `create_block_mask` of the same pattern (as the benchmark's build rows take
+them), with and without Python's garbage collector, then alone again, with the collector's passes and their
+time during our builds (tuning log, step 114: fixed and Longformer slow in turns on one machine only).
 """
 
 from __future__ import annotations
@@ -201,6 +205,76 @@ def build_phases(n: int = 65536, repeats: int = 30) -> dict:
     return out
 
 
+def build_turns(path: str, n: int = 65536, repeats: int = 15,
+                order=("fixed", "longformer", "butterfly", "bigbird", "fixed")) -> list:
+    """Per constructor of `order` (fixed first and last): the median host time of our build alone, in turns
+    with `create_block_mask` (with the garbage collector on, then off), and alone again; `create_block_mask`'s
+    own median; the collector's passes and milliseconds inside our builds in turns. The rows so far are
+    written to `path` (json) after each constructor."""
+    import gc
+    import statistics
+    import time
+
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from bench_attention import _mask_mods, mask_builders
+
+    builders = mask_builders()
+    collected = {"passes": 0, "s": 0.0, "start": None}
+
+    def watch(phase, info):
+        if phase == "start":
+            collected["start"] = time.perf_counter()
+        elif collected["start"] is not None:
+            collected["passes"] += 1
+            collected["s"] += time.perf_counter() - collected["start"]
+
+    def timed(f) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        f()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def median_ms(times) -> float:
+        return round(1e3 * statistics.median(times), 3)
+
+    out = []
+    for name in order:
+        build = builders[name]
+        mod = _mask_mods(build(n))[name]
+
+        def flex():
+            return create_block_mask(mod, None, None, n, n, device="cuda", _compile=True)
+        flex()
+        row = {"mask": name, "alone_ms": median_ms([timed(lambda: build(n)) for _ in range(repeats)])}
+        for collector in ("gc_on", "gc_off"):
+            ours, theirs = [], []
+            collected.update(passes=0, s=0.0)
+            if collector == "gc_off":
+                gc.disable()
+            try:
+                for _ in range(repeats):
+                    gc.callbacks.append(watch)
+                    try:
+                        ours.append(timed(lambda: build(n)))
+                    finally:
+                        gc.callbacks.remove(watch)
+                    theirs.append(timed(flex))
+            finally:
+                gc.enable()
+            row[f"turns_{collector}_ms"] = median_ms(ours)
+            row[f"flex_{collector}_ms"] = median_ms(theirs)
+            row[f"gc_passes_{collector}"] = collected["passes"]
+            row[f"gc_ms_{collector}"] = round(1e3 * collected["s"], 2)
+        row["alone_again_ms"] = median_ms([timed(lambda: build(n)) for _ in range(repeats)])
+        out.append(row)
+        print(json.dumps(row), flush=True)
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
 def parse_row(text: str):
     B, H, N, D, name = text.split(",")
     return int(B), int(H), int(N), int(D), name
@@ -212,10 +286,15 @@ def main():
     parser.add_argument("--row", type=parse_row, default=None, metavar="B,H,N,D,MASK",
                         help="the problem (default: 1,2,1024,64 butterfly, non-causal)")
     parser.add_argument("--builds", action="store_true", help="time the benchmark's mask builds by phase instead")
+    parser.add_argument("--turns", action="store_true",
+                        help="time the builds alone and in turns with create_block_mask instead")
     args = parser.parse_args()
     if args.builds:
         with open(args.out, "w") as f:
             json.dump(build_phases(), f, indent=1)
+        return
+    if args.turns:
+        build_turns(args.out)
         return
     from torch.nn.attention.flex_attention import flex_attention
 
