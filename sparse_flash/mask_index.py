@@ -801,18 +801,18 @@ def _host_split(inputs: list[_PlanInput], sizes: LayoutSizes, device: torch.devi
     flat = torch.cat([c.reshape(-1) for c in counts]).long()
     chunk = torch.repeat_interleave(torch.tensor([plan.chunk for plan in inputs]),
                                     torch.tensor([b - a for a, b in zip(base, base[1:])]), output_size=base[-1])
-    n = torch.where(flat > chunk, torch.clamp((flat + chunk - 1) // chunk, max=SPLIT_MAX_CHUNKS), 1)
-    is_split = (n > 1).long()
+    n = flat.sub(1).div_(chunk, rounding_mode="floor").add_(1).clamp_(1, SPLIT_MAX_CHUNKS)  # an empty list: 1
+    is_split = n > 1
     # exclusive prefix sums: the split lists' scratch slots and the split lists (`firsts`), then the items
     sums = torch.nn.functional.pad(torch.stack([n * is_split, is_split, n]).cumsum(1), (1, 0))
     heads = counts[0].shape[0] * counts[0].shape[1]
-    # every (plan, b, h)'s first list, and one past its last: the items of each (b, h) of each plan
+    # every (plan, b, h)'s first list, and one past its last: the sums there give each plan's totals (its
+    # first and last bounds) and the items of each of its (b, h)
     bounds = torch.tensor(base[:-1])[:, None] + torch.tensor(lists_per_head)[:, None] * torch.arange(heads + 1)
-    per_head = sums[2, bounds].diff(dim=1).amax(1)
-    edges = torch.tensor(base)
-    slots, split, items = (sums[:, edges[1:]] - sums[:, edges[:-1]]).unbind(0)
+    at = sums[:, bounds]  # (3, plans, heads + 1)
+    slots, split, items, per_head = torch.cat([at[:, :, -1] - at[:, :, 0], at[2].diff(dim=1).amax(1)[None]]).tolist()
     longest = [m for flag in (False, True) for m in sizes.longest[flag]]
-    plan_sizes = [[*row, m] for row, m in zip(torch.stack([items, per_head, split, slots], 1).tolist(), longest)]
+    plan_sizes = [list(row) for row in zip(items, per_head, split, slots, longest)]
     L = base[-1]
     both = upload(torch.cat([n, sums[:2].reshape(-1)]), device)
     return both[:L], both[L:].view(2, L + 1), tuple(base), plan_sizes
