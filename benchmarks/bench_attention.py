@@ -345,6 +345,15 @@ def mask_builders() -> dict:
     }
 
 
+def seconds_to_idle(f) -> float:
+    """Host seconds from calling `f()` on an idle device until the device is idle again."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    f()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def mask_costs(sizes=(65536, 1 << 20)) -> list[dict]:
     """Host time to build masks with their index lists on the GPU (from the call to the device idle), and their
     metadata bytes; FlexAttention's `create_block_mask` of the same pattern beside them at 65,536 tokens.
@@ -360,13 +369,7 @@ def mask_costs(sizes=(65536, 1 << 20)) -> list[dict]:
     except ImportError as e:
         create_block_mask, flex_error = None, f"{type(e).__name__}: {e}"[:200]
 
-    def timed(build) -> float:
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        build()
-        torch.cuda.synchronize()
-        return time.perf_counter() - t
-
+    timed = seconds_to_idle
     for n in sizes:
         for name, build in builders.items():
             if name in only_short and n > 65536:

@@ -153,7 +153,7 @@ def build_phases(n: int = 65536, repeats: int = 30) -> dict:
     import time
     from unittest import mock
 
-    from bench_attention import mask_builders
+    from bench_attention import mask_builders, seconds_to_idle
 
     spent = {}
 
@@ -186,13 +186,7 @@ def build_phases(n: int = 65536, repeats: int = 30) -> dict:
                 build(n)
             torch.cuda.synchronize()
             spent.clear()
-            times = []
-            for _ in range(repeats):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                build(n)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
+            times = [seconds_to_idle(lambda: build(n)) for _ in range(repeats)]
             phases = {k: round(v / repeats * 1e6, 1) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 build(n)
@@ -218,6 +212,7 @@ def build_turns(path: str, n: int = 65536, repeats: int = 15,
     from torch.nn.attention.flex_attention import create_block_mask
 
     from bench_attention import _mask_mods, mask_builders
+    from bench_attention import seconds_to_idle as timed
 
     builders = mask_builders()
     collected = {"passes": 0, "s": 0.0, "start": None}
@@ -228,13 +223,6 @@ def build_turns(path: str, n: int = 65536, repeats: int = 15,
         elif collected["start"] is not None:
             collected["passes"] += 1
             collected["s"] += time.perf_counter() - collected["start"]
-
-    def timed(f) -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        f()
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
 
     def median_ms(times) -> float:
         return round(1e3 * statistics.median(times), 3)
