@@ -203,7 +203,8 @@ def build_turns(path: str, n: int = 65536, repeats: int = 15,
                 order=("fixed", "longformer", "butterfly", "bigbird", "fixed")) -> list:
     """Per constructor of `order` (fixed first and last): the median host time of our build alone, in turns
     with `create_block_mask` (with the garbage collector on, then off), and alone again; `create_block_mask`'s
-    own median; the collector's passes and milliseconds inside our builds in turns. The rows so far are
+    own median; the collector's passes and milliseconds inside our builds in turns; a 16 KB host table's upload
+(`mask_index.upload`) alone and right after `create_block_mask`, in microseconds. The rows so far are
     written to `path` (json) after each constructor."""
     import gc
     import statistics
@@ -213,6 +214,7 @@ def build_turns(path: str, n: int = 65536, repeats: int = 15,
 
     from bench_attention import _mask_mods, mask_builders
     from bench_attention import seconds_to_idle as timed
+    from sparse_flash.mask_index import upload
 
     builders = mask_builders()
     collected = {"passes": 0, "s": 0.0, "start": None}
@@ -256,6 +258,13 @@ def build_turns(path: str, n: int = 65536, repeats: int = 15,
             row[f"gc_passes_{collector}"] = collected["passes"]
             row[f"gc_ms_{collector}"] = round(1e3 * collected["s"], 2)
         row["alone_again_ms"] = median_ms([timed(lambda: build(n)) for _ in range(repeats)])
+        table = torch.zeros(4096, dtype=torch.int32)  # a build's host table: its upload alone and in turns
+        row["upload_us_alone"] = round(1e3 * median_ms([timed(lambda: upload(table, "cuda")) for _ in range(repeats)]), 1)
+        uploads = []
+        for _ in range(repeats):
+            timed(flex)
+            uploads.append(timed(lambda: upload(table, "cuda")))
+        row["upload_us_turns"] = round(1e3 * median_ms(uploads), 1)
         out.append(row)
         print(json.dumps(row), flush=True)
         with open(path, "w") as f:
