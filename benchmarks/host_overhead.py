@@ -9,6 +9,7 @@ both launch modes and for FlexAttention (compiled), then a cProfile of the API f
 
     python benchmarks/host_overhead.py --builds --out builds.json
     python benchmarks/host_overhead.py --turns --out turns.json
+    python benchmarks/host_overhead.py --costs --out costs.json
 
 `--row B,H,N,D,MASK` (a mask of `bench_attention.build_mask`) times that problem instead. `--builds` times the
 benchmark's mask builds at 65,536 tokens instead (`bench_attention.mask_costs`' constructors): per constructor
@@ -21,6 +22,7 @@ launcher's pieces. Every piece that fails prints its error and the rest still ru
 build alone, then in turns with `create_block_mask` of the same pattern (as the benchmark's build rows take
 them), with and without Python's garbage collector, then alone again, with the collector's passes and their
 time during our builds (tuning log, step 114: fixed and Longformer slow in turns on one machine only).
+`--costs` runs the benchmark's build rows in this process, then profiles builds in turns (step 115).
 """
 
 from __future__ import annotations
@@ -272,6 +274,54 @@ def build_turns(path: str, n: int = 65536, repeats: int = 15,
     return out
 
 
+def build_costs_profile(path: str, n: int = 65536, profiled: int = 3) -> dict:
+    """The benchmark's build rows as it takes them (`bench_attention.mask_costs` at `n` tokens, in this process),
+    then per constructor `profiled` builds in turns with `create_block_mask`, each under the profiler: its host
+    milliseconds, the device's kernel and copy microseconds, and the ten host operators and CUDA runtime calls
+    with the most self time. Tuning log step 115: fixed and Longformer built in 29 and 8 ms in the benchmark's
+    turns, on a machine where `--turns` built them in 2-4 ms. Written to `path` (json) after each step."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from bench_attention import _mask_mods, mask_builders, mask_costs, seconds_to_idle
+
+    def host_state() -> dict:  # the load, this process's threads and the busiest processes of the machine
+        import os
+        import subprocess
+        threads = next(line.split()[1] for line in open("/proc/self/status") if line.startswith("Threads"))
+        busiest = subprocess.run(["ps", "-eo", "pcpu,nlwp,comm", "--sort=-pcpu"], capture_output=True,
+                                 text=True).stdout.splitlines()[:6]
+        return {"load": os.getloadavg(), "threads": int(threads), "torch_threads": torch.get_num_threads(),
+                "busiest": busiest}
+
+    out = {"host_before": host_state()}
+    out["mask_costs"] = mask_costs(sizes=(n,))
+    out["host_after"], out["profiles"] = host_state(), {}
+    print(json.dumps(out["host_before"]), json.dumps(out["host_after"]), sep="\n", flush=True)
+    for row in out["mask_costs"]:
+        print(f"{row['impl']:24} {row['mask']:10} {row['ms']:.3f} ms (min {row['min_ms']:.3f})", flush=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    for name, build in mask_builders().items():
+        mod = _mask_mods(build(n))[name]
+        runs = []
+        for _ in range(profiled):
+            seconds_to_idle(lambda: create_block_mask(mod, None, None, n, n, device="cuda", _compile=True))
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=activities) as prof:
+                ms = 1e3 * seconds_to_idle(lambda: build(n))
+            events = prof.key_averages()
+            device_us = sum(e.self_device_time_total for e in events)
+            top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]
+            runs.append({"ms": round(ms, 3), "device_us": round(device_us, 1),
+                         "top_self_cpu_us": [(e.key, round(e.self_cpu_time_total, 1), e.count) for e in top]})
+            print(f"{name:10} {ms:.3f} ms, device {device_us:.0f} us; "
+                  + ", ".join(f"{k} {t:.0f} us x{c}" for k, t, c in runs[-1]["top_self_cpu_us"][:5]), flush=True)
+        out["profiles"][name] = runs
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
 def parse_row(text: str):
     B, H, N, D, name = text.split(",")
     return int(B), int(H), int(N), int(D), name
@@ -285,7 +335,12 @@ def main():
     parser.add_argument("--builds", action="store_true", help="time the benchmark's mask builds by phase instead")
     parser.add_argument("--turns", action="store_true",
                         help="time the builds alone and in turns with create_block_mask instead")
+    parser.add_argument("--costs", action="store_true",
+                        help="the benchmark's build rows, then builds in turns under the profiler, instead")
     args = parser.parse_args()
+    if args.costs:
+        build_costs_profile(args.out)
+        return
     if args.builds:
         with open(args.out, "w") as f:
             json.dump(build_phases(), f, indent=1)
