@@ -22,7 +22,8 @@ launcher's pieces. Every piece that fails prints its error and the rest still ru
 build alone, then in turns with `create_block_mask` of the same pattern (as the benchmark's build rows take
 them), with and without Python's garbage collector, then alone again, with the collector's passes and their
 time during our builds (tuning log, step 114: fixed and Longformer slow in turns on one machine only).
-`--costs` runs the benchmark's build rows in this process, then profiles builds in turns (step 115).
+`--costs` runs the benchmark's build rows in this process, then profiles builds in turns, then times fixed and
+Longformer with pageable uploads and with device-side plan sizes beside the code as it is (step 115).
 """
 
 from __future__ import annotations
@@ -319,6 +320,55 @@ def build_costs_profile(path: str, n: int = 65536, profiled: int = 3) -> dict:
         out["profiles"][name] = runs
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
+    out["variants"] = build_variants(n)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    return out
+
+
+def build_variants(n: int = 65536, names=("fixed", "longformer")) -> dict:
+    """`mask_costs` of the constructors `names` (their lists cut into chunks: `mask_index._host_split` plans
+    them) as they are, with the host tables uploaded from pageable memory instead of pinned, and with the
+    chunks and plan sizes from the device instead of the host (`_plan_sizes_on_gpu`, one device wait, as
+    BigBird): which part of the host-planned path, if any, the slow turns follow."""
+    import sys
+    from unittest import mock
+
+    import bench_attention
+    from sparse_flash import mask_index
+
+    def pageable(t, device):
+        return t.to(device)
+
+    def device_split(inputs, sizes, device):
+        on_gpu = mask_index._plan_sizes_on_gpu(inputs)
+        if on_gpu is None:  # no Triton builders on this device: the torch operators
+            batch = mask_index._plan_batch(inputs)
+            return batch.n, None, batch.base, mask_index._plan_sizes(batch).tolist()
+        n, base, plan_sizes = on_gpu
+        return n, None, base, plan_sizes.tolist()
+
+    def everywhere(name, f):  # every module of the package that holds the function by name
+        original = getattr(mask_index, name)
+        return [mock.patch.object(m, name, f) for m in list(sys.modules.values())
+                if getattr(m, "__name__", "").startswith("sparse_flash") and getattr(m, name, None) is original]
+
+    everyone = bench_attention.mask_builders()
+    variants = {"as is": [], "pageable uploads": everywhere("upload", pageable),
+                "device plan sizes": everywhere("_host_split", device_split), "as is again": []}
+    out = {}
+    for variant, patches in variants.items():
+        with contextlib.ExitStack() as stack:
+            for patch in patches + [mock.patch.object(bench_attention, "mask_builders",
+                                                      lambda: {k: everyone[k] for k in names})]:
+                stack.enter_context(patch)
+            rows = bench_attention.mask_costs(sizes=(n,))
+        out[variant] = {r["mask"]: {"ours_ms": round(r["ms"], 3), "ours_min_ms": round(r["min_ms"], 3)}
+                        for r in rows if r["impl"] == "sparse_flash"}
+        for r in rows:
+            if r["impl"] != "sparse_flash" and "ms" in r:
+                out[variant][r["mask"]]["flex_ms"] = round(r["ms"], 3)
+        print(variant, json.dumps(out[variant]), flush=True)
     return out
 
 
