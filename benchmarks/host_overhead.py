@@ -277,10 +277,14 @@ def build_turns(path: str, n: int = 65536, repeats: int = 15,
 
 def build_costs_profile(path: str, n: int = 65536, profiled: int = 3) -> dict:
     """The benchmark's build rows as it takes them (`bench_attention.mask_costs` at `n` tokens, in this process),
-    then per constructor `profiled` builds in turns with `create_block_mask`, each under the profiler: its host
-    milliseconds, the device's kernel and copy microseconds, and the ten host operators and CUDA runtime calls
-    with the most self time. Tuning log step 115: fixed and Longformer built in 29 and 8 ms in the benchmark's
+    then per constructor `profiled` rounds in turns with `create_block_mask`: a build's host milliseconds, one
+    with the launches that missed the cached direct call counted (Triton's own launch path, or a compile), and
+    one under the profiler (the device's kernel and copy microseconds, the ten host operators and CUDA runtime
+    calls with the most self time). Tuning log step 115: fixed and Longformer built in 29 and 8 ms in the benchmark's
     turns, on a machine where `--turns` built them in 2-4 ms. Written to `path` (json) after each step."""
+    import time
+    from unittest import mock
+
     from torch.nn.attention.flex_attention import create_block_mask
 
     from bench_attention import _mask_mods, mask_builders, mask_costs, seconds_to_idle
@@ -302,20 +306,41 @@ def build_costs_profile(path: str, n: int = 65536, profiled: int = 3) -> dict:
         print(f"{row['impl']:24} {row['mask']:10} {row['ms']:.3f} ms (min {row['min_ms']:.3f})", flush=True)
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
+    from sparse_flash.kernels import launch as launch_module
+
+    slow = {"calls": 0, "s": 0.0}  # launches past the cached direct call: Triton's own launch path (or a compile)
+    normal_path = launch_module._compile_and_launch
+
+    def counted(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return normal_path(*args, **kwargs)
+        finally:
+            slow["calls"] += 1
+            slow["s"] += time.perf_counter() - start
+
     for name, build in mask_builders().items():
         mod = _mask_mods(build(n))[name]
         runs = []
         for _ in range(profiled):
             seconds_to_idle(lambda: create_block_mask(mod, None, None, n, n, device="cuda", _compile=True))
+            slow.update(calls=0, s=0.0)
+            ms = 1e3 * seconds_to_idle(lambda: build(n))  # unprofiled, the normal path counted
+            with mock.patch.object(launch_module, "_compile_and_launch", counted):
+                counted_ms = 1e3 * seconds_to_idle(lambda: build(n))
+            seconds_to_idle(lambda: create_block_mask(mod, None, None, n, n, device="cuda", _compile=True))
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             with torch.profiler.profile(activities=activities) as prof:
-                ms = 1e3 * seconds_to_idle(lambda: build(n))
+                profiled_ms = 1e3 * seconds_to_idle(lambda: build(n))
             events = prof.key_averages()
             device_us = sum(e.self_device_time_total for e in events)
             top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]
-            runs.append({"ms": round(ms, 3), "device_us": round(device_us, 1),
+            runs.append({"ms": round(ms, 3), "ms_counting_launches": round(counted_ms, 3),
+                         "normal_path_launches": slow["calls"], "normal_path_ms": round(1e3 * slow["s"], 3),
+                         "profiled_ms": round(profiled_ms, 3), "device_us": round(device_us, 1),
                          "top_self_cpu_us": [(e.key, round(e.self_cpu_time_total, 1), e.count) for e in top]})
-            print(f"{name:10} {ms:.3f} ms, device {device_us:.0f} us; "
+            print(f"{name:10} {ms:.3f} ms ({slow['calls']} launches by Triton's path, {1e3 * slow['s']:.3f} ms), "
+                  f"profiled {profiled_ms:.3f} ms, device {device_us:.0f} us; "
                   + ", ".join(f"{k} {t:.0f} us x{c}" for k, t, c in runs[-1]["top_self_cpu_us"][:5]), flush=True)
         out["profiles"][name] = runs
         with open(path, "w") as f:
