@@ -353,9 +353,10 @@ def build_costs_profile(path: str, n: int = 65536, profiled: int = 3) -> dict:
 
 def build_variants(n: int = 65536, names=("fixed", "longformer")) -> dict:
     """`mask_costs` of the constructors `names` (their lists cut into chunks: `mask_index._host_split` plans
-    them) as they are, with the host tables uploaded from pageable memory instead of pinned, and with the
-    chunks and plan sizes from the device instead of the host (`_plan_sizes_on_gpu`, one device wait, as
-    BigBird): which part of the host-planned path, if any, the slow turns follow."""
+    them) as they are, with the host tables uploaded from pageable memory instead of pinned, with the chunks
+    and plan sizes from the device instead of the host (`_plan_sizes_on_gpu`, one device wait, as BigBird),
+    and with the host's plan sizes but the chunks counted on the device (no upload, no wait): which part of
+    the host-planned path, if any, the slow turns follow."""
     import sys
     from unittest import mock
 
@@ -373,6 +374,15 @@ def build_variants(n: int = 65536, names=("fixed", "longformer")) -> dict:
         n, base, plan_sizes = on_gpu
         return n, None, base, plan_sizes.tolist()
 
+    host_split = mask_index._host_split
+
+    def device_chunks(inputs, sizes, device):  # the host's plan sizes, the chunks counted on the device: no upload
+        _, _, base, plan_sizes = host_split(inputs, sizes, torch.device("cpu"))
+        on_gpu = mask_index._plan_sizes_on_gpu(inputs)
+        if on_gpu is None:
+            return mask_index._plan_batch(inputs).n, None, base, plan_sizes
+        return on_gpu[0], None, base, plan_sizes
+
     def everywhere(name, f):  # every module of the package that holds the function by name
         original = getattr(mask_index, name)
         return [mock.patch.object(m, name, f) for m in list(sys.modules.values())
@@ -380,7 +390,8 @@ def build_variants(n: int = 65536, names=("fixed", "longformer")) -> dict:
 
     everyone = bench_attention.mask_builders()
     variants = {"as is": [], "pageable uploads": everywhere("upload", pageable),
-                "device plan sizes": everywhere("_host_split", device_split), "as is again": []}
+                "device plan sizes": everywhere("_host_split", device_split),
+                "host sizes, device chunks": everywhere("_host_split", device_chunks), "as is again": []}
     out = {}
     for variant, patches in variants.items():
         with contextlib.ExitStack() as stack:
