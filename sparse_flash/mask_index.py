@@ -555,6 +555,31 @@ def _split_plans_on_gpu(plans: list[_PlanInput], base: tuple[int, ...], n: torch
     return out
 
 
+def _plans_on_gpu(plans: list[_PlanInput], base: tuple[int, ...], n: torch.Tensor, sizes: list[list[int]],
+                  firsts: torch.Tensor | None) -> list[WorkPlan] | None:
+    """`_plan_items` of a batch of plans (`_split_plans_on_gpu`'s arguments) on the device: those with a list cut
+    into chunks by `_split_plans_on_gpu` (two launches each), the others as whole lists by
+    `_unsplit_plans_on_gpu` (one launch for all of them), or None where either does not apply. A mask whose
+    cut lists are one plan's (fixed's causal columns) launches three kernels where eight were."""
+    out = [None] * len(plans)
+    cut = [p for p, size in enumerate(sizes) if size[2]]
+    whole = [p for p, size in enumerate(sizes) if not size[2]]
+    if cut:
+        made = _split_plans_on_gpu([plans[p] for p in cut], tuple(base[p] for p in cut), n, [sizes[p] for p in cut],
+                                   firsts)
+        if made is None:
+            return None
+        for p, plan in zip(cut, made):
+            out[p] = plan
+    if whole:
+        made = _unsplit_plans_on_gpu([plans[p]._replace(chunk=0) for p in whole])
+        if made is None:
+            return None
+        for p, plan in zip(whole, made):
+            out[p] = plan
+    return out
+
+
 def _kernel_index(rows: _Side, cols: _Side, row_plan: WorkPlan, col_plan: WorkPlan) -> KernelIndex:
     return KernelIndex(rows.full, rows.part, cols.full, cols.part, row_plan, col_plan)
 
@@ -767,9 +792,8 @@ def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: in
             else:
                 n, base, plan_sizes = on_gpu
             plan_sizes = (_plan_sizes(batch) if plan_sizes is None else plan_sizes).tolist()
-        plans = (_split_plans_on_gpu(inputs, base, n, plan_sizes, firsts) if any(size[2] for size in plan_sizes) else
-                 _unsplit_plans_on_gpu([plan._replace(chunk=0) for plan in inputs]))  # no list cut: whole lists
-        plans = plans or _plan_items(batch or _plan_batch(inputs), plan_sizes)
+        plans = _plans_on_gpu(inputs, base, n, plan_sizes, firsts) or _plan_items(batch or _plan_batch(inputs),
+                                                                                  plan_sizes)
         longest_row = {flag: plan_sizes[2 * flag][-1] for flag in (False, True)}
     for causal, (row_side, col_side) in sides.items():
         rows[causal], cols[causal] = row_side.live, col_side.live
