@@ -538,7 +538,7 @@ def test_hopper_launches_encode_their_descriptors_once_per_address():
 def test_listed_constructors_build_on_the_gpu_without_synchronising(build):
     """The constructors that list their blocks as runs on the host upload them from pinned memory and count
     their lists' sizes there (and the plans of lists cut into chunks; `fixed` with too many runs to list counts
-    them from its pattern and uploads its global columns): their builds on the GPU never
+    them from its pattern and makes its layout by device arithmetic): their builds on the GPU never
     synchronise (CUDA's own record, sync debug mode), and their lists equal those built from the layout alone
     (which waits)."""
     from sparse_flash import BlockMask
