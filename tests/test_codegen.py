@@ -173,69 +173,71 @@ def gluon_dq_cases():
             (torch.bfloat16, False, True, 128, 64, True)]
 
 
-def main() -> int:
+FAMILIES = ("triton", "hopper-fwd", "hopper-dkdv", "hopper-one-pass", "hopper-dq")  # one subprocess each
+
+
+def family_cases(family: str) -> list:
+    """The cases of one family of `FAMILIES` (`cases`, `gluon_cases`, ...)."""
+    return {"triton": lambda: list(cases()), "hopper-fwd": gluon_cases, "hopper-dkdv": gluon_bwd_cases,
+            "hopper-one-pass": gluon_one_pass_cases, "hopper-dq": gluon_dq_cases}[family]()
+
+
+def _compile_case(family: str, case) -> tuple[str, int | None]:
+    """Compile one case of `family` for sm_90a: `(its name, the shared memory it uses in bytes, or None)`."""
     from sparse_flash.kernels import dispatch
-    from sparse_flash.kernels.aot import AheadOfTimeUnsupported, compile_sm90
+    from sparse_flash.kernels.aot import compile_sm90
 
+    if family == "triton":
+        name, fn, constexprs, descriptors, options = case
+        compile_sm90(fn, constexprs, descriptors, **options)
+        return name, None
+    gluon = dispatch.gluon_modules()
+    if family == "hopper-fwd":
+        from sparse_flash.kernels.gluon import merge
+
+        dtype, dense, causal, block, split, head_dim, mean_tiles = case
+        shared = gluon.fwd.compile_sm90(dtype, dense, causal, block, split, head_dim=head_dim,
+                                        mean_tiles=mean_tiles).metadata.shared
+        if split:  # and the launch that merges the chunks
+            compile_sm90(merge._merge_split_rows_kernel, dict(HEAD_D=128, MASK_BLOCK_Q=block, BLOCK_M=128))
+        return (f"hopper fwd {dtype} dense={dense} causal={causal} block={block} split={split} D={head_dim} "
+                f"mean_tiles={mean_tiles}"), shared
+    if family == "hopper-dkdv":
+        dtype, dense, causal, block_q, groups, head_dim, lse2 = case
+        return (f"hopper dkdv {dtype} dense={dense} causal={causal} block_q={block_q} groups={groups} D={head_dim} "
+                f"lse_log2={lse2}"), gluon.dkdv.compile_sm90(dtype, dense, causal, block_q, groups, head_dim=head_dim,
+                                                             lse_log2=lse2).metadata.shared
+    if family == "hopper-one-pass":
+        dtype, dense, causal, block_q, groups, head_dim, ordered = case
+        return (f"hopper one-pass {dtype} dense={dense} causal={causal} block_q={block_q} groups={groups} "
+                f"D={head_dim} ordered={ordered}"), gluon.bwd.compile_sm90(dtype, dense, causal, block_q, groups,
+                                                                           head_dim, ordered).metadata.shared
+    dtype, dense, causal, block_k, head_dim, lse2 = case
+    return (f"hopper dq {dtype} dense={dense} causal={causal} block_k={block_k} D={head_dim} store_lse2={lse2}",
+            gluon.dq.compile_sm90(dtype, dense, causal, block_k, head_dim=head_dim, store_lse2=lse2).metadata.shared)
+
+
+def main(families=FAMILIES) -> int:
+    """Compile every case of `families` for sm_90a, one line each ("ok ..." or "FAIL ..."); "SKIP ..." alone
+    where this Triton spells the ahead-of-time API differently. 1 if any case failed."""
+    from sparse_flash.kernels.aot import AheadOfTimeUnsupported, source_sm90
+
+    name, fn, constexprs, descriptors, options = next(iter(cases()))
+    try:  # every family is skipped alike: the Gluon ones need this Triton's API too
+        source_sm90(fn, constexprs, descriptors)
+    except AheadOfTimeUnsupported as e:
+        print(f"SKIP this triton's ASTSource API differs: {e}")
+        return 0
     failed = 0
-    for name, fn, constexprs, descriptors, options in cases():
-        try:
-            compile_sm90(fn, constexprs, descriptors, **options)
-            print(f"ok {name}")
-        except AheadOfTimeUnsupported as e:
-            print(f"SKIP this triton's ASTSource API differs: {e}")
-            return 0
-        except Exception as e:
-            failed += 1
-            print(f"FAIL {name}: {type(e).__name__}: {e}")
-    for dtype, dense, causal, block, split, head_dim, mean_tiles in gluon_cases():
-        name = (f"hopper fwd {dtype} dense={dense} causal={causal} block={block} split={split} D={head_dim} "
-                f"mean_tiles={mean_tiles}")
-        try:
-            from sparse_flash.kernels.gluon import merge
-
-            kernel = dispatch.gluon_modules().fwd.compile_sm90(dtype, dense, causal, block, split, head_dim=head_dim,
-                                                               mean_tiles=mean_tiles)
-            shared = kernel.metadata.shared
-            assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
-            if split:  # and the launch that merges the chunks
-                compile_sm90(merge._merge_split_rows_kernel, dict(HEAD_D=128, MASK_BLOCK_Q=block, BLOCK_M=128))
-            print(f"ok {name} ({shared} bytes of shared memory)")
-        except Exception as e:
-            failed += 1
-            print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
-    for dtype, dense, causal, block_q, groups, head_dim, lse2 in gluon_bwd_cases():
-        name = (f"hopper dkdv {dtype} dense={dense} causal={causal} block_q={block_q} groups={groups} D={head_dim} "
-                f"lse_log2={lse2}")
-        try:
-            shared = dispatch.gluon_modules().dkdv.compile_sm90(dtype, dense, causal, block_q, groups,
-                                                                head_dim=head_dim, lse_log2=lse2).metadata.shared
-            assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
-            print(f"ok {name} ({shared} bytes of shared memory)")
-        except Exception as e:
-            failed += 1
-            print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
-    for dtype, dense, causal, block_q, groups, head_dim, ordered in gluon_one_pass_cases():
-        name = (f"hopper one-pass {dtype} dense={dense} causal={causal} block_q={block_q} groups={groups} "
-                f"D={head_dim} ordered={ordered}")
-        try:
-            shared = dispatch.gluon_modules().bwd.compile_sm90(dtype, dense, causal, block_q, groups, head_dim,
-                                                               ordered).metadata.shared
-            assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
-            print(f"ok {name} ({shared} bytes of shared memory)")
-        except Exception as e:
-            failed += 1
-            print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
-    for dtype, dense, causal, block_k, head_dim, lse2 in gluon_dq_cases():
-        name = f"hopper dq {dtype} dense={dense} causal={causal} block_k={block_k} D={head_dim} store_lse2={lse2}"
-        try:
-            shared = dispatch.gluon_modules().dq.compile_sm90(dtype, dense, causal, block_k, head_dim=head_dim,
-                                                              store_lse2=lse2).metadata.shared
-            assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
-            print(f"ok {name} ({shared} bytes of shared memory)")
-        except Exception as e:
-            failed += 1
-            print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
+    for family in families:
+        for case in family_cases(family):
+            try:
+                name, shared = _compile_case(family, case)
+                assert shared is None or shared <= 227 * 1024, f"{shared} bytes of shared memory"
+                print(f"ok {name}" + ("" if shared is None else f" ({shared} bytes of shared memory)"))
+            except Exception as e:
+                failed += 1
+                print(f"FAIL {family} {case}: {type(e).__name__}: {str(e)[:2000]}")
     return 1 if failed else 0
 
 
@@ -344,17 +346,16 @@ def test_the_hopper_forward_pairs_tiles_only_for_long_items():
     assert fwd._constexprs(128, True, False, False, 128, 64)["PAIRED"]  # dense: every item walks all keys
 
 
-def test_kernels_compile_for_sm90():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kernels_compile_for_sm90(family):
+    """Every case of the family compiles (a subprocess per family, so that test workers share the compiles)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, __file__, family], env=env, capture_output=True, text=True, timeout=600)
     if "SKIP" in run.stdout:
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    # every kernel and path compiled
-    compiled = (len(list(cases())) + len(gluon_cases()) + len(gluon_bwd_cases()) + len(gluon_one_pass_cases())
-                + len(gluon_dq_cases()))
-    assert run.stdout.count("ok ") == compiled
+    assert run.stdout.count("ok ") == len(family_cases(family))  # every kernel and path of the family compiled
 
 
 if __name__ == "__main__":
-    sys.exit(compile_records() if sys.argv[1:] == ["--records"] else main())
+    sys.exit(compile_records() if sys.argv[1:] == ["--records"] else main(sys.argv[1:] or FAMILIES))

@@ -57,6 +57,17 @@ def compile_sm90(kernel, constexprs: dict, descriptors=(), num_warps: int = 4, n
     not compile raises Triton's own error."""
     import triton
     from triton.backends.compiler import GPUTarget
+
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    return triton.compile(source_sm90(kernel, constexprs, descriptors, aligned, types),
+                          target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def source_sm90(kernel, constexprs: dict, descriptors=(), aligned: bool = False, types: dict | None = None):
+    """The source that `compile_sm90` compiles (Triton's `ASTSource`; cheap, nothing compiled), or
+    AheadOfTimeUnsupported where this Triton spells it differently."""
     from triton.compiler import ASTSource
 
     sig = signature(kernel, constexprs, descriptors, types)
@@ -64,14 +75,10 @@ def compile_sm90(kernel, constexprs: dict, descriptors=(), num_warps: int = 4, n
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if sig[n].startswith("*") or n.startswith("stride") or n in ("Nq", "Nk", "BH", "Hq")} if aligned else None
     try:
-        src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
-                        attrs=attrs)
+        return ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                         attrs=attrs)
     except TypeError as e:
         raise AheadOfTimeUnsupported(str(e)) from e
-    options = {"num_warps": num_warps, "num_stages": num_stages}
-    if maxnreg:
-        options["maxnreg"] = maxnreg
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def compile_gluon_sm90(kernel, signature: dict, constexprs: dict, maxnreg: int, num_warps: int = 4):
