@@ -173,13 +173,18 @@ def gluon_dq_cases():
             (torch.bfloat16, False, True, 128, 64, True)]
 
 
-FAMILIES = ("triton", "hopper-fwd", "hopper-dkdv", "hopper-one-pass", "hopper-dq")  # one subprocess each
+FAMILIES = ("triton-attention", "triton-other", "hopper-fwd", "hopper-dkdv", "hopper-one-pass", "hopper-dq")  # one
+# subprocess each
+ATTENTION = ("fwd ", "dq ", "dkdv ", "one-pass ")  # the names of the Triton attention kernels' cases
 
 
 def family_cases(family: str) -> list:
-    """The cases of one family of `FAMILIES` (`cases`, `gluon_cases`, ...)."""
-    return {"triton": lambda: list(cases()), "hopper-fwd": gluon_cases, "hopper-dkdv": gluon_bwd_cases,
-            "hopper-one-pass": gluon_one_pass_cases, "hopper-dq": gluon_dq_cases}[family]()
+    """The cases of one family of `FAMILIES` (`cases` split into the attention kernels and the rest,
+    `gluon_cases`, ...)."""
+    if family.startswith("triton-"):
+        return [case for case in cases() if case[0].startswith(ATTENTION) == (family == "triton-attention")]
+    return {"hopper-fwd": gluon_cases, "hopper-dkdv": gluon_bwd_cases, "hopper-one-pass": gluon_one_pass_cases,
+            "hopper-dq": gluon_dq_cases}[family]()
 
 
 def _compile_case(family: str, case) -> tuple[str, int | None]:
@@ -187,7 +192,7 @@ def _compile_case(family: str, case) -> tuple[str, int | None]:
     from sparse_flash.kernels import dispatch
     from sparse_flash.kernels.aot import compile_sm90
 
-    if family == "triton":
+    if family.startswith("triton-"):
         name, fn, constexprs, descriptors, options = case
         compile_sm90(fn, constexprs, descriptors, **options)
         return name, None
