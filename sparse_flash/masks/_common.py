@@ -268,9 +268,12 @@ def _pattern_counts(geo: Geometry, cand: torch.Tensor, lowest: torch.Tensor, key
     marks = torch.zeros(Mk + 1, dtype=torch.int64).index_add_(0, ranges.flatten(), _SIGNS.repeat(len(ranges)))
     is_column = marks.cumsum(0)[:Mk] > 0  # (Mk,)
     in_columns = torch.nn.functional.pad(is_column.cumsum(0), (1, 0))  # (Mk + 1,): [0, x) holds in_columns[x]
-    full = torch.zeros(Mq, dtype=torch.bool)  # rows that hold every key block
-    for start, end in _merged(rows, Mq):
-        full[start:end] = True
+    full_rows = _merged(rows, Mq)
+    full = None  # rows that hold every key block (bool (Mq,)), or None where there are none
+    if full_rows:
+        full = torch.zeros(Mq, dtype=torch.bool)
+        for start, end in full_rows:
+            full[start:end] = True
     if band is None:
         low = high = torch.zeros(Mq, dtype=torch.int64)
     else:
@@ -282,7 +285,8 @@ def _pattern_counts(geo: Geometry, cand: torch.Tensor, lowest: torch.Tensor, key
         lo = torch.minimum(torch.maximum(low, a), b)
         hi = torch.maximum(torch.minimum(high, b), lo)
         band_only = (hi - lo) - (in_columns[hi] - in_columns[lo])
-        return torch.where(full, b - a, in_columns[b] - in_columns[a] + band_only)
+        some = in_columns[b] - in_columns[a] + band_only
+        return some if full is None else torch.where(full, b - a, some)
 
     # each row's live key blocks [0, end), per flag
     end = torch.stack([cand if causal else torch.full((Mq,), Mk, dtype=torch.int64), cand])
@@ -295,18 +299,28 @@ def _pattern_counts(geo: Geometry, cand: torch.Tensor, lowest: torch.Tensor, key
     if query_tail:  # every block of the last row
         partial[:, -1] = row_counts[:, -1]
     # columns: a column block counts every row that reaches it; otherwise the full rows and the band's rows
-    offsets = torch.tensor([[0], [Mk + 1]])  # both flags' bins in one count
-    reach = torch.bincount((end + offsets).flatten(), minlength=2 * (Mk + 1)).view(2, Mk + 1)
-    reach_full = torch.bincount((end + offsets)[:, full].flatten(), minlength=2 * (Mk + 1)).view(2, Mk + 1)
-    reach, reach_full = (x.flip(1).cumsum(1).flip(1)[:, 1:] for x in (reach, reach_full))  # rows with end > j
-    band_end = torch.where(full, low, torch.maximum(torch.minimum(high, end), low))
+    offsets = _OFFSETS * (Mk + 1)
+    bins = end + offsets  # both flags' bins in one count
+
+    def beyond(ends: torch.Tensor, n: int) -> torch.Tensor:
+        """(2, Mk): per flag, how many of the `n` rows of `ends` (bins as above) reach past key block j."""
+        return n - torch.bincount(ends.flatten(), minlength=2 * (Mk + 1)).view(2, Mk + 1).cumsum(1)[:, :Mk]
+
+    reach = beyond(bins, Mq)
+    band_end = torch.maximum(torch.minimum(high, end), low)
     opened = torch.bincount(low, minlength=Mk + 1)
+    if full is not None:  # a full row's band adds nothing: it reaches every column up to its end already
+        band_end = torch.where(full, low, band_end)
     closed = torch.bincount((band_end + offsets).flatten(), minlength=2 * (Mk + 1)).view(2, Mk + 1)
-    col_counts = torch.where(is_column, reach, reach_full + (opened - closed).cumsum(1)[:, :Mk])
+    others = (opened - closed).cumsum(1)[:, :Mk]
+    if full is not None:
+        others = others + beyond(bins[:, full], int(full.sum()))
+    col_counts = torch.where(is_column, reach, others)
     return row_counts, col_counts, partial.sum(1)
 
 
 _FLAGS = torch.tensor([[0], [1]])  # (2, 1): the causal flag of each row of `_pattern_counts`' tables
+_OFFSETS = _FLAGS  # (2, 1): each flag's first bin in units of Mk + 1 (both flags' bins in one count)
 _SIGNS = torch.tensor([1, -1])  # a range's start and end marks
 
 
