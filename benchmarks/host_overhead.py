@@ -345,20 +345,25 @@ def build_costs_profile(path: str, n: int = 65536, profiled: int = 3) -> dict:
         out["profiles"][name] = runs
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
-    out["variants"] = build_variants(n)
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+    def save():
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+
+    out["variants"] = {}
+    build_variants(n, out["variants"], save)
     return out
 
 
-def build_variants(n: int = 65536, names=("fixed", "longformer")) -> dict:
+def build_variants(n: int = 65536, out: dict | None = None, save=lambda: None,
+                   names=("fixed", "longformer")) -> dict:
     """`mask_costs` of the constructors `names` (their lists cut into chunks: `mask_index._host_split` plans
     them) as they are, with the host tables uploaded from pageable memory instead of pinned, with the chunks
     and plan sizes from the device instead of the host (`_plan_sizes_on_gpu`, one device wait, as BigBird),
     with the host's plan sizes but the chunks counted on the device (no upload, no wait), and with the warm-up
     mask's `kernel_index` read as the mask's own tensors (no read-only views): which part of the host-planned
     path or of the benchmark's sequence, if any, the slow turns follow (these runs build fixed and Longformer
-    only; the full `mask_costs` before them builds four other constructors first)."""
+    only; the full `mask_costs` before them builds four other constructors first). Each variant's rows go into
+    `out` as they come, then `save()` runs."""
     import sys
     from unittest import mock
 
@@ -397,7 +402,7 @@ def build_variants(n: int = 65536, names=("fixed", "longformer")) -> dict:
                 "host sizes, device chunks": everywhere("_host_split", device_chunks),
                 "no read-only views": [mock.patch.object(mask_module, "_read_only", lambda record: record)],
                 "as is again": []}
-    out = {}
+    out = {} if out is None else out
     for variant, patches in variants.items():
         with contextlib.ExitStack() as stack:
             for patch in patches + [mock.patch.object(bench_attention, "mask_builders",
@@ -410,6 +415,7 @@ def build_variants(n: int = 65536, names=("fixed", "longformer")) -> dict:
             if r["impl"] != "sparse_flash" and "ms" in r:
                 out[variant][r["mask"]]["flex_ms"] = round(r["ms"], 3)
         print(variant, json.dumps(out[variant]), flush=True)
+        save()
     return out
 
 
