@@ -7,7 +7,8 @@ with many small torch operators, each a kernel launch of its own:
 - `unsplit_plans`: the work plans of lists that no program splits (`mask_index._plan_items`): items ordered by
   (batch, head), longest list first within, ties in list order; every item a whole list;
 - `split_plan`: the same where some lists are cut into chunks (global rows and columns): every chunk an item,
-  with its scratch slot, and the split lists' tables.
+  with its scratch slot, and the split lists' tables;
+- `hash_into`: the seeded draws of the random constructors (`masks._common.hash_draws`).
 
 `mask_index` calls them for tensors on a CUDA device; inside torch.compile the top-k builders (`choose_topk`,
 `topk_lists`, `unsplit_plans`: their sizes are known on the host) run as custom ops (the end of this module),
@@ -858,6 +859,49 @@ def _layout_write_kernel(Layout, Kinds, Ends, R0, R1, R2, R3, R4, R5, R6, R7, R8
 
 MAX_CHOOSE = 2048  # key blocks of a row that `choose_topk` ranks in one program (64 registers per thread at 4
 # warps; longer rows take the torch choice)
+
+
+HASH_BLOCK = 1024  # positions per program of `hash_into`
+
+
+def hash_into(out: torch.Tensor, words: tuple[int, int]) -> torch.Tensor:
+    """`masks._common.hash_draws` written into `out` (int64, contiguous) or `uniform_draws` of an int seed
+    (`out` float32): the hash of every position `[0, out.numel())` and the seed's two 32-bit `words`
+    (`masks._common._seed_words`), in one launch where the torch operators take some forty (32-bit unsigned
+    arithmetic wraps as their masked int64 arithmetic does: the same numbers, tests/test_masks.py).
+
+    Example:
+        >>> out = hash_into(torch.empty(4, dtype=torch.int64, device="cuda"), (1, 2))  # doctest: +SKIP
+    """
+    n = out.numel()
+    if n:
+        signed = [w - (1 << 32) if w >= 1 << 31 else w for w in words]  # int32 bit patterns
+        with _on(out.device):
+            launch(_hash_kernel, (cdiv(n, HASH_BLOCK),), (out, n, *signed),
+                   dict(UNIFORM=out.dtype == torch.float32, BLOCK=HASH_BLOCK), WARPS, STAGES)
+    return out
+
+
+@triton.jit
+def _fmix32(x):
+    """MurmurHash3's 32-bit finaliser on uint32 `x` (its products wrap modulo 2**32)."""
+    x ^= x >> 16
+    x *= 0x85EBCA6B
+    x ^= x >> 13
+    x *= 0xC2B2AE35
+    return x ^ (x >> 16)
+
+
+@triton.jit(do_not_specialize=["first", "second"])
+def _hash_kernel(Out, n, first, second, UNIFORM: tl.constexpr, BLOCK: tl.constexpr):
+    """`hash_into`: positions `[pid * BLOCK, +BLOCK)`; a float32 draw keeps the top 24 bits, times 2**-24."""
+    pos = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = pos.to(tl.uint32) * 0x9E3779B1 + first.to(tl.uint32, bitcast=True)
+    x = _fmix32(_fmix32(x) + second.to(tl.uint32, bitcast=True))
+    if UNIFORM:
+        tl.store(Out + pos, (x >> 8).to(tl.float32) * 5.9604644775390625e-08, mask=pos < n)
+    else:
+        tl.store(Out + pos, x.to(tl.int64), mask=pos < n)
 
 
 def choose_supported(cols: int, dtype: torch.dtype) -> bool:

@@ -600,12 +600,12 @@ class BlockMask:
         return mask
 
     @classmethod
-    def _from_sized_layout(cls, layout: torch.Tensor, sizes: LayoutSizes, block_size: tuple[int, int], seq_len_q: int,
-                           seq_len_k: int, name: str) -> "BlockMask":
-        """A mask owning `layout` (a bool `(1, H, Mq, Mk)` that a mask constructor made and never writes, on the
-        grid of these lengths) whose lists' sizes the constructor counted from its pattern on the host
-        (`masks._common.pattern_sizes`; they must be the layout's: nothing checks them on the device): on a GPU
-        the build does not wait for the device."""
+    def _from_made_layout(cls, layout: torch.Tensor, sizes: LayoutSizes | None, block_size: tuple[int, int],
+                          seq_len_q: int, seq_len_k: int, name: str) -> "BlockMask":
+        """A mask owning `layout` (not copied: a bool `(H, Mq, Mk)` or `(1, H, Mq, Mk)` that a mask constructor
+        made on the grid of these lengths and never writes). `sizes`: its lists' sizes where the constructor
+        counted them from its pattern on the host (`masks._common.pattern_sizes`; they must be the layout's:
+        nothing checks them on the device): on a GPU the build then does not wait for the device."""
         mask = cls.__new__(cls)
         mask._own(_check_layout(layout).contiguous(), tuple(block_size), seq_len_q, seq_len_k, name, None, sizes=sizes)
         return mask

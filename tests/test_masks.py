@@ -132,6 +132,31 @@ def test_seeded_draws_are_an_integer_hash_of_seed_and_position(seed):
     assert abs(float(torch.corrcoef(torch.stack([u, other]))[0, 1])) < 0.01
 
 
+@pytest.mark.parametrize("seed", [0, 17, 2**32 + 5, 2**64 - 1])
+def test_seeded_draws_of_the_gpu_builder_equal_the_torch_operators(seed):
+    """The random constructors' draws in one Triton launch (`index_gpu.hash_into`: on a CUDA device, or on the
+    CPU under TRITON_INTERPRET=1) are the torch operators' numbers, int64 and float32, at lengths around its
+    tile, and the masks made from them are the same masks."""
+    from unittest import mock
+
+    from sparse_flash import mask_index
+    from sparse_flash.masks._common import hash_draws, uniform_draws
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
+    lengths = (1, 1023, 1024, 3001)
+    with mock.patch.object(mask_index, "_on_gpu", lambda t: True):
+        drawn = [(hash_draws(seed, (n,), device), uniform_draws(seed, (3, n), device)) for n in lengths]
+        made = [masks.random(160, 16, density=0.3, seed=seed, num_heads=3, device=device),
+                masks.bigbird(160, 16, num_random_blocks=2, seed=seed, num_heads=2, device=device)]
+    for n, (ints, uniform) in zip(lengths, drawn):
+        assert ints.dtype == torch.int64 and torch.equal(ints.cpu(), hash_draws(seed, (n,)))
+        assert uniform.dtype == torch.float32 and torch.equal(uniform.cpu(), uniform_draws(seed, (3, n)))
+    assert made[0] == masks.random(160, 16, density=0.3, seed=seed, num_heads=3)
+    assert made[1] == masks.bigbird(160, 16, num_random_blocks=2, seed=seed, num_heads=2)
+
+
 def test_random_seeded_reproducible_and_per_head_independent():
     a = masks.random(4096, 64, density=0.3, seed=7, num_heads=6)
     b = masks.random(4096, 64, density=0.3, seed=7, num_heads=6)

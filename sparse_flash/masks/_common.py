@@ -14,7 +14,7 @@ from ..checks import (  # noqa: F401  (the constructors take their checks from h
     positive_int, probability, seed_value,
 )
 from ..mask import BlockMask, check_eager
-from ..mask_index import BlockRuns, LayoutSizes, candidates
+from ..mask_index import BlockRuns, LayoutSizes, candidates, gpu_builders
 
 # runs a pattern lists on the host (`pattern_runs`); past it the layout is made on the device and its lists' sizes
 # are counted from the pattern (`pattern_sizes`). Counting lists from runs costs ~45 ns a run (`run_sizes`: 3 ms
@@ -73,10 +73,22 @@ def hash_draws(seed: int, shape: tuple[int, ...], device=None) -> torch.Tensor:
         >>> hash_draws(0, (2, 3)).shape
         torch.Size([2, 3])
     """
-    first, second = _seed_words(seed)
+    return _draws(seed, shape, device, torch.int64)
+
+
+def _draws(seed: int, shape: tuple[int, ...], device, dtype: torch.dtype) -> torch.Tensor:
+    """`hash_draws` (int64) or `uniform_draws` (float32) of an int seed: one Triton launch where the GPU
+    builders run (`mask_index.gpu_builders`), else the torch operators."""
+    words = _seed_words(seed)
+    out = torch.empty(shape, dtype=dtype, device=device)
+    index_gpu = gpu_builders(out)
+    if index_gpu is not None:
+        return index_gpu.hash_into(out, words)
+    first, second = words
     x = torch.arange(math.prod(shape), dtype=torch.int64, device=device)
     x = _fmix32(x.mul_(0x9E3779B1).add_(first).bitwise_and_(_MASK32))  # positions < 2**31: no overflow
-    return _fmix32(x.add_(second).bitwise_and_(_MASK32)).reshape(shape)
+    x = _fmix32(x.add_(second).bitwise_and_(_MASK32)).reshape(shape)
+    return x if dtype == torch.int64 else (x >> 8).to(torch.float32) * 2.0**-24
 
 
 def uniform_draws(seed, shape: tuple[int, ...], device=None) -> torch.Tensor:
@@ -84,7 +96,7 @@ def uniform_draws(seed, shape: tuple[int, ...], device=None) -> torch.Tensor:
     `torch.rand` with a user's `torch.Generator` (on its device), moved to `device`."""
     if isinstance(seed, torch.Generator):
         return torch.rand(shape, generator=seed, device=seed.device).to(device)
-    return (hash_draws(seed, shape, device) >> 8).to(torch.float32) * 2.0**-24
+    return _draws(seed, shape, device, torch.float32)
 
 
 class Geometry(NamedTuple):
@@ -152,14 +164,10 @@ def causal_blocks(geo: Geometry, device) -> torch.Tensor:
 
 
 def make(layout: torch.Tensor, geo: Geometry, name: str, sizes: LayoutSizes | None = None) -> BlockMask:
-    """A mask of a layout that a constructor made; `sizes`: its lists' sizes where the constructor counted them
-    from its pattern (`pattern_sizes`), so that its build on a GPU does not wait for the device."""
-    if sizes is not None:
-        return BlockMask._from_sized_layout(layout, sizes, (geo.block_q, geo.block_k), geo.seq_len_q, geo.seq_len_k,
-                                            name)
-    return BlockMask.from_layout(
-        layout, (geo.block_q, geo.block_k), seq_len_q=geo.seq_len_q, seq_len_k=geo.seq_len_k, name=name
-    )
+    """A mask owning a layout that a constructor made (not copied: the constructor never writes it again);
+    `sizes`: its lists' sizes where the constructor counted them from its pattern (`pattern_sizes`), so that its
+    build on a GPU does not wait for the device."""
+    return BlockMask._from_made_layout(layout, sizes, (geo.block_q, geo.block_k), geo.seq_len_q, geo.seq_len_k, name)
 
 
 def make_from_runs(runs: BlockRuns, geo: Geometry, name: str, device, heads: int = 1, tiling=None) -> BlockMask:

@@ -60,14 +60,15 @@ def bigbird(
     heads = optional_heads(num_heads)
     geo = geometry(seq_len, block_size, seq_len_k, heads=heads)
     i, j = block_coords(geo, device)
-    allowed = causal_blocks(geo, device) if causal else torch.ones_like(i * j, dtype=torch.bool)
+    allowed = causal_blocks(geo, device) if causal else None  # None: every block
 
     shape = (heads, geo.num_blocks_q, geo.num_blocks_k)
     if isinstance(seed, torch.Generator):
         scores = uniform_draws(seed, shape, device)
     else:  # distinct integer scores (draw, then key block): no tie, so every device keeps the same blocks
         scores = hash_draws(seed, shape, device) * geo.num_blocks_k + j
-    scores = scores.masked_fill(~allowed, -1)  # disallowed keys sort last and are dropped below
+    if causal:
+        scores = scores.masked_fill(~allowed, -1)  # disallowed keys sort last and are dropped below
     layout = torch.zeros_like(scores, dtype=torch.bool)
     if r:
         top = scores.topk(min(r, geo.num_blocks_k), dim=-1).indices
@@ -75,4 +76,6 @@ def bigbird(
     layout |= (i - j).abs() <= w // 2
     layout[:, :g, :] = True
     layout[:, :, :g] = True
-    return make(layout & allowed, geo, f"bigbird(r={r}, w={w}, g={g}{', causal' if causal else ''})")
+    if causal:
+        layout &= allowed
+    return make(layout, geo, f"bigbird(r={r}, w={w}, g={g}{', causal' if causal else ''})")
