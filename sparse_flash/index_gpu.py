@@ -23,7 +23,9 @@ Example: `unsplit_plans`.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
+import operator
 from typing import Collection, NamedTuple
 
 import torch
@@ -88,10 +90,18 @@ def pieces_of(allocations: list[torch.Tensor], shapes: list[tuple[int, ...]],
 
 def _pieces(allocations: list[torch.Tensor], shapes: list[tuple[int, ...]], own: Collection[int],
             cuts: list[int]) -> list[torch.Tensor]:
-    """`pieces_of` with the shared pieces' `_cuts` computed already."""
-    shared = iter(allocations[0].split(cuts)[::2])
-    owned = iter(allocations[1:])
-    return [next(owned) if i in own else next(shared).view(shape) for i, shape in enumerate(shapes)]
+    """`pieces_of` with the shared pieces' `_cuts` computed already: each shared piece one strided view of the
+    allocation (one operator a piece, where a split and a view take two, and a tensor for each padding)."""
+    shared, owned, pieces, start = allocations[0], iter(allocations[1:]), [], 0
+    lengths = iter(cuts)
+    for i, shape in enumerate(shapes):
+        if i in own:
+            pieces.append(next(owned))
+            continue
+        strides = tuple(itertools.accumulate((max(d, 1) for d in reversed(shape[1:])), operator.mul, initial=1))[::-1]
+        pieces.append(shared.as_strided(shape, strides, start))
+        start += next(lengths) + next(lengths)  # the piece, then its padding
+    return pieces
 
 
 def every_third(shapes: list) -> range:
