@@ -8,7 +8,8 @@ with many small torch operators, each a kernel launch of its own:
   (batch, head), longest list first within, ties in list order; every item a whole list;
 - `split_plan`: the same where some lists are cut into chunks (global rows and columns): every chunk an item,
   with its scratch slot, and the split lists' tables;
-- `hash_into`: the seeded draws of the random constructors (`masks._common.hash_draws`).
+- `hash_into`: the seeded draws of the random constructors (`masks._common.hash_draws`);
+- `fixed_layout`: the layout of `masks.fixed` where its runs are too many to list.
 
 `mask_index` calls them for tensors on a CUDA device; inside torch.compile the top-k builders (`choose_topk`,
 `topk_lists`, `unsplit_plans`: their sizes are known on the host) run as custom ops (the end of this module),
@@ -869,6 +870,59 @@ def _layout_write_kernel(Layout, Kinds, Ends, R0, R1, R2, R3, R4, R5, R6, R7, R8
 
 MAX_CHOOSE = 2048  # key blocks of a row that `choose_topk` ranks in one program (64 registers per thread at 4
 # warps; longer rows take the torch choice)
+
+
+FIXED_TILE = 1024  # key blocks per program of `fixed_layout`
+
+
+def fixed_layout(layout: torch.Tensor, local: int, width: int, patterns: int, causal: bool,
+                 horizontal: bool) -> torch.Tensor:
+    """`masks.fixed`'s layout written into `layout` (bool `(H, M, M)`, contiguous) in one launch, where the torch
+    operators take some fifteen: windows of `local` blocks, in each the `width` global columns of head h's
+    pattern `h % patterns` (those of a partial last window clamped to the grid's end), with `horizontal` also
+    global rows, with `causal` the lower triangle. The same layout as `masks.fixed`'s torch operators
+    (tests/test_layout.py compares them under TRITON_INTERPRET=1).
+
+    Example:
+        >>> out = fixed_layout(torch.empty(1, 8, 8, dtype=torch.bool, device="cuda"), 4, 1, 1, False, False)  # doctest: +SKIP
+    """
+    H, M, _ = layout.shape
+    if layout.numel():
+        with _on(layout.device):
+            launch(_fixed_layout_kernel, (H * M * cdiv(M, FIXED_TILE),), (layout, M, local, width, patterns),
+                   dict(CAUSAL=causal, HORIZONTAL=horizontal, TILE=FIXED_TILE), WARPS, STAGES)
+    return layout
+
+
+@triton.jit
+def _fixed_columns(j, p, M, local, width):
+    """Whether blocks `j` are global columns of pattern `p` (`masks.fixed._global_columns`)."""
+    offset = j % local
+    first = local - (1 + p) * width
+    cols = (j - offset + local <= M) & (offset >= first) & (offset < first + width)  # windows that fit the grid
+    last = (M - 1) // local * local  # the last window's first block
+    start = tl.minimum(last + local - (1 + p) * width, tl.maximum(M - width, 0))
+    return cols | ((last + local > M) & (j >= start) & (j < start + width))  # a partial last window
+
+
+@triton.jit
+def _fixed_layout_kernel(Layout, M, local, width, patterns, CAUSAL: tl.constexpr, HORIZONTAL: tl.constexpr,
+                         TILE: tl.constexpr):
+    """`fixed_layout`: row i of head h, key blocks `[t * TILE, +TILE)`, program `(h * M + i) * tiles + t`."""
+    tiles = tl.cdiv(M, TILE)
+    row, t = tl.program_id(0) // tiles, tl.program_id(0) % tiles
+    h, i = row // M, row % M
+    p = h % patterns
+    j = t * TILE + tl.arange(0, TILE)
+    on = (i // local) == (j // local)
+    cols = _fixed_columns(j, p, M, local, width)
+    if CAUSAL:
+        on = (on | cols) & (j <= i)
+    else:
+        on = on | cols
+    if HORIZONTAL:
+        on = on | _fixed_columns(i, p, M, local, width)
+    tl.store(Layout + row.to(tl.int64) * M + j, on, mask=j < M)
 
 
 HASH_BLOCK = 1024  # positions per program of `hash_into`

@@ -1,5 +1,6 @@
 """BlockMask: construction, index lists, algebra, devices, repr and plots."""
 
+import itertools
 import math
 import os
 from unittest import mock
@@ -595,12 +596,15 @@ def test_pattern_sizes_equal_those_counted_from_the_patterns_runs(data, Nq, Nk, 
 
 @settings(max_examples=8, deadline=None)
 @given(N=st.integers(1, 700), b=st.sampled_from([16, 32]), L=st.integers(1, 6), G=st.integers(1, 6),
-       P=st.integers(1, 3), causal=st.booleans(), horizontal=st.booleans(), extra_heads=st.integers(0, 2))
-def test_fixed_with_too_many_runs_to_list_builds_without_waiting(N, b, L, G, P, causal, horizontal, extra_heads):
+       P=st.integers(1, 3), causal=st.booleans(), horizontal=st.booleans(), extra_heads=st.integers(0, 2),
+       builder=st.sampled_from(["triton", "torch"]))
+def test_fixed_with_too_many_runs_to_list_builds_without_waiting(N, b, L, G, P, causal, horizontal, extra_heads,
+                                                                 builder):
     """Past `MAX_LISTED_RUNS` (a global column every few blocks on a long grid: `masks.fixed(65536, 128)` has
-    131,584 runs) `fixed` makes its layout on the device and counts its lists' sizes from the pattern
-    (`pattern_sizes`): the layout that it lists otherwise, built by the GPU builders (here under
-    TRITON_INTERPRET=1) without a device wait, with the lists of `from_layout`."""
+    131,584 runs) `fixed` makes its layout on the device (`index_gpu.fixed_layout`, or the torch operators
+    without Triton) and counts its lists' sizes from the pattern (`pattern_sizes`): the layout that it lists
+    otherwise, built by the GPU builders (here under TRITON_INTERPRET=1) without a device wait, with the lists
+    of `from_layout`."""
     import sys
 
     from sparse_flash import mask_index
@@ -614,6 +618,8 @@ def test_fixed_with_too_many_runs_to_list_builds_without_waiting(N, b, L, G, P, 
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"
         if interpreted:
             patch.setattr(mask_index, "_on_gpu", lambda t: True)
+        if builder == "torch":  # the layout by the torch operators, its lists by the GPU builders
+            patch.setattr(sys.modules["sparse_flash.masks.fixed"], "gpu_builders", lambda t: None)
         with DeviceWaits(patch) as counter:
             made = masks.fixed(N, b, **kwargs)
     assert listed._runs is not None and made._runs is None
@@ -621,6 +627,30 @@ def test_fixed_with_too_many_runs_to_list_builds_without_waiting(N, b, L, G, P, 
     assert counter.waits == 0 or not interpreted
     _assert_same_index(made._index, mask_index.build_index(made.layout, made.block_size, made.seq_len_q,
                                                            made.seq_len_k))
+
+
+def test_fixed_layout_kernel_equals_the_torch_operators_on_small_grids():
+    """`index_gpu.fixed_layout` against `masks.fixed`'s torch operators on every small grid and pattern: windows
+    that fit the grid or not, global columns clamped to its end, several patterns, both flags, global rows."""
+    import sys
+
+    from sparse_flash import mask_index
+    from sparse_flash.masks._common import geometry
+
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fixed = sys.modules["sparse_flash.masks.fixed"]
+    for M, L in itertools.product((1, 4, 5, 7, 11), range(1, 6)):  # windows that fit, a partial last one
+        geo = geometry(M * 16, 16)
+        for G, P, causal, horizontal in itertools.product(range(1, L + 1), (1, 2, 3), (False, True), (False, True)):
+            if P * G > L or (causal and horizontal):
+                continue
+            with mock.patch.object(mask_index, "_on_gpu", lambda t: True):
+                made = fixed._layout(geo, P + 1, L, G, P, causal, horizontal, device)
+            with mock.patch.object(fixed, "gpu_builders", lambda t: None):
+                want = fixed._layout(geo, P + 1, L, G, P, causal, horizontal, "cpu")
+            assert torch.equal(made.cpu(), want), (M, L, G, P, causal, horizontal)
 
 
 # Every constructor that lists its blocks on the host (`pattern_runs`, `diagonal_runs`, the butterfly's grid)

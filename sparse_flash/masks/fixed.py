@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..mask import BlockMask
-from ._common import (MAX_LISTED_RUNS, as_bool, block_coords, check_device, joined_runs, make, make_from_runs,
-                      optional_heads, pattern_runs, pattern_sizes, positive_int, square_geometry)
+from ._common import (MAX_LISTED_RUNS, as_bool, block_coords, check_device, gpu_builders, joined_runs, make,
+                      make_from_runs, optional_heads, pattern_runs, pattern_sizes, positive_int, square_geometry)
 
 
 def fixed(
@@ -87,20 +87,33 @@ def fixed(
         return make_from_runs(runs, geo, name, device, heads)
     # many runs (short windows on a long grid: a global column every few blocks): the layout made on the device,
     # its lists' sizes counted from the pattern; neither waits for the device
+    layout = _layout(geo, heads, L, G, P, causal, horizontal_global_attention, device)
+    return make(layout, geo, name, pattern_sizes(geo, patterns, [h % P for h in range(heads)]))
+
+
+def _layout(geo, heads: int, L: int, G: int, P: int, causal: bool, horizontal: bool, device) -> torch.Tensor:
+    """bool `(heads, M, M)`: the fixed pattern's layout on `device`, by arithmetic on the block numbers (no list
+    of blocks copied to the device): one Triton launch where the GPU builders run (`index_gpu.fixed_layout`),
+    else the torch operators."""
+    M = geo.num_blocks_q
+    layout = torch.empty((heads, M, M), dtype=torch.bool, device=device)
+    index_gpu = gpu_builders(layout)
+    if index_gpu is not None:
+        return index_gpu.fixed_layout(layout, L, G, P, causal, horizontal)
     i, j = block_coords(geo, device)  # (M, 1) and (1, M)
     local_ = (i // L) == (j // L)
     if causal:
         local_ &= j <= i
-    layout = local_.expand(heads, M, M).clone()
+    layout.copy_(local_)
     for h in range(heads):
-        cols = _global_columns(j, M, L, G, h % P)  # (1, M): no list of them copied to the device
+        cols = _global_columns(j, M, L, G, h % P)  # (1, M)
         if causal:
             layout[h] |= cols & (i >= j)
         else:
             layout[h] |= cols
-            if horizontal_global_attention:
+            if horizontal:
                 layout[h] |= cols.view(M, 1)
-    return make(layout, geo, name, pattern_sizes(geo, patterns, [h % P for h in range(heads)]))
+    return layout
 
 
 def _global_columns(j: torch.Tensor, M: int, L: int, G: int, p: int) -> torch.Tensor:
