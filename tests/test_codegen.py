@@ -108,6 +108,13 @@ def cases():
            dict(num_warps=4, types={"Layout": "*i1", "Kinds": "*i32", "Summary": "*i32", **ints}))
     yield ("index_gpu.layout_lists: lists", index_gpu._layout_write_kernel, dict(BLOCK0=8192, BLOCK1=8192), (),
            dict(num_warps=4, types={"Layout": "*i1", "Kinds": "*i32", "Ends": "*i32", **ints, **sides}))
+    yield ("index_gpu.fixed_layout", index_gpu._fixed_layout_kernel,
+           dict(CAUSAL=False, HORIZONTAL=True, TILE=index_gpu.FIXED_TILE), (),
+           dict(num_warps=4, types={"Layout": "*i1", **{n: "i32" for n in ("M", "local", "width", "patterns")}}))
+    for uniform in (False, True):
+        yield (f"index_gpu.hash_into uniform={uniform}", index_gpu._hash_kernel,
+               dict(UNIFORM=uniform, BLOCK=index_gpu.HASH_BLOCK), (),
+               dict(num_warps=4, types={"Out": "*fp32" if uniform else "*i64", "n": "i32", "first": "i32", "second": "i32"}))
     cfg = fwd_config(128, torch.bfloat16, 128, 128, False, 16384, long_lists=True)
     yield (f"fwd sparse long lists D=128 {tuple(cfg)}", fwd._attn_fwd_kernel,
            dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BLOCK_Q=128,
