@@ -14,6 +14,7 @@ This module holds the one scheduling policy of the lists (the `SPLIT_*`, `HEAVY_
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import sys
@@ -460,6 +461,32 @@ def _unsplit_plans(sides: list[_Side]) -> list[WorkPlan]:
     return _plan_items(_plan_batch(inputs, split=False), sizes)
 
 
+@contextlib.contextmanager
+def one_host_thread(device=None):
+    """The host's torch operators on one thread inside (a context, or a decorator: `@one_host_thread()`): a
+    build's host tensors hold thousands of elements, where an operator that shares its work among the intra-op
+    threads (advanced indexing, `repeat_interleave`) waits for every one of them: tens of microseconds on an
+    idle host, milliseconds while other processes hold some of its cores (a compile's workers: fixed built in
+    29-37 ms, 2.2 ms on one thread; tuning log step 118). `device`: the device of the build's tensors, where
+    they are not host tables (a CPU layout's build keeps every thread for its O(layout) operators). Nested uses
+    keep the one thread; inside torch.compile nothing changes.
+
+    Example:
+        >>> with one_host_thread():
+        ...     torch.get_num_threads()
+        1
+    """
+    threads = torch.get_num_threads()
+    if threads == 1 or (device is not None and torch.device(device).type != "cuda") or torch.compiler.is_compiling():
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _on_gpu(t: torch.Tensor) -> bool:
     """Whether lists and plans of tensors like `t` are built by `index_gpu`'s Triton launches: on a CUDA device,
     with the kernel setting `gpu_index`, which is read outside torch.compile only (Dynamo cannot read the
@@ -694,6 +721,7 @@ def _row_bounds(Mq: int, Mk: int, bq: int, bk: int, seq_len_q: int, seq_len_k: i
         return torch.stack([candidates(True, (Mq, Mk, bq, bk, seq_len_q, seq_len_k), "cpu"), (q * bq + 1) // bk], 1)
 
 
+@one_host_thread()
 def run_sizes(runs: BlockRuns, heads: int, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int) -> LayoutSizes:
     """`LayoutSizes` of a `(1, heads, Mq, Mk)` layout, with every list's count, from its runs on the host
     (`BlockRuns`): O(runs + heads x (Mq + Mk)) work, no device involved. The classes are `build_index`'s
@@ -754,6 +782,13 @@ def build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: in
     (where lists are cut, when `sizes.lists` holds every list's count). They must be the layout's: nothing
     checks them on the device.
     """
+    with one_host_thread(layout.device):
+        return _build_index(layout, block_size, seq_len_q, seq_len_k, sizes)
+
+
+def _build_index(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int,
+                 sizes: LayoutSizes | None) -> MaskIndex:
+    """`build_index` (its host operators on one thread where the layout is on a GPU)."""
     B, H, Mq, Mk = layout.shape
     bq, bk = block_size
     on_gpu = _layout_sides_on_gpu(layout, block_size, seq_len_q, seq_len_k, sizes)

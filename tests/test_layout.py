@@ -629,6 +629,36 @@ def test_fixed_with_too_many_runs_to_list_builds_without_waiting(N, b, L, G, P, 
                                                            made.seq_len_k))
 
 
+def test_host_tables_are_counted_on_one_thread_and_the_threads_come_back():
+    """`mask_index.one_host_thread`: the builds' host operators on one intra-op thread (tuning log step 118),
+    the caller's thread count restored after them, after an error too; a CPU layout's build keeps its threads."""
+    from sparse_flash.mask_index import one_host_thread
+    from sparse_flash.masks import _common
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+        counts = _common._pattern_counts
+
+        def spy(*args, **kwargs):
+            seen.append(torch.get_num_threads())
+            return counts(*args, **kwargs)
+
+        with mock.patch.object(_common, "_pattern_counts", spy):
+            _common.pattern_sizes(_common.geometry(512, 64), [dict(band=(torch.arange(8), torch.arange(8) + 1))], [0])
+        assert seen == [1] and torch.get_num_threads() == 2
+        with one_host_thread("cpu"):
+            assert torch.get_num_threads() == 2
+        with pytest.raises(KeyError), one_host_thread():
+            with one_host_thread():
+                assert torch.get_num_threads() == 1
+            raise KeyError
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_fixed_layout_kernel_equals_the_torch_operators_on_small_grids():
     """`index_gpu.fixed_layout` against `masks.fixed`'s torch operators on every small grid and pattern: windows
     that fit the grid or not, global columns clamped to its end, several patterns, both flags, global rows."""

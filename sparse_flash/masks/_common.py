@@ -14,7 +14,7 @@ from ..checks import (  # noqa: F401  (the constructors take their checks from h
     positive_int, probability, seed_value,
 )
 from ..mask import BlockMask, check_eager
-from ..mask_index import BlockRuns, LayoutSizes, candidates, gpu_builders
+from ..mask_index import BlockRuns, LayoutSizes, candidates, gpu_builders, one_host_thread
 
 # runs a pattern lists on the host (`pattern_runs`); past it the layout is made on the device and its lists' sizes
 # are counted from the pattern (`pattern_sizes`). Counting lists from runs costs ~45 ns a run (`run_sizes`: 3 ms
@@ -191,6 +191,7 @@ def _merged(ranges, limit: int) -> list[tuple[int, int]]:
     return out
 
 
+@one_host_thread()
 def pattern_runs(geo: Geometry, *, band: tuple[torch.Tensor, torch.Tensor] | None = None, columns=(), rows=(),
                  causal: bool = False) -> BlockRuns:
     """The runs (`mask_index.BlockRuns`) of one head's pattern made of up to three parts, listed on the host in
@@ -234,6 +235,7 @@ def pattern_runs(geo: Geometry, *, band: tuple[torch.Tensor, torch.Tensor] | Non
     return BlockRuns(row.flatten(), start.flatten(), end.flatten())
 
 
+@one_host_thread()
 def pattern_sizes(geo: Geometry, patterns: list[dict], head_pattern: list[int]) -> LayoutSizes:
     """The `LayoutSizes` of a `(1, H, Mq, Mk)` layout whose head h holds pattern `patterns[head_pattern[h]]`
     (the keyword arguments of `pattern_runs`: band, columns, rows, causal), counted from the pattern itself in
@@ -332,6 +334,7 @@ _OFFSETS = _FLAGS  # (2, 1): each flag's first bin in units of Mk + 1 (both flag
 _SIGNS = torch.tensor([1, -1])  # a range's start and end marks
 
 
+@one_host_thread()
 def diagonal_runs(geo: Geometry, diagonals: list[int]) -> BlockRuns:
     """The blocks `(i, j)` with `i - j` in `diagonals` (distinct ints), one run of one block each, one diagonal
     after another: a few operators whatever their number (no selection by a bool tensor, a slow one)."""
