@@ -2,7 +2,7 @@
 launch; the dQ launch before it, `gluon/dq.py` or the Triton kernel, stores delta = rowsum(dO * O)).
 
 Built like the forward (`gluon/fwd.py`): one resident program per SM walks its share of the work items,
-here a 128-key tile of one (batch, KV head) and the lists of 64-row query tiles that see it, for every
+here a 128-key tile of one (batch, KV head) and the lists of query tiles (STEP_ROWS[D] rows) that see it, for every
 query head sharing that KV head (GQA). Inside a program:
 
 - one *load* warp issues TMA copies: the item's K and V tiles into one of two K/V buffers, then for each
@@ -14,8 +14,12 @@ query head sharing that KV head (GQA). Inside a program:
   rows into its half of the K/V buffer and stores them by TMA (storing from the accumulators' registers
   cost the forward 8-20%, tuning log, step 44).
 
-Registers: each warpgroup holds dK and dV (64 x 128 fp32 each) and two 64 x 64 score tiles, hence 64-row
-query tiles (FlashAttention-3 makes the same split at D = 128).
+Registers: at D = 128 each warpgroup holds dK and dV (64 x 128 fp32 each) and two 64 x 64 score tiles, hence
+64-row query tiles (FlashAttention-3 makes the same split at D = 128). At D = 64 dK and dV take half as many,
+which leaves room for two 64 x 128 score tiles: 128-row steps, whose S^T and dP^T products are twice as wide
+(a 64 x 64 product with both operands in shared memory reads as many bytes per clock as the tensor cores
+consume) and which halve the waits and releases per query row (sm_90a: no spills, 6.9 instructions per
+exponential in the step loop against 7.7 with 64-row steps).
 
 The few column lists much longer than the others (the global columns of BigBird and Longformer) come in the
 chunks of the mask's work plan (`schedule.split_items`, as for the forward and the Triton kernels); each chunk
@@ -48,10 +52,10 @@ from .pipeline import (FIRST_HALF, GL_DTYPES, ITEM_WIDTH, SECOND_HALF, bound_lau
                        shapes_fit, takes_plan, tma_load, tma_store, walk_position, walk_tile_start)
 
 BLOCK_N = 128  # keys per item (64 per compute warpgroup)
-BLOCK_M = 64  # query rows per step
-# Q / dO / lse / delta slots in flight, by head dim; with two K/V buffers, 226 KB of shared memory at D = 128,
-# 194 KB at D = 64 (8-KB Q and dO tiles)
-STEP_BUFFERS = {128: 3, 64: 8}
+# Query rows per step and Q / dO / lse / delta slots in flight, by head dim; with two K/V buffers, 226 KB of shared
+# memory at D = 128 (64-row steps, 3 slots) and 196 KB at D = 64 (128-row steps, 4 slots)
+STEP_ROWS = {128: 64, 64: 128}
+STEP_BUFFERS = {128: 3, 64: 4}
 LOAD_REGS = 24
 COMPUTE_REGS = 240  # each compute warpgroup's (the first gets what the launch cap leaves: also 240)
 MAX_REGS = 168
@@ -59,7 +63,7 @@ MAX_REGS = 168
 
 @gluon.jit
 def _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, row, t):
-    """Q and dO rows [row, row + BLOCK_M) and their lse and delta into slot t % STAGES, once it is free."""
+    """Q and dO rows [row, row + STEP_ROWS[D]) and their lse and delta into slot t % STAGES, once it is free."""
     STAGES: gl.constexpr = q_smem.type.shape[0]
     s = t % STAGES
     mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # barriers start with phase 1 complete
@@ -318,6 +322,7 @@ class DkdvPlan:
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         dense = index is None
+        BLOCK_M = STEP_ROWS[D]
         block_q = BLOCK_M if dense else geometry.block_q
         sub = block_q // BLOCK_M
         split = (SplitPlan(q.device) if dense else
@@ -345,16 +350,17 @@ class DkdvPlan:
             dict(GROUPS=Hq // Hkv, SUB=sub, MASK_BLOCK_Q=block_q, DENSE=dense, CAUSAL=causal, LSE_LOG2=lse_log2,
                  STAGES=STEP_BUFFERS[D],
                  LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS), MAX_REGS)
-        self.k_shape, self.dtype, self.device = k.shape, q.dtype, q.device
+        self.k_shape, self.dtype, self.device, self.block_m = k.shape, q.dtype, q.device, BLOCK_M
 
     def __call__(self, q, k, v, do, lse, delta):
         dk = new_output(self.k_shape, self.dtype, self.device)
         dv = new_output(self.k_shape, self.dtype, self.device)
         dk_part, dv_part = self.chunk_sum.scratch(self.device), self.chunk_sum.scratch(self.device)
         half = BLOCK_N // 2  # each compute warpgroup stores its 64 rows
-        descs = (row_spec(q, BLOCK_M, self.q_layout), row_spec(do, BLOCK_M, self.q_layout),
+        rows = self.block_m
+        descs = (row_spec(q, rows, self.q_layout), row_spec(do, rows, self.q_layout),
                  row_spec(k, BLOCK_N, self.kv_layout), row_spec(v, BLOCK_N, self.kv_layout),
-                 vector_spec(lse, BLOCK_M, self.row_layout), vector_spec(delta, BLOCK_M, self.row_layout),
+                 vector_spec(lse, rows, self.row_layout), vector_spec(delta, rows, self.row_layout),
                  row_spec(dk, half, self.kv_layout), row_spec(dv, half, self.kv_layout))
         self.launch(*descs, dk_part, dv_part)
         self.chunk_sum(dk, dk_part)
@@ -367,6 +373,7 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
     """The kernel compiled for sm_90a on any machine (no GPU needed), as the launcher would launch it at
     D = `head_dim`; for compile checks (tests/test_codegen.py) and `benchmarks/kernel_resources.py`."""
     D = head_dim
+    BLOCK_M = STEP_ROWS[D]
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
     q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], GL_DTYPES[dtype])
     kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], GL_DTYPES[dtype])
