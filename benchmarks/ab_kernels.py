@@ -26,6 +26,8 @@ ratios base/new are the change's gain. Three ways to name the versions:
     # --switch deterministic, dQ added in any order (base: the dense non-causal rows take the one-pass kernel)
     # against the default (new)
     python benchmarks/ab_kernels.py --switch hopper-one-pass --out ab.json
+    # the dense non-causal rows on the two Hopper passes (base) against the one-pass kernel (new, the default)
+    python benchmarks/ab_kernels.py --switch hopper-one-pass-dense --rows "dense,false" --out ab.json
     # a saved copy of the whole package, of HEAD or of any older commit, against the current one, forward
     # and backward, each through its own package's public entry (`block_sparse_attention(...,
     # backend="triton")`: each side's API host time counts too)
@@ -64,7 +66,8 @@ ROWS = [(4, 16, 16, 4096, 128, m, False) for m in ("dense", "local", "butterfly"
 SWITCHES = {"tma": ("tma", ("fwd", "bwd")), "hopper": ("hopper_forward", ("fwd",)),
             "hopper-split": ("hopper_split", ("fwd",)), "hopper-balance": ("hopper_balance", ("fwd", "bwd")),
             "hopper-bwd": ("hopper_backward", ("bwd",)), "hopper-d64": ("hopper_d64", ("fwd", "bwd")),
-            "hopper-one-pass": ("hopper_one_pass", ("bwd",)), "deterministic": ("deterministic", ("bwd",))}
+            "hopper-one-pass": ("hopper_one_pass", ("bwd",)),
+            "hopper-one-pass-dense": ("hopper_one_pass_dense", ("bwd",)), "deterministic": ("deterministic", ("bwd",))}
 BASE_PACKAGE = "sparse_flash_base"  # the name a saved package copy is imported under
 
 
