@@ -315,11 +315,12 @@ def test_one_pass_backward_serves_dense_full_calls_where_it_is_faster():
 @pytest.mark.skipif(not SM90, reason="the Hopper forward needs sm_90")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_hopper_backward_cuts_long_lists_and_matches_reference(dtype, causal, monkeypatch):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hopper_backward_cuts_long_lists_and_matches_reference(dtype, causal, head_dim, monkeypatch):
     """BigBird's global rows and columns at 4,096 tokens, with the work plans patched to cut every list
     longer than 2 blocks into at most 3 chunks: the Hopper backward kernels walk the chunks and
     `merge.ChunkSum` adds them (checked: the plans hold chunks), and the gradients pass the 2x rule against
-    the float64 reference, outputs NaN-poisoned."""
+    the float64 reference, outputs NaN-poisoned. Both head dims (their steps differ: `dkdv.STEP_ROWS`)."""
     from sparse_flash import mask_index
     from sparse_flash.kernels.gluon import dkdv as gluon_dkdv
     from sparse_flash.kernels.gluon import dq as gluon_dq
@@ -335,7 +336,7 @@ def test_hopper_backward_cuts_long_lists_and_matches_reference(dtype, causal, mo
     monkeypatch.setattr(mask_index, "SPLIT_MAX_CHUNKS", 3)
     n = 4096
     mask = masks.bigbird(n, 128, num_global_blocks=2, seed=1, device="cuda")
-    q, k, v = make_qkv(2, 4, 2, n, n, 128, dtype=dtype, device="cuda", seed=11)
+    q, k, v = make_qkv(2, 4, 2, n, n, head_dim, dtype=dtype, device="cuda", seed=11)
     result = compare_to_reference(q, k, v, mask, causal=causal, backend="triton")
     assert not result.failures(), result.failures()
     assert slots["dkdv"] and min(slots["dkdv"]) > 0 and slots["dq"] and min(slots["dq"]) > 0, slots
