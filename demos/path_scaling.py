@@ -42,6 +42,7 @@ import results_table  # noqa: E402
 
 # NVLink multicast stays off in every process this starts (NCCL, PyTorch's symmetric memory, NVSHMEM).
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+STDERR_LINES = 30  # the end of a failed piece's stderr that the driver's error repeats
 
 
 @dataclass(frozen=True)
@@ -203,9 +204,13 @@ def main(argv: list[str] | None = None) -> int:
             command = piece_command(piece, i == 0, start, args, flags, out)
             print(f"[{name}] piece {i + 1}/{len(pieces)}: {piece.processes} process(es), steps {start}..{piece.until}: "
                   + " ".join(command), flush=True)
-            status = subprocess.run(command, env=environment).returncode
-            if status:
-                print(f"path_scaling.py: error: run {name!r} piece {i + 1} exited with status {status}", file=sys.stderr)
+            # stdout streams as it comes; stderr is kept so that a failed piece's error names its cause
+            done = subprocess.run(command, env=environment, stderr=subprocess.PIPE, text=True, errors="replace")
+            sys.stderr.write(done.stderr)
+            if done.returncode:
+                tail = "\n".join(done.stderr.strip().splitlines()[-STDERR_LINES:])
+                print(f"path_scaling.py: error: run {name!r} piece {i + 1} exited with status {done.returncode}; the "
+                      f"end of its stderr:\n{tail}", file=sys.stderr)
                 return 1
             start = piece.until
         outcomes[name] = outcome(name, pieces, out, time.perf_counter() - started, one_weights)

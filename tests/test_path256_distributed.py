@@ -55,6 +55,7 @@ def weights(tmp_path, out: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("local_ports")  # never beside the other test that opens local ports (`--dist loadgroup`)
 def test_two_processes_train_like_one_and_resume_on_either(tmp_path, fake_data):
     """Two ranks of batch 4 take the steps of one process of batch 8, flips and masked pixels included (gradients
     averaged by DDP: equal up to float rounding); a checkpoint of two ranks resumes on one process and one of one process on two ranks, and
@@ -89,7 +90,8 @@ def test_resume_keeps_the_global_batch(tmp_path, fake_data, capsys):
 
 
 @pytest.mark.slow
-def test_scaling_driver_runs_one_many_and_switching_alike(tmp_path):
+@pytest.mark.xdist_group("local_ports")  # torchrun's ports: never beside the test above
+def test_scaling_driver_runs_one_many_and_switching_alike(tmp_path, capsys):
     """`path_scaling.py` on CPU (gloo, 2 processes, real 32-px images pooled to 8 px, flips on): the run on two
     processes and the run switching 1 -> 2 -> 1 processes end at the one-process weights (up to float rounding),
     with the same held-out answers; the summary and its results record render in the README table."""
@@ -101,7 +103,8 @@ def test_scaling_driver_runs_one_many_and_switching_alike(tmp_path):
              "--width", "16", "--heads", "2", "--n-train", "32", "--n-eval", "16", "--eval-every", "100",
              "--device", "cpu", "--workers", "1", "--backend", "torch", "--cache-dir", str(tmp_path / "cache"),
              "--augment"]
-    assert path_scaling.main(["--gpus", "2", "--steps", "6", "--batch-size", "8", "--out", str(out), "--", *flags]) == 0
+    status = path_scaling.main(["--gpus", "2", "--steps", "6", "--batch-size", "8", "--out", str(out), "--", *flags])
+    assert status == 0, capsys.readouterr().err[-3000:]  # the failed piece's stderr in the failure's summary line
     result = json.loads((out / "scaling.json").read_text())
     runs = result["runs"]
     assert [runs[k]["processes"] for k in ("one", "many", "switch")] == ["1", "2", "1 -> 2 -> 1"]
