@@ -24,6 +24,7 @@ Example: `unsplit_plans`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import operator
@@ -33,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels.memory import new_output
+from .kernels.memory import new_output, new_outputs
 # `launch`: Triton's own launcher costs tens of microseconds of host time per call
 from .kernels.launch import cdiv, launch, next_power_of_2
 
@@ -65,44 +66,50 @@ def int32_pieces(shapes: list[tuple[int, ...]], device: torch.device, own: Colle
     return int32_arena(shapes, device, own)[1]
 
 
-def _cuts(shapes: list[tuple[int, ...]]) -> list[int]:
-    """Each piece's length, then its padding to the next multiple of `ALIGN` int32s."""
-    cuts = []
-    for shape in shapes:
+@functools.lru_cache(maxsize=512)
+def _arena_plan(shapes: tuple, own: tuple) -> tuple:
+    """Where `int32_arena`'s pieces lie: `(length of the shared allocation, views)`, views `(shape, strides,
+    offset)` per shared piece and None per own piece, in the order of `shapes`; kept per (shapes, own) (a
+    build's shared pieces have the sizes of its geometry, so a new mask of a known geometry looks them up)."""
+    views, start = [], 0
+    for i, shape in enumerate(shapes):
+        if i in own:
+            views.append(None)
+            continue
+        strides = tuple(itertools.accumulate((max(d, 1) for d in reversed(shape[1:])), operator.mul, initial=1))[::-1]
+        views.append((shape, strides, start))
         n = math.prod(shape)
-        cuts += (n, -n % ALIGN)
-    return cuts
+        start += n + -n % ALIGN  # the piece, then its padding
+    return start, tuple(views)
+
+
+def _key(shapes: list, own: Collection[int]) -> tuple:
+    """`_arena_plan`'s key: the shapes with each own piece's left out (its size differs from mask to mask)."""
+    marks = set(own)
+    return tuple(None if i in marks else tuple(shape) for i, shape in enumerate(shapes)), tuple(sorted(marks))
 
 
 def int32_arena(shapes: list[tuple[int, ...]], device: torch.device,
                 own: Collection[int] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """`(allocations, pieces)` of `int32_pieces`: the shared allocation, then each own piece's in order."""
-    cuts = _cuts([shape for i, shape in enumerate(shapes) if i not in own])  # `own`: a range or set (O(1) `in`)
-    allocations = [new_output(sum(cuts), torch.int32, device),
-                   *(new_output(shapes[i], torch.int32, device) for i in sorted(own))]
-    return allocations, _pieces(allocations, shapes, own, cuts)
+    key = _key(shapes, own)
+    length, views = _arena_plan(*key)
+    allocations = new_outputs([(length,), *(shapes[i] for i in key[1])], torch.int32, device)
+    return allocations, _pieces(allocations, views)
 
 
 def pieces_of(allocations: list[torch.Tensor], shapes: list[tuple[int, ...]],
               own: Collection[int] = ()) -> list[torch.Tensor]:
     """The pieces of `allocations` (those of `int32_arena(shapes, device, own)`), in the order of `shapes`."""
-    return _pieces(allocations, shapes, own, _cuts([shape for i, shape in enumerate(shapes) if i not in own]))
+    return _pieces(allocations, _arena_plan(*_key(shapes, own))[1])
 
 
-def _pieces(allocations: list[torch.Tensor], shapes: list[tuple[int, ...]], own: Collection[int],
-            cuts: list[int]) -> list[torch.Tensor]:
-    """`pieces_of` with the shared pieces' `_cuts` computed already: each shared piece one strided view of the
-    allocation (one operator a piece, where a split and a view take two, and a tensor for each padding)."""
-    shared, owned, pieces, start = allocations[0], iter(allocations[1:]), [], 0
-    lengths = iter(cuts)
-    for i, shape in enumerate(shapes):
-        if i in own:
-            pieces.append(next(owned))
-            continue
-        strides = tuple(itertools.accumulate((max(d, 1) for d in reversed(shape[1:])), operator.mul, initial=1))[::-1]
-        pieces.append(shared.as_strided(shape, strides, start))
-        start += next(lengths) + next(lengths)  # the piece, then its padding
-    return pieces
+def _pieces(allocations: list[torch.Tensor], views: tuple) -> list[torch.Tensor]:
+    """The pieces at `views` (`_arena_plan`): each shared piece one strided view of the shared allocation (one
+    operator a piece, where a split and a view take two, and a tensor for each padding), each own piece its
+    allocation."""
+    shared, owned = allocations[0], iter(allocations[1:])
+    return [next(owned) if view is None else shared.as_strided(*view) for view in views]
 
 
 def every_third(shapes: list) -> range:

@@ -25,3 +25,12 @@ def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
     if not torch.compiler.is_compiling() and settings.current().poison:  # traced code reads no settings
         out.fill_(float("nan") if dtype.is_floating_point else INT_POISON)
     return out
+
+
+def new_outputs(shapes: list, dtype: torch.dtype, device) -> list[torch.Tensor]:
+    """`new_output` of each shape, the settings read once (a build allocates a dozen or more)."""
+    outs = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
+    if not torch.compiler.is_compiling() and settings.current().poison:
+        for out in outs:
+            out.fill_(float("nan") if dtype.is_floating_point else INT_POISON)
+    return outs
