@@ -179,9 +179,11 @@ def block_sparse_attention(
 
     Returns:
         `out` with q's shape and dtype, or `(out, lse)` with lse float32 `(B, Hq, Nq)` (float64 for float64
-        inputs) in natural log
-        (not differentiable). If a query row of the mask is all zero, its output is 0, its lse is -inf and
-        its gradients are 0. The triton backend saves `out` (with q, k, v and lse) for its backward, so an
+        inputs) in natural log, differentiable on every backend (d lse_i / d s_ij is the attention weight
+        P_ij: merging partial attentions by their lse, or a softmax sink `out * sigmoid(lse - sink)`, trains
+        through it; on Hopper GPUs a backward that gets lse's gradient runs the Triton dQ kernel, which
+        takes it). If a query row of the mask is all zero, its output is 0, its lse is -inf and its gradients
+        are 0 (also through lse). The triton backend saves `out` (with q, k, v and lse) for its backward, so an
         in-place edit of `out` before the backward (`out.mul_(2)`, `out += x`) makes the backward raise
         PyTorch's "modified by an inplace operation" RuntimeError, never a wrong gradient: edit a copy
         (`out = out * 2`). The torch and reference backends differentiate through the edit.
@@ -280,7 +282,7 @@ def _dispatch(q, k, v, mask, causal, scale, return_lse, backend):
                 from .reference import attention_reference
 
                 out, lse = attention_reference(q, k, v, mask, causal=causal, scale=scale)
-    return (out, lse.detach()) if return_lse else out
+    return (out, lse) if return_lse else out
 
 
 class _EmptyAttention(torch.autograd.Function):
@@ -298,7 +300,6 @@ class _EmptyAttention(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.shapes = tuple(t.shape for t in inputs)
-        ctx.mark_non_differentiable(output[1])
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -312,7 +313,8 @@ class _EmptyAttentionWithJvp(_EmptyAttention):
     @staticmethod
     def jvp(ctx, dq, dk, dv):
         tangent = next(t for t in (dq, dk, dv) if t is not None)
-        return tangent.new_zeros(ctx.shapes[0]), None
+        lse_dtype = torch.float64 if tangent.dtype == torch.float64 else torch.float32
+        return tangent.new_zeros(ctx.shapes[0]), tangent.new_zeros(ctx.shapes[0][:3], dtype=lse_dtype)
 
 
 def flash_attention(

@@ -95,23 +95,27 @@ class Comparison:
         return bad
 
 
-def _run(fn, q, k, v, grad_out):
-    """Forward and backward of `fn`; returns out, lse, dq, dk, dv."""
+def _run(fn, q, k, v, grad_out, grad_lse=None):
+    """Forward and backward of `fn` (from out, and from lse too where `grad_lse` is given); returns out, lse,
+    dq, dk, dv."""
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     out, lse = fn(q, k, v)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype))
+    if grad_lse is None:
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype))
+    else:
+        dq, dk, dv = torch.autograd.grad((out, lse), (q, k, v), (grad_out.to(out.dtype), grad_lse.to(lse.dtype)))
     return out, lse, dq, dk, dv
 
 
 @torch.no_grad()
-def delta_form_gradients(q, k, v, grad_out, mask: BlockMask | None, *, causal=False, scale=None):
+def delta_form_gradients(q, k, v, grad_out, mask: BlockMask | None, *, causal=False, scale=None, grad_lse=None):
     """`(dq, dk, dv)` of dense masked attention by the FlashAttention backward, in q's dtype:
-    `dS = P * (dO V^T - rowsum(dO * O))`, `dQ = dS K scale`, `dK = dS^T Q scale`, `dV = P^T dO` (summed over
-    the query heads of a key head). Finite inputs only.
+    `dS = P * (dO V^T - rowsum(dO * O) + dlse)`, `dQ = dS K scale`, `dK = dS^T Q scale`, `dV = P^T dO` (summed
+    over the query heads of a key head). Finite inputs only.
 
     Args:
         q: `(B, Hq, Nq, D)`; k, v: `(B, Hkv, Nk, D)`; grad_out: like q; mask, causal, scale: as in
-            `attention_reference`.
+            `attention_reference`; grad_lse: the log-sum-exp's gradient `(B, Hq, Nq)`, or None (zero).
     """
     dtype, (B, Hq, Nq, D), Hkv = q.dtype, q.shape, k.shape[1]
     groups, scale = Hq // Hkv, D**-0.5 if scale is None else scale
@@ -122,7 +126,10 @@ def delta_form_gradients(q, k, v, grad_out, mask: BlockMask | None, *, causal=Fa
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
     p = torch.exp(s - lse.masked_fill(~torch.isfinite(lse), 0.0)).masked_fill(s == float("-inf"), 0.0)
     out = p @ vv
-    ds = p * (dout @ vv.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
+    delta = (dout * out).sum(-1, keepdim=True)
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(dtype)[..., None]
+    ds = p * (dout @ vv.transpose(-1, -2) - delta)
     by_kv_head = (B, Hkv, groups) + k.shape[2:]
     dq = ds @ kk * scale
     dk = (ds.transpose(-1, -2) @ q * scale).view(by_kv_head).sum(2)
@@ -130,13 +137,16 @@ def delta_form_gradients(q, k, v, grad_out, mask: BlockMask | None, *, causal=Fa
     return dq, dk, dv
 
 
-def compare_to_reference(q, k, v, mask: BlockMask, *, causal=False, scale=None, backend="torch", grad=True) -> Comparison:
-    """Run `backend` and check out, lse, dq, dk and dv against the float64 reference (2x rule)."""
+def compare_to_reference(q, k, v, mask: BlockMask, *, causal=False, scale=None, backend="torch", grad=True,
+                         lse_grad: bool = False) -> Comparison:
+    """Run `backend` and check out, lse, dq, dk and dv against the float64 reference (2x rule). `lse_grad`: the
+    gradients also flow from the log-sum-exp (a random gradient for it, as for out)."""
     from .api import block_sparse_attention
 
     dtype = q.dtype
     gen = torch.Generator(device="cpu").manual_seed(1234)
     grad_out = torch.randn(q.shape, generator=gen, dtype=torch.float64).to(q.device)
+    grad_lse = torch.randn(q.shape[:3], generator=gen, dtype=torch.float64).to(q.device) if lse_grad else None
 
     def backend_fn(a, b, c):
         return block_sparse_attention(a, b, c, mask, causal=causal, scale=scale, return_lse=True, backend=backend)
@@ -146,9 +156,9 @@ def compare_to_reference(q, k, v, mask: BlockMask, *, causal=False, scale=None, 
 
     names = ("out", "lse", "dq", "dk", "dv")
     if grad:
-        ours = _run(backend_fn, q, k, v, grad_out)
-        ref = _run(torch_fn(True), q.double(), k.double(), v.double(), grad_out)
-        low = _run(torch_fn(False), q, k, v, grad_out)
+        ours = _run(backend_fn, q, k, v, grad_out, grad_lse)
+        ref = _run(torch_fn(True), q.double(), k.double(), v.double(), grad_out, grad_lse)
+        low = _run(torch_fn(False), q, k, v, grad_out, grad_lse)
     else:
         names = names[:2]
         with torch.no_grad():
@@ -158,7 +168,7 @@ def compare_to_reference(q, k, v, mask: BlockMask, *, causal=False, scale=None, 
     delta_form = {}
     if grad and dtype == torch.float32 and all(bool(torch.isfinite(t).all()) for t in (q, k, v)):
         delta_form = dict(zip(("dq", "dk", "dv"), delta_form_gradients(q, k, v, grad_out, mask, causal=causal,
-                                                                         scale=scale)))
+                                                                         scale=scale, grad_lse=grad_lse)))
     for name, a, r, p in zip(names, ours, ref, low):
         result.errors[name] = max_error(a, r)
         result.baseline[name] = max(max_error(p, r), max_error(delta_form[name], r) if name in delta_form else 0.0)

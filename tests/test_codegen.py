@@ -43,7 +43,8 @@ def cases():
                 for tma in (False, True):
                     yield (f"{name} dense={dense} causal={causal} tma={tma}", fn,
                            dict(HEAD_DIM=72, BLOCK_D=128, MASK_BLOCK_Q=128, MASK_BLOCK_K=128, CAUSAL=causal,
-                                DENSE=dense, DOT_PRECISION="tf32", TMA=tma, **t),
+                                DENSE=dense, DOT_PRECISION="tf32", TMA=tma, **t,
+                                **({"HAS_DLSE": causal} if name == "dq" else {})),  # lse's gradient: both ways
                            STREAMED[name] if tma else (), dict(num_warps=4, num_stages=3))
     cfg = fwd_config(64, torch.bfloat16, None, None)
     yield (f"fwd dense D=64 {tuple(cfg)}", fwd._attn_fwd_kernel,

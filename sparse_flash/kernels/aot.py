@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 
 INTS = {"N", "Nq", "Nk", "Hq", "Hkv", "BH"}
-FP32_POINTERS = {"Lse", "OutPart", "LsePart", "Delta", "DQPart", "DKPart", "DVPart", "Part", "DstLse"}
+FP32_POINTERS = {"Lse", "DLse", "OutPart", "LsePart", "Delta", "DQPart", "DKPart", "DVPart", "Part", "DstLse"}
 FLOATS = {"qk_scale", "sm_scale", "heavy_above"}
 INT64_POINTERS = {"Costs", "Owners"}  # `schedule.deal_runs`
 

@@ -67,9 +67,11 @@ def deterministic() -> bool:
 
 
 def families(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, out=None, do=None,
-             causal: bool = False) -> Families:
+             causal: bool = False, dlse: bool = False) -> Families:
     """The family of each pass for a call with these tensors and mask (`index` and `geometry` None: the dense
-    path); `out` and `do` (like q) decide the backward passes, which read them."""
+    path); `out` and `do` (like q) decide the backward passes, which read them. `dlse`: the backward takes the
+    log-sum-exp's gradient, which only the Triton dQ pass folds into delta (the one-pass and Gluon dQ kernels
+    compute delta without it), so that pass is Triton's; the Gluon dK/dV pass reads the delta it stores."""
     gluon, switches = _gluon(), settings.current()
     forward = dq = dkdv = "triton"
     if gluon is not None:
@@ -77,9 +79,9 @@ def families(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, 
             forward = "gluon"
         if switches.hopper_backward and out is not None and do is not None:
             wanted = switches.hopper_one_pass or (switches.hopper_one_pass_dense and index is None and not causal)
-            if wanted and gluon.bwd.supported(do, q, k, v, index, geometry):
+            if wanted and not dlse and gluon.bwd.supported(do, q, k, v, index, geometry):
                 return Families(forward, ONE_PASS, ONE_PASS)
-            if gluon.dq.supported(do, q, k, v, out, index, geometry):
+            if not dlse and gluon.dq.supported(do, q, k, v, out, index, geometry):
                 dq = "gluon"
             if gluon.dkdv.supported(do, q, k, v, index, geometry):
                 dkdv = "gluon"
@@ -115,8 +117,8 @@ def attn_fwd(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, 
 class _BackwardPlan:
     """The two backward passes of one call signature, each by the family that serves it."""
 
-    def __init__(self, do, q, k, v, out, index, geometry, causal: bool, scale: float):
-        chosen, gluon = families(q, k, v, index, geometry, out, do, causal), gluon_modules()
+    def __init__(self, do, q, k, v, out, index, geometry, causal: bool, scale: float, dlse: bool):
+        chosen, gluon = families(q, k, v, index, geometry, out, do, causal, dlse), gluon_modules()
         self.families = chosen
         if chosen.dq == ONE_PASS:
             self.one_pass = gluon.bwd.BwdPlan(q, k, index, geometry, causal, scale, deterministic())
@@ -126,12 +128,12 @@ class _BackwardPlan:
         # then reads without converting it on every tile (tuning log, step 97).
         self.lse2 = chosen.dq == chosen.dkdv == "gluon"
         self.dq = (gluon.dq.DqPlan(q, k, index, geometry, causal, scale, self.lse2) if chosen.dq == "gluon" else
-                   triton_bwd.DqPlan(do, q, k, v, out, index, geometry, causal, scale))
+                   triton_bwd.DqPlan(do, q, k, v, out, index, geometry, causal, scale, dlse))
         self.dkdv = (gluon.dkdv.DkdvPlan(q, k, index, geometry, causal, scale, self.lse2) if chosen.dkdv == "gluon"
                      else triton_bwd.DkdvPlan(do, q, k, v, index, geometry, causal, scale))
         self.delta_shape, self.device = q.shape[:3], q.device
 
-    def __call__(self, do, q, k, v, out, lse):
+    def __call__(self, do, q, k, v, out, lse, dlse=None):
         if self.one_pass is not None:
             return self.one_pass(q, k, v, out, do, lse)
         delta = new_output(self.delta_shape, torch.float32, self.device)  # written by the dQ pass, read by dK/dV
@@ -140,20 +142,24 @@ class _BackwardPlan:
             dq = self.dq(q, k, v, out, do, lse, delta, lse2)
             dk, dv = self.dkdv(q, k, v, do, lse2, delta)
         else:
-            dq = self.dq(q, k, v, out, do, lse, delta)
+            dq = self.dq(q, k, v, out, do, lse, delta) if dlse is None else self.dq(q, k, v, out, do, lse, delta, dlse)
             dk, dv = self.dkdv(q, k, v, do, lse, delta)
         return dq, dk, dv
 
 
 def attn_bwd(do, q, k, v, out, lse, index: KernelIndex | None, geometry: MaskGeometry | None, causal: bool,
-             scale: float, plans: dict | None = None):
+             scale: float, plans: dict | None = None, dlse: torch.Tensor | None = None):
     """The backward of one call: `(dq, dk, dv)` shaped and typed like q, k and v.
 
     Args:
         do, q, out: `(B, Hq, Nq, D)`; k, v: `(B, Hkv, Nk, D)`; last dimension contiguous.
         lse: float32 `(B, Hq, Nq)` from the forward.
         index, geometry, causal, scale, plans: as in `attn_fwd`.
+        dlse: the gradient of lse (float32 `(B, Hq, Nq)`, contiguous), or None where nothing depends on lse.
+            With it, dS = P (dP - delta + dlse): d lse_i / d s_ij = P_ij.
     """
-    key = plan_key((do, q, k, v, out, lse), "bwd", causal, scale, torch.are_deterministic_algorithms_enabled())
-    plan = cached_plan(plans, key, lambda: _BackwardPlan(do, q, k, v, out, index, geometry, causal, scale))
-    return plan(do, q, k, v, out, lse)
+    tensors = (do, q, k, v, out, lse) if dlse is None else (do, q, k, v, out, lse, dlse)
+    key = plan_key(tensors, "bwd", causal, scale, torch.are_deterministic_algorithms_enabled(), dlse is not None)
+    plan = cached_plan(plans, key, lambda: _BackwardPlan(do, q, k, v, out, index, geometry, causal, scale,
+                                                         dlse is not None))
+    return plan(do, q, k, v, out, lse, dlse)

@@ -27,7 +27,8 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 class BlockSparseAttentionFunction(torch.autograd.Function):
-    """out, lse = attention(q, k, v); lse is saved for the backward and is not differentiable.
+    """out, lse = attention(q, k, v); both differentiable (lse is saved for the backward too: its gradient enters
+    the dQ pass's delta, `dispatch.attn_bwd`).
 
     `index` (a `KernelIndex`) and `geometry` (a `MaskGeometry`) carry the mask, both None for the dense path.
     """
@@ -45,25 +46,26 @@ class BlockSparseAttentionFunction(torch.autograd.Function):
         # The mask's index lists are constant, never differentiated: kept as plain references, which costs
         # less host time than 24 saved tensors and their version checks.
         ctx.index, ctx.geometry, ctx.causal, ctx.scale, ctx.plans = index, geometry, causal, scale, plans
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)  # lse has no gradient: no zero tensor for it on every backward
+        ctx.set_materialize_grads(False)  # a gradient nobody passes stays None: no zero tensor on every backward
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        if dout is None:
+        if dout is None and dlse is None:
             return (None,) * 8
         q, k, v, out, lse = ctx.saved_tensors
-        dout = _last_dim_contiguous(dout)
+        dout = torch.zeros_like(out) if dout is None else _last_dim_contiguous(dout)
+        if dlse is not None:  # the kernels read it as lse: float32, contiguous (a broadcast one is expanded)
+            dlse = dlse.to(torch.float32).contiguous()
         args = (dout, q, k, v, out, lse, ctx.index, ctx.geometry, ctx.causal, ctx.scale)
         if _plain(dout) and ctx.settings is not None:
             if settings.current() is ctx.settings:  # the forward's thread, or no override block: nothing to apply
-                dq, dk, dv = attn_bwd(*args, ctx.plans)
+                dq, dk, dv = attn_bwd(*args, ctx.plans, dlse)
             else:
                 with settings.applied(ctx.settings):
-                    dq, dk, dv = attn_bwd(*args, ctx.plans)
+                    dq, dk, dv = attn_bwd(*args, ctx.plans, dlse)
         else:
-            dq, dk, dv = ops.attn_bwd(*args)
+            dq, dk, dv = ops.attn_bwd(*args, dlse)
         if torch.is_grad_enabled():  # backward(create_graph=True): these gradients must not pass for differentiable
             dq, dk, dv = _RefuseDoubleBackward.apply(dq, dk, dv, dout, q, k, v)
         return dq, dk, dv, None, None, None, None, None

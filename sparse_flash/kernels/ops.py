@@ -7,6 +7,8 @@ implementation that only describes its outputs' shapes and dtypes.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..mask_index import BlockIndex, KernelIndex, MaskGeometry, WorkPlan
@@ -67,12 +69,14 @@ def _(q, k, v, index, geometry, causal, scale):
 def attn_bwd_op(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     index: list[torch.Tensor], geometry: list[int], causal: bool, scale: float,
+    dlse: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return dispatch.attn_bwd(do, q, k, v, out, lse, *unflatten(index, geometry), causal, scale, _plans(index))
+    return dispatch.attn_bwd(do, q, k, v, out, lse, *unflatten(index, geometry), causal, scale, _plans(index),
+                             dlse)
 
 
 @attn_bwd_op.register_fake
-def _(do, q, k, v, out, lse, index, geometry, causal, scale):
+def _(do, q, k, v, out, lse, index, geometry, causal, scale, dlse=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -82,6 +86,6 @@ def attn_fwd(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, 
 
 
 def attn_bwd(do, q, k, v, out, lse, index: KernelIndex | None, geometry: MaskGeometry | None, causal: bool,
-             scale: float):
+             scale: float, dlse: torch.Tensor | None = None):
     """`dispatch.attn_bwd` through the custom op."""
-    return attn_bwd_op(do, q, k, v, out, lse, *flatten(index, geometry), causal, scale)
+    return attn_bwd_op(do, q, k, v, out, lse, *flatten(index, geometry), causal, scale, dlse)

@@ -253,7 +253,7 @@ def _dq_list(
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, Out, DO, Lse, Delta, DQ, DQPart, Counters,
+    Q, K, V, Out, DO, Lse, Delta, DLse, DQ, DQPart, Counters,
     RowFullIdx, RowPartIdx, RowItems, RowLead,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -266,6 +266,7 @@ def _attn_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_BLOCK_Q: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     b, h, tile, item, valid = schedule(tl.program_id(0), tl.num_programs(0), Hq, BH, RowItems, RowLead,
@@ -285,6 +286,8 @@ def _attn_bwd_dq_kernel(
     o = tl.load(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om
                 + offs_d[None, :], mask=ok, other=0.0)  # (BLOCK_M, BLOCK_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BLOCK_M,) rowsum(dO * O)
+    if HAS_DLSE:  # d lse_i / d s_ij = P_ij, so the lse's gradient enters dS = P (dP - delta) as -dlse in delta
+        delta -= tl.load(DLse + pid_bh.to(tl.int64) * Nq + offs_m, mask=rows_ok, other=0.0)
     tl.store(Delta + pid_bh.to(tl.int64) * Nq + offs_m, delta, mask=rows_ok)  # for the dK/dV launch
     lse = _load_lse_log2(Lse + pid_bh.to(tl.int64) * Nq, offs_m, Nq)  # (BLOCK_M,)
     hk = h // groups
@@ -346,12 +349,13 @@ class DqPlan:
     which the dK/dV pass reads."""
 
     def __init__(self, do, q, k, v, out, index: KernelIndex | None, geometry: MaskGeometry | None, causal: bool,
-                 scale: float):
+                 scale: float, dlse: bool = False):
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         dense = index is None
         cfg = _config(q, k, index, geometry, causal)
         BLOCK_D = block_d(D)
+        self.dlse = dlse  # the calls pass the log-sum-exp's gradient (float32 `(B, Hq, Nq)`, contiguous)
         if dense:
             self.rows = SplitPlan(q.device)
             lists = [self.rows.dummy] * 4
@@ -379,18 +383,19 @@ class DqPlan:
             dict(
                 HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n,
                 MASK_BLOCK_Q=block_q, MASK_BLOCK_K=block_k,
-                CAUSAL=causal, DENSE=dense, DOT_PRECISION=dot_precision(q.dtype), TMA=self.tma,
+                CAUSAL=causal, DENSE=dense, DOT_PRECISION=dot_precision(q.dtype), TMA=self.tma, HAS_DLSE=dlse,
             ),
             cfg.dq_warps or cfg.num_warps, cfg.dq_stages or cfg.num_stages, cfg.dq_maxnreg,
         )
 
-    def __call__(self, q, k, v, out, do, lse, delta):
-        """dQ; also writes `delta` (float32 `(B, Hq, Nq)`)."""
+    def __call__(self, q, k, v, out, do, lse, delta, dlse=None):
+        """dQ; also writes `delta` (float32 `(B, Hq, Nq)`): rowsum(dO * O), less `dlse` (the log-sum-exp's
+        gradient, like lse) where the plan takes one."""
         dq = new_output(self.q_shape, self.dtype, self.device)
         part, _, _ = self.rows.scratch()
         if self.tma:
             k, v = make_descriptor(k, self.k_layout), make_descriptor(v, self.v_layout)
-        self.launch(q, k, v, out, do, lse, delta, dq, part, self.rows.counters())
+        self.launch(q, k, v, out, do, lse, delta, dlse if self.dlse else delta, dq, part, self.rows.counters())
         return dq
 
 
