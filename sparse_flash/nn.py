@@ -109,6 +109,10 @@ class BlockSparseAttention(nn.Module):
         causal: also require `key position <= query position` (top-left aligned); a bool.
         dropout: probability of zeroing an element of the output (in training mode), a float in [0, 1].
         bias: add biases to the four projections; a bool.
+        sinks: learn an attention sink per query head (a bool): a logit `sink[h]` that each row's softmax
+            takes as one more key with a zero value, so a row may give part of its weight to nothing. Exact, as
+            `out * sigmoid(lse - sink[h])` through the differentiable log-sum-exp; the parameter `sink`
+            `(num_heads,)` starts at 0 (then half a row's weight goes to the sink where its scores are ~0).
         backend: `"auto"`, `"triton"`, `"torch"` or `"reference"`, as in `block_sparse_attention`.
         device, dtype: where and in which dtype to create the parameters.
 
@@ -141,6 +145,7 @@ class BlockSparseAttention(nn.Module):
         causal: bool = False,
         dropout: float = 0.0,
         bias: bool = True,
+        sinks: bool = False,
         backend: str = "auto",
         device=None,
         dtype=None,
@@ -164,6 +169,7 @@ class BlockSparseAttention(nn.Module):
             )
         causal = as_bool(causal, "causal")
         bias = as_bool(bias, "bias")
+        sinks = as_bool(sinks, "sinks")
         if is_bool(dropout) or not isinstance(dropout, numbers.Real):
             raise TypeError(f"dropout must be a float in [0, 1], got {type(dropout).__name__} {dropout!r}")
         if not 0.0 <= dropout <= 1.0:
@@ -211,6 +217,7 @@ class BlockSparseAttention(nn.Module):
         self.k_proj = nn.Linear(kdim, num_kv_heads * head_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(vdim, num_kv_heads * head_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.sink = nn.Parameter(torch.empty(num_heads, **factory)) if sinks else None
         self.dropout = nn.Dropout(dropout)
         self._masks: OrderedDict[tuple[int, int, str], BlockMask] = OrderedDict()  # LRU by (Nq, Nk, device)
         self.reset_parameters()
@@ -241,12 +248,14 @@ class BlockSparseAttention(nn.Module):
         self._masks = OrderedDict()  # also for layers saved before the cache was left out
 
     def reset_parameters(self) -> None:
-        """Xavier-uniform input projections and zero biases, as in `nn.MultiheadAttention`."""
+        """Xavier-uniform input projections and zero biases, as in `nn.MultiheadAttention`; zero sinks."""
         for proj in (self.q_proj, self.k_proj, self.v_proj):
             nn.init.xavier_uniform_(proj.weight)
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
             if proj.bias is not None:
                 nn.init.zeros_(proj.bias)
+        if self.sink is not None:
+            nn.init.zeros_(self.sink)
 
     def prepare(self, seq_len_q: int, seq_len_k: int | None = None, device=None) -> BlockMask | None:
         """Build (and cache) the mask that inputs of these lengths use, outside any compiled graph.
@@ -385,10 +394,14 @@ class BlockSparseAttention(nn.Module):
 
     def _attend(self, q, k, v, mask: BlockMask | None) -> torch.Tensor:
         """Attention of the heads under `mask` (None: dense), then the output projection and dropout."""
+        sinks = self.sink is not None
         if mask is None:
-            out = flash_attention(q, k, v, causal=self.causal, backend=self.backend)
+            out = flash_attention(q, k, v, causal=self.causal, return_lse=sinks, backend=self.backend)
         else:
-            out = block_sparse_attention(q, k, v, mask, causal=self.causal, backend=self.backend)
+            out = block_sparse_attention(q, k, v, mask, causal=self.causal, return_lse=sinks, backend=self.backend)
+        if sinks:  # the row's weight on its keys: e^lse / (e^lse + e^sink); an empty row (lse -inf) stays 0
+            out, lse = out
+            out = out * torch.sigmoid(lse - self.sink[:, None].to(lse.dtype)).to(out.dtype)[..., None]
         out = rearrange(out, "b h n d -> b n (h d)")
         return self.dropout(self.out_proj(out))
 
@@ -398,7 +411,7 @@ class BlockSparseAttention(nn.Module):
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"mask={mask!r}{params}, block_size={self.block_size}, causal={self.causal}, "
-            f"dropout={self.dropout.p}, backend={self.backend!r}"
+            f"dropout={self.dropout.p}{', sinks=True' if self.sink is not None else ''}, backend={self.backend!r}"
         )
 
 
@@ -468,7 +481,7 @@ class MoBAAttention(BlockSparseAttention):
         block_size: int, or `(block_q, block_k)`: the blocks that are chosen, in tokens.
         top_k: key blocks kept per query block, an int from 1 (capped at the key blocks of a call).
         causal: bool, default True (self-attention in a decoder).
-        num_kv_heads, kdim, vdim, dropout, bias, backend, device, dtype: as in `BlockSparseAttention`.
+        num_kv_heads, kdim, vdim, dropout, bias, sinks, backend, device, dtype: as in `BlockSparseAttention`.
 
     The whole call, choice included, traces with `torch.compile(fullgraph=True)`, and builds the mask's index
     lists without waiting for the GPU; there is nothing to `prepare`.
@@ -482,12 +495,13 @@ class MoBAAttention(BlockSparseAttention):
 
     def __init__(self, embed_dim: int, num_heads: int, block_size, top_k: int, *, causal: bool = True,
                  num_kv_heads: int | None = None, kdim: int | None = None, vdim: int | None = None,
-                 dropout: float = 0.0, bias: bool = True, backend: str = "auto", device=None, dtype=None):
+                 dropout: float = 0.0, bias: bool = True, sinks: bool = False, backend: str = "auto", device=None,
+                 dtype=None):
         pair, top_k = block_pair(block_size), positive_int(top_k, "top_k")
         _check_causal_top_k(as_bool(causal, "causal"), top_k, pair)
         super().__init__(embed_dim, num_heads, num_kv_heads=num_kv_heads, kdim=kdim, vdim=vdim, mask=None,
-                         block_size=block_size, causal=causal, dropout=dropout, bias=bias, backend=backend,
-                         device=device, dtype=dtype)
+                         block_size=block_size, causal=causal, dropout=dropout, bias=bias, sinks=sinks,
+                         backend=backend, device=device, dtype=dtype)
         for name, value in (("block_pair", pair), ("top_k", top_k)):  # fixed, as `block_size` (`__setattr__`)
             object.__setattr__(self, name, value)
 
@@ -533,5 +547,5 @@ class MoBAAttention(BlockSparseAttention):
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-                f"block_size={self.block_size}, top_k={self.top_k}, causal={self.causal}, dropout={self.dropout.p}, "
-                f"backend={self.backend!r}")
+                f"block_size={self.block_size}, top_k={self.top_k}, causal={self.causal}, dropout={self.dropout.p}"
+                f"{', sinks=True' if self.sink is not None else ''}, backend={self.backend!r}")

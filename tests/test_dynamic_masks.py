@@ -446,6 +446,24 @@ def test_moba_layer_matches_dense_reference(N, block_size, top_k, kv_heads, caus
     assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
 
 
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+def test_moba_layer_with_sinks(backend):
+    """`sinks=True` on the MoBA layer: a sink logit far below every score leaves the output of the layer without
+    sinks; at 0 it takes a share of each row and gets a gradient."""
+    torch.manual_seed(0)
+    plain = MoBAAttention(64, 4, 32, 2, backend=backend).to(DEVICE)
+    sinks = MoBAAttention(64, 4, 32, 2, sinks=True, backend=backend).to(DEVICE)
+    sinks.load_state_dict({**plain.state_dict(), "sink": torch.full((4,), -1e4)})
+    x = torch.randn(2, 150, 64, device=DEVICE)
+    torch.testing.assert_close(sinks(x), plain(x), atol=1e-6, rtol=1e-5)
+    with torch.no_grad():
+        sinks.sink.zero_()
+    out = sinks(x)
+    assert not torch.allclose(out, plain(x), atol=1e-3) and "sinks=True" in repr(sinks)
+    out.square().sum().backward()
+    assert sinks.sink.grad is not None and torch.isfinite(sinks.sink.grad).all() and sinks.sink.grad.abs().sum() > 0
+
+
 def test_moba_layer_checks_and_repr():
     layer = MoBAAttention(64, 4, 32, 3)
     assert "top_k=3" in repr(layer) and "causal=True" in repr(layer) and layer.prepare(100) is None

@@ -45,6 +45,53 @@ def test_matches_manual_attention(backend, causal):
     torch.testing.assert_close(layer(x), manual_attention(layer, x, x, x, mask, causal))
 
 
+def sink_attention(layer, x, mask, causal):
+    """The layer with sinks written out: each row's softmax over its allowed scores and one more logit,
+    `sink[h]`, whose value is zero."""
+    B, N, _ = x.shape
+    H, D = layer.num_heads, layer.head_dim
+    q, k, v = (F.linear(x, p.weight, p.bias).view(B, N, H, D).transpose(1, 2)
+               for p in (layer.q_proj, layer.k_proj, layer.v_proj))
+    allowed = mask.to_dense() & (torch.ones(N, N, dtype=torch.bool).tril() if causal else True)
+    scores = ((q @ k.transpose(-1, -2)) * D**-0.5).masked_fill(~allowed, float("-inf"))
+    sink = layer.sink.view(1, H, 1, 1).expand(B, H, N, 1).to(scores.dtype)
+    weights = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+    out = (weights @ v).transpose(1, 2).reshape(B, N, H * D)
+    return F.linear(out, layer.out_proj.weight, layer.out_proj.bias)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"] + (["triton"] if triton_usable() else []))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sinks_match_a_softmax_with_one_more_logit(backend, causal):
+    """`sinks=True`: out * sigmoid(lse - sink) is the softmax over each row's scores and the sink logit, and
+    its gradients (the sink's too, through the differentiable lse) equal those of that softmax; rows the mask
+    leaves empty stay 0. The layer pickles and loads its state with the sink."""
+    N = 96
+    layout = torch.tensor([[1, 0, 1], [0, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    mask = BlockMask.from_layout(layout, 32)
+    dtype = torch.float32 if backend == "triton" else torch.float64
+    torch.manual_seed(0)
+    layer = BlockSparseAttention(64, 4, mask=mask, causal=causal, sinks=True, backend=backend, dtype=dtype)
+    with torch.no_grad():
+        layer.sink.copy_(torch.tensor([-1.0, 0.0, 0.5, 2.0]))
+    x = randn(2, N, 64).to(dtype).requires_grad_()
+    expected_layer = copy.deepcopy(layer).double()
+    xe = x.detach().double().requires_grad_()
+    got, expected = layer(x), sink_attention(expected_layer, xe, mask, causal)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else {}
+    torch.testing.assert_close(got.double(), expected, **tol)
+    got.square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(layer.sink.grad.double(), expected_layer.sink.grad, **tol)
+    torch.testing.assert_close(x.grad.double(), xe.grad, **tol)
+    assert "sinks=True" in repr(layer)
+    again = pickle.loads(pickle.dumps(layer))
+    torch.testing.assert_close(again.sink, layer.sink)
+    fresh = BlockSparseAttention(64, 4, mask=mask, causal=causal, sinks=True, backend=backend, dtype=dtype)
+    fresh.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(fresh(x), got)
+
+
 @pytest.mark.parametrize("num_kv_heads", [1, 2], ids=["mqa", "gqa"])
 def test_grouped_query_heads(num_kv_heads):
     N = 130
@@ -188,6 +235,7 @@ def test_fixed_mask_prepare_checks_lengths():
         ({"embed_dim": 64, "num_heads": 4, "backend": "cuda"}, ValueError, "backend must be one of"),
         ({"embed_dim": 64, "num_heads": 4, "dropout": 1.5}, ValueError, r"dropout must be a float in \[0, 1\]"),
         ({"embed_dim": 64, "num_heads": 4, "dropout": "0.1"}, TypeError, r"dropout must be a float in \[0, 1\]"),
+        ({"embed_dim": 64, "num_heads": 4, "sinks": 1}, TypeError, "sinks must be a bool"),
         ({"embed_dim": 64, "num_heads": 4, "device": "gpu"}, ValueError, "device must name a torch device"),
         ({"embed_dim": 64, "num_heads": 4, "device": 1.5}, TypeError, "device must be a torch.device"),
         ({"embed_dim": 64, "num_heads": 4, "mask": "local", "block_size": 8, "backend": "triton"}, ValueError,
