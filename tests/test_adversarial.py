@@ -1110,6 +1110,27 @@ def test_a_gradient_penalty_through_the_triton_kernels_is_an_error_not_a_wrong_v
     torch.testing.assert_close(gq, want, atol=1e-5, rtol=1e-5)
 
 
+def test_a_second_derivative_through_the_lse_gradient_is_an_error_on_triton():
+    """A loss of lse alone: dq depends on the weight only through lse's gradient. A second derivative with respect
+    to that weight raises the double-backward error (with `allow_unused=True` it would otherwise come back None,
+    a silent zero), and the first derivative is right."""
+    if "triton" not in BACKENDS:
+        pytest.skip("needs the triton backend (a GPU or TRITON_INTERPRET=1)")
+    mask = masks.local(64, 16)
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(1, 1, 64, generator=gen, requires_grad=True)
+    q = torch.randn(1, 1, 64, 16, generator=gen, requires_grad=True)
+
+    def first(backend):
+        _, lse = sparse_flash.block_sparse_attention(q, q, q, mask, return_lse=True, backend=backend)
+        return torch.autograd.grad((lse * weight).sum(), q, create_graph=True)[0]
+
+    gq = first("triton")
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(gq.square().sum(), weight, allow_unused=True)
+    torch.testing.assert_close(first("triton"), first("reference"), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_an_inplace_edit_of_the_output_gives_the_right_gradient_or_a_clear_error(backend):
     """The triton backend saves `out` for its backward: an in-place edit of it before the backward is PyTorch's

@@ -67,7 +67,8 @@ class BlockSparseAttentionFunction(torch.autograd.Function):
         else:
             dq, dk, dv = ops.attn_bwd(*args, dlse)
         if torch.is_grad_enabled():  # backward(create_graph=True): these gradients must not pass for differentiable
-            dq, dk, dv = _RefuseDoubleBackward.apply(dq, dk, dv, dout, q, k, v)
+            extra = () if dlse is None else (dlse,)  # lse's gradient too: every path through dq, dk, dv raises
+            dq, dk, dv = _RefuseDoubleBackward.apply(dq, dk, dv, dout, q, k, v, *extra)
         return dq, dk, dv, None, None, None, None, None
 
 
