@@ -11,7 +11,7 @@ Example:
 """
 
 from . import masks
-from .api import block_sparse_attention, flash_attention
+from .api import block_sparse_attention, flash_attention, merge_attention
 from .mask import BlockMask
 from .mask_index import BlockIndex, KernelIndex
 
@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = sorted(
     ["BlockIndex", "BlockMask", "KernelIndex", "__version__", "block_sparse_attention", "flash_attention", "masks",
-     "nn"]
+     "merge_attention", "nn"]
 )
 
 

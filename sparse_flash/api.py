@@ -339,3 +339,70 @@ def flash_attention(
     """
     _validate(q, k, v, _DENSE, causal, scale, return_lse)
     return _dispatch(q, k, v, _DENSE, causal, scale, return_lse, backend)
+
+
+def merge_attention(outs, lses) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the union of disjoint key sets, from the attention over each: `(out, lse)`.
+
+    With `out_r, lse_r = block_sparse_attention(q, k, v, mask_r, return_lse=True)` for masks that share no
+    allowed pair, the attention under their union is `sum_r exp(lse_r - lse) out_r` with `lse = logsumexp_r
+    lse_r` (keys split across calls, devices or kernels; a block-sparse branch beside another attention).
+    Exact, differentiable (through each `lse_r` too), and without NaN where a row is empty in some or all
+    parts: a row empty everywhere gives out 0, lse -inf and zero gradients, as one call would. A NaN or
+    infinity in a part reaches only the rows that hold it.
+
+    Args:
+        outs: a non-empty sequence of `(B, H, N, D)` tensors of one shape and floating dtype.
+        lses: their log-sum-exps, `(B, H, N)` each, float32 or float64 (natural log, -inf for an empty row).
+
+    Returns:
+        `(out, lse)`: out like `outs[0]` (computed in lse's precision), lse `(B, H, N)` in lse's dtype.
+
+    Example:
+        >>> import torch, sparse_flash
+        >>> q = k = v = torch.randn(1, 2, 256, 16)
+        >>> first, second = (sparse_flash.BlockMask.from_layout(torch.tensor(t, dtype=torch.bool), 128)
+        ...                  for t in ([[1, 0], [0, 1]], [[0, 1], [1, 0]]))
+        >>> parts = [sparse_flash.block_sparse_attention(q, k, v, m, return_lse=True) for m in (first, second)]
+        >>> out, lse = sparse_flash.merge_attention(*zip(*parts))
+        >>> torch.allclose(out, sparse_flash.flash_attention(q, k, v), atol=1e-5)
+        True
+    """
+    outs, lses = _merge_inputs(outs, lses)
+    lse_all = torch.stack(lses)  # (R, B, H, N)
+    top = lse_all.amax(0).detach()  # a stabiliser only: the result does not depend on it
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = torch.exp(lse_all - top)  # an empty part's row weighs 0
+    total = weights.sum(0)
+    empty = total == 0
+    total_safe = torch.where(empty, torch.ones_like(total), total)
+    lse = torch.where(empty, torch.full_like(total, float("-inf")), top + torch.log(total_safe))
+    weights = weights / total_safe
+    out = sum(w[..., None] * o.to(w.dtype) for w, o in zip(weights, outs))
+    return out.to(outs[0].dtype), lse
+
+
+def _merge_inputs(outs, lses) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`merge_attention`'s arguments as lists, checked: clear errors naming the argument."""
+    for name, seq in (("outs", outs), ("lses", lses)):
+        if isinstance(seq, torch.Tensor) or not hasattr(seq, "__len__"):
+            raise TypeError(f"{name} must be a sequence of tensors (a list or tuple), got {type(seq).__name__}")
+    outs, lses = list(outs), list(lses)
+    if not outs or len(outs) != len(lses):
+        raise ValueError(f"outs and lses must be non-empty and of one length, got {len(outs)} and {len(lses)}")
+    for i, (out, lse) in enumerate(zip(outs, lses)):
+        if not isinstance(out, torch.Tensor) or not isinstance(lse, torch.Tensor):
+            raise TypeError(f"outs[{i}] and lses[{i}] must be tensors, got {type(out).__name__} and "
+                            f"{type(lse).__name__}")
+        if out.dim() != 4 or tuple(out.shape) != tuple(outs[0].shape) or not out.is_floating_point():
+            raise ValueError(f"outs[{i}] must be a floating (B, H, N, D) tensor of outs[0]'s shape "
+                             f"{tuple(outs[0].shape)}, got {out.dtype} of shape {tuple(out.shape)}")
+        if tuple(lse.shape) != tuple(out.shape[:3]) or lse.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"lses[{i}] must be float32 or float64 of shape {tuple(out.shape[:3])} (its out's "
+                             f"(B, H, N)), got {lse.dtype} of shape {tuple(lse.shape)}")
+        if lse.dtype != lses[0].dtype or out.dtype != outs[0].dtype or out.device != outs[0].device or \
+                lse.device != out.device:
+            raise ValueError(f"outs and lses must share one dtype each and one device; part {i} has {out.dtype} / "
+                             f"{lse.dtype} on {out.device} / {lse.device}, part 0 {outs[0].dtype} / "
+                             f"{lses[0].dtype} on {outs[0].device}")
+    return outs, lses

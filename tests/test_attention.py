@@ -168,6 +168,54 @@ def test_a_loss_of_lse_alone_differentiates_to_the_attention_weights(backend):
 
 
 @pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_merged_parts_equal_one_call_over_their_union(backend, causal):
+    """`merge_attention` of calls over disjoint masks equals one call over their union: out, lse, and the
+    gradients of q, k and v from both (rows empty in one part, and in every part, included; per-head masks)."""
+    union = masks.bigbird(200, 32, num_heads=2, seed=4) & masks.random(200, 32, density=0.7, seed=1)
+    split = torch.rand(union.shape, generator=torch.Generator().manual_seed(2)) < 0.5
+    parts = [union & BlockMask.from_layout(half, 32, seq_len_q=200, seq_len_k=200) for half in (split, ~split)]
+    parts = [part.to(DEVICE) for part in parts]
+    assert all((~part.layout.any(-1)).any() for part in parts) and (~union.layout.any(-1)).any()  # empty rows
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    q, k, v = make_qkv(2, 2, 1, 200, 200, 16, dtype=dtype, device=DEVICE, seed=6)
+    gen = torch.Generator().manual_seed(3)
+    g_out, g_lse = torch.randn(q.shape, generator=gen).to(DEVICE), torch.randn(q.shape[:3], generator=gen).to(DEVICE)
+
+    def run(fn, dtype):
+        inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out, lse = fn(*inputs)
+        grads = torch.autograd.grad((out, lse.where(torch.isfinite(lse), 0.0)), inputs,
+                                    (g_out.to(out.dtype), g_lse.to(lse.dtype)))
+        return [out, lse, *grads]
+
+    def merged(q, k, v):
+        outs, lses = zip(*(sparse_flash.block_sparse_attention(q, k, v, m, causal=causal, return_lse=True,
+                                                               backend=backend) for m in parts))
+        return sparse_flash.merge_attention(outs, lses)
+
+    whole = run(lambda q, k, v: attention_reference(q, k, v, union.to(DEVICE), causal=causal), torch.float64)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), run(merged, dtype), whole):
+        assert torch.isfinite(got).sum() == torch.isfinite(want).sum(), name
+        tol = dict(atol=1e-9, rtol=1e-9) if dtype == torch.float64 else dict(atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(got.double(), want, **tol, msg=name)
+
+
+def test_merge_attention_refuses_bad_input():
+    out, lse = torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8)
+    for args, error, words in [((out, [lse]), TypeError, "outs must be a sequence"),
+                               (([], []), ValueError, "non-empty and of one length"),
+                               (([out, out], [lse]), ValueError, "non-empty and of one length"),
+                               (([out], [lse.half()]), ValueError, "lses\\[0\\] must be float32 or float64"),
+                               (([out[0]], [lse]), ValueError, "outs\\[0\\] must be a floating"),
+                               (([out, out[..., :2]], [lse, lse]), ValueError, "outs\\[1\\] must be"),
+                               (([out, out.double()], [lse, lse]), ValueError, "one dtype each"),
+                               (([out], ["x"]), TypeError, "must be tensors")]:
+        with pytest.raises(error, match=words):
+            sparse_flash.merge_attention(*args)
+
+
+@pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_empty_rows_give_zero_output_minus_inf_lse_and_zero_gradients(backend, causal):
     layout = torch.tensor([[[0, 0, 0], [1, 0, 1], [0, 0, 0]], [[1, 1, 1], [0, 0, 0], [0, 1, 0]]], dtype=torch.bool)
