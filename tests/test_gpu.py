@@ -194,17 +194,21 @@ def test_hopper_backward_serves_and_matches_reference(dtype, mask_name, heads, c
 @pytest.mark.parametrize("mask_name", ["dense", "butterfly"])
 @pytest.mark.parametrize("one_pass", [False, True], ids=["two-pass", "one-pass-wanted"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_hopper_backward_through_lse_takes_the_triton_dq_pass(mask_name, one_pass, causal, monkeypatch):
-    """A backward that gets the log-sum-exp's gradient runs the Triton dQ kernel (which folds it into delta)
-    beside the Gluon dK/dV kernel (which reads that delta), also where the one-pass kernel would serve, and
-    the gradients pass the 2x rule against the float64 reference."""
-    from sparse_flash.kernels import settings
+def test_hopper_backward_through_lse_matches_reference(mask_name, one_pass, causal, monkeypatch):
+    """A backward that gets the log-sum-exp's gradient takes the two passes, also where the one-pass kernel would
+    serve (it computes delta without dlse): a dQ kernel that folds dlse into delta (the Triton one, or the Gluon
+    one where it takes dlse) beside the Gluon dK/dV kernel, which reads that delta; the gradients pass the 2x
+    rule against the float64 reference."""
+    from sparse_flash.kernels import dispatch, settings
+    from sparse_flash.kernels.gluon import bwd as gluon_bwd
     from sparse_flash.kernels.gluon import dkdv as gluon_dkdv
+    from sparse_flash.kernels.gluon import dq as gluon_dq
     from sparse_flash.kernels.triton import bwd as triton_bwd
     from sparse_flash.testing import compare_to_reference, make_qkv
 
-    served = {"dq": 0, "dkdv": 0}
-    for name, plan in (("dq", triton_bwd.DqPlan), ("dkdv", gluon_dkdv.DkdvPlan)):
+    served = {"triton dq": 0, "gluon dq": 0, "dkdv": 0, "one-pass": 0}
+    for name, plan in (("triton dq", triton_bwd.DqPlan), ("gluon dq", gluon_dq.DqPlan), ("dkdv", gluon_dkdv.DkdvPlan),
+                       ("one-pass", gluon_bwd.BwdPlan)):
         real = plan.__call__
         monkeypatch.setattr(plan, "__call__", lambda *a, _real=real, _name=name, **kw: served.update(
             {_name: served[_name] + 1}) or _real(*a, **kw))
@@ -213,8 +217,10 @@ def test_hopper_backward_through_lse_takes_the_triton_dq_pass(mask_name, one_pas
     q, k, v = make_qkv(2, 4, 4, n, n, 128, dtype=torch.bfloat16, device="cuda", seed=11)
     with settings.override(hopper_backward=True, hopper_one_pass=one_pass, hopper_one_pass_dense=one_pass):
         result = compare_to_reference(q, k, v, mask, causal=causal, backend="triton", lse_grad=True)
+        index, geometry = mask.kernel_records(causal)
+        chosen = dispatch.families(q, k, v, index, geometry, q, q, causal, dlse=True)
     assert not result.failures(), result.failures()
-    assert served["dq"] > 0 and served["dkdv"] > 0, served
+    assert served[f"{chosen.dq} dq"] > 0 and served["dkdv"] > 0 and served["one-pass"] == 0, served
 
 
 @pytest.mark.skipif(not SM90, reason="the Hopper kernels need sm_90")
