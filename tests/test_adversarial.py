@@ -1217,6 +1217,25 @@ def test_torch_func_transforms_give_the_dense_float64_derivatives(backend):
         scalar(lambda q, k, v: attention_reference(q, k, v, masks.local(20, 16))[0]), q1), atol=1e-12, rtol=1e-10)
 
 
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "triton"])
+def test_torch_func_derivatives_of_the_lse_equal_the_dense_float64_ones(backend):
+    """The log-sum-exp under torch.func (grad and jacfwd) on the torch and reference backends: the dense float64
+    oracle's derivatives, an empty row's (lse -inf) zero."""
+    layout = torch.tensor([[1, 0, 1], [0, 0, 0], [1, 1, 0]], dtype=torch.bool)
+    mask = BlockMask.from_layout(layout, 16, seq_len_q=40, seq_len_k=40)
+    q, k, v = (t.detach().double() for t in _inputs(torch.float32, n=40, d=8, seed=7))
+    weights = torch.linspace(-1, 1, 40, dtype=torch.float64)
+    lse = lambda f: lambda q: f(q)[1].nan_to_num(neginf=0.0) * weights  # (1, 2, 40): finite, -inf rows as 0
+    ours = lse(lambda q: sparse_flash.block_sparse_attention(q, k, v, mask, return_lse=True, backend=backend))
+    oracle = lse(lambda q: attention_reference(q, k, v, mask))
+    want = torch.autograd.functional.jacobian(lambda q: oracle(q).sum(), q)
+    torch.testing.assert_close(torch.func.grad(lambda q: ours(q).sum())(q), want, atol=1e-12, rtol=1e-10)
+    row = lambda f: lambda q: f(q)[0, 1, 5:7]
+    torch.testing.assert_close(torch.func.jacfwd(row(ours))(q), torch.autograd.functional.jacobian(row(oracle), q),
+                               atol=1e-12, rtol=1e-10)
+    assert not torch.func.grad(lambda q: ours(q)[0, :, 16:32].sum())(q).any()  # the empty row
+
+
 def test_masks_built_inside_torch_func_transforms_leave_the_caches_usable():
     """A mask built inside a transform (a loss that makes its own mask) fills a cache of the mask geometry; a
     probe found that cache holding the transform's tensor, an internal assert of PyTorch in the next mask built
