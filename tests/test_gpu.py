@@ -195,10 +195,10 @@ def test_hopper_backward_serves_and_matches_reference(dtype, mask_name, heads, c
 @pytest.mark.parametrize("one_pass", [False, True], ids=["two-pass", "one-pass-wanted"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_hopper_backward_through_lse_matches_reference(mask_name, one_pass, causal, monkeypatch):
-    """A backward that gets the log-sum-exp's gradient takes the two passes, also where the one-pass kernel would
-    serve (it computes delta without dlse): a dQ kernel that folds dlse into delta (the Triton one, or the Gluon
-    one where it takes dlse) beside the Gluon dK/dV kernel, which reads that delta; the gradients pass the 2x
-    rule against the float64 reference."""
+    """A backward that gets the log-sum-exp's gradient runs the kernels `dispatch.families` chooses for it (the
+    Triton dQ kernel folds dlse into delta, which the Gluon dK/dV kernel reads; where a kernel branch takes dlse
+    too, the Gluon dQ or the one-pass kernel), and the gradients pass the 2x rule against the float64
+    reference."""
     from sparse_flash.kernels import dispatch, settings
     from sparse_flash.kernels.gluon import bwd as gluon_bwd
     from sparse_flash.kernels.gluon import dkdv as gluon_dkdv
@@ -206,9 +206,10 @@ def test_hopper_backward_through_lse_matches_reference(mask_name, one_pass, caus
     from sparse_flash.kernels.triton import bwd as triton_bwd
     from sparse_flash.testing import compare_to_reference, make_qkv
 
-    served = {"triton dq": 0, "gluon dq": 0, "dkdv": 0, "one-pass": 0}
-    for name, plan in (("triton dq", triton_bwd.DqPlan), ("gluon dq", gluon_dq.DqPlan), ("dkdv", gluon_dkdv.DkdvPlan),
-                       ("one-pass", gluon_bwd.BwdPlan)):
+    served = {"triton dq": 0, "gluon dq": 0, "triton dkdv": 0, "gluon dkdv": 0, dispatch.ONE_PASS: 0}
+    for name, plan in (("triton dq", triton_bwd.DqPlan), ("gluon dq", gluon_dq.DqPlan),
+                       ("triton dkdv", triton_bwd.DkdvPlan), ("gluon dkdv", gluon_dkdv.DkdvPlan),
+                       (dispatch.ONE_PASS, gluon_bwd.BwdPlan)):
         real = plan.__call__
         monkeypatch.setattr(plan, "__call__", lambda *a, _real=real, _name=name, **kw: served.update(
             {_name: served[_name] + 1}) or _real(*a, **kw))
@@ -220,7 +221,11 @@ def test_hopper_backward_through_lse_matches_reference(mask_name, one_pass, caus
         index, geometry = mask.kernel_records(causal)
         chosen = dispatch.families(q, k, v, index, geometry, q, q, causal, dlse=True)
     assert not result.failures(), result.failures()
-    assert served[f"{chosen.dq} dq"] > 0 and served["dkdv"] > 0 and served["one-pass"] == 0, served
+    if chosen.dq == dispatch.ONE_PASS:
+        assert served[dispatch.ONE_PASS] > 0, served
+    else:
+        assert served[f"{chosen.dq} dq"] > 0 and served[f"{chosen.dkdv} dkdv"] > 0, served
+        assert chosen.dkdv == "gluon" and served[dispatch.ONE_PASS] == 0, (chosen, served)  # reads that delta
 
 
 @pytest.mark.skipif(not SM90, reason="the Hopper kernels need sm_90")
