@@ -102,7 +102,7 @@ def backward_rows(D: int):
         cfg = bwd_config(D, torch.bfloat16, block, block, causal, long_lists)
         common = dict(HEAD_DIM=D, BLOCK_D=block_d(D), CAUSAL=causal, DENSE=dense, DOT_PRECISION="tf32", TMA=cfg.tma)
         dq = dict(common, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n, MASK_BLOCK_Q=block or cfg.q_block_m,
-                  MASK_BLOCK_K=block or cfg.q_block_n)
+                  MASK_BLOCK_K=block or cfg.q_block_n, HAS_DLSE=False)
         descs = ("K", "V") if cfg.tma else ()
         yield (f"dQ D={D} {label} {(cfg.q_block_m, cfg.q_block_n)}", bwd._attn_bwd_dq_kernel, dq,
                cfg.dq_warps or cfg.num_warps, cfg.dq_stages or cfg.num_stages, descs, cfg.dq_maxnreg)
