@@ -69,25 +69,27 @@ def test_sinks_match_a_softmax_with_one_more_logit(backend, causal):
     N = 96
     layout = torch.tensor([[1, 0, 1], [0, 0, 0], [1, 1, 1]], dtype=torch.bool)
     mask = BlockMask.from_layout(layout, 32)
-    dtype = torch.float32 if backend == "triton" else torch.float64
+    dtype, device = (torch.float32, DEVICE) if backend == "triton" else (torch.float64, "cpu")
     torch.manual_seed(0)
-    layer = BlockSparseAttention(64, 4, mask=mask, causal=causal, sinks=True, backend=backend, dtype=dtype)
+    layer = BlockSparseAttention(64, 4, mask=mask, causal=causal, sinks=True, backend=backend, dtype=dtype,
+                                 device=device)
     with torch.no_grad():
         layer.sink.copy_(torch.tensor([-1.0, 0.0, 0.5, 2.0]))
-    x = randn(2, N, 64).to(dtype).requires_grad_()
-    expected_layer = copy.deepcopy(layer).double()
-    xe = x.detach().double().requires_grad_()
+    x = randn(2, N, 64).to(device, dtype).requires_grad_()
+    expected_layer = copy.deepcopy(layer).double().cpu()
+    xe = x.detach().double().cpu().requires_grad_()
     got, expected = layer(x), sink_attention(expected_layer, xe, mask, causal)
     tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else {}
-    torch.testing.assert_close(got.double(), expected, **tol)
+    torch.testing.assert_close(got.double().cpu(), expected, **tol)
     got.square().sum().backward()
     expected.square().sum().backward()
-    torch.testing.assert_close(layer.sink.grad.double(), expected_layer.sink.grad, **tol)
-    torch.testing.assert_close(x.grad.double(), xe.grad, **tol)
+    torch.testing.assert_close(layer.sink.grad.double().cpu(), expected_layer.sink.grad, **tol)
+    torch.testing.assert_close(x.grad.double().cpu(), xe.grad, **tol)
     assert "sinks=True" in repr(layer)
     again = pickle.loads(pickle.dumps(layer))
     torch.testing.assert_close(again.sink, layer.sink)
-    fresh = BlockSparseAttention(64, 4, mask=mask, causal=causal, sinks=True, backend=backend, dtype=dtype)
+    fresh = BlockSparseAttention(64, 4, mask=mask, causal=causal, sinks=True, backend=backend, dtype=dtype,
+                                 device=device)
     fresh.load_state_dict(layer.state_dict())
     torch.testing.assert_close(fresh(x), got)
 
