@@ -454,9 +454,10 @@ def test_placed_items_are_kept_while_the_masks_lists_live():
     assert kept() is None
 
 
-def _one_pass_case(case, causal, B=2, Hq=4, Hkv=2, N=2048, programs=5):
+def _one_pass_case(case, causal, B=2, Hq=4, Hkv=2, N=2048, programs=5, rows=64):
     """Placed one-pass items of a test case (dense or a mask; "_cross": twice as many keys as queries), their
-    walks and turns, and the sizes."""
+    walks and turns, and the sizes; steps of `rows` query rows (`gluon.bwd.STEP_ROWS`: 64 at D = 128, 128 at
+    D = 64)."""
     Nq, Nk = N, (2 * N if case.endswith("_cross") else N)
     mask = {"dense": None, "dense_cross": None,
             "butterfly": lambda: masks.butterfly(N, 128),
@@ -467,18 +468,19 @@ def _one_pass_case(case, causal, B=2, Hq=4, Hkv=2, N=2048, programs=5):
     mask = None if mask is None else mask()
     index = None if mask is None else mask.kernel_index(causal)
     geometry = None if mask is None else mask.kernel_geometry(causal)
-    block_q = 64 if mask is None else geometry.block_q
-    sub, G = block_q // 64, Hq // Hkv
-    items = schedule.column_items(B, Hq, Hkv, Nq, Nk, causal, index, geometry, "cpu", 128, 64)
+    block_q = rows if mask is None else geometry.block_q
+    sub, G = block_q // rows, Hq // Hkv
+    items = schedule.column_items(B, Hq, Hkv, Nq, Nk, causal, index, geometry, "cpu", 128, rows)
     placed, starts = schedule.assign_programs(schedule.whole_items(items), programs, sub * G)
-    total = schedule.walk_tiles(B, Hkv, Nq, Nk, causal, index, geometry, sub, 128, 64)
-    walked, turns, step_starts = schedule.one_pass_walks(placed, starts, Nq, Nk, G, sub, block_q, 64, index, total,
+    total = schedule.walk_tiles(B, Hkv, Nq, Nk, causal, index, geometry, sub, 128, rows)
+    walked, turns, step_starts = schedule.one_pass_walks(placed, starts, Nq, Nk, G, sub, block_q, rows, index, total,
                                                          True)
     return placed, starts, walked, turns, step_starts, index, sub, G, (Nq, Nk), total
 
 
 def _list_tiles(record, index, sub):
-    """The query tiles (64 rows, within the head) of an item's list tiles: the full list's, then the partial's."""
+    """The query tiles (of the steps' rows, within the head) of an item's list tiles: the full list's, then the
+    partial's."""
     _, _, lo, hi, plo, phi = record[:6]
     if index is None:
         return list(range(lo, hi)) + list(range(plo, phi))
@@ -508,14 +510,17 @@ def test_walk_tiles_counts_the_items_list_tiles_from_host_sizes(case, causal):
     assert total == sum(len(_list_tiles(r, index, 2)) for r in items.tolist())
 
 
+@pytest.mark.parametrize("rows", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", CASES)
-def test_one_pass_walks_start_on_the_diagonal_and_turns_cannot_deadlock(case, causal):
+def test_one_pass_walks_start_on_the_diagonal_and_turns_cannot_deadlock(case, causal, rows):
     """`schedule.one_pass_walks`: each item's rotation is the list tile where its walk starts: the first tile
     at or past its keys (dense self-attention: the diagonal), 0 where none is. The turns of every dQ tile are
     0, 1, ..., count - 1, and a run of the kernel's protocol (a step proceeds once its tile has counted its
-    turn, then counts one) finishes whatever order the programs move in: no wait can last for ever."""
-    placed, starts, walked, turns, step_starts, index, sub, G, (Nq, Nk), total = _one_pass_case(case, causal)
+    turn, then counts one) finishes whatever order the programs move in: no wait can last for ever. Steps of 64
+    and of 128 query rows (the kernel's at D = 128 and D = 64)."""
+    placed, starts, walked, turns, step_starts, index, sub, G, (Nq, Nk), total = _one_pass_case(case, causal,
+                                                                                                rows=rows)
     assert torch.equal(walked[:, :7], placed[:, :7]) and turns.dtype == torch.int32
     steps = []  # per program: (dQ tile, turn) of its steps in order
     s, t0 = starts.tolist(), step_starts.tolist()
@@ -524,12 +529,12 @@ def test_one_pass_walks_start_on_the_diagonal_and_turns_cannot_deadlock(case, ca
         for rec in walked[s[p]:s[p + 1]].tolist():
             tiles, rot = _list_tiles(rec, index, sub), rec[7]
             n = len(tiles)
-            key_tile = (rec[0] % Nk) * Nq // Nk // 64  # the query tile level with the item's keys
+            key_tile = (rec[0] % Nk) * Nq // Nk // rows  # the query tile level with the item's keys
             later = [e for e in range(n) if tiles[e] >= key_tile]
             assert rot == (min(later, key=lambda e: (tiles[e], e)) if later else 0)
             for g in range(G):
                 for j in range(n):
-                    own.append(((rec[1] + g * Nq) // 64 + tiles[(j + rot) % n], int(turns[t])))
+                    own.append(((rec[1] + g * Nq) // rows + tiles[(j + rot) % n], int(turns[t])))
                     t += 1
         steps.append(own)
     assert t0[-1] == sum(map(len, steps)) == total * G

@@ -1,16 +1,17 @@
 """One-pass backward for Hopper GPUs, written in Gluon: dK, dV and dQ in one launch, five tensor-core products
 per tile pair where the two-pass backward (`gluon/dq.py`, then `gluon/dkdv.py`) computes seven.
 
-The work items are the dK/dV kernel's (a 128-key tile of one (batch, KV head) with the lists of 64-row query
-tiles that see it, for every query head of the group), and so is the load warp (`dkdv._bwd_load_partition`,
-here with one K/V buffer: 226 KB of shared memory at D = 128). Per query tile, each of the two compute
-warpgroups (one per 64-key half of the item) runs S^T = K Q^T and dP^T = V dO^T, P^T = exp2(S^T - lse),
-dV += P^T dO, dS^T = P^T (dP^T - delta), dK += dS^T Q, and its share of the tile's dQ = dS K, which it leaves
-in shared memory for the *add warp*:
+The work items are the dK/dV kernel's (a 128-key tile of one (batch, KV head) with the lists of query tiles,
+STEP_ROWS[D] rows each, that see it, for every query head of the group), and so is the load warp
+(`dkdv._bwd_load_partition`, here with one K/V buffer: 226 KB of shared memory). Per query tile, each of the two
+compute warpgroups (one per 64-key half of the item) runs S^T = K Q^T and dP^T = V dO^T, P^T = exp2(S^T - lse),
+dV += P^T dO, dS^T = P^T (dP^T - delta), dK += dS^T Q; both write dS^T into one (128 keys, rows) tile in shared
+memory, and each takes a 64 x 64 share of the tile's dQ = dS K over all 128 keys, which it leaves in shared
+memory for the *add warp*:
 
-- D = 128: both halves write dS^T to shared memory, and each warpgroup takes half of D over all 128 keys;
-- D = 64: each warpgroup takes its own 64 keys over all of D; the second adds the first's share to its own in
-  shared memory, and the add warp adds the sum in one reduction (half the reduction traffic of one per share).
+- D = 128 (64-row steps): half of D each;
+- D = 64 (128-row steps, whose S^T and dP^T products are 64 x 128: a 64 x 64 product with both operands in
+  shared memory reads it at its full rate, tuning log step 120): half of the rows each.
 
 Each item walks its list tiles from the one level with its own keys on (the diagonal), wrapping around
 (`schedule.one_pass_walks`; item field 7), so the items of neighbouring key tiles in flight reach each query
@@ -62,8 +63,12 @@ from .pipeline import (FIRST_HALF, GL_DTYPES, ITEM_WIDTH, SECOND_HALF, bound_lau
                        tma_add, tma_store, vector_spec, walk_position, walk_tile_start)
 
 BLOCK_N = 128  # keys per item (64 per compute warpgroup)
-BLOCK_M = 64  # query rows per step
-STEP_BUFFERS = {128: 2, 64: 3}  # Q / dO / lse / delta slots in flight, by head dim (shared memory allows 3 at D = 64)
+# Query rows per step and Q / dO / lse / delta slots in flight, by head dim. At D = 128 each compute warpgroup adds
+# half of dQ's columns over the step's 64 rows (SPLIT_D), at D = 64 all of its columns over half of the step's 128
+# rows (SPLIT_M): a 64 x 64 float32 share each, two TMA reductions per step either way
+STEP_ROWS = {128: 64, 64: 128}
+STEP_BUFFERS = {128: 2, 64: 2}
+DQ_SHARE = 64  # rows and columns of a warpgroup's dQ share
 LOAD_REGS = 24
 COMPUTE_REGS = 240
 MAX_REGS = 168
@@ -94,13 +99,6 @@ def _complete_but_two(x):
 
 
 @gluon.jit
-def _complete_but_one(x):
-    """Wait until every TMA reduction this thread issued, but the last one, has completed."""
-    return gl.inline_asm_elementwise("cp.async.bulk.wait_group 1; fence.proxy.async.global; mov.b32 $0, 0;",
-                                     "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _complete_all(x):
     """Wait until every TMA reduction this thread issued has completed."""
     return gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.b32 $0, 0;",
@@ -118,7 +116,7 @@ def _count_one(sem, first):
 @gluon.jit
 def _dq_add_partition(dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, Sem, Turns, StepStarts, Items, Starts, FullIdx,
                       PartIdx, Nq, GROUPS: gl.constexpr, SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr,
-                      DENSE: gl.constexpr, SPLIT_D: gl.constexpr, ORDERED: gl.constexpr):
+                      DENSE: gl.constexpr, SPLIT_D: gl.constexpr, ORDERED: gl.constexpr, BM: gl.constexpr):
     """The add warp: for each step, once both compute warpgroups have put their dQ tiles in shared memory, adds
     them into the float32 buffer by TMA reductions. ORDERED (deterministic): a step's reductions go once the dQ
     tile's semaphore has reached the step's turn (`schedule.one_pass_walks`; read ahead, while the compute
@@ -127,9 +125,9 @@ def _dq_add_partition(dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, Sem, Turns
     only then waits: no program waits while it holds an uncounted step, so a wait is only ever for steps that
     come before it in one total order. Otherwise the buffers of a step are freed once its reductions have read
     them (one step later, or at the item's end)."""
-    BM: gl.constexpr = dq_smem0.type.shape[1]
-    DQ_D: gl.constexpr = dq_smem0.type.shape[2]
-    PER_STEP: gl.constexpr = 2 if SPLIT_D else 1  # reductions per step
+    QM: gl.constexpr = dq_smem0.type.shape[1]  # a share's rows
+    DQ_D: gl.constexpr = dq_smem0.type.shape[2]  # and columns
+    PER_STEP: gl.constexpr = 2  # reductions per step: one per warpgroup
     lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
     first = (lanes == 0).to(gl.int32)  # the thread that counts
     zero = lanes * 0
@@ -167,14 +165,12 @@ def _dq_add_partition(dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, Sem, Turns
                 if SPLIT_D:  # each warpgroup's half of the columns
                     tma_add(dq_desc, [row, 0], dq_smem0.index(b))
                     tma_add(dq_desc, [row, DQ_D], dq_smem1.index(b))
-                else:  # the second warpgroup's buffer holds both warpgroups' sum
-                    tma_add(dq_desc, [row, 0], dq_smem1.index(b))
+                else:  # each warpgroup's half of the rows
+                    tma_add(dq_desc, [row, 0], dq_smem0.index(b))
+                    tma_add(dq_desc, [row + QM, 0], dq_smem1.index(b))
                 if ORDERED:
-                    if held > 0:  # step t - 1: its reductions completed (this step's may still run)
-                        if SPLIT_D:
-                            done = _complete_but_two(first)
-                        else:
-                            done = _complete_but_one(first)
+                    if held > 0:  # step t - 1: its reductions completed (this step's two may still run)
+                        done = _complete_but_two(first)
                         _count_one(held_sem, first + done)
                         mbarrier.arrive(dq_empty.index((t + 1) % 2), count=1)
                     held = 1
@@ -243,20 +239,20 @@ def _exact_dq_into(out, q, do, lse_s, delta_s, K, V, k_row, key0, q_tok, qk_scal
 
 
 @gluon.jit
-def _one_pass_step(k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_peer, step_ready,
-                   step_empty, ds_ready, dq_half, dq_full, dq_empty, K, V, dk, dv, t, u, qk_scale, key0, dq_kv_row,
-                   dq_key0, q_tok0, dq_col,
-                   MASKED: gl.constexpr, SPLIT_D: gl.constexpr, HALF: gl.constexpr, s_layout: gl.constexpr,
-                   p_layout: gl.constexpr, dq_layout: gl.constexpr, blk: gl.constexpr):
+def _one_pass_step(k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, step_ready, step_empty,
+                   ds_ready, dq_full, dq_empty, K, V, dk, dv, t, u, qk_scale, key0, item_row, item_key0, q_tok0,
+                   dq_col, MASKED: gl.constexpr, SPLIT_D: gl.constexpr, HALF: gl.constexpr,
+                   s_layout: gl.constexpr, p_layout: gl.constexpr, dq_layout: gl.constexpr, blk: gl.constexpr):
     """One query tile (slot t % STAGES) into this warpgroup's dK and dV (64 keys), and its share of the tile's
-    dQ into its dQ buffer t % 2 for the add warp. The dQ product's keys start at K/V row dq_kv_row, sequence
-    position dq_key0; its columns at dq_col. MASKED: a tile on the causal diagonal (query < key gets P = 0).
-    D = 64 (not SPLIT_D): the first warpgroup leaves its share in its buffer (`dq_half` says so); the second adds
-    it (`dq_peer`) to its own and leaves the sum, which the add warp adds in one reduction."""
+    dQ over the item's 128 keys into its dQ buffer t % 2 for the add warp: both warpgroups' dS^T go into one
+    (128 keys, BM) tile first. SPLIT_D (D = 128): the share is columns [dq_col, dq_col + 64) of the tile's 64
+    rows; else (D = 64) all columns of rows [HALF x 64, HALF x 64 + 64) of its 128. The keys start at K/V row
+    item_row, sequence position item_key0. MASKED: a tile on the causal diagonal (query < key gets P = 0)."""
     STAGES: gl.constexpr = q_smem.type.shape[0]
     BM: gl.constexpr = q_smem.type.shape[1]
     BN: gl.constexpr = k.shape[0]
-    DQ_D: gl.constexpr = dq_smem.type.shape[2]
+    QM: gl.constexpr = dq_smem.type.shape[1]  # the share's rows
+    DQ_D: gl.constexpr = dq_smem.type.shape[2]  # and columns
     s = t % STAGES
     mbarrier.wait(step_ready.index(s), (t // STAGES) & 1)
     q = q_smem.index(s)  # (BM, D)
@@ -266,47 +262,48 @@ def _one_pass_step(k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, d
     dpt = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (64, BM) dP^T
     st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
     pt = probabilities_t(st, lse_smem.index(s), qk_scale, key0, q_tok0, MASKED, True)  # (64, BM) P^T
-    dv = warpgroup_mma(gl.convert_layout(pt.to(q.dtype), p_layout), do, dv, is_async=True)
-    dst = scores_grad_t(pt, dpt, delta_smem.index(s), MASKED).to(q.dtype)  # (64, BM) dS^T
+    if SPLIT_D:  # dV's product under dS^T's arithmetic
+        dv = warpgroup_mma(gl.convert_layout(pt.to(q.dtype), p_layout), do, dv, is_async=True)
+        dst = scores_grad_t(pt, dpt, delta_smem.index(s), MASKED).to(q.dtype)  # (64, BM) dS^T
+    else:  # 128-row steps: P^T and dP^T in float32 gone before P^T in 16 bits is held for dV's product
+        dst = scores_grad_t(pt, dpt, delta_smem.index(s), MASKED).to(q.dtype)  # (64, BM) dS^T
+        dv = warpgroup_mma(gl.convert_layout(pt.to(q.dtype), p_layout), do, dv, is_async=True)
     r = u % 2
-    if SPLIT_D:  # both halves' dS^T in one (128, BM) tile
-        ds_tile = ds_smem.index(r)
-        ds_tile.slice(HALF * BN, BN).store(dst)
-    else:  # this warpgroup's own keys
-        ds_tile = ds_smem.index(r * 2 + HALF)
-        ds_tile.store(dst)
+    ds_tile = ds_smem.index(r)  # both halves' dS^T, (128, BM)
+    ds_tile.slice(HALF * BN, BN).store(dst)
     dk = warpgroup_mma(gl.convert_layout(dst, p_layout), q, dk, is_async=True)
     fence_async_shared()
     partition_barrier()
-    if SPLIT_D:  # the other half's dS^T written too
-        mbarrier.arrive(ds_ready.index(r), count=1)
-        mbarrier.wait(ds_ready.index(r), (u // 2) & 1)
-    dq = warpgroup_mma(ds_tile.permute((1, 0)), k_dq, gl.zeros([BM, DQ_D], gl.float32, dq_layout), use_acc=False,
-                       is_async=True)  # (BM, DQ_D)
+    mbarrier.arrive(ds_ready.index(r), count=1)  # the other half's dS^T written too
+    mbarrier.wait(ds_ready.index(r), (u // 2) & 1)
+    if SPLIT_D:
+        q_share = q
+        do_share = do
+        lse_share = lse_smem.index(s)
+        delta_share = delta_smem.index(s)
+        ds_share = ds_tile.permute((1, 0))  # (BM, 128 keys)
+        q_tok = q_tok0
+    else:  # this warpgroup's rows of the tile
+        q_share = q.slice(HALF * QM, QM)
+        do_share = do.slice(HALF * QM, QM)
+        lse_share = lse_smem.index(s).slice(HALF * QM, QM)
+        delta_share = delta_smem.index(s).slice(HALF * QM, QM)
+        ds_share = ds_tile.slice(HALF * QM, QM, dim=1).permute((1, 0))  # (QM, 128 keys)
+        q_tok = q_tok0 + HALF * QM
+    dq = warpgroup_mma(ds_share, k_dq, gl.zeros([QM, DQ_D], gl.float32, dq_layout), use_acc=False,
+                       is_async=True)  # (QM, DQ_D)
     dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
     b = t % 2
     mbarrier.wait(dq_empty.index(b), ((t // 2) & 1) ^ 1)  # the add warp's reductions from it two steps ago read it
     exact = 0
     if MASKED:  # a non-finite tile with a non-finite key in the product (0 x NaN): the allowed pairs again
         if gl.max(gl.max(((dq != dq) | (gl.abs(dq) == float("inf"))).to(gl.int32), 1), 0) > 0:
-            keys_dq: gl.constexpr = 2 * BN if SPLIT_D else BN
-            if _finite_keys(K, dq_kv_row, dq_col, keys_dq, DQ_D, q.shape[1], blk) == 0:
-                _exact_dq_into(dq_smem.index(b), q, do, lse_smem.index(s), delta_smem.index(s), K, V, dq_kv_row,
-                               dq_key0, q_tok0, qk_scale, dq_col, keys_dq, blk)
+            if _finite_keys(K, item_row, dq_col, 2 * BN, DQ_D, q.shape[1], blk) == 0:
+                _exact_dq_into(dq_smem.index(b), q_share, do_share, lse_share, delta_share, K, V, item_row,
+                               item_key0, q_tok, qk_scale, dq_col, 2 * BN, blk)
                 exact = 1
-    if not SPLIT_D and HALF == 1:  # the sum of both warpgroups' shares
-        if exact == 1:
-            partition_barrier()
-            dq = dq_smem.index(b).load(dq_layout)
-        mbarrier.wait(dq_half.index(b), (t // 2) & 1)
-        dq = dq + dq_peer.index(b).load(dq_layout)
-        partition_barrier()  # every thread past its loads before the buffer is overwritten
+    if exact == 0:
         dq_smem.index(b).store(dq)
-    elif exact == 0:
-        dq_smem.index(b).store(dq)
-    if not SPLIT_D and HALF == 0:
-        partition_barrier()
-        mbarrier.arrive(dq_half.index(b), count=1)
     release(step_empty.index(s))
     fence_async_shared()
     partition_barrier()
@@ -315,15 +312,15 @@ def _one_pass_step(k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, d
 
 
 @gluon.jit
-def _one_pass_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_peer,
-                                kv_ready, kv_empty, step_ready, step_empty, ds_ready, dq_half, dq_full, dq_empty,
+def _one_pass_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                                kv_ready, kv_empty, step_ready, step_empty, ds_ready, dq_full, dq_empty,
                                 dk_desc, dv_desc, K, V,
                                 Items, Starts, FullIdx, PartIdx, Nq, Nk, qk_scale, sm_scale, GROUPS: gl.constexpr,
                                 SUB: gl.constexpr, MASK_BLOCK_Q: gl.constexpr, DENSE: gl.constexpr,
                                 CAUSAL: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
     """One compute warpgroup: keys [HALF * 64, HALF * 64 + 64) of each item; dK and dV accumulate over the
     item's query tiles (every head of the group) and leave through this half of the K/V buffer by TMA; each
-    tile's share of dQ goes to the add warp through this warpgroup's dQ buffers."""
+    tile's share of dQ (`_one_pass_step`) goes to the add warp through this warpgroup's dQ buffers."""
     BN: gl.constexpr = k_smem.type.shape[1] // 2  # this warpgroup's keys
     HEAD_D: gl.constexpr = k_smem.type.shape[2]
     BM: gl.constexpr = q_smem.type.shape[1]
@@ -334,12 +331,12 @@ def _one_pass_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                          instr_shape=[16, HEAD_D, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                        instr_shape=[16, DQ_D, 16])
+                                                        instr_shape=[16, DQ_D, 16])  # (QM, DQ_D) shares
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])  # (16, 64-128) tiles
     t = 0  # steps consumed so far (slot positions, as in the load warp; dQ buffer positions, as in the add warp)
     c = 0  # items taken so far (K/V buffer phase)
-    u = 0  # dS rounds (steps and, at D = 128, item ends)
+    u = 0  # dS rounds (steps and item ends)
     for it in range(gl.load(Starts + gl.program_id(0)), gl.load(Starts + gl.program_id(0) + 1)):
         rec = Items + it * ITEM_WIDTH
         item_row = gl.load(rec)  # the item's first K/V row
@@ -351,20 +348,16 @@ def _one_pass_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta
         part_lo = gl.load(rec + 4) * SUB
         n = n_full + gl.load(rec + 5) * SUB - part_lo
         rot = gl.load(rec + 7)  # the list tile the walk starts at (`schedule.one_pass_walks`)
-        if SPLIT_D:  # dQ's columns [HALF * DQ_D, ...) over all 128 keys
-            dq_col = HALF * DQ_D
-            dq_kv_row = item_row
-        else:  # all of dQ's columns over this warpgroup's keys, into its own copy
-            dq_col = 0
-            dq_kv_row = kv_row
-        dq_key0 = dq_kv_row % Nk
+        item_key0 = item_row % Nk
         mbarrier.wait(kv_ready.index(0), c & 1)
         k = k_smem.index(0).slice(HALF * BN, BN)  # (64, D) in shared memory
         v = v_smem.index(0).slice(HALF * BN, BN)
-        if SPLIT_D:
+        if SPLIT_D:  # dQ's columns [HALF * DQ_D, ...) over all 128 keys
+            dq_col = HALF * DQ_D
             k_dq = k_smem.index(0).slice(HALF * DQ_D, DQ_D, dim=1)  # (128 keys, D / 2)
-        else:
-            k_dq = k
+        else:  # all of dQ's columns over all 128 keys (for half of the rows)
+            dq_col = 0
+            k_dq = k_smem.index(0)  # (128 keys, D)
         dk = gl.zeros([BN, HEAD_D], gl.float32, acc_layout)  # (64, D)
         dv = gl.zeros([BN, HEAD_D], gl.float32, acc_layout)  # (64, D)
         for g in range(GROUPS):
@@ -375,20 +368,20 @@ def _one_pass_compute_partition(q_smem, do_smem, k_smem, v_smem, lse_smem, delta
                 if CAUSAL and e >= n_full:
                     q_tok0 = list_tile_start(PartIdx, e - n_full + part_lo, SUB, MASK_BLOCK_Q, BM, DENSE)
                     dk, dv = _one_pass_step(
-                        k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_peer, step_ready,
-                        step_empty, ds_ready, dq_half, dq_full, dq_empty, K, V, dk, dv, t, u, qk_scale, key0,
-                        dq_kv_row, dq_key0, q_tok0, dq_col, True, SPLIT_D, HALF, s_layout, p_layout, dq_layout, blk)
+                        k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, step_ready, step_empty,
+                        ds_ready, dq_full, dq_empty, K, V, dk, dv, t, u, qk_scale, key0, item_row, item_key0,
+                        q_tok0, dq_col, True, SPLIT_D, HALF, s_layout, p_layout, dq_layout, blk)
                 else:
                     dk, dv = _one_pass_step(
-                        k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, dq_peer, step_ready,
-                        step_empty, ds_ready, dq_half, dq_full, dq_empty, K, V, dk, dv, t, u, qk_scale, key0,
-                        dq_kv_row, dq_key0, key0, dq_col, False, SPLIT_D, HALF, s_layout, p_layout, dq_layout, blk)
+                        k, v, k_dq, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, step_ready, step_empty,
+                        ds_ready, dq_full, dq_empty, K, V, dk, dv, t, u, qk_scale, key0, item_row, item_key0,
+                        key0, dq_col, False, SPLIT_D, HALF, s_layout, p_layout, dq_layout, blk)
                 t += 1
                 u += 1
-        if SPLIT_D:  # both warpgroups past their last dQ product (it reads all 128 rows of K) before dK takes K's
-            mbarrier.arrive(ds_ready.index(u % 2), count=1)
-            mbarrier.wait(ds_ready.index(u % 2), (u // 2) & 1)
-            u += 1
+        # both warpgroups past their last dQ product (it reads all 128 rows of K) before dK takes K's buffer
+        mbarrier.arrive(ds_ready.index(u % 2), count=1)
+        mbarrier.wait(ds_ready.index(u % 2), (u // 2) & 1)
+        u += 1
         k.store((dk * sm_scale).to(k.dtype))  # dK and dV out through this half of the K/V buffer
         v.store(dv.to(v.dtype))
         fence_async_shared()
@@ -411,36 +404,30 @@ def _one_pass_bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, 
     BM: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BN: gl.constexpr = k_desc.block_type.shape[0]
-    DQ_D: gl.constexpr = dq_desc.block_type.shape[1]
+    QM: gl.constexpr = dq_desc.block_type.shape[0]  # a warpgroup's dQ share: rows
+    DQ_D: gl.constexpr = dq_desc.block_type.shape[1]  # and columns
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem = step_buffers(q_desc, do_desc, lse_desc, delta_desc,
                                                                          k_desc, v_desc, STAGES, 1)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], q_desc.dtype)
-    if DQ_D < HEAD_D:  # D = 128: both halves' dS^T in one tile, two rounds
-        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BN, BM], ds_layout)
-    else:  # D = 64: each warpgroup's own, two rounds
-        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [4, BN // 2, BM], ds_layout)
-    dq_smem0 = gl.allocate_shared_memory(gl.float32, [2, BM, DQ_D], dq_desc.layout)
-    dq_smem1 = gl.allocate_shared_memory(gl.float32, [2, BM, DQ_D], dq_desc.layout)
+    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BN, BM], ds_layout)  # both halves' dS^T, two rounds
+    dq_smem0 = gl.allocate_shared_memory(gl.float32, [2, QM, DQ_D], dq_desc.layout)
+    dq_smem1 = gl.allocate_shared_memory(gl.float32, [2, QM, DQ_D], dq_desc.layout)
     kv_ready, kv_empty = ring_barriers(1)
     step_ready, step_empty = ring_barriers(STAGES)
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_half = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # D = 64: the first share
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)
         mbarrier.init(dq_full.index(i), count=2)
         mbarrier.init(dq_empty.index(i), count=1)
-        mbarrier.init(dq_half.index(i), count=1)
     gl.warp_specialize([
         (_one_pass_compute_partition, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem0,
-                                       dq_smem1, kv_ready, kv_empty, step_ready, step_empty, ds_ready, dq_half,
-                                       dq_full, dq_empty,
+                                       kv_ready, kv_empty, step_ready, step_empty, ds_ready, dq_full, dq_empty,
                                        dk_desc, dv_desc, K, V, Items, Starts, FullIdx, PartIdx, Nq, Nk, qk_scale,
                                        sm_scale, GROUPS, SUB, MASK_BLOCK_Q, DENSE, CAUSAL, FIRST_HALF, num_warps)),
         (_one_pass_compute_partition, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem1,
-                                       dq_smem0, kv_ready, kv_empty, step_ready, step_empty, ds_ready, dq_half,
-                                       dq_full, dq_empty,
+                                       kv_ready, kv_empty, step_ready, step_empty, ds_ready, dq_full, dq_empty,
                                        dk_desc, dv_desc, K, V, Items, Starts, FullIdx, PartIdx, Nq, Nk, qk_scale,
                                        sm_scale, GROUPS, SUB, MASK_BLOCK_Q, DENSE, CAUSAL, SECOND_HALF, num_warps)),
         (_bwd_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
@@ -448,7 +435,7 @@ def _one_pass_bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, 
                                Starts, FullIdx, PartIdx, Nq, GROUPS, SUB, MASK_BLOCK_Q, DENSE, True)),
         (_dq_add_partition, (dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, Sem, Turns, StepStarts, Items, Starts,
                              FullIdx, PartIdx, Nq, GROUPS, SUB, MASK_BLOCK_Q, DENSE, DQ_D < HEAD_D,
-                             ORDERED)),
+                             ORDERED, BM)),
     ], [num_warps, 1, 1], [COMPUTE_REGS, LOAD_WARP_REGS, LOAD_WARP_REGS])
 
 
@@ -491,12 +478,11 @@ def shape_supported(q_shape, k_shape, dtype, index: KernelIndex | None, geometry
 
 
 def _layouts(D: int, dtype):
-    """Shared layouts: Q/dO tiles, K/V tiles, row vectors, dQ buffer tiles; and the dQ tile's columns."""
-    dq_d = D // 2 if D == 128 else D
-    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], dtype),
+    """Shared layouts: Q/dO tiles, K/V tiles, row vectors, dQ shares (`DQ_SHARE` x `DQ_SHARE` float32)."""
+    return (gl.NVMMASharedLayout.get_default_for([STEP_ROWS[D], D], dtype),
             gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype),
             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1),
-            gl.NVMMASharedLayout.get_default_for([BLOCK_M, dq_d], gl.float32), dq_d)
+            gl.NVMMASharedLayout.get_default_for([DQ_SHARE, DQ_SHARE], gl.float32))
 
 
 class BwdPlan:
@@ -511,6 +497,7 @@ class BwdPlan:
         Hkv, Nk = k.shape[1], k.shape[2]
         G = Hq // Hkv
         dense = index is None
+        BLOCK_M = STEP_ROWS[D]
         block_q = BLOCK_M if dense else geometry.block_q
         sub = block_q // BLOCK_M
         grid = min(B * Hkv * (Nk // BLOCK_N), num_sms(q.device))
@@ -522,9 +509,9 @@ class BwdPlan:
         self.turns, self.step_starts = (turns, step_starts) if ordered else (self.items, self.starts)  # unread
         self.full_idx, self.part_idx = ((self.items, self.items) if dense else
                                         (index.col_full.indices, index.col_partial.indices))
-        self.q_layout, self.kv_layout, self.row_layout, self.dq_layout, dq_d = _layouts(D, GL_DTYPES[q.dtype])
+        self.q_layout, self.kv_layout, self.row_layout, self.dq_layout = _layouts(D, GL_DTYPES[q.dtype])
         self.rows = B * Hq * Nq
-        self.dq_block = (BLOCK_M, dq_d)
+        self.dq_block, self.block_m = (DQ_SHARE, DQ_SHARE), BLOCK_M
         self.semaphores = self.rows // BLOCK_M if ordered else 0  # one per dQ tile
         self.launch = bound_launch(_one_pass_bwd_kernel, grid, (
             self.turns, self.step_starts, self.items, self.starts, self.full_idx, self.part_idx, Nq, Nk,
@@ -547,6 +534,7 @@ class BwdPlan:
         dk = new_output(self.k_shape, self.dtype, self.device)
         dv = new_output(self.k_shape, self.dtype, self.device)
         half = BLOCK_N // 2  # each compute warpgroup stores its 64 rows
+        BLOCK_M = self.block_m
         descs = (row_spec(q, BLOCK_M, self.q_layout), row_spec(do, BLOCK_M, self.q_layout),
                  row_spec(k, BLOCK_N, self.kv_layout), row_spec(v, BLOCK_N, self.kv_layout),
                  vector_spec(lse2, BLOCK_M, self.row_layout), vector_spec(delta, BLOCK_M, self.row_layout),
@@ -564,11 +552,12 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
     D = `head_dim`; for compile checks (tests/test_codegen.py) and `benchmarks/kernel_resources.py`."""
     D = head_dim
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
-    q_layout, kv_layout, row_layout, dq_layout, dq_d = _layouts(D, GL_DTYPES[dtype])
+    BLOCK_M = STEP_ROWS[D]
+    q_layout, kv_layout, row_layout, dq_layout = _layouts(D, GL_DTYPES[dtype])
     q_desc, kv_desc = descriptor_type(name, (BLOCK_M, D), q_layout), descriptor_type(name, (BLOCK_N, D), kv_layout)
     out_desc = descriptor_type(name, (BLOCK_N // 2, D), kv_layout)
     row_desc = descriptor_type("fp32", (BLOCK_M, ), row_layout)
-    dq_desc = descriptor_type("fp32", (BLOCK_M, dq_d), dq_layout)
+    dq_desc = descriptor_type("fp32", (DQ_SHARE, DQ_SHARE), dq_layout)
     sig = dict(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, lse_desc=row_desc, delta_desc=row_desc,
                dk_desc=out_desc, dv_desc=out_desc, dq_desc=dq_desc, K=f"*{name}", V=f"*{name}", Sem="*i32",
                Turns="*i32", StepStarts="*i32", Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32",
