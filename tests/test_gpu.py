@@ -177,8 +177,8 @@ def test_hopper_backward_serves_and_matches_reference(dtype, mask_name, heads, c
     served = {"dq": 0, "dkdv": 0}
     for name, plan in (("dq", gluon_dq.DqPlan), ("dkdv", gluon_dkdv.DkdvPlan)):
         real = plan.__call__
-        monkeypatch.setattr(plan, "__call__", lambda *a, _real=real, _name=name: served.update(
-            {_name: served[_name] + 1}) or _real(*a))
+        monkeypatch.setattr(plan, "__call__", lambda *a, _real=real, _name=name, **kw: served.update(
+            {_name: served[_name] + 1}) or _real(*a, **kw))
     n = 1024
     mask = HOPPER_MASKS[mask_name](n, heads[0])
     q, k, v = make_qkv(2, *heads, n, n, 128, dtype=dtype, device="cuda", seed=9)
@@ -243,8 +243,8 @@ def test_hopper_kernels_at_head_dim_64_match_reference(mask_name, causal, monkey
     served = {"fwd": 0, "dq": 0, "dkdv": 0}
     for name, plan in (("fwd", gluon_fwd.FwdPlan), ("dq", gluon_dq.DqPlan), ("dkdv", gluon_dkdv.DkdvPlan)):
         real = plan.__call__
-        monkeypatch.setattr(plan, "__call__", lambda *a, _real=real, _name=name: served.update(
-            {_name: served[_name] + 1}) or _real(*a))
+        monkeypatch.setattr(plan, "__call__", lambda *a, _real=real, _name=name, **kw: served.update(
+            {_name: served[_name] + 1}) or _real(*a, **kw))
     n = 1024
     mask = HOPPER_MASKS[mask_name](n, 4)
     q, k, v = make_qkv(2, 4, 2, n, n, 64, dtype=torch.bfloat16, device="cuda", seed=11)
@@ -301,7 +301,7 @@ def test_hopper_one_pass_backward_matches_reference(mask_name, heads, causal, he
 
     served = []  # each call's launch: cooperative exactly in order (its programs wait for each other)
     real = gluon_bwd.BwdPlan.__call__
-    monkeypatch.setattr(gluon_bwd.BwdPlan, "__call__", lambda *a: served.append(a[0].launch.cooperative) or real(*a))
+    monkeypatch.setattr(gluon_bwd.BwdPlan, "__call__", lambda *a, **kw: served.append(a[0].launch.cooperative) or real(*a, **kw))
     n = 1024
     mask = HOPPER_MASKS[mask_name](n, heads[0])
     q, k, v = make_qkv(2, *heads, n, n, head_dim, dtype=torch.bfloat16, device="cuda", seed=13)
