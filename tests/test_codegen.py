@@ -226,8 +226,10 @@ def _compile_case(family: str, case) -> tuple[str, int | None]:
                 f"D={head_dim} ordered={ordered}"), gluon.bwd.compile_sm90(dtype, dense, causal, block_q, groups,
                                                                            head_dim, ordered).metadata.shared
     dtype, dense, causal, block_k, head_dim, lse2 = case
-    return (f"hopper dq {dtype} dense={dense} causal={causal} block_k={block_k} D={head_dim} store_lse2={lse2}",
-            gluon.dq.compile_sm90(dtype, dense, causal, block_k, head_dim=head_dim, store_lse2=lse2).metadata.shared)
+    dlse = causal and not dense  # the log-sum-exp's gradient: compiled both ways
+    return (f"hopper dq {dtype} dense={dense} causal={causal} block_k={block_k} D={head_dim} store_lse2={lse2} "
+            f"dlse={dlse}"), gluon.dq.compile_sm90(dtype, dense, causal, block_k, head_dim=head_dim, store_lse2=lse2,
+                                                  dlse=dlse).metadata.shared
 
 
 def main(families=FAMILIES) -> int:

@@ -70,8 +70,8 @@ def families(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, 
              causal: bool = False, dlse: bool = False) -> Families:
     """The family of each pass for a call with these tensors and mask (`index` and `geometry` None: the dense
     path); `out` and `do` (like q) decide the backward passes, which read them. `dlse`: the backward takes the
-    log-sum-exp's gradient, which only the Triton dQ pass folds into delta (the one-pass and Gluon dQ kernels
-    compute delta without it), so that pass is Triton's; the Gluon dK/dV pass reads the delta it stores."""
+    log-sum-exp's gradient, which the dQ pass of either family folds into the delta it stores for the dK/dV pass
+    (the one-pass kernel computes delta without it, so such a call takes the two passes)."""
     gluon, switches = _gluon(), settings.current()
     forward = dq = dkdv = "triton"
     if gluon is not None:
@@ -81,7 +81,7 @@ def families(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, 
             wanted = switches.hopper_one_pass or (switches.hopper_one_pass_dense and index is None and not causal)
             if wanted and not dlse and gluon.bwd.supported(do, q, k, v, index, geometry):
                 return Families(forward, ONE_PASS, ONE_PASS)
-            if not dlse and gluon.dq.supported(do, q, k, v, out, index, geometry):
+            if gluon.dq.supported(do, q, k, v, out, index, geometry):
                 dq = "gluon"
             if gluon.dkdv.supported(do, q, k, v, index, geometry):
                 dkdv = "gluon"
@@ -127,7 +127,7 @@ class _BackwardPlan:
         # Between two Gluon passes the dQ pass also stores the log-sum-exp in log2 units, which the dK/dV pass
         # then reads without converting it on every tile (tuning log, step 97).
         self.lse2 = chosen.dq == chosen.dkdv == "gluon"
-        self.dq = (gluon.dq.DqPlan(q, k, index, geometry, causal, scale, self.lse2) if chosen.dq == "gluon" else
+        self.dq = (gluon.dq.DqPlan(q, k, index, geometry, causal, scale, self.lse2, dlse) if chosen.dq == "gluon" else
                    triton_bwd.DqPlan(do, q, k, v, out, index, geometry, causal, scale, dlse))
         self.dkdv = (gluon.dkdv.DkdvPlan(q, k, index, geometry, causal, scale, self.lse2) if chosen.dkdv == "gluon"
                      else triton_bwd.DkdvPlan(do, q, k, v, index, geometry, causal, scale))
@@ -139,10 +139,10 @@ class _BackwardPlan:
         delta = new_output(self.delta_shape, torch.float32, self.device)  # written by the dQ pass, read by dK/dV
         if self.lse2:
             lse2 = new_output(self.delta_shape, torch.float32, self.device)  # likewise
-            dq = self.dq(q, k, v, out, do, lse, delta, lse2)
+            dq = self.dq(q, k, v, out, do, lse, delta, lse2, dlse=dlse)
             dk, dv = self.dkdv(q, k, v, do, lse2, delta)
         else:
-            dq = self.dq(q, k, v, out, do, lse, delta) if dlse is None else self.dq(q, k, v, out, do, lse, delta, dlse)
+            dq = self.dq(q, k, v, out, do, lse, delta, dlse=dlse)
             dk, dv = self.dkdv(q, k, v, do, lse, delta)
         return dq, dk, dv
 
