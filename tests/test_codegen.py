@@ -73,9 +73,10 @@ def cases():
                dict(num_warps=4, num_stages=1, types={"Out": "*bf16", "Part": "*fp32", "Merges": "*i32"}))
         from sparse_flash.kernels.gluon import bwd as gluon_bwd
 
-        yield ("one-pass prepare", gluon_bwd._prepare_kernel, dict(D=64, ROWS=64), (),
+        yield ("one-pass prepare", gluon_bwd._prepare_kernel, dict(D=64, ROWS=64, HAS_DLSE=True), (),
                dict(num_warps=4, num_stages=1, types={"Lse": "*fp32", "Delta": "*fp32", "Lse2": "*fp32",
-                                                      "Acc": "*fp32", "Sem": "*i32", "semaphores": "i32"}))
+                                                      "DLse": "*fp32", "Acc": "*fp32", "Sem": "*i32",
+                                                      "semaphores": "i32"}))
     plan_args = {f"{name}{n}": "*i32" for name in ("C", "FC", "FO", "FI", "PC", "PO", "PI", "I", "K", "S", "L")
                  for n in range(4)} | {f"heavy{n}": "fp32" for n in range(4)} | {f"M{n}": "i32" for n in range(4)}
     for block, chunk in ((8192, 1), (512, 16)):

@@ -70,8 +70,8 @@ def families(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, 
              causal: bool = False, dlse: bool = False) -> Families:
     """The family of each pass for a call with these tensors and mask (`index` and `geometry` None: the dense
     path); `out` and `do` (like q) decide the backward passes, which read them. `dlse`: the backward takes the
-    log-sum-exp's gradient, which the dQ pass of either family folds into the delta it stores for the dK/dV pass
-    (the one-pass kernel computes delta without it, so such a call takes the two passes)."""
+    log-sum-exp's gradient, which every family folds into delta where it forms it (the dQ pass for the dK/dV
+    pass, the one-pass kernel's prepare launch), so it does not change the choice."""
     gluon, switches = _gluon(), settings.current()
     forward = dq = dkdv = "triton"
     if gluon is not None:
@@ -79,7 +79,7 @@ def families(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, 
             forward = "gluon"
         if switches.hopper_backward and out is not None and do is not None:
             wanted = switches.hopper_one_pass or (switches.hopper_one_pass_dense and index is None and not causal)
-            if wanted and not dlse and gluon.bwd.supported(do, q, k, v, index, geometry):
+            if wanted and gluon.bwd.supported(do, q, k, v, index, geometry):
                 return Families(forward, ONE_PASS, ONE_PASS)
             if gluon.dq.supported(do, q, k, v, out, index, geometry):
                 dq = "gluon"
@@ -121,7 +121,7 @@ class _BackwardPlan:
         chosen, gluon = families(q, k, v, index, geometry, out, do, causal, dlse), gluon_modules()
         self.families = chosen
         if chosen.dq == ONE_PASS:
-            self.one_pass = gluon.bwd.BwdPlan(q, k, index, geometry, causal, scale, deterministic())
+            self.one_pass = gluon.bwd.BwdPlan(q, k, index, geometry, causal, scale, deterministic(), dlse)
             return
         self.one_pass = None
         # Between two Gluon passes the dQ pass also stores the log-sum-exp in log2 units, which the dK/dV pass
@@ -135,7 +135,7 @@ class _BackwardPlan:
 
     def __call__(self, do, q, k, v, out, lse, dlse=None):
         if self.one_pass is not None:
-            return self.one_pass(q, k, v, out, do, lse)
+            return self.one_pass(q, k, v, out, do, lse, dlse)
         delta = new_output(self.delta_shape, torch.float32, self.device)  # written by the dQ pass, read by dK/dV
         if self.lse2:
             lse2 = new_output(self.delta_shape, torch.float32, self.device)  # likewise
