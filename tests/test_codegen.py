@@ -73,9 +73,10 @@ def cases():
                dict(num_warps=4, num_stages=1, types={"Out": "*bf16", "Part": "*fp32", "Merges": "*i32"}))
         from sparse_flash.kernels.gluon import bwd as gluon_bwd
 
-        yield ("one-pass prepare", gluon_bwd._prepare_kernel, dict(D=64, ROWS=64), (),
+        yield ("one-pass prepare", gluon_bwd._prepare_kernel, dict(D=64, ROWS=64, HAS_DLSE=True), (),
                dict(num_warps=4, num_stages=1, types={"Lse": "*fp32", "Delta": "*fp32", "Lse2": "*fp32",
-                                                      "Acc": "*fp32", "Sem": "*i32", "semaphores": "i32"}))
+                                                      "DLse": "*fp32", "Acc": "*fp32", "Sem": "*i32",
+                                                      "semaphores": "i32"}))
     plan_args = {f"{name}{n}": "*i32" for name in ("C", "FC", "FO", "FI", "PC", "PO", "PI", "I", "K", "S", "L")
                  for n in range(4)} | {f"heavy{n}": "fp32" for n in range(4)} | {f"M{n}": "i32" for n in range(4)}
     for block, chunk in ((8192, 1), (512, 16)):
@@ -226,8 +227,10 @@ def _compile_case(family: str, case) -> tuple[str, int | None]:
                 f"D={head_dim} ordered={ordered}"), gluon.bwd.compile_sm90(dtype, dense, causal, block_q, groups,
                                                                            head_dim, ordered).metadata.shared
     dtype, dense, causal, block_k, head_dim, lse2 = case
-    return (f"hopper dq {dtype} dense={dense} causal={causal} block_k={block_k} D={head_dim} store_lse2={lse2}",
-            gluon.dq.compile_sm90(dtype, dense, causal, block_k, head_dim=head_dim, store_lse2=lse2).metadata.shared)
+    dlse = causal and not dense  # the log-sum-exp's gradient: compiled both ways
+    return (f"hopper dq {dtype} dense={dense} causal={causal} block_k={block_k} D={head_dim} store_lse2={lse2} "
+            f"dlse={dlse}"), gluon.dq.compile_sm90(dtype, dense, causal, block_k, head_dim=head_dim, store_lse2=lse2,
+                                                  dlse=dlse).metadata.shared
 
 
 def main(families=FAMILIES) -> int:

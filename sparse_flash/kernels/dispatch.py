@@ -70,8 +70,8 @@ def families(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, 
              causal: bool = False, dlse: bool = False) -> Families:
     """The family of each pass for a call with these tensors and mask (`index` and `geometry` None: the dense
     path); `out` and `do` (like q) decide the backward passes, which read them. `dlse`: the backward takes the
-    log-sum-exp's gradient, which only the Triton dQ pass folds into delta (the one-pass and Gluon dQ kernels
-    compute delta without it), so that pass is Triton's; the Gluon dK/dV pass reads the delta it stores."""
+    log-sum-exp's gradient, which every family folds into delta where it forms it (the dQ pass for the dK/dV
+    pass, the one-pass kernel's prepare launch), so it does not change the choice."""
     gluon, switches = _gluon(), settings.current()
     forward = dq = dkdv = "triton"
     if gluon is not None:
@@ -79,9 +79,9 @@ def families(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, 
             forward = "gluon"
         if switches.hopper_backward and out is not None and do is not None:
             wanted = switches.hopper_one_pass or (switches.hopper_one_pass_dense and index is None and not causal)
-            if wanted and not dlse and gluon.bwd.supported(do, q, k, v, index, geometry):
+            if wanted and gluon.bwd.supported(do, q, k, v, index, geometry):
                 return Families(forward, ONE_PASS, ONE_PASS)
-            if not dlse and gluon.dq.supported(do, q, k, v, out, index, geometry):
+            if gluon.dq.supported(do, q, k, v, out, index, geometry):
                 dq = "gluon"
             if gluon.dkdv.supported(do, q, k, v, index, geometry):
                 dkdv = "gluon"
@@ -121,13 +121,13 @@ class _BackwardPlan:
         chosen, gluon = families(q, k, v, index, geometry, out, do, causal, dlse), gluon_modules()
         self.families = chosen
         if chosen.dq == ONE_PASS:
-            self.one_pass = gluon.bwd.BwdPlan(q, k, index, geometry, causal, scale, deterministic())
+            self.one_pass = gluon.bwd.BwdPlan(q, k, index, geometry, causal, scale, deterministic(), dlse)
             return
         self.one_pass = None
         # Between two Gluon passes the dQ pass also stores the log-sum-exp in log2 units, which the dK/dV pass
         # then reads without converting it on every tile (tuning log, step 97).
         self.lse2 = chosen.dq == chosen.dkdv == "gluon"
-        self.dq = (gluon.dq.DqPlan(q, k, index, geometry, causal, scale, self.lse2) if chosen.dq == "gluon" else
+        self.dq = (gluon.dq.DqPlan(q, k, index, geometry, causal, scale, self.lse2, dlse) if chosen.dq == "gluon" else
                    triton_bwd.DqPlan(do, q, k, v, out, index, geometry, causal, scale, dlse))
         self.dkdv = (gluon.dkdv.DkdvPlan(q, k, index, geometry, causal, scale, self.lse2) if chosen.dkdv == "gluon"
                      else triton_bwd.DkdvPlan(do, q, k, v, index, geometry, causal, scale))
@@ -135,14 +135,14 @@ class _BackwardPlan:
 
     def __call__(self, do, q, k, v, out, lse, dlse=None):
         if self.one_pass is not None:
-            return self.one_pass(q, k, v, out, do, lse)
+            return self.one_pass(q, k, v, out, do, lse, dlse)
         delta = new_output(self.delta_shape, torch.float32, self.device)  # written by the dQ pass, read by dK/dV
         if self.lse2:
             lse2 = new_output(self.delta_shape, torch.float32, self.device)  # likewise
-            dq = self.dq(q, k, v, out, do, lse, delta, lse2)
+            dq = self.dq(q, k, v, out, do, lse, delta, lse2, dlse=dlse)
             dk, dv = self.dkdv(q, k, v, do, lse2, delta)
         else:
-            dq = self.dq(q, k, v, out, do, lse, delta) if dlse is None else self.dq(q, k, v, out, do, lse, delta, dlse)
+            dq = self.dq(q, k, v, out, do, lse, delta, dlse=dlse)
             dk, dv = self.dkdv(q, k, v, do, lse, delta)
         return dq, dk, dv
 

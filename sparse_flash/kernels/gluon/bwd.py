@@ -440,14 +440,19 @@ def _one_pass_bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, 
 
 
 @triton.jit
-def _prepare_kernel(Out, DO, Lse, Delta, Lse2, Acc, Sem, semaphores, D: tl.constexpr, ROWS: tl.constexpr):
-    """Rows [pid * ROWS, ...): delta = rowsum(dO * O), the log-sum-exp in log2 units (+inf for an empty row:
-    P = 0) into Lse2, their dQ buffer rows zero; and ROWS of the semaphores zero."""
+def _prepare_kernel(Out, DO, Lse, Delta, Lse2, DLse, Acc, Sem, semaphores, D: tl.constexpr, ROWS: tl.constexpr,
+                    HAS_DLSE: tl.constexpr):
+    """Rows [pid * ROWS, ...): delta = rowsum(dO * O) (less the log-sum-exp's gradient with HAS_DLSE), the
+    log-sum-exp in log2 units (+inf for an empty row: P = 0) into Lse2, their dQ buffer rows zero; and ROWS of
+    the semaphores zero."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs = r.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
     o = tl.load(Out + offs).to(tl.float32)
     do = tl.load(DO + offs).to(tl.float32)
-    tl.store(Delta + r, tl.sum(o * do, 1))
+    delta = tl.sum(o * do, 1)
+    if HAS_DLSE:  # dS = P (dP - delta + dlse) (`dispatch.attn_bwd`)
+        delta -= tl.load(DLse + r)
+    tl.store(Delta + r, delta)
     lse = tl.load(Lse + r)
     tl.store(Lse2 + r, tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634))
     zero = tl.zeros([ROWS, D], tl.float32)
@@ -492,7 +497,7 @@ class BwdPlan:
     which its waits need."""
 
     def __init__(self, q, k, index: KernelIndex | None, geometry: MaskGeometry | None, causal: bool, scale: float,
-                 ordered: bool = True):
+                 ordered: bool = True, dlse: bool = False):
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         G = Hq // Hkv
@@ -521,16 +526,17 @@ class BwdPlan:
             cooperative=ordered)
         programs = self.rows // BLOCK_M
         consts = dict(D=D, ROWS=BLOCK_M)
-        self.prepare = BoundLaunch(_prepare_kernel, programs, (self.semaphores, ), consts, 4, 1)
+        self.prepare = BoundLaunch(_prepare_kernel, programs, (self.semaphores, ), dict(consts, HAS_DLSE=dlse), 4, 1)
+        self.dlse = dlse  # the calls pass the log-sum-exp's gradient (float32 `(B, Hq, Nq)`, contiguous)
         self.convert = BoundLaunch(_convert_kernel, programs, (scale, ), consts, 4, 1)
         self.q_shape, self.k_shape, self.dtype, self.device = q.shape, k.shape, q.dtype, q.device
 
-    def __call__(self, q, k, v, out, do, lse):
+    def __call__(self, q, k, v, out, do, lse, dlse=None):
         delta = new_output(self.q_shape[:3], torch.float32, self.device)
         lse2 = new_output(self.q_shape[:3], torch.float32, self.device)  # the steps' lse, converted once
         acc = torch.empty((self.rows, self.q_shape[3]), dtype=torch.float32, device=self.device)
         sem = torch.empty(max(self.semaphores, 1), dtype=torch.int32, device=self.device)
-        self.prepare(out, do, lse, delta, lse2, acc, sem)
+        self.prepare(out, do, lse, delta, lse2, dlse if self.dlse else delta, acc, sem)
         dk = new_output(self.k_shape, self.dtype, self.device)
         dv = new_output(self.k_shape, self.dtype, self.device)
         half = BLOCK_N // 2  # each compute warpgroup stores its 64 rows

@@ -149,9 +149,10 @@ def _diagonal_dq_exact(dq, q, do, K, V, k_row, key0, q_tok, lse, delta, qk_scale
 
 @gluon.jit
 def _dq_compute_partition(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                          dq_desc, Out, Lse, Delta, Lse2, DqPart, K, V, Items, Starts, PartIdx, Nq, qk_scale, sm_scale,
-                          SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr,
-                          STORE_LSE2: gl.constexpr, HALF: gl.constexpr, WARPS: gl.constexpr):
+                          dq_desc, Out, Lse, Delta, Lse2, DLse, DqPart, K, V, Items, Starts, PartIdx, Nq, qk_scale,
+                          sm_scale, SUB: gl.constexpr, MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr,
+                          CAUSAL: gl.constexpr, STORE_LSE2: gl.constexpr, HAS_DLSE: gl.constexpr, HALF: gl.constexpr,
+                          WARPS: gl.constexpr):
     """One compute warpgroup: rows [HALF * 64, HALF * 64 + 64) of each item; delta first (and with STORE_LSE2
     the log-sum-exp in log2 units into Lse2: both for the Gluon dK/dV launch), then dQ over the item's key tiles, out through this half of the Q buffer by TMA, or for a chunk of a cut list (scratch
     slot >= 0) into its rows of DqPart in float32."""
@@ -189,6 +190,8 @@ def _dq_compute_partition(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_r
             release_after_store(q_empty.index((c + 1) % 2))
         # delta = rowsum(dO * O), stored for the dK/dV launch
         delta = gl.sum(o.to(gl.float32) * do.load(o_layout).to(gl.float32), 1)  # (BM,)
+        if HAS_DLSE:  # the log-sum-exp's gradient: dS = P (dP - delta + dlse) (`dispatch.attn_bwd`)
+            delta -= gl.load(DLse + q_row + offs_r)
         gl.store(Delta + q_row + offs_r, delta)
         delta = gl.convert_layout(delta, rows_layout)
         lse = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # log2; empty rows: P = 0
@@ -223,10 +226,10 @@ def _dq_compute_partition(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_r
 
 
 @gluon.jit
-def _attn_bwd_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, Out, Lse, Delta, Lse2, DqPart, K, V, Items,
-                               Starts, FullIdx, PartIdx, Nq, qk_scale, sm_scale, SUB: gl.constexpr,
+def _attn_bwd_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, Out, Lse, Delta, Lse2, DLse, DqPart, K, V,
+                               Items, Starts, FullIdx, PartIdx, Nq, qk_scale, sm_scale, SUB: gl.constexpr,
                                MASK_BLOCK_K: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr,
-                               STORE_LSE2: gl.constexpr, KV_STAGES: gl.constexpr,
+                               STORE_LSE2: gl.constexpr, HAS_DLSE: gl.constexpr, KV_STAGES: gl.constexpr,
                                LOAD_WARP_REGS: gl.constexpr, COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
     """One resident program per SM; program p walks items [Starts[p], Starts[p + 1])."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
@@ -241,12 +244,12 @@ def _attn_bwd_dq_hopper_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, Out, Ls
     v_ready, v_empty = ring_barriers(KV_STAGES)
     gl.warp_specialize([
         (_dq_compute_partition, (q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                 v_empty, dq_desc, Out, Lse, Delta, Lse2, DqPart, K, V, Items, Starts, PartIdx, Nq,
-                                 qk_scale, sm_scale, SUB, MASK_BLOCK_K, DENSE, CAUSAL, STORE_LSE2, FIRST_HALF,
+                                 v_empty, dq_desc, Out, Lse, Delta, Lse2, DLse, DqPart, K, V, Items, Starts, PartIdx,
+                                 Nq, qk_scale, sm_scale, SUB, MASK_BLOCK_K, DENSE, CAUSAL, STORE_LSE2, HAS_DLSE, FIRST_HALF,
                                  num_warps)),  # rows [0, 64)
         (_dq_compute_partition, (q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                 v_empty, dq_desc, Out, Lse, Delta, Lse2, DqPart, K, V, Items, Starts, PartIdx, Nq,
-                                 qk_scale, sm_scale, SUB, MASK_BLOCK_K, DENSE, CAUSAL, STORE_LSE2, SECOND_HALF,
+                                 v_empty, dq_desc, Out, Lse, Delta, Lse2, DLse, DqPart, K, V, Items, Starts, PartIdx,
+                                 Nq, qk_scale, sm_scale, SUB, MASK_BLOCK_K, DENSE, CAUSAL, STORE_LSE2, HAS_DLSE, SECOND_HALF,
                                  num_warps)),  # rows [64, 128)
         (_dq_load_partition, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
                               k_ready, k_empty, v_ready, v_empty, Items, Starts, FullIdx, PartIdx, SUB, MASK_BLOCK_K,
@@ -272,7 +275,7 @@ class DqPlan:
     (`dkdv.DkdvPlan(lse_log2=True)`)."""
 
     def __init__(self, q, k, index: KernelIndex | None, geometry: MaskGeometry | None, causal: bool, scale: float,
-                 store_lse2: bool = False):
+                 store_lse2: bool = False, dlse: bool = False):
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         dense = index is None
@@ -300,13 +303,15 @@ class DqPlan:
         self.block_n = block_n
         self.launch = bound_launch(_attn_bwd_dq_hopper_kernel, self.grid[0], (
             self.items, self.starts, self.full_idx, self.part_idx, Nq, scale * LOG2E, scale),
-            dict(SUB=sub, MASK_BLOCK_K=block_k, DENSE=dense, CAUSAL=causal, STORE_LSE2=store_lse2, KV_STAGES=kv_buffers,
-                 LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS), MAX_REGS)
+            dict(SUB=sub, MASK_BLOCK_K=block_k, DENSE=dense, CAUSAL=causal, STORE_LSE2=store_lse2, HAS_DLSE=dlse,
+                 KV_STAGES=kv_buffers, LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS), MAX_REGS)
         self.q_shape, self.dtype, self.device, self.store_lse2 = q.shape, q.dtype, q.device, store_lse2
+        self.dlse = dlse
 
-    def __call__(self, q, k, v, out, do, lse, delta, lse2=None):
-        """dQ; also writes `delta` (float32 `(B, Hq, Nq)`), which the dK/dV launch reads, and `lse2` where the
-        plan stores it (`store_lse2`; any float32 tensor stands in otherwise: the launch never touches it)."""
+    def __call__(self, q, k, v, out, do, lse, delta, lse2=None, dlse=None):
+        """dQ; also writes `delta` (float32 `(B, Hq, Nq)`), which the dK/dV launch reads: rowsum(dO * O), less
+        `dlse` (the log-sum-exp's gradient, like lse) where the plan takes one; and `lse2` where the plan stores
+        it (`store_lse2`; any float32 tensor stands in otherwise: the launch never touches it)."""
         if self.store_lse2 != (lse2 is not None):
             raise ValueError(f"a dQ plan with store_lse2={self.store_lse2} was called with lse2 "
                              f"{'None' if lse2 is None else 'given'}")
@@ -315,13 +320,13 @@ class DqPlan:
         descs = (row_spec(q, ROW_BLOCK, self.q_layout), row_spec(do, ROW_BLOCK, self.q_layout),
                  row_spec(k, self.block_n, self.kv_layout), row_spec(v, self.block_n, self.kv_layout),
                  row_spec(dq, ROW_BLOCK // 2, self.q_layout))  # dQ: each warpgroup stores its 64 rows
-        self.launch(*descs, out, lse, delta, delta if lse2 is None else lse2, part, k, v)  # k and v also as pointers: `_diagonal_dq_exact` reads them
+        self.launch(*descs, out, lse, delta, delta if lse2 is None else lse2, dlse if self.dlse else delta, part, k, v)  # k and v also as pointers: `_diagonal_dq_exact` reads them
         self.chunk_sum(dq, part)
         return dq
 
 
 def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causal: bool = False,
-                 block_k: int = ROW_BLOCK, head_dim: int = 128, store_lse2: bool = True):
+                 block_k: int = ROW_BLOCK, head_dim: int = 128, store_lse2: bool = True, dlse: bool = False):
     """The kernel compiled for sm_90a on any machine (no GPU needed), as the launcher would launch it at
     D = `head_dim`; for compile checks (tests/test_codegen.py) and `benchmarks/kernel_resources.py`."""
     D = head_dim
@@ -332,10 +337,10 @@ def compile_sm90(dtype: torch.dtype = torch.bfloat16, dense: bool = False, causa
     q_desc, kv_desc = descriptor_type(name, (ROW_BLOCK, D), q_layout), descriptor_type(name, (block_n, D), kv_layout)
     sig = dict(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc,
                dq_desc=descriptor_type(name, (ROW_BLOCK // 2, D), q_layout), Out=f"*{name}", Lse="*fp32",
-               Delta="*fp32", Lse2="*fp32", DqPart="*fp32", K=f"*{name}", V=f"*{name}", Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32", Nq="i32",
+               Delta="*fp32", Lse2="*fp32", DLse="*fp32", DqPart="*fp32", K=f"*{name}", V=f"*{name}", Items="*i32", Starts="*i32", FullIdx="*i32", PartIdx="*i32", Nq="i32",
                qk_scale="fp32", sm_scale="fp32")
     block = ROW_BLOCK if dense else block_k
     constexprs = dict(SUB=block // block_n, MASK_BLOCK_K=block, DENSE=dense, CAUSAL=causal, STORE_LSE2=store_lse2,
-                      KV_STAGES=kv_buffers,
+                      HAS_DLSE=dlse, KV_STAGES=kv_buffers,
                       LOAD_WARP_REGS=LOAD_REGS, COMPUTE_REGS=COMPUTE_REGS, num_warps=4)
     return compile_gluon_sm90(_attn_bwd_dq_hopper_kernel, sig, constexprs, MAX_REGS)
