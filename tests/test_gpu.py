@@ -219,7 +219,7 @@ def test_hopper_backward_through_lse_matches_reference(mask_name, one_pass, caus
     with settings.override(hopper_backward=True, hopper_one_pass=one_pass, hopper_one_pass_dense=one_pass):
         result = compare_to_reference(q, k, v, mask, causal=causal, backend="triton", lse_grad=True)
         index, geometry = mask.kernel_records(causal)
-        chosen = dispatch.families(q, k, v, index, geometry, q, q, causal, dlse=True)
+        chosen = dispatch.families(q, k, v, index, geometry, q, q, causal)
     assert not result.failures(), result.failures()
     if chosen.dq == dispatch.ONE_PASS:
         assert served[dispatch.ONE_PASS] > 0, served

@@ -67,11 +67,11 @@ def deterministic() -> bool:
 
 
 def families(q, k, v, index: KernelIndex | None, geometry: MaskGeometry | None, out=None, do=None,
-             causal: bool = False, dlse: bool = False) -> Families:
+             causal: bool = False) -> Families:
     """The family of each pass for a call with these tensors and mask (`index` and `geometry` None: the dense
-    path); `out` and `do` (like q) decide the backward passes, which read them. `dlse`: the backward takes the
-    log-sum-exp's gradient, which every family folds into delta where it forms it (the dQ pass for the dK/dV
-    pass, the one-pass kernel's prepare launch), so it does not change the choice."""
+    path); `out` and `do` (like q) decide the backward passes, which read them. A gradient of the log-sum-exp
+    does not change the choice: every family folds it into delta where it forms it (the dQ pass for the dK/dV
+    pass, the one-pass kernel's prepare launch)."""
     gluon, switches = _gluon(), settings.current()
     forward = dq = dkdv = "triton"
     if gluon is not None:
@@ -118,7 +118,7 @@ class _BackwardPlan:
     """The two backward passes of one call signature, each by the family that serves it."""
 
     def __init__(self, do, q, k, v, out, index, geometry, causal: bool, scale: float, dlse: bool):
-        chosen, gluon = families(q, k, v, index, geometry, out, do, causal, dlse), gluon_modules()
+        chosen, gluon = families(q, k, v, index, geometry, out, do, causal), gluon_modules()
         self.families = chosen
         if chosen.dq == ONE_PASS:
             self.one_pass = gluon.bwd.BwdPlan(q, k, index, geometry, causal, scale, deterministic(), dlse)
