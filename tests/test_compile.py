@@ -50,6 +50,21 @@ def test_fullgraph_forward_and_backward(dense):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+def assert_compiled_gradients_equal_eager(loss, inputs):
+    """The gradients of the scalar `loss(*inputs)` under `torch.compile(fullgraph=True)` equal the eager ones."""
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        fn(*leaves).backward()
+        return [t.grad for t in leaves]
+
+    eager = grads(loss)
+    torch._dynamo.reset()
+    compiled = grads(torch.compile(loss, fullgraph=True, backend="inductor" if DEVICE == "cuda" else "aot_eager"))
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
 def test_fullgraph_backward_through_lse():
     """A softmax sink, out * sigmoid(lse - sink), trains through the compiled graph: the custom backward op takes
     the log-sum-exp's gradient (its optional `dlse`), and the gradients equal the eager ones."""
@@ -59,20 +74,11 @@ def test_fullgraph_backward_through_lse():
     q, k, v = (torch.randn(1, 2, N, 32, generator=gen).to(DEVICE) for _ in range(3))
     sink = torch.tensor([0.5, -0.25], device=DEVICE)[:, None]
 
-    def attend(q, k, v):
+    def loss(q, k, v):
         out, lse = sparse_flash.block_sparse_attention(q, k, v, mask, causal=True, return_lse=True, backend="triton")
-        return out * torch.sigmoid(lse - sink)[..., None]
+        return (out * torch.sigmoid(lse - sink)[..., None]).square().sum()
 
-    def grads(fn):
-        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-        fn(*inputs).square().sum().backward()
-        return [t.grad for t in inputs]
-
-    eager = grads(attend)
-    torch._dynamo.reset()
-    compiled = grads(torch.compile(attend, fullgraph=True, backend="inductor" if DEVICE == "cuda" else "aot_eager"))
-    for a, b in zip(compiled, eager):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert_compiled_gradients_equal_eager(loss, (q, k, v))
 
 
 def test_merged_parts_compile_fullgraph():
@@ -90,16 +96,7 @@ def test_merged_parts_compile_fullgraph():
         out, lse = sparse_flash.merge_attention(*zip(*parts))
         return out.sum() + lse.sum()
 
-    def grads(fn):
-        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-        fn(*inputs).backward()
-        return [t.grad for t in inputs]
-
-    eager = grads(attend)
-    torch._dynamo.reset()
-    compiled = grads(torch.compile(attend, fullgraph=True, backend="inductor" if DEVICE == "cuda" else "aot_eager"))
-    for a, b in zip(compiled, eager):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert_compiled_gradients_equal_eager(attend, (q, k, v))
 
 
 def test_custom_ops_are_registered():

@@ -126,6 +126,17 @@ def test_inputs_on_a_gpu_other_than_the_current_one():
     assert not result.failures(), result.failures()
 
 
+def count_calls(monkeypatch, plans) -> dict:
+    """Counts of the calls of each plan class in `plans` ((name, class) pairs), by name, from now until the test
+    ends: each class's `__call__` patched to count and go on."""
+    served = {name: 0 for name, _ in plans}
+    for name, plan in plans:
+        real = plan.__call__
+        monkeypatch.setattr(plan, "__call__", lambda *a, _real=real, _name=name, **kw: served.update(
+            {_name: served[_name] + 1}) or _real(*a, **kw))
+    return served
+
+
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 HOPPER_MASKS = {
     "dense": lambda n, h: masks.dense(n, 128, device="cuda"),
@@ -174,11 +185,7 @@ def test_hopper_backward_serves_and_matches_reference(dtype, mask_name, heads, c
     from sparse_flash.kernels.gluon import dq as gluon_dq
     from sparse_flash.testing import compare_to_reference, make_qkv
 
-    served = {"dq": 0, "dkdv": 0}
-    for name, plan in (("dq", gluon_dq.DqPlan), ("dkdv", gluon_dkdv.DkdvPlan)):
-        real = plan.__call__
-        monkeypatch.setattr(plan, "__call__", lambda *a, _real=real, _name=name, **kw: served.update(
-            {_name: served[_name] + 1}) or _real(*a, **kw))
+    served = count_calls(monkeypatch, (("dq", gluon_dq.DqPlan), ("dkdv", gluon_dkdv.DkdvPlan)))
     n = 1024
     mask = HOPPER_MASKS[mask_name](n, heads[0])
     q, k, v = make_qkv(2, *heads, n, n, 128, dtype=dtype, device="cuda", seed=9)
@@ -206,13 +213,9 @@ def test_hopper_backward_through_lse_matches_reference(mask_name, one_pass, caus
     from sparse_flash.kernels.triton import bwd as triton_bwd
     from sparse_flash.testing import compare_to_reference, make_qkv
 
-    served = {"triton dq": 0, "gluon dq": 0, "triton dkdv": 0, "gluon dkdv": 0, dispatch.ONE_PASS: 0}
-    for name, plan in (("triton dq", triton_bwd.DqPlan), ("gluon dq", gluon_dq.DqPlan),
-                       ("triton dkdv", triton_bwd.DkdvPlan), ("gluon dkdv", gluon_dkdv.DkdvPlan),
-                       (dispatch.ONE_PASS, gluon_bwd.BwdPlan)):
-        real = plan.__call__
-        monkeypatch.setattr(plan, "__call__", lambda *a, _real=real, _name=name, **kw: served.update(
-            {_name: served[_name] + 1}) or _real(*a, **kw))
+    served = count_calls(monkeypatch, (("triton dq", triton_bwd.DqPlan), ("gluon dq", gluon_dq.DqPlan),
+                                       ("triton dkdv", triton_bwd.DkdvPlan), ("gluon dkdv", gluon_dkdv.DkdvPlan),
+                                       (dispatch.ONE_PASS, gluon_bwd.BwdPlan)))
     n = 1024
     mask = HOPPER_MASKS[mask_name](n, 4)
     q, k, v = make_qkv(2, 4, 4, n, n, 128, dtype=torch.bfloat16, device="cuda", seed=11)
@@ -240,11 +243,8 @@ def test_hopper_kernels_at_head_dim_64_match_reference(mask_name, causal, monkey
     from sparse_flash.kernels.gluon import fwd as gluon_fwd
     from sparse_flash.testing import compare_to_reference, make_qkv
 
-    served = {"fwd": 0, "dq": 0, "dkdv": 0}
-    for name, plan in (("fwd", gluon_fwd.FwdPlan), ("dq", gluon_dq.DqPlan), ("dkdv", gluon_dkdv.DkdvPlan)):
-        real = plan.__call__
-        monkeypatch.setattr(plan, "__call__", lambda *a, _real=real, _name=name, **kw: served.update(
-            {_name: served[_name] + 1}) or _real(*a, **kw))
+    served = count_calls(monkeypatch, (("fwd", gluon_fwd.FwdPlan), ("dq", gluon_dq.DqPlan),
+                                       ("dkdv", gluon_dkdv.DkdvPlan)))
     n = 1024
     mask = HOPPER_MASKS[mask_name](n, 4)
     q, k, v = make_qkv(2, 4, 2, n, n, 64, dtype=torch.bfloat16, device="cuda", seed=11)
@@ -301,7 +301,8 @@ def test_hopper_one_pass_backward_matches_reference(mask_name, heads, causal, he
 
     served = []  # each call's launch: cooperative exactly in order (its programs wait for each other)
     real = gluon_bwd.BwdPlan.__call__
-    monkeypatch.setattr(gluon_bwd.BwdPlan, "__call__", lambda *a, **kw: served.append(a[0].launch.cooperative) or real(*a, **kw))
+    monkeypatch.setattr(gluon_bwd.BwdPlan, "__call__",
+                        lambda *a, **kw: served.append(a[0].launch.cooperative) or real(*a, **kw))
     n = 1024
     mask = HOPPER_MASKS[mask_name](n, heads[0])
     q, k, v = make_qkv(2, *heads, n, n, head_dim, dtype=torch.bfloat16, device="cuda", seed=13)
