@@ -181,9 +181,8 @@ def block_sparse_attention(
         `out` with q's shape and dtype, or `(out, lse)` with lse float32 `(B, Hq, Nq)` (float64 for float64
         inputs) in natural log, differentiable on every backend (d lse_i / d s_ij is the attention weight
         P_ij: merging partial attentions by their lse, or a softmax sink `out * sigmoid(lse - sink)`, trains
-        through it; on Hopper GPUs a backward that gets lse's gradient runs the Triton dQ kernel, which
-        takes it). If a query row of the mask is all zero, its output is 0, its lse is -inf and its gradients
-        are 0 (also through lse). The triton backend saves `out` (with q, k, v and lse) for its backward, so an
+        through it; every kernel of the triton backend's backward takes lse's gradient). If a query row of the
+        mask is all zero, its output is 0, its lse is -inf and its gradients are 0 (also through lse). The triton backend saves `out` (with q, k, v and lse) for its backward, so an
         in-place edit of `out` before the backward (`out.mul_(2)`, `out += x`) makes the backward raise
         PyTorch's "modified by an inplace operation" RuntimeError, never a wrong gradient: edit a copy
         (`out = out * 2`). The torch and reference backends differentiate through the edit.

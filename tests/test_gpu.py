@@ -202,10 +202,9 @@ def test_hopper_backward_serves_and_matches_reference(dtype, mask_name, heads, c
 @pytest.mark.parametrize("one_pass", [False, True], ids=["two-pass", "one-pass-wanted"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_hopper_backward_through_lse_matches_reference(mask_name, one_pass, causal, monkeypatch):
-    """A backward that gets the log-sum-exp's gradient runs the kernels `dispatch.families` chooses for it (the
-    Triton dQ kernel folds dlse into delta, which the Gluon dK/dV kernel reads; where a kernel branch takes dlse
-    too, the Gluon dQ or the one-pass kernel), and the gradients pass the 2x rule against the float64
-    reference."""
+    """A backward that gets the log-sum-exp's gradient runs the Hopper kernels a backward without it runs: the
+    Gluon dQ kernel folds dlse into delta, which the Gluon dK/dV kernel reads, or the one-pass kernel's prepare
+    launch does, where it serves; the gradients pass the 2x rule against the float64 reference."""
     from sparse_flash.kernels import dispatch, settings
     from sparse_flash.kernels.gluon import bwd as gluon_bwd
     from sparse_flash.kernels.gluon import dkdv as gluon_dkdv
@@ -227,8 +226,9 @@ def test_hopper_backward_through_lse_matches_reference(mask_name, one_pass, caus
     if chosen.dq == dispatch.ONE_PASS:
         assert served[dispatch.ONE_PASS] > 0, served
     else:
-        assert served[f"{chosen.dq} dq"] > 0 and served[f"{chosen.dkdv} dkdv"] > 0, served
-        assert chosen.dkdv == "gluon" and served[dispatch.ONE_PASS] == 0, (chosen, served)  # reads that delta
+        assert (chosen.dq, chosen.dkdv) == ("gluon", "gluon"), chosen
+        assert served["gluon dq"] > 0 and served["gluon dkdv"] > 0, served
+    assert served["triton dq"] == served["triton dkdv"] == 0, served
 
 
 @pytest.mark.skipif(not SM90, reason="the Hopper kernels need sm_90")
