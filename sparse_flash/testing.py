@@ -3,10 +3,12 @@
 The tolerance rule: a backend's error against a float64 reference may be at most twice the error of the
 same math done by PyTorch in the same dtype (the dense reference without upcasting), plus a floor for
 results that PyTorch happens to get exactly right: half an ulp of the largest reference value in half
-precision, 1e-5 of it in float32. In float32 the gradients' baseline is the larger of autograd's error and
-the error of the FlashAttention backward done by PyTorch (`delta_form_gradients`): autograd's softmax
-backward gives exactly zero dK for a softmax over a single key (P = 1), while the delta = rowsum(dO * O)
-form that the kernels use leaves rounding noise that grows with the number of query rows summed.
+precision, 1e-5 of it in float32. The gradients' baseline is the larger of autograd's error and the error of
+the FlashAttention backward done by PyTorch in the same dtype (`delta_form_gradients`, rounding where the
+kernels must): autograd's softmax backward gives exactly zero dK for a softmax over a single key (P = 1),
+while the delta = rowsum(dO * O) form that the kernels use leaves rounding noise that grows with the number
+of query rows summed; in 16 bits dS rounded before dQ and a delta read from the stored O can cost a few
+half-ulps where autograd happens to be exact (a causal softmax over two keys, found by the CPU suite).
 """
 
 from __future__ import annotations
@@ -113,28 +115,40 @@ def delta_form_gradients(q, k, v, grad_out, mask: BlockMask | None, *, causal=Fa
     `dS = P * (dO V^T - rowsum(dO * O) + dlse)`, `dQ = dS K scale`, `dK = dS^T Q scale`, `dV = P^T dO` (summed
     over the query heads of a key head). Finite inputs only.
 
+    In 16-bit dtypes the arithmetic is float32 and rounds to q's dtype where a FlashAttention kernel must: P
+    before the products that take it (O = P V and dV = P^T dO), the output O (delta reads the stored one), dS
+    before dQ and dK, and the results; products accumulate in float32. So this is PyTorch doing the kernels'
+    math in their dtype, the error any correct kernel of that form shares (a softmax over two keys whose dS
+    cancel, or a delta read from a rounded O, can cost a few half-ulps that autograd's softmax backward, which
+    never forms delta, does not).
+
     Args:
         q: `(B, Hq, Nq, D)`; k, v: `(B, Hkv, Nk, D)`; grad_out: like q; mask, causal, scale: as in
             `attention_reference`; grad_lse: the log-sum-exp's gradient `(B, Hq, Nq)`, or None (zero).
     """
     dtype, (B, Hq, Nq, D), Hkv = q.dtype, q.shape, k.shape[1]
+    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+    def rounded(t):  # to the kernels' storage dtype and back
+        return t.to(dtype).to(compute)
+
     groups, scale = Hq // Hkv, D**-0.5 if scale is None else scale
-    kk, vv = (t.to(dtype).repeat_interleave(groups, dim=1) for t in (k, v))
-    dout = grad_out.to(dtype)
-    s = (q @ kk.transpose(-1, -2) * scale).masked_fill(~allowed_pairs(mask, causal, Nq, k.shape[2], q.device),
-                                                       float("-inf"))
+    kk, vv = (t.to(dtype).to(compute).repeat_interleave(groups, dim=1) for t in (k, v))
+    qq, dout = q.to(compute), grad_out.to(dtype).to(compute)
+    s = (qq @ kk.transpose(-1, -2) * scale).masked_fill(~allowed_pairs(mask, causal, Nq, k.shape[2], q.device),
+                                                        float("-inf"))
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
     p = torch.exp(s - lse.masked_fill(~torch.isfinite(lse), 0.0)).masked_fill(s == float("-inf"), 0.0)
-    out = p @ vv
+    out = rounded(rounded(p) @ vv)
     delta = (dout * out).sum(-1, keepdim=True)
     if grad_lse is not None:
-        delta = delta - grad_lse.to(dtype)[..., None]
-    ds = p * (dout @ vv.transpose(-1, -2) - delta)
+        delta = delta - grad_lse.to(compute)[..., None]
+    ds = rounded(p * (dout @ vv.transpose(-1, -2) - delta))
     by_kv_head = (B, Hkv, groups) + k.shape[2:]
     dq = ds @ kk * scale
-    dk = (ds.transpose(-1, -2) @ q * scale).view(by_kv_head).sum(2)
-    dv = (p.transpose(-1, -2) @ dout).view(by_kv_head).sum(2)
-    return dq, dk, dv
+    dk = (ds.transpose(-1, -2) @ qq * scale).view(by_kv_head).sum(2)
+    dv = (rounded(p).transpose(-1, -2) @ dout).view(by_kv_head).sum(2)
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 
 def compare_to_reference(q, k, v, mask: BlockMask, *, causal=False, scale=None, backend="torch", grad=True,
@@ -166,7 +180,7 @@ def compare_to_reference(q, k, v, mask: BlockMask, *, causal=False, scale=None, 
     eps = torch.finfo(dtype).eps
     result = Comparison()
     delta_form = {}
-    if grad and dtype == torch.float32 and all(bool(torch.isfinite(t).all()) for t in (q, k, v)):
+    if grad and all(bool(torch.isfinite(t).all()) for t in (q, k, v)):
         delta_form = dict(zip(("dq", "dk", "dv"), delta_form_gradients(q, k, v, grad_out, mask, causal=causal,
                                                                          scale=scale, grad_lse=grad_lse)))
     for name, a, r, p in zip(names, ours, ref, low):
