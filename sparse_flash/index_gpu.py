@@ -66,11 +66,19 @@ def int32_pieces(shapes: list[tuple[int, ...]], device: torch.device, own: Colle
     return int32_arena(shapes, device, own)[1]
 
 
-@functools.lru_cache(maxsize=512)
 def _arena_plan(shapes: tuple, own: tuple) -> tuple:
     """Where `int32_arena`'s pieces lie: `(length of the shared allocation, views)`, views `(shape, strides,
     offset)` per shared piece and None per own piece, in the order of `shapes`; kept per (shapes, own) (a
-    build's shared pieces have the sizes of its geometry, so a new mask of a known geometry looks them up)."""
+    build's shared pieces have the sizes of its geometry, so a new mask of a known geometry looks them up).
+    Under torch.compile it is computed, not looked up: dynamo skips an lru_cache (and warns), and the plan is
+    Python ints that it traces as constants."""
+    if torch.compiler.is_compiling():
+        return _place_pieces(shapes, own)
+    return _cached_arena_plan(shapes, own)
+
+
+def _place_pieces(shapes: tuple, own: tuple) -> tuple:
+    """`_arena_plan` computed."""
     views, start = [], 0
     for i, shape in enumerate(shapes):
         if i in own:
@@ -81,6 +89,9 @@ def _arena_plan(shapes: tuple, own: tuple) -> tuple:
         n = math.prod(shape)
         start += n + -n % ALIGN  # the piece, then its padding
     return start, tuple(views)
+
+
+_cached_arena_plan = functools.lru_cache(maxsize=512)(_place_pieces)
 
 
 def _key(shapes: list, own: Collection[int]) -> tuple:

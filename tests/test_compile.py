@@ -148,6 +148,29 @@ def test_fullgraph_traces_no_functools_cache(backend):
     torch.testing.assert_close(out, attend(q, kv, scores), atol=1e-5, rtol=1e-4)
 
 
+def test_index_arena_traces_no_functools_cache():
+    """The GPU builders' int32 arena (`index_gpu.int32_pieces`, which a top-k mask built inside a compiled
+    function on a GPU allocates) places its pieces without a functools cache under dynamo, and in the same
+    places as eagerly. On a CPU the builders themselves do not run, so the arena is traced here directly."""
+    pytest.importorskip("triton")
+    from sparse_flash import index_gpu
+
+    shapes, own = [(2, 3), (4,), (5, 7)], [1]
+
+    def pieces(x):
+        return [p.fill_(1).add(x) for p in index_gpu.int32_pieces(shapes, x.device, own)]
+
+    x = torch.zeros((), dtype=torch.int32)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        traced = torch.compile(pieces, fullgraph=True, backend="aot_eager")(x)
+    assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]
+    eager = index_gpu.int32_pieces(shapes, x.device, own)
+    assert [tuple(t.shape) for t in traced] == [tuple(t.shape) for t in eager] == [tuple(s) for s in shapes]
+    assert [t.stride() for t in traced] == [t.stride() for t in eager]
+
+
 def test_a_non_causal_top_k_mask_chosen_inside_fullgraph_compile_builds_and_says_why_causal_use_cannot():
     """A top-k mask chosen with causal=False builds its causal=True lists on first use, which waits for the
     device: chosen inside torch.compile(fullgraph=True) it attends without causal alike; used with causal=True
