@@ -655,8 +655,8 @@ def main(argv=None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    quiet_compiles()
     waited = settle_host()
+    quiet_compiles()  # after the wait: the pool's start would hold up the 1-minute load it reads
     meta = {**environment(), "block_size": BLOCK, "settle_wait_s": waited}
     print(f"host load {meta['host']['load_1min']} after waiting {waited:.0f} s for it to fall below {SETTLE_LOAD}",
           flush=True)
