@@ -518,8 +518,9 @@ def quiet_compiles() -> None:
 
         if hasattr(inductor_config, "quiesce_async_compile_pool"):
             inductor_config.quiesce_async_compile_pool = False
-        if AsyncCompile.use_process_pool() is not None and hasattr(AsyncCompile, "wait_pool_ready"):
-            AsyncCompile.wait_pool_ready()
+        if AsyncCompile.use_process_pool() is False:  # compiles run in this process: no pool to start
+            return
+        AsyncCompile.wait_pool_ready()  # its workers started and idle
     except Exception as e:  # the benchmark runs without it, only noisier
         print(f"compile pool not started ahead: {type(e).__name__}: {e}", flush=True)
 

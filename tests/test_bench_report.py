@@ -97,6 +97,34 @@ def test_the_run_waits_for_a_loaded_host_to_settle_and_no_longer_than_its_limit(
     assert len(slept) == 4
 
 
+def test_short_rows_are_timed_three_times_and_long_ones_twice():
+    assert [bench.eager_rounds(n) for n in (1024, bench.GRAPH_MAX_N, 16384, 65536)] == [3, 3, 2, 2]
+
+
+def test_the_compile_pool_is_started_ahead_and_kept_up(monkeypatch):
+    """`quiet_compiles` turns off the pool's idle shutdown and waits for its workers; where compiles run in the
+    process (no pool) it waits for nothing; an error there leaves the run going (it is only noisier)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.async_compile import AsyncCompile
+
+    calls = []
+    monkeypatch.setattr(inductor_config, "quiesce_async_compile_pool", True, raising=False)
+    monkeypatch.setattr(AsyncCompile, "use_process_pool", classmethod(lambda cls: calls.append("use") or True))
+    monkeypatch.setattr(AsyncCompile, "wait_pool_ready", classmethod(lambda cls, timeout=120: calls.append("wait")))
+    bench.quiet_compiles()
+    assert calls == ["use", "wait"] and inductor_config.quiesce_async_compile_pool is False
+    calls.clear()
+    monkeypatch.setattr(AsyncCompile, "use_process_pool", classmethod(lambda cls: calls.append("use") or False))
+    bench.quiet_compiles()
+    assert calls == ["use"]
+
+    def broken(cls):
+        raise RuntimeError("no pools in daemonic processes")
+
+    monkeypatch.setattr(AsyncCompile, "use_process_pool", classmethod(broken))
+    bench.quiet_compiles()  # prints why, does not raise
+
+
 def test_dense_backward_in_any_order_is_compared_with_the_default_and_cudnn():
     """The any-order row (`SPARSE_FLASH_DETERMINISTIC=0`, dense forward+backward only) gets its ratios against
     the deterministic default and cuDNN of the same row, a section of the table, and the summary lists the dense
