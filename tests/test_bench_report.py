@@ -76,6 +76,20 @@ def test_markdown_shows_both_timings():
     assert dense.rstrip().endswith("| |")  # no graph column for long rows
 
 
+def test_mask_build_table_shows_back_to_back_builds_where_timed():
+    costs = [{"impl": "sparse_flash", "mask": "local", "N": 65536, "ms": 1.97, "min_ms": 1.8, "index_bytes": 10,
+              "speedup_vs_flex": 1.6, "alone_ms": 1.09, "alone_min_ms": 1.02},
+             {"impl": "flex create_block_mask", "mask": "local", "N": 65536, "ms": 3.15, "min_ms": 3.0,
+              "index_bytes": 20},
+             {"impl": "flex create_block_mask", "mask": "fixed", "N": 1048576, "error": "not run"}]
+    meta = {"date": "d", "gpu": "g", "torch": "t", "triton": "x", "cuda": "c"}
+    lines = bench.markdown(meta, [], costs, {}).splitlines()
+    ours = next(x for x in lines if x.startswith("| sparse_flash | local |"))
+    assert ours == "| sparse_flash | local | 65536 | 1.97 | 1.80 | 1.60x | 10 | 1.09 |"
+    assert next(x for x in lines if x.startswith("| flex create_block_mask | local |")).endswith("| 20 |  |")
+    assert "| not run | " in next(x for x in lines if "| fixed |" in x)
+
+
 def test_ab_rows_outside_the_benchmark_parse_or_say_what_a_row_is():
     ab = pytest.importorskip("ab_kernels")
     assert ab.parse_row("1,16,16,16384,64,dense,True") == (1, 16, 16, 16384, 64, "dense", True)
