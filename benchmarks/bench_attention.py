@@ -4,11 +4,12 @@ Every competitor runs in the same process on the same inputs and masks, timed th
 (`triton.testing.do_bench`, median after warm-up). sparse_flash and FlexAttention are each timed twice per
 row (three times on rows of up to 4,096 tokens), in alternating orders, and the faster median counts, so
 neither pays for running first after a new mask (compilation, an idle GPU) or for a burst of host load.
-torch.compile's compile workers start before the first row and stay up (none start beside a timed call). Effective TFLOP/s count only the nonzero blocks:
-forward 4·B·H·N²·D·density, forward+backward 3.5x that (backward = 2.5x forward). Rows of up to 4,096
-tokens, where one call's host time can exceed its GPU time, are also timed as CUDA-graph replays
-(`do_bench_cudagraph`) for sparse_flash and FlexAttention, which separates the kernels from the host. The
-run first waits (up to 90 s) for the host's 1-minute load to fall below 1.5, and records it.
+torch.compile's compile workers start before the first row and stay up (none start beside a timed call).
+Effective TFLOP/s count only the nonzero blocks: forward 4·B·H·N²·D·density, forward+backward 3.5x that
+(backward = 2.5x forward). Rows of up to 4,096 tokens, where one call's host time can exceed its GPU time,
+are also timed as CUDA-graph replays (`do_bench_cudagraph`) for sparse_flash and FlexAttention, which
+separates the kernels from the host. The run first waits (up to 90 s) for the host's 1-minute load to fall
+below 1.5, and records it.
 
     python benchmarks/bench_attention.py                 # the full table (about 10 minutes on an H200)
     python benchmarks/bench_attention.py --quick         # two shapes, fewer masks
@@ -565,7 +566,8 @@ def markdown(meta: dict, rows: list[dict], costs: list[dict], summary: dict) -> 
              f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}; host "
              f"{host.get('cpu', '?')}, {host.get('cores', '?')} cores, load {host.get('load_1min', '?')} at the start. "
              "Median of `triton.testing.do_bench` (sparse_flash and FlexAttention: the faster of two medians, "
-             f"three on rows up to {GRAPH_MAX_N} tokens, timed in alternating orders); TFLOP/s on nonzero blocks only (fwd 4·B·H·N²·D·density, fwd+bwd 3.5x). "
+             f"three on rows up to {GRAPH_MAX_N} tokens, timed in alternating orders); TFLOP/s on nonzero blocks "
+             "only (fwd 4·B·H·N²·D·density, fwd+bwd 3.5x). "
              f"Rows up to {GRAPH_MAX_N} tokens are also timed as CUDA-graph replays (`do_bench_cudagraph`: GPU time "
              "only, no host time between calls): the last column.",
              "", "| B,Hq,Hkv,N,D | dtype | mask | density | mode | sparse_flash ms | flex ms | vs flex | vs cuDNN dense | sparse_flash TFLOP/s | flex TFLOP/s | vs flex, CUDA graphs |",
