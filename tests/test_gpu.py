@@ -368,8 +368,8 @@ def test_hopper_backward_cuts_long_lists_and_matches_reference(dtype, causal, he
     slots = {"dq": [], "dkdv": []}
     for name, plan in (("dq", gluon_dq.DqPlan), ("dkdv", gluon_dkdv.DkdvPlan)):
         real = plan.__call__
-        monkeypatch.setattr(plan, "__call__", lambda self, *a, _real=real, _name=name: slots[_name].append(
-            self.chunk_sum.slots) or _real(self, *a))
+        monkeypatch.setattr(plan, "__call__", lambda self, *a, _real=real, _name=name, **kw: slots[_name].append(
+            self.chunk_sum.slots) or _real(self, *a, **kw))
     monkeypatch.setattr(mask_index, "SPLIT_MIN_CHUNK", 2)
     monkeypatch.setattr(mask_index, "SPLIT_FACTOR", 0)
     monkeypatch.setattr(mask_index, "SPLIT_MAX_CHUNKS", 3)
