@@ -4,7 +4,9 @@ Every competitor runs in the same process on the same inputs and masks, timed th
 (`triton.testing.do_bench`, median after warm-up). sparse_flash and FlexAttention are each timed twice per
 row (three times on rows of up to 4,096 tokens), in alternating orders, and the faster median counts, so
 neither pays for running first after a new mask (compilation, an idle GPU) or for a burst of host load.
-torch.compile's compile workers start before the first row and stay up (none start beside a timed call).
+torch.compile's compile workers start before the first row and stay up (none start beside a timed call);
+each row's calls are compiled before any is timed, and the row waits (up to 10 s) until other processes
+hold less than one core; each timing round records the cores they held meanwhile (`runs_other_cores`).
 Effective TFLOP/s count only the nonzero blocks: forward 4·B·H·N²·D·density, forward+backward 3.5x that
 (backward = 2.5x forward). Rows of up to 4,096 tokens, where one call's host time can exceed its GPU time,
 are also timed as CUDA-graph replays (`do_bench_cudagraph`) for sparse_flash and FlexAttention, which
@@ -15,6 +17,7 @@ below 1.5, and records it.
     python benchmarks/bench_attention.py --quick         # two shapes, fewer masks
     python benchmarks/bench_attention.py --out DIR       # where json, markdown and plots go
     python benchmarks/bench_attention.py --out DIR --resume  # continue a run that a time limit cut short
+    python benchmarks/bench_attention.py --shape 4,16,16,4096,64 --mask random --no-mask-costs  # some rows only
 
 Writes `bench.json`, `bench.jsonl`, `bench.md`, `tflops_vs_density.png` and `time_vs_length.png` under --out,
 by default `benchmarks/results/latest` (the repository keeps the latest run only: benchmarks/results/README.md).
@@ -104,6 +107,24 @@ def bench(fn, grad_of=None, graph=False) -> float:
     if graph:
         return do_bench_cudagraph(step, rep=40, grad_to_none=grad_of, return_mode="median")
     return do_bench(step, warmup=25, rep=100, grad_to_none=grad_of, return_mode="median")
+
+
+def warm_up(fn, grad_of=None) -> None:
+    """One call of `fn` (and its backward with `grad_of`) so that its compiles happen now; an error is left
+    for the row's own timing to report."""
+    try:
+        if grad_of is None:
+            with torch.no_grad():
+                fn()
+        else:
+            fn().sum().backward()
+            for t in grad_of:
+                t.grad = None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    except Exception:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 class Competitors:
@@ -234,6 +255,11 @@ def run_rows(shapes, mask_names, dtypes, log, finished: dict | None = None) -> l
                 timed = [t for t in tasks if t[0] in ("sparse_flash", "flex")]
                 for r in range(1, rounds):
                     tasks += timed[::-1] if r % 2 else timed
+                # every call compiled before the first is timed, then other processes' cores waited out
+                # (compile workers stay busy for a while after a compile returned)
+                for impl, mode in dict.fromkeys(timed):
+                    warm_up(lambda: impls[impl](q, k, v, mask, causal), None if mode == "fwd" else [q, k, v])
+                settled = settle_row()
                 done = {}
                 for impl, mode in tasks:
                     fn = impls[impl]
@@ -242,7 +268,7 @@ def run_rows(shapes, mask_names, dtypes, log, finished: dict | None = None) -> l
                         row = done[(impl, mode)] = {
                             "B": B, "Hq": Hq, "Hkv": Hkv, "N": N, "D": D, "dtype": str(dtype).replace("torch.", ""),
                             "mask": mname, "causal": causal, "density": density, "impl": impl, "mode": mode,
-                            "runs_ms": []}
+                            "runs_ms": [], "runs_other_cores": [], "settle_s": settled}
                         rows.append(row)
                     elif "error" in row:
                         continue
@@ -252,9 +278,12 @@ def run_rows(shapes, mask_names, dtypes, log, finished: dict | None = None) -> l
                                 if "max_diff_vs_flex" not in row:
                                     out = fn(q, k, v, mask, causal)
                                     row["max_diff_vs_flex"] = float((out.float() - ref.float()).abs().max())
-                                row["runs_ms"].append(bench(lambda: fn(q, k, v, mask, causal)))
+                                with HostMeter() as host:
+                                    row["runs_ms"].append(bench(lambda: fn(q, k, v, mask, causal)))
                         else:
-                            row["runs_ms"].append(bench(lambda: fn(q, k, v, mask, causal), grad_of=[q, k, v]))
+                            with HostMeter() as host:
+                                row["runs_ms"].append(bench(lambda: fn(q, k, v, mask, causal), grad_of=[q, k, v]))
+                        row["runs_other_cores"].append(host.other_cores)
                         row["ms"] = min(row["runs_ms"])
                         flops = 4 * B * Hq * N * N * D * density * (3.5 if mode == "fwd+bwd" else 1.0)
                         row["tflops"] = flops / row["ms"] / 1e9
@@ -476,6 +505,11 @@ def summarize(rows: list[dict]) -> dict:
         if dense_bwd:
             s[name] = {f"{r['N']},{r['D']}" + ("" if r["Hq"] == r["Hkv"] else " gqa"):
                        round(r["speedup_vs_cudnn_dense"], 3) for r in dense_bwd}
+    # rows timed while other processes held a core or more (their eager medians may be the host's, not ours)
+    s["rows_timed_beside_busy_cores"] = [
+        f"{r['B']},{r['Hq']},{r['N']},{r['D']} {r['mask']} {r['mode']} {r['impl']}: "
+        + " ".join(f"{c:.1f}" for c in r["runs_other_cores"] if c is not None)
+        for r in rows if any(c is not None and c >= ROW_SETTLE_CORES for c in r.get("runs_other_cores", []))]
     follow = [r for r in ours if r["N"] >= 16384 and "time_over_dense" in r and r["mask"] != "dense"]
     s["density_rule_violations"] = [
         f"{r['N']},{r['D']} {r['mask']} {r['mode']}: {r['time_over_dense']:.3f} > {1.15 * r['density'] + 0.01:.3f}"
@@ -535,6 +569,60 @@ def quiet_compiles() -> None:
         AsyncCompile.wait_pool_ready()  # its workers started and idle
     except Exception as e:  # the benchmark runs without it, only noisier
         print(f"compile pool not started ahead: {type(e).__name__}: {e}", flush=True)
+
+
+def cpu_seconds(stat: str = "/proc/stat") -> tuple[float, float] | None:
+    """`(busy CPU seconds of the whole host, CPU seconds of this process)` so far, or None without `/proc`.
+    Busy is every state but idle and iowait (`/proc/stat`'s first line, in clock ticks); this process's
+    counts all its threads (`os.times`), so the difference is other processes' (compile workers included)."""
+    try:
+        with open(stat) as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)
+    own = os.times()
+    return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+
+class HostMeter:
+    """Cores busy with other processes and with this one over a stretch of wall time (a timing round):
+    `with HostMeter() as m: ...`, then `m.other_cores` and `m.own_cores` (None without `/proc`). A row whose
+    eager median is far above its CUDA-graph time while other processes held cores was slowed by them."""
+
+    def __init__(self, read=cpu_seconds, clock=time.perf_counter):
+        self.read, self.clock = read, clock
+        self.other_cores = self.own_cores = None
+
+    def __enter__(self):
+        self.start, self.t0 = self.read(), self.clock()
+        return self
+
+    def __exit__(self, *exc):
+        end, wall = self.read(), self.clock() - self.t0
+        if self.start is not None and end is not None and wall > 0:
+            own = (end[1] - self.start[1]) / wall
+            self.own_cores = round(own, 2)
+            self.other_cores = round(max(0.0, (end[0] - self.start[0]) / wall - own), 2)
+        return False
+
+
+ROW_SETTLE_CORES, ROW_SETTLE_SECONDS = 1.0, 10.0  # other processes' cores a row waits out, and for how long
+
+
+def settle_row(limit: float = ROW_SETTLE_CORES, seconds: float = ROW_SETTLE_SECONDS, window: float = 0.25,
+               meter=HostMeter) -> float:
+    """Before a row's timing rounds (after its compiles): wait until other processes hold fewer than `limit`
+    cores over a `window` of seconds (compile workers finishing a compile keep cores for a while after the
+    compiled call returned), at most `seconds`; returns the seconds waited (0 without `/proc`)."""
+    waited = 0.0
+    while waited < seconds:
+        with meter() as m:
+            time.sleep(window)
+        waited += window
+        if m.other_cores is None or m.other_cores < limit:
+            return round(waited - window, 2)
+    return round(waited, 2)
 
 
 def settle_host(limit: float = SETTLE_LOAD, seconds: float = SETTLE_SECONDS, sleep=time.sleep) -> float:
@@ -659,11 +747,30 @@ def plots(rows: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
+def parse_shape(text: str) -> tuple[int, int, int, int, int]:
+    """`--shape`'s "B,Hq,Hkv,N,D" as five positive ints.
+
+    Example:
+        >>> parse_shape("4,16,16,4096,64")
+        (4, 16, 16, 4096, 64)
+    """
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 5 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"--shape takes five positive ints B,Hq,Hkv,N,D, got {text!r}")
+    return shape
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="two shapes and four masks")
     parser.add_argument("--out", default="benchmarks/results/latest", help="output folder (default: %(default)s)")
     parser.add_argument("--no-mask-costs", action="store_true", help="skip the mask construction timings")
+    parser.add_argument("--shape", action="append", type=parse_shape, metavar="B,Hq,Hkv,N,D",
+                        help="only this shape (repeatable; bf16, without the fp16 and 2-D neighbourhood rows)")
+    parser.add_argument("--mask", action="append", choices=MASKS, help="only this mask (repeatable)")
     parser.add_argument("--resume", action="store_true",
                         help="continue a run cut short: keep the finished groups of OUT/bench.jsonl, time the rest")
     args = parser.parse_args(argv)
@@ -677,8 +784,9 @@ def main(argv=None) -> int:
     meta = {**environment(), "block_size": BLOCK, "settle_wait_s": waited}
     print(f"host load {meta['host']['load_1min']} after waiting {waited:.0f} s for it to fall below {SETTLE_LOAD}",
           flush=True)
-    shapes = QUICK_SHAPES if args.quick else SHAPES
-    mask_names = QUICK_MASKS if args.quick else MASKS
+    shapes = args.shape or (QUICK_SHAPES if args.quick else SHAPES)
+    mask_names = args.mask or (QUICK_MASKS if args.quick else MASKS)
+    whole = not (args.shape or args.mask)
     finished = {}
     if args.resume and (out / "bench.jsonl").exists():
         finished = finished_groups([json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()
@@ -695,8 +803,9 @@ def main(argv=None) -> int:
               f"{row['mode']:7s} {row['impl']:14s} {speed}", flush=True)
 
     rows = run_rows(shapes, mask_names, [torch.bfloat16], log, finished)
-    rows += run_rows([(4, 16, 16, 4096, 128)], ["butterfly"], [torch.float16], log, finished)
-    rows += run_rows([(1, 8, 8, 65536, 64)], ["neighborhood_2d"], [torch.bfloat16], log, finished)  # a 256 x 256 image
+    if whole:
+        rows += run_rows([(4, 16, 16, 4096, 128)], ["butterfly"], [torch.float16], log, finished)
+        rows += run_rows([(1, 8, 8, 65536, 64)], ["neighborhood_2d"], [torch.bfloat16], log, finished)  # 256 x 256
     add_ratios(rows)
     costs = [] if args.no_mask_costs else mask_costs()
     summary = summarize(rows)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 bench = pytest.importorskip("bench_attention")
@@ -63,6 +64,9 @@ def test_summary_counts_rows_and_names_every_failure():
     assert s["fwd+bwd"]["cuda_graph_rows"]["below_1"] == ["4,16,4096,64 random: 0.90"]
     assert s["dense_fwd_d128_vs_cudnn"] == pytest.approx(0.9)
     assert s["density_rule_violations"] == ["16384,128 butterfly fwd: 0.100 > 0.067"]
+    assert s["rows_timed_beside_busy_cores"] == []  # no round recorded other processes' cores
+    rs[2]["runs_other_cores"] = [0.2, 3.0, None]
+    assert bench.summarize(rs)["rows_timed_beside_busy_cores"] == ["4,16,4096,64 random fwd+bwd sparse_flash: 0.2 3.0"]
 
 
 def test_markdown_shows_both_timings():
@@ -109,6 +113,56 @@ def test_the_run_waits_for_a_loaded_host_to_settle_and_no_longer_than_its_limit(
     slept.clear()
     assert bench.settle_host(1.5, 20, sleep=slept.append) == 20.0  # a host that never settles: the limit
     assert len(slept) == 4
+
+
+def test_host_meter_splits_the_busy_cores_between_other_processes_and_this_one(tmp_path):
+    """`cpu_seconds` reads the host's busy ticks (idle and iowait left out) and this process's CPU seconds;
+    `HostMeter` turns two readings into cores held per second of wall time."""
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 1000 30 5 5 0 0 0\ncpu0 1 2 3\n")
+    busy, own = bench.cpu_seconds(str(stat))
+    assert busy == pytest.approx(160 / bench.os.sysconf("SC_CLK_TCK")) and own > 0
+    assert bench.cpu_seconds(str(tmp_path / "missing")) is None
+    readings, clock = iter([(10.0, 1.0), (13.5, 1.5)]), iter([0.0, 1.0])
+    with bench.HostMeter(read=lambda: next(readings), clock=lambda: next(clock)) as m:
+        pass
+    assert (m.other_cores, m.own_cores) == (3.0, 0.5)  # 3.5 busy cores, half a core of them this process's
+    with bench.HostMeter(read=lambda: None) as m:  # no /proc: nothing known
+        pass
+    assert m.other_cores is None and m.own_cores is None
+
+
+def test_a_row_waits_while_other_processes_hold_cores_and_no_longer_than_its_limit(monkeypatch):
+    monkeypatch.setattr(bench.time, "sleep", lambda s: None)
+    held = iter([3.0, 2.0, 0.4, 5.0])
+
+    class Meter:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.other_cores = next(held)
+
+    assert bench.settle_row(1.0, 10.0, window=0.25, meter=Meter) == 0.5  # two busy windows, then a quiet one
+    held = iter([4.0] * 10)
+    assert bench.settle_row(1.0, 1.0, window=0.25, meter=Meter) == 1.0  # never quiet: the limit
+    held = iter([None])
+    assert bench.settle_row(1.0, 1.0, window=0.25, meter=Meter) == 0.0  # no /proc: no wait
+
+
+def test_warm_up_compiles_both_directions_and_leaves_errors_to_the_row():
+    x = torch.ones(3, requires_grad=True)
+    calls = []
+    bench.warm_up(lambda: calls.append("fwd") or x * 2, grad_of=[x])
+    assert calls == ["fwd"] and x.grad is None  # the backward ran and its gradient was dropped
+    bench.warm_up(lambda: (_ for _ in ()).throw(RuntimeError("no kernel")))  # not raised
+
+
+def test_shape_option_takes_five_positive_ints():
+    assert bench.parse_shape("4,16,16,4096,64") == (4, 16, 16, 4096, 64)
+    for bad in ("4,16,16,4096", "4,16,16,4096,0", "a,16,16,4096,64"):
+        with pytest.raises(bench.argparse.ArgumentTypeError, match="B,Hq,Hkv,N,D"):
+            bench.parse_shape(bad)
 
 
 def test_short_rows_are_timed_three_times_and_long_ones_twice():
