@@ -17,8 +17,7 @@ import time
 
 import torch
 
-import sparse_flash
-from bench_attention import build_mask  # the benchmark's masks (run from the repository root)
+from bench_attention import Competitors, build_mask  # the benchmark's masks and competitors (from the repo root)
 
 ROWS = {  # (B, H, N, D, mask[, Hkv])
     "host": [(4, 16, 4096, 64, "butterfly"), (4, 16, 4096, 64, "random"), (4, 16, 4096, 64, "local"),
@@ -87,21 +86,18 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    from torch.nn.attention.flex_attention import flex_attention
-
-    flex = torch.compile(flex_attention, dynamic=False)
+    comp = Competitors()  # FlexAttention compiled as the benchmark compiles it (its recompile limits raised: with
+    # dynamo's default of 8, the rows after a few masks ran FlexAttention's unfused eager fallback)
     results = []
     for B, H, N, D, name, *kv_heads in ROWS[args.rows]:
         Hkv = kv_heads[0] if kv_heads else H
         mask, causal = build_mask(name, N, "cuda")
-        fm = mask.to_flex(causal, eager_exact=False)
         gen = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=gen).requires_grad_()
         k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=gen).requires_grad_()
                 for _ in range(2))
         do = torch.randn_like(q)
-        impls = {"ours": lambda: sparse_flash.block_sparse_attention(q, k, v, mask, causal=causal, backend="triton"),
-                 "flex": lambda: flex(q, k, v, block_mask=fm, enable_gqa=Hkv != H)}
+        impls = {"ours": lambda: comp.ours(q, k, v, mask, causal), "flex": lambda: comp.flex_attention(q, k, v, mask, causal)}
         for impl, fn in impls.items():
             with torch.no_grad():
                 r = measure(fn)
