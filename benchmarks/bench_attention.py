@@ -426,7 +426,8 @@ def mask_costs(sizes=(65536, 1 << 20)) -> list[dict]:
     `create_block_mask` (ours, flex, ours, ...): the host's clock and load drift over a run, and turns give
     both the same conditions. The median of each is reported. The constructors with a 1 ms target
     (`BUILD_TARGET_MASKS`) are then built back to back too (`alone_ms`), after one build in turns under the
-    profiler where their median misses the target (`turn_profile`)."""
+    profiler where their median misses the target (`turn_profile`). The cores other processes held over the turns
+    and over the builds back to back go beside them (`other_cores`, `alone_other_cores`: `HostMeter`)."""
     out = []
     builders = mask_builders()
     only_short = ("fixed", "longformer")  # at 65,536 tokens only (fixed at 2**20 holds 16.8M blocks)
@@ -451,18 +452,21 @@ def mask_costs(sizes=(65536, 1 << 20)) -> list[dict]:
                 fm = flex_build()
                 flex_meta = sum(t.numel() * t.element_size() for t in fm.as_tuple() if isinstance(t, torch.Tensor))
             ours_times, flex_times = [], []
-            for _ in range(MASK_COST_REPEATS):
-                ours_times.append(timed(lambda: build(n)))
-                if flex_build is not None:
-                    flex_times.append(timed(flex_build))
+            with HostMeter() as host:  # the cores other processes held over the turns (host time is the build's)
+                for _ in range(MASK_COST_REPEATS):
+                    ours_times.append(timed(lambda: build(n)))
+                    if flex_build is not None:
+                        flex_times.append(timed(flex_build))
             out.append({"impl": "sparse_flash", "mask": name, "N": n, "ms": 1e3 * statistics.median(ours_times),
                         "min_ms": 1e3 * min(ours_times), "layout_bytes": m.layout.numel(), "index_bytes": meta,
-                        "nnz": m.nnz})
+                        "nnz": m.nnz, "other_cores": host.other_cores})
             if name in BUILD_TARGET_MASKS and n == BUILD_TARGET_N:
                 if flex_build is not None and out[-1]["ms"] > BUILD_TARGET_MS:  # the last build was flex's
                     out[-1]["turn_profile"] = slow_build_profile(lambda: build(n))
-                alone = [timed(lambda: build(n)) for _ in range(MASK_COST_REPEATS)]
+                with HostMeter() as host:
+                    alone = [timed(lambda: build(n)) for _ in range(MASK_COST_REPEATS)]
                 out[-1]["alone_ms"], out[-1]["alone_min_ms"] = 1e3 * statistics.median(alone), 1e3 * min(alone)
+                out[-1]["alone_other_cores"] = host.other_cores
             if flex_build is not None:
                 out.append({"impl": "flex create_block_mask", "mask": name, "N": n,
                             "ms": 1e3 * statistics.median(flex_times), "min_ms": 1e3 * min(flex_times),
