@@ -372,7 +372,7 @@ def split_plan(counts: torch.Tensor, full: tuple, part: tuple, n: torch.Tensor, 
                sizes: tuple, heavy_above: float, longest: int, lead: torch.Tensor | None = None,
                out: tuple | None = None):
     """The work plan of lists of which some are cut into chunks (`mask_index._plan_items`' policy), on the
-    lists' device: two launches, and no wait (the sizes are the host's already).
+    lists' device: one launch, and no wait (the sizes are the host's already).
 
     Args:
         counts: int32 `(B, H, M)`: live blocks of each list.
@@ -402,19 +402,30 @@ def split_plan(counts: torch.Tensor, full: tuple, part: tuple, n: torch.Tensor, 
     lead = torch.zeros(1, dtype=torch.int32, device=device) if lead is None else lead
     WIDTH = next_power_of_2(width)
     with _on(device):
-        launch(_split_lists_kernel, (B * H, ),
-               (n, firsts, chunks, slots, split, slot_list, scratch, base, firsts.shape[1], M, width),
-               dict(BLOCK=next_power_of_2(M)), WARPS, STAGES)
-        launch(_split_items_kernel, (B * H, ),
-               (counts, *full[:3], *part[:3], n, slots, scratch, items, lead, base, M, width, longest,
-                float(heavy_above)),
-               dict(WIDTH=WIDTH, FIELDS=FIELDS), 4 if WIDTH <= 1024 else 8, STAGES)
+        launch(_split_plan_kernel, (B * H, ),
+               (n, firsts, chunks, slots, split, slot_list, scratch, counts, *full[:3], *part[:3], items, lead, base,
+                firsts.shape[1], M, width, longest, float(heavy_above)),
+               dict(BLOCK=next_power_of_2(M), WIDTH=WIDTH, FIELDS=FIELDS), 4 if WIDTH <= 1024 else 8, STAGES)
     return items, chunks, slots, lead, split, slot_list
 
 
 @triton.jit
-def _split_lists_kernel(N, Firsts, Chunks, Slots, Split, SlotList, Scratch, base, stride, lists_per_head, width,
-                        BLOCK: tl.constexpr):
+def _split_plan_kernel(N, Firsts, Chunks, Slots, Split, SlotList, Scratch, Counts, FullCounts, FullOffsets,
+                       FullIndices, PartCounts, PartOffsets, PartIndices, Items, Lead, base, stride, lists_per_head,
+                       width, longest, heavy_above, BLOCK: tl.constexpr, WIDTH: tl.constexpr, FIELDS: tl.constexpr):
+    """Program bh: the plan of one (batch, head) in two steps, its lists' chunks and scratch (`_split_lists`),
+    then its items from them (`_split_items`). Each step reads only what the program itself wrote before it,
+    so one barrier between them orders the two (one launch where two were: a launch costs the host more than
+    the step's device time)."""
+    _split_lists(N, Firsts, Chunks, Slots, Split, SlotList, Scratch, base, stride, lists_per_head, width, BLOCK)
+    tl.debug_barrier()  # every thread's Scratch and Slots stores before any thread reads them
+    _split_items(Counts, FullCounts, FullOffsets, FullIndices, PartCounts, PartOffsets, PartIndices, N, Slots,
+                 Scratch, Items, Lead, base, lists_per_head, width, longest, heavy_above, WIDTH, FIELDS)
+
+
+@triton.jit
+def _split_lists(N, Firsts, Chunks, Slots, Split, SlotList, Scratch, base, stride, lists_per_head, width,
+                 BLOCK: tl.constexpr):
     """Program bh: the chunk counts and first scratch slots of lists [bh * M, (bh + 1) * M), the split lists'
     entries in Split and SlotList, and each of the (batch, head)'s items' list and chunk (in list order, the
     chunks of a list in order; unused ranks -1) in Scratch."""
@@ -442,10 +453,10 @@ def _split_lists_kernel(N, Firsts, Chunks, Slots, Split, SlotList, Scratch, base
 
 
 @triton.jit
-def _split_items_kernel(Counts, FullCounts, FullOffsets, FullIndices, PartCounts, PartOffsets, PartIndices, N,
-                        Slots, Scratch, Items, Lead, base, lists_per_head, width, longest, heavy_above, WIDTH: tl.constexpr,
-                        FIELDS: tl.constexpr):
-    """Program bh: the items of one (batch, head) from Scratch and Slots (`_split_lists_kernel`), ordered longest
+def _split_items(Counts, FullCounts, FullOffsets, FullIndices, PartCounts, PartOffsets, PartIndices, N, Slots, Scratch,
+                 Items, Lead, base, lists_per_head, width, longest, heavy_above, WIDTH: tl.constexpr,
+                 FIELDS: tl.constexpr):
+    """Program bh: the items of one (batch, head) from Scratch and Slots (`_split_lists`), ordered longest
     first, ties in item order; item fields as `mask_index.ITEM_FIELDS`, unused ranks padded (no block, no slot);
     its heavy items counted into Lead."""
     bh = tl.program_id(0)

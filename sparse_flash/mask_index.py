@@ -553,8 +553,8 @@ def _plan_sizes_on_gpu(plans: list[_PlanInput]):
 def _split_plans_on_gpu(plans: list[_PlanInput], base: tuple[int, ...], n: torch.Tensor,
                         sizes: list[list[int]], firsts: torch.Tensor | None = None) -> list[WorkPlan] | None:
     """`_plan_items` of plans in which some list is cut into chunks (`n`: every list's chunks, plan p's at
-    `base[p]`; `firsts`: their prefix sums of `index_gpu.split_plan`, or None to sum them here), two Triton
-    launches per plan (`sparse_flash.index_gpu.split_plan`), or None where that does not apply (`_on_gpu`, no
+    `base[p]`; `firsts`: their prefix sums of `index_gpu.split_plan`, or None to sum them here), one Triton
+    launch per plan (`sparse_flash.index_gpu.split_plan`), or None where that does not apply (`_on_gpu`, no
     Triton, more items or lists per head than one program orders)."""
     index_gpu = gpu_builders(n)
     if index_gpu is None or not all(index_gpu.split_supported(plan.counts.shape[-1], size[1], size[4])
@@ -585,9 +585,9 @@ def _split_plans_on_gpu(plans: list[_PlanInput], base: tuple[int, ...], n: torch
 def _plans_on_gpu(plans: list[_PlanInput], base: tuple[int, ...], n: torch.Tensor, sizes: list[list[int]],
                   firsts: torch.Tensor | None) -> list[WorkPlan] | None:
     """`_plan_items` of a batch of plans (`_split_plans_on_gpu`'s arguments) on the device: those with a list cut
-    into chunks by `_split_plans_on_gpu` (two launches each), the others as whole lists by
+    into chunks by `_split_plans_on_gpu` (one launch each), the others as whole lists by
     `_unsplit_plans_on_gpu` (one launch for all of them), or None where either does not apply. A mask whose
-    cut lists are one plan's (fixed's causal columns) launches three kernels where eight were."""
+    cut lists are one plan's (fixed's causal columns) launches two kernels where eight were."""
     out = [None] * len(plans)
     cut = [p for p, size in enumerate(sizes) if size[2]]
     whole = [p for p, size in enumerate(sizes) if not size[2]]

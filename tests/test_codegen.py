@@ -86,9 +86,7 @@ def cases():
     plan_ints = {n: "*i32" for n in ("SlotList", "Scratch")} | {n: "*i64" for n in ("N", "Firsts")}
     yield ("index_gpu.plan_sizes", index_gpu._plan_sizes_kernel, dict(BLOCK=8192), (),
            dict(num_warps=4, types={"Counts": "*i32", "N": "*i64", "Sizes": "*i32"}))
-    yield ("index_gpu.split_plan: lists", index_gpu._split_lists_kernel, dict(BLOCK=8192), (),
-           dict(num_warps=4, types=plan_ints))
-    yield ("index_gpu.split_plan: items", index_gpu._split_items_kernel, dict(WIDTH=2048, FIELDS=index_gpu.FIELDS),
+    yield ("index_gpu.split_plan", index_gpu._split_plan_kernel, dict(BLOCK=8192, WIDTH=2048, FIELDS=index_gpu.FIELDS),
            (), dict(num_warps=8, types=plan_ints | {"heavy_above": "fp32"}))
     yield ("index_gpu.topk_lists: rows", index_gpu._topk_rows_kernel, dict(BLOCK=512, ROWS=32, WIDTH=32, GROUPS=16),
            (), dict(num_warps=4, types={**{n: "*i64" for n in ("Selected", "Counts", "Partial", "PerGroup")},
