@@ -1182,12 +1182,21 @@ def _causal_lists_of_choice(layout: torch.Tensor, block_size, seq_len_q: int, se
     return _unpack(untraced(build_index)(layout, block_size, seq_len_q, seq_len_k))
 
 
+_UNTRACED: dict = {}  # fn -> its `torch.compiler.disable` wrapper, made once (tens of microseconds each time)
+
+
 def untraced(fn):
     """`fn`, never traced by torch.compile: for the builders that wait for the device, which a compiled caller
     without fullgraph runs eagerly at a graph break. Dynamo would otherwise compile them as frames of their own,
     breaking at every device read (and torch 2.11's fails on those breaks with an internal assertion). Where
-    Dynamo is not loaded nothing is compiling, and `fn` is returned as it is (no import for this)."""
-    return torch.compiler.disable(fn) if "torch._dynamo" in sys.modules else fn
+    Dynamo is not loaded nothing is compiling, and `fn` is returned as it is (no import for this). The wrapper
+    is made once per function: a mask build calls this every time."""
+    if "torch._dynamo" not in sys.modules:
+        return fn
+    wrapped = _UNTRACED.get(fn)
+    if wrapped is None:
+        wrapped = _UNTRACED[fn] = torch.compiler.disable(fn)
+    return wrapped
 
 
 def build_topk_index(selected: torch.Tensor, tables: TopkTables, ks: tuple[int, ...], causal: bool,
