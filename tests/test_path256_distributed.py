@@ -4,6 +4,7 @@ that matches one process with the same global batch, and checkpoints that resume
 
 import json
 import os
+import re
 import socket
 
 import pytest
@@ -89,6 +90,15 @@ def test_resume_keeps_the_global_batch(tmp_path, fake_data, capsys):
     assert "global batch 4 (4 x 1 processes) vs 8 (8 x 1)" in message
 
 
+def _failed_piece(stderr: str) -> str:
+    """What a failed piece of `path_scaling.py` left on stderr, for the failure's message: the ranks' own error
+    lines (an abort's reason, an exception), which come before torchrun's traceback and would fall outside its
+    tail, then the tail."""
+    pattern = re.compile(r"terminate called|what\(\)|Error|Exception|Abort")
+    causes = [line for line in stderr.splitlines() if pattern.search(line) and not line.lstrip().startswith("File ")]
+    return "\n".join(["ranks' error lines:", *causes[:30], "stderr's end:", stderr[-2000:]])
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("local_ports")  # torchrun's ports: never beside the test above
 def test_scaling_driver_runs_one_many_and_switching_alike(tmp_path, capsys):
@@ -104,7 +114,7 @@ def test_scaling_driver_runs_one_many_and_switching_alike(tmp_path, capsys):
              "--device", "cpu", "--workers", "1", "--backend", "torch", "--cache-dir", str(tmp_path / "cache"),
              "--augment"]
     status = path_scaling.main(["--gpus", "2", "--steps", "6", "--batch-size", "8", "--out", str(out), "--", *flags])
-    assert status == 0, capsys.readouterr().err[-3000:]  # the failed piece's stderr in the failure's summary line
+    assert status == 0, _failed_piece(capsys.readouterr().err)
     result = json.loads((out / "scaling.json").read_text())
     runs = result["runs"]
     assert [runs[k]["processes"] for k in ("one", "many", "switch")] == ["1", "2", "1 -> 2 -> 1"]
