@@ -5,7 +5,8 @@
 #   OUT=out bash benchmarks/run_gpu_checks.sh [--quick] [--no-tests] [--no-bench]
 #   (TESTS=files to test, KEXPR=a pytest -k expression, WORKERS, TEST_TIMEOUT and BENCH_TIMEOUT seconds, CODEGEN=1:
 #   the ahead-of-time compile checks too (left out of a whole-suite run: CPU work that CI does),
-#   SPARSE_FLASH_SHARD=i/n: the i-th of n shards of the test files, for a suite split over several calls;
+#   SPARSE_FLASH_SHARD=i/n: the i-th of n shards of the tests, for a suite split over several calls (n = 6: one
+#   shard a call of ~5 minutes);
 #   BENCH_RESUME=DIR: a folder holding the bench.jsonl of a benchmark cut short by its time limit (the last call's
 #   $OUT/bench.jsonl, carried): its finished groups are kept and the rest is timed)
 set -uo pipefail

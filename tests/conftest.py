@@ -5,6 +5,7 @@ set here before anything imports triton); with one, it runs compiled on the GPU 
 dtypes (the interpreter computes bfloat16 wrongly, so it is tested on the GPU only).
 """
 
+import collections
 import contextlib
 import glob
 import json
@@ -48,8 +49,8 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip GPU tests without a GPU; with SPARSE_FLASH_SHARD=i/n keep the i-th of n shards (`shard_files`: by
-    test file, so a file's fixtures are set up in one shard), for a suite split over several time-limited calls."""
+    """Skip GPU tests without a GPU; with SPARSE_FLASH_SHARD=i/n keep the i-th of n shards (`shard_tests`), for a
+    suite split over several time-limited calls."""
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
@@ -59,32 +60,41 @@ def pytest_collection_modifyitems(config, items):
         index, count = (int(x) for x in shard.split("/"))
         if not 1 <= index <= count:
             raise pytest.UsageError(f"SPARSE_FLASH_SHARD must be i/n with 1 <= i <= n, got {shard!r}")
-        mine = shard_files({item.nodeid.split("::")[0] for item in items}, count)[index - 1]
-        deselected = [item for item in items if item.nodeid.split("::")[0] not in mine]
-        items[:] = [item for item in items if item.nodeid.split("::")[0] in mine]
+        mine = shard_tests([item.nodeid for item in items], count)[index - 1]
+        deselected = [item for item in items if item.nodeid not in mine]
+        items[:] = [item for item in items if item.nodeid in mine]
         config.hook.pytest_deselected(items=deselected)
 
 
 GPU_SECONDS = os.path.join(os.path.dirname(__file__), "gpu_seconds.json")  # per test file, from a GPU run
 
 
-def shard_files(files, count: int, seconds: dict | None = None) -> list[set]:
-    """`files` in `count` shards of about equal GPU time: the longest first, each into the shard with the least
-    time so far. `seconds` per file defaults to `GPU_SECONDS` (a whole suite's `gpu_seconds.json`, written by
-    `benchmarks/run_gpu_checks.sh`); a file missing there counts 1 s. The same files give the same shards.
+def shard_tests(nodeids, count: int, seconds: dict | None = None) -> list[set]:
+    """The tests `nodeids` in `count` shards of about equal GPU time. A test's time is its file's (`seconds`,
+    per file: by default `GPU_SECONDS`, a whole suite's `gpu_seconds.json` written by
+    `benchmarks/run_gpu_checks.sh`; a file missing there counts 1 s) shared evenly among the file's tests, so a
+    long file spreads over the shards (a file of one slow test's parametrisations included). The longest tests go first, each into the shard with the least time so far; the same
+    tests give the same shards.
 
     Example:
-        >>> [sorted(shard) for shard in shard_files({"a", "b", "c", "d"}, 2, {"a": 5, "b": 4, "c": 3, "d": 1})]
-        [['a', 'd'], ['b', 'c']]
+        >>> ids = ["a::1", "a::2", "a::3", "a::4", "b::1"]
+        >>> [sorted(shard) for shard in shard_tests(ids, 2, {"a": 8, "b": 4})]  # 2 s for each test of a
+        [['a::3', 'b::1'], ['a::1', 'a::2', 'a::4']]
     """
     if seconds is None:
         with open(GPU_SECONDS) as f:
             seconds = json.load(f)
+    per_file = collections.Counter(nodeid.split("::")[0] for nodeid in nodeids)
+
+    def weight(nodeid: str) -> float:
+        name = nodeid.split("::")[0]
+        return seconds.get(name, 1.0) / per_file[name]
+
     shards, loads = [set() for _ in range(count)], [0.0] * count
-    for name in sorted(files, key=lambda name: (-seconds.get(name, 1.0), name)):
+    for nodeid in sorted(set(nodeids), key=lambda nodeid: (-weight(nodeid), nodeid)):
         emptiest = loads.index(min(loads))
-        shards[emptiest].add(name)
-        loads[emptiest] += seconds.get(name, 1.0)
+        shards[emptiest].add(nodeid)
+        loads[emptiest] += weight(nodeid)
     return shards
 
 

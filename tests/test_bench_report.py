@@ -213,25 +213,32 @@ def test_dense_backward_in_any_order_is_compared_with_the_default_and_cudnn():
     assert "| 4,16,16,16384,128 | bfloat16 | 13.000 | 1.15x | 1.04x |" in text
 
 
-def test_gpu_shards_split_the_test_files_by_their_recorded_seconds():
-    """SPARSE_FLASH_SHARD=i/n splits the test files by their GPU seconds (`conftest.shard_files`): every file in
-    exactly one shard, the same shards every time, no shard with more than the largest file over an even
-    share; every test file has a recorded time or counts 1 s."""
+def test_gpu_shards_split_the_tests_by_their_files_recorded_seconds():
+    """SPARSE_FLASH_SHARD=i/n splits the tests by their files' GPU seconds (`conftest.shard_tests`, each test a
+    share of its file's): every test in exactly one shard, the same shards every time whatever the order, no
+    shard over an even share by more than one test's time, so a file longer than a shard spreads over several;
+    every test file has a recorded time or counts 1 s."""
     import json
 
-    from conftest import GPU_SECONDS, shard_files
+    from conftest import GPU_SECONDS, shard_tests
 
     with open(GPU_SECONDS) as f:
         seconds = json.load(f)
-    files = {f"tests/{p.name}" for p in Path(__file__).parent.glob("test_*.py")}
+    files = sorted(f"tests/{p.name}" for p in Path(__file__).parent.glob("test_*.py"))
     assert all(name.startswith("tests/test_") and value >= 0 for name, value in seconds.items())
-    for count in (1, 2, 3, 5):
-        shards = shard_files(files, count)
-        assert shards == shard_files(set(sorted(files, reverse=True)), count)
-        assert sorted(name for shard in shards for name in shard) == sorted(files)
-        loads = [sum(seconds.get(name, 1.0) for name in shard) for shard in shards]
-        assert max(loads) <= sum(loads) / count + max(seconds.values())
-    assert [sorted(s) for s in shard_files({"a", "b", "c"}, 2, {"a": 1, "b": 1, "c": 1})] == [["a", "c"], ["b"]]
+    heaviest = max(files, key=lambda name: seconds.get(name, 1.0))
+    tests_in = {name: 12 if name == heaviest else 1 + i % 7 * 5 for i, name in enumerate(files)}
+    ids = [f"{name}::t[{j}]" for name in files for j in range(tests_in[name])]  # a stand-in collection
+    weight = {i: seconds.get(i.split("::")[0], 1.0) / tests_in[i.split("::")[0]] for i in ids}
+    for count in (1, 2, 3, 6):
+        shards = shard_tests(ids, count)
+        assert shards == shard_tests(ids[::-1], count)
+        assert sorted(i for shard in shards for i in shard) == sorted(ids)
+        loads = [sum(weight[i] for i in shard) for shard in shards]
+        assert max(loads) <= sum(loads) / count + max(weight.values())
+    assert sum(any(i.startswith(heaviest + "::") for i in shard) for shard in shard_tests(ids, 6)) > 1
+    assert [sorted(s) for s in shard_tests(["a::1", "b::1", "c::1"], 2, {"a": 1, "b": 1, "c": 1})] == [
+        ["a::1", "c::1"], ["b::1"]]
 
 
 def test_a_resumed_run_keeps_only_groups_with_every_row():
