@@ -143,31 +143,40 @@ def hopper_rows(D: int):
 
 
 def tile_loop(cubin: bytes) -> dict:
-    """The hot loop of a Hopper kernel's SASS: of the innermost loops that hold tensor-core products (HGMMA) and
-    exponentials (MUFU.EX2), the one with the most exponentials; its instructions (a static count: both sides
-    of a branch inside it), exponentials and register moves (MOV, IMAD.MOV), or {} where none."""
+    """The hot loop of a Hopper kernel's SASS (`hot_loop`): its instructions (a static count: both sides of a
+    branch inside it), exponentials and register moves (MOV, IMAD.MOV), or {} where none."""
     folder = tempfile.mkdtemp()
     with open(f"{folder}/k.cubin", "wb") as f:
         f.write(cubin)
     tool = os.path.join(os.path.dirname(ptxas_path()), "cuobjdump")
     sass = subprocess.run([tool, "-sass", f"{folder}/k.cubin"], capture_output=True, text=True).stdout
-    lines = [m.groups() for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][\w.]*)([^;]*);", sass)]
-    at = {int(a, 16): i for i, (a, _, _, _) in enumerate(lines)}
-    lines = [(a, op, rest if guard else "") for a, guard, op, rest in lines]  # a loop closes on a guarded branch
-    loops = []  # (first, last) instruction of each loop with products and exponentials (unguarded branches
-    # back are the barrier waits' retry paths, placed after the code)
-    for i, (_, op, rest) in enumerate(lines):
-        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+    lines = [(int(a, 16), op, rest, bool(guard)) for a, guard, op, rest in
+             (m.groups() for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][\w.]*)([^;]*);", sass))]
+    span = hot_loop(lines)
+    if span is None:
+        return {}
+    ops = [op for _, op, _, _ in lines[span[0]:span[1] + 1]]
+    return dict(instructions=len(ops), exps=ops.count("MUFU.EX2"), moves=ops.count("MOV") + ops.count("IMAD.MOV.U32"))
+
+
+def hot_loop(lines: list[tuple[int, str, str, bool]]) -> tuple[int, int] | None:
+    """`(first, last)` positions in `lines` (each `(address, opcode, operands, guarded)` of one SASS
+    instruction, in address order) of the hot loop: of the innermost loops that hold tensor-core products
+    (HGMMA) and exponentials (MUFU.EX2), the one with the most exponentials (a loop over two tiles beats its
+    one-tile rest); None where there is none. A loop closes on a guarded branch back (the unguarded ones are
+    the barrier waits' retry paths, placed after the code)."""
+    at = {address: i for i, (address, _, _, _) in enumerate(lines)}
+    loops = []
+    for i, (_, op, rest, guarded) in enumerate(lines):
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" and guarded else None
         start = at.get(int(target.group(1), 16)) if target else None
-        ops = [] if start is None or start >= i else [o for _, o, _ in lines[start:i + 1]]
+        ops = [] if start is None or start >= i else [o for _, o, _, _ in lines[start:i + 1]]
         if "MUFU.EX2" in ops and any(o.startswith("HGMMA") for o in ops):
             loops.append((start, i))
     inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
     if not inner:
-        return {}
-    # the hot loop: the innermost one with the most exponentials (a loop over two tiles beats its one-tile rest)
-    ops = max(([o for _, o, _ in lines[a:b + 1]] for a, b in inner), key=lambda o: (o.count("MUFU.EX2"), -len(o)))
-    return dict(instructions=len(ops), exps=ops.count("MUFU.EX2"), moves=ops.count("MOV") + ops.count("IMAD.MOV.U32"))
+        return None
+    return max(inner, key=lambda ab: ([o for _, o, _, _ in lines[ab[0]:ab[1] + 1]].count("MUFU.EX2"), ab[0] - ab[1]))
 
 
 def hopper_report():

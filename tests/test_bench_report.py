@@ -260,3 +260,28 @@ def test_a_resumed_run_keeps_only_groups_with_every_row():
     kept = bench.finished_groups(full + short + cut)
     assert sorted(g[-1] for g in kept) == ["dense", "random"]
     assert kept[bench.group_of(full[0])] == full
+
+
+def test_stall_profile_summary_splits_samples_by_family_and_hot_loop(tmp_path):
+    """`benchmarks/stall_profile.py`'s summary of an ncu source page (CSV, notes before the table, numbers
+    with thousands separators): samples per opcode family, the share inside the hot loop (a guarded branch
+    back over a product and an exponential), and the instructions ranked with their largest stall reasons."""
+    import stall_profile
+
+    page = tmp_path / "page.csv"
+    page.write_text(
+        "==PROF== a note\n"
+        '"# Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+        '"smsp__pcsamp_warps_issue_stalled_barrier","smsp__pcsamp_warps_issue_stalled_long_scoreboard"\n'
+        '"0x10","@P0 SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4+0x8], R3","1,200","1100","1000","3"\n'
+        '"0x20","HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ","300","10","0","0"\n'
+        '"0x30","MUFU.EX2 R5, R6","500","100","0","0"\n'
+        '"0x40","@P1 BRA 0x20","0","0","0","0"\n'
+        '"0x50","LDG.E R7, desc[UR6][R2.64]","100","90","0","80"\n')
+    text = stall_profile.summarize(str(page), 2)
+    assert "5 instructions, 2100 samples" in text
+    assert "hot loop: instructions 1-3, 38.1% of the samples" in text
+    assert "barrier wait (mbarrier)          1200  57.1%" in text and "global load                       100" in text
+    ranked = text.splitlines()[-2:]
+    assert "SYNCS.PHASECHK" in ranked[0] and "[barrier 1000, long_scoreboard 3]" in ranked[0]
+    assert "MUFU.EX2" in ranked[1]
