@@ -763,10 +763,22 @@ class BlockMask:
         return from_deepspeed(layout, block_size, seq_len=seq_len, name=name)
 
     def to_dense(self) -> torch.Tensor:
-        """The element mask: bool `(B|1, H|1, seq_len_q, seq_len_k)`, True where attention is allowed."""
+        """The element mask: bool `(B|1, H|1, seq_len_q, seq_len_k)`, True where attention is allowed. Each
+        token's block looked up, so its memory is that of the result (a block larger than its sequence costs
+        nothing more).
+
+        Example:
+            >>> mask = BlockMask.from_layout(torch.tensor([[True, False], [True, True]]), 2, seq_len_q=3, seq_len_k=4)
+            >>> mask.to_dense()[0, 0].int()
+            tensor([[1, 1, 0, 0],
+                    [1, 1, 0, 0],
+                    [1, 1, 1, 1]], dtype=torch.int32)
+        """
         bq, bk = self.block_size
-        dense = self._layout.repeat_interleave(bq, dim=-2).repeat_interleave(bk, dim=-1)
-        return dense[..., : self.seq_len_q, : self.seq_len_k]
+        device = self._layout.device
+        rows = torch.arange(self.seq_len_q, device=device).div_(bq, rounding_mode="floor")
+        cols = torch.arange(self.seq_len_k, device=device).div_(bk, rounding_mode="floor")
+        return self._layout.index_select(-2, rows).index_select(-1, cols)
 
     # ------------------------------------------------------------------ index lists
     def row_index(self, causal: bool = False) -> BlockIndex:

@@ -1260,3 +1260,20 @@ def test_torch_func_transforms_of_an_empty_problem_are_zero(backend):
     assert not torch.func.jacrev(attend)(q).any()
     assert not torch.func.jvp(attend, (q, ), (q, ))[1].any()
     assert not torch.func.hessian(lambda q: attend(q).sum())(q).any()
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_block_far_larger_than_the_sequence_costs_what_the_tokens_do(backend, causal):
+    """One block of 2**20 tokens over 10 (a block larger than its sequence is one block): the torch backend's
+    padding and score tiles, and the element mask of the reference and `to_dense`, are cut to the sequence.
+    Uncut they asked for terabytes (the torch backend's score tile) and 128 GiB (`to_dense`)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, dtype=torch.float64, generator=gen) for n in (10, 7, 7))
+    for mask in (masks.dense(10, 2**20, seq_len_k=7), BlockMask.from_layout(torch.ones(1, 2, dtype=torch.bool),
+                                                                               (2**20, 4), seq_len_q=10, seq_len_k=7)):
+        assert mask.to_dense().shape == (1, 1, 10, 7) and bool(mask.to_dense().all())
+        out = sparse_flash.block_sparse_attention(q, k, v, mask, causal=causal, backend=backend)
+        allowed = torch.ones(10, 7, dtype=torch.bool).tril() if causal else torch.ones(10, 7, dtype=torch.bool)
+        scores = (q @ k.transpose(-1, -2) / 8 ** 0.5).masked_fill(~allowed, float("-inf"))
+        torch.testing.assert_close(out, torch.softmax(scores, -1) @ v, atol=1e-12, rtol=1e-10)
