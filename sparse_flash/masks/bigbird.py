@@ -25,8 +25,8 @@ def bigbird(
     """BigBird's pattern: `num_random_blocks` random blocks per row, drawn without replacement, united with
     the window `|i - j| <= num_sliding_window_blocks // 2` and `num_global_blocks` global rows and columns.
 
-    The defaults match DeepSpeed's BigBird sparsity config. With `causal` everything is restricted to the
-    block lower triangle (random blocks are drawn among keys at or before the query block).
+    The defaults match DeepSpeed's BigBird sparsity config. With `causal` everything is restricted to
+    `masks.causal`'s blocks (random blocks are drawn among them).
 
     Args:
         seq_len: query length in tokens, from 1.
@@ -34,7 +34,8 @@ def bigbird(
         num_random_blocks: random key blocks per query block, from 0 (more than the row holds: all of it).
         num_sliding_window_blocks: width of the sliding window in blocks, odd (3 means +-1).
         num_global_blocks: leading global blocks, from 0 (more than the mask has: all of them).
-        causal: unidirectional variant (a bool).
+        causal: keep only the blocks that hold a (query, key) pair with key <= query, top-left aligned (a bool;
+            `masks.causal`'s blocks: with square blocks the block lower triangle j <= i).
         seed: an int seed in [0, 2**64 - 1] (one mask on every device: a hash of the seed and the block's position) or a `torch.Generator`.
         num_heads: draw the random part independently per head, from 1.
         seq_len_k: key length (cross attention); defaults to `seq_len`.

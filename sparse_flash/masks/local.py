@@ -13,7 +13,10 @@ def local(
 ) -> BlockMask:
     """A band of blocks around the diagonal.
 
-    Block (i, j) is on iff `|i - j| <= window`, or `0 <= i - j <= window` when `causal`.
+    Block (i, j) is on iff `|i - j| <= window`, or `0 <= i - j <= window` when `causal`. The band is one of block
+    indices: with `block_q != block_k` it does not follow the token diagonal (with `causal`, a query block can
+    miss the keys at its own positions); `masks.causal(...) & masks.local(..., window=w)` with a wide enough `w`
+    gives a band that does.
 
     Args:
         seq_len: query length in tokens, from 1.

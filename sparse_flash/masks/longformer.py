@@ -36,7 +36,8 @@ def longformer(
             side); with `global_block_end_indices`, the starts of global ranges.
         global_block_end_indices: exclusive ends of the global ranges, one per start, each after its start and
             at most the number of blocks.
-        causal: restrict to the block lower triangle (a bool).
+        causal: keep only the blocks that hold a (query, key) pair with key <= query, top-left aligned (a bool;
+            `masks.causal`'s blocks: with square blocks the block lower triangle j <= i).
         seq_len_k: key length (cross attention); defaults to `seq_len`.
         device: where the layout lives.
 
