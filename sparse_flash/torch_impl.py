@@ -110,7 +110,7 @@ def attention_torch(
     Mq, Mk = mask.num_blocks
     # One block past its sequence's end covers the whole sequence: cut to it, so that the padding (and the score
     # tiles) grow with the tokens, not with the block (a block of 65,536 over 10 tokens asked for 16 GiB)
-    bq, bk = (min(bq, Nq) if Mq == 1 else bq), (min(bk, Nk) if Mk == 1 else bk)
+    bq, bk = (Nq if Mq == 1 else bq), (Nk if Mk == 1 else bk)  # the mask's lengths are the inputs' (`_validate`)
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     mask = mask.to(q.device)
     index = mask._rows(causal)
