@@ -3,7 +3,8 @@
 # working tree without git, so the packages are cut here first and carried:
 #   bash benchmarks/ab_branches.sh prepare main dq-qregs~1 dq-qregs        (here: _ab/<name>/sparse_flash each)
 #   OUT=out ROWS="--row 4,16,16,4096,128,butterfly,false" bash benchmarks/ab_branches.sh run main dq-qregs~1 dq-qregs
-#   (on the GPU, with _ab carried: for each variant after the first, its GPU tests (TESTS: one file, KEXPR) on the
+#   (on the GPU, with _ab carried: for each variant after the first, its GPU tests (TESTS: one file, or none for a
+#   variant whose outputs must equal the base's bit for bit, which the A/B's max diff shows; KEXPR) on the
 #   variant's package, then `ab_kernels.py --base-package` of the first against it on ROWS; EXTRA: more ab_kernels
 #   arguments. Each variant's log and results land in $OUT as they come; a summary table prints last)
 set -uo pipefail
@@ -31,10 +32,12 @@ for ref in "$@"; do
   [ -d "$variant/sparse_flash" ] || { echo "no package for $ref: run prepare first" >&2; continue; }
   # from inside the variant's folder: `python -m` puts the current folder first on the path, so the tests import
   # the variant's package (the file it came from is the log's first line)
-  (cd "$variant" && python -c "import sparse_flash; print(sparse_flash.__file__)" && timeout "${TEST_TIMEOUT:-240}" \
-    python -m pytest -q -x -p no:cacheprovider --rootdir "$repo" "$repo/${TESTS:-tests/test_gpu.py}" \
-    -k "${KEXPR:-hopper}") > "$OUT/tests_$name.txt" 2>&1
-  echo "$ref tests: $(head -1 "$OUT/tests_$name.txt"): $(tail -1 "$OUT/tests_$name.txt")" | tee -a "$OUT/summary.txt"
+  if [ "${TESTS:-}" != none ]; then
+    (cd "$variant" && python -c "import sparse_flash; print(sparse_flash.__file__)" && timeout "${TEST_TIMEOUT:-240}" \
+      python -m pytest -q -x -p no:cacheprovider --rootdir "$repo" "$repo/${TESTS:-tests/test_gpu.py}" \
+      -k "${KEXPR:-hopper}") > "$OUT/tests_$name.txt" 2>&1
+    echo "$ref tests: $(head -1 "$OUT/tests_$name.txt"): $(tail -1 "$OUT/tests_$name.txt")" | tee -a "$OUT/summary.txt"
+  fi
   (cd benchmarks && PYTHONPATH=$variant timeout "${AB_TIMEOUT:-240}" python ab_kernels.py \
     --base-package "../$base/sparse_flash" ${ROWS:-} ${EXTRA:-} --out "$OUT/ab_$name.json" > "$OUT/ab_$name.txt" 2>&1)
   echo "$ref ab exit $?" | tee -a "$OUT/summary.txt"
