@@ -97,18 +97,41 @@ def instruction(address: str, source: str) -> tuple[int, str, str, bool]:
     return where, op, rest, guarded
 
 
+def regions(rows: list[dict], executed: str, samples: str) -> list[tuple[int, int, float, float]]:
+    """`(first, last, executions, samples)` of each run of consecutive instructions with the same execution
+    count: the basic blocks of one loop body or of one per-item stretch group together, so the samples of a
+    kernel's per-item work show beside its loop's."""
+    def number(row, column) -> float:
+        try:
+            return float(str(row.get(column) or 0).replace(",", ""))
+        except ValueError:
+            return 0.0
+
+    out = []
+    for i, row in enumerate(rows):
+        count, n = number(row, executed), number(row, samples)
+        if out and out[-1][2] == count:
+            out[-1] = (out[-1][0], i, count, out[-1][3] + n)
+        else:
+            out.append((i, i, count, n))
+    return out
+
+
 def summarize(sass_csv: str, top: int) -> str:
     """Samples per opcode family and the `top` instructions by samples, from the source page's CSV."""
-    text = open(sass_csv).read()
-    start = text.find('"')  # ncu may print notes before the table
-    rows = list(csv.DictReader(io.StringIO(text[start:])))
+    lines = open(sass_csv).read().splitlines()
+    # ncu may print notes and a line naming the kernel before the table: it starts at the header naming Source
+    start = next((i for i, line in enumerate(lines) if '"Source"' in line), 0)
+    rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
     if not rows:
         return f"no rows in {sass_csv}"
-    columns = list(rows[0])
+    columns = [c for c in rows[0] if c]  # a trailing comma makes a column without a name
     source = next((c for c in columns if c.strip().lower() == "source"), None)
     samples = next((c for c in columns if "Sampling" in c and "All" in c), None)
     not_issued = next((c for c in columns if "Sampling" in c and "Not" in c), None)
-    reasons = [c for c in columns if c.startswith("smsp__pcsamp_warps_issue_stalled") and "not_issued" not in c]
+    # stall reasons: `stall_<reason>` (ncu 2025) or `smsp__pcsamp_warps_issue_stalled_<reason>` (older)
+    reasons = [c for c in columns if c.startswith(("stall_", "smsp__pcsamp_warps_issue_stalled"))
+               and "not_issued" not in c.lower().replace(" ", "_")]
     if source is None or samples is None:
         return f"columns not recognised in {sass_csv}: {columns}"
 
@@ -131,13 +154,21 @@ def summarize(sass_csv: str, top: int) -> str:
         inside = sum(number(r, samples) for r in rows[span[0]:span[1] + 1])
         lines.append(f"hot loop: instructions {span[0]}-{span[1]}, {inside / total:.1%} of the samples "
                      f"({1 - inside / total:.1%} outside it: per-item work, waits, the other warps' roles)")
+    executed = next((c for c in columns if c == "Instructions Executed"), None)
+    if executed:
+        lines += ["", "regions (runs of instructions executed equally often: per tile, per item, once) with >= 1% of "
+                  "the samples", f"{'instructions':>13} {'executed':>10} {'samples':>8} {'share':>6}  first"]
+        for first, last, count, n in regions(rows, executed, samples):
+            if n >= 0.01 * total:
+                lines.append(f"{first:6d}-{last:<6d} {count:10.0f} {n:8.0f} {n / total:6.1%}  "
+                             f"{rows[first][source].strip()[:50]}")
     lines += ["", f"{'family':28} {'samples':>8} {'share':>6}"]
     lines += [f"{name:28} {n:8.0f} {n / total:6.1%}" for name, n in by_family.most_common()]
     lines += ["", f"{'index':>5} {'samples':>8} {'share':>6} {'not issued':>10}  instruction  [largest stall reasons]"]
     ranked = sorted(range(len(rows)), key=lambda i: -number(rows[i], samples))[:top]
     for i in ranked:
         r = rows[i]
-        why = sorted(((number(r, c), c.replace("smsp__pcsamp_warps_issue_stalled_", "")) for c in reasons),
+        why = sorted(((number(r, c), c.replace("smsp__pcsamp_warps_issue_stalled_", "").replace("stall_", "")) for c in reasons),
                      reverse=True)[:2]
         why_text = ", ".join(f"{c} {n:.0f}" for n, c in why if n)
         issued = f"{number(r, not_issued):10.0f}" if not_issued else f"{'-':>10}"

@@ -285,3 +285,28 @@ def test_stall_profile_summary_splits_samples_by_family_and_hot_loop(tmp_path):
     ranked = text.splitlines()[-2:]
     assert "SYNCS.PHASECHK" in ranked[0] and "[barrier 1000, long_scoreboard 3]" in ranked[0]
     assert "MUFU.EX2" in ranked[1]
+
+
+def test_stall_profile_summary_reads_ncu_2025_pages_and_groups_regions(tmp_path):
+    """A page as ncu 2025 writes it (a line naming the kernel first, `stall_<reason>` columns, a trailing comma,
+    the execution counts): the reasons are read, and runs of instructions executed equally often (a loop body,
+    a per-item stretch) are summed into regions."""
+    import stall_profile
+
+    page = tmp_path / "page.csv"
+    page.write_text(
+        '"Kernel Name","_attn_fwd_hopper_kernel",\n'
+        '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+        '"Instructions Executed","stall_barrier","stall_long_sb","stall_barrier (Not Issued)",\n'
+        '"0x10","LDG.E R7, desc[UR6][R2.64]","40","30","100","0","35","0",\n'
+        '"0x20","HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ","300","10","400","0","0","0",\n'
+        '"0x30","MUFU.EX2 R5, R6","500","100","400","0","0","0",\n'
+        '"0x40","@P1 BRA 0x20","0","0","400","0","0","0",\n'
+        '"0x50","BAR.SYNC.DEFER_BLOCKING 0x2, 0x80","160","150","100","140","0","150",\n')
+    text = stall_profile.summarize(str(page), 1)
+    assert "5 instructions, 1000 samples" in text
+    assert "     1-3             400      800  80.0%  HGMMA" in text
+    assert "     0-0             100       40   4.0%  LDG.E" in text and "     4-4             100      160  16.0%" in text
+    assert "MUFU.EX2" in text.splitlines()[-1]
+    (bar,) = [line for line in stall_profile.summarize(str(page), 5).splitlines() if "BAR.SYNC" in line and "[" in line]
+    assert bar.endswith("[barrier 140]")  # the not-issued column is not a reason of its own
