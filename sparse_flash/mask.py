@@ -72,7 +72,7 @@ class _ReadOnlyLayout(torch.Tensor):
                 "| and &")
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
-        return _protect_views(result, args[0] if args else None)
+            return _protect_views(result, _read_only_inputs(args, kwargs))
 
     def numpy(self, *args, **kwargs):
         array = torch.Tensor.numpy(self.as_subclass(torch.Tensor), *args, **kwargs)
@@ -123,13 +123,23 @@ def _inplace_position(func) -> int | None:
     return names.index("inplace") if "inplace" in names else None
 
 
-def _protect_views(result, source):
-    """Results that share memory with a read-only layout (views, `.data`) stay read-only."""
+def _read_only_inputs(args: tuple, kwargs: dict) -> list[int]:
+    """The storage addresses of the read-only tensors among a call's arguments, in any position and inside lists
+    (`torch.meshgrid(plain, layout)` returns views of its second argument)."""
+    found = []
+    for value in (*args, *kwargs.values()):
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        found += [v.untyped_storage().data_ptr() for v in values if isinstance(v, _ReadOnlyLayout) and not v.is_meta]
+    return found
+
+
+def _protect_views(result, sources: list[int]):
+    """Results that share memory with a read-only input (views, `.data`; `sources`: `_read_only_inputs`) stay
+    read-only."""
     if isinstance(result, (tuple, list)):
-        return type(result)(_protect_views(r, source) for r in result)
-    if (isinstance(result, torch.Tensor) and isinstance(source, torch.Tensor) and not result.is_meta
-            and result.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
-            and result.numel() > 0):
+        return type(result)(_protect_views(r, sources) for r in result)
+    if (sources and isinstance(result, torch.Tensor) and not result.is_meta and result.numel() > 0
+            and result.untyped_storage().data_ptr() in sources):
         return torch.Tensor._make_subclass(_ReadOnlyLayout, result)
     return result
 
@@ -387,8 +397,9 @@ class BlockMask:
     layouts, block sizes and lengths are. Masks pickle, deep-copy and `torch.save` at any time; the index
     lists and launch plans derived from the layout are rebuilt, never stored. The read-only views share the
     mask's memory (no copy per access): the escapes that strip their protection on purpose
-    (`.as_subclass(torch.Tensor)`, `untyped_storage()`, `torch.from_numpy` of the read-only NumPy array)
-    reach it too, and a write through them leaves the mask undefined; `.clone()` gives a writable copy.
+    (`.as_subclass(torch.Tensor)`, `untyped_storage()` and `storage()`, `plain.set_(mask.layout)`,
+    `torch.from_numpy` of the read-only NumPy array) reach it too, and a write through them leaves the mask
+    undefined; `.clone()` gives a writable copy.
 
     Attributes:
         layout: bool `(B|1, H|1, Mq, Mk)`, read-only; a batch or head dimension of 1 broadcasts.

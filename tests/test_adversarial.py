@@ -39,8 +39,14 @@ def test_mask_owns_its_layout():
     lambda t: torch.nn.functional.dropout(t, 1.0, True, True),  # inplace given by position
     lambda t: torch.ops.aten.fill_.Scalar(t, True),
     lambda t: torch._foreach_mul_([t], 0),
+    # views of the layout returned where it is not the first argument (a probe wrote through these)
+    lambda t: torch.meshgrid(torch.zeros(2, dtype=torch.bool), t.view(-1), indexing="ij")[1][0].fill_(True),
+    lambda t: torch.broadcast_tensors(torch.zeros(1, dtype=torch.bool), t)[1][0].fill_(True),
+    lambda t: torch.atleast_2d(torch.zeros(3), t)[1].fill_(True),
+    lambda t: torch.select(input=t, dim=0, index=0).fill_(True),
 ], ids=["setitem", "fill_", "view-setitem", "view-zero_", "data", "ior", "out=", "copy_", "F-inplace",
-        "F-inplace-positional", "aten-op", "foreach"])
+        "F-inplace-positional", "aten-op", "foreach", "meshgrid-second", "broadcast-second", "atleast-second",
+        "keyword-input"])
 def test_layout_writes_raise(write):
     """Every way to write into the read-only layout raises, also through functions that write only when told
     (torch.nn.functional's `inplace`) and operators called by their schema (a probe zeroed a layout with
