@@ -6,7 +6,9 @@
 #   (on the GPU, with _ab carried: for each variant after the first, its GPU tests (TESTS: one file, or none for a
 #   variant whose outputs must equal the base's bit for bit, which the A/B's max diff shows; KEXPR) on the
 #   variant's package, then `ab_kernels.py --base-package` of the first against it on ROWS; EXTRA: more ab_kernels
-#   arguments. Each variant's log and results land in $OUT as they come; a summary table prints last)
+#   arguments; ROW_TIMEOUT: seconds one row may take, compiles included, before the variant's run ends with its
+#   stack (default 150: a hung kernel shows as a wait on the device). Each variant's log and results land in
+#   $OUT as they come, with a line per step of each row; a summary table prints last)
 set -uo pipefail
 mode=${1:?prepare or run}
 shift
@@ -39,8 +41,10 @@ for ref in "$@"; do
     echo "$ref tests: $(head -1 "$OUT/tests_$name.txt"): $(tail -1 "$OUT/tests_$name.txt")" | tee -a "$OUT/summary.txt"
   fi
   (cd benchmarks && PYTHONPATH=$variant timeout "${AB_TIMEOUT:-240}" python ab_kernels.py \
-    --base-package "../$base/sparse_flash" ${ROWS:-} ${EXTRA:-} --out "$OUT/ab_$name.json" > "$OUT/ab_$name.txt" 2>&1)
+    --base-package "../$base/sparse_flash" --row-timeout "${ROW_TIMEOUT:-150}" ${ROWS:-} ${EXTRA:-} \
+    --out "$OUT/ab_$name.json" > "$OUT/ab_$name.txt" 2>&1)
   echo "$ref ab exit $?" | tee -a "$OUT/summary.txt"
-  grep -v "^{" "$OUT/ab_$name.txt" | tail -20 >> "$OUT/summary.txt"
+  grep -v "^{" "$OUT/ab_$name.txt" | grep -v "^\[" | tail -20 >> "$OUT/summary.txt"
+  grep "^\[" "$OUT/ab_$name.txt" | tail -1 | sed "s|^|$ref last step: |" >> "$OUT/summary.txt"
 done
 cat "$OUT/summary.txt"

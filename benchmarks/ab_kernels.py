@@ -36,17 +36,24 @@ ratios base/new are the change's gain. Three ways to name the versions:
 
 Each version keeps its launch plans per row, as the library keeps them per mask (a package copy keeps its
 own), so the timings are those of repeated calls (no plan built inside the timed call).
+
+Each step of a row (its compiles and first calls per version, each pass's timing) prints a line with the
+seconds since the start, and `--row-timeout S` ends the run once one row has taken S seconds, printing every
+thread's Python stack first: a kernel that never returns shows as a stack waiting on the device, a slow
+compile as one inside Triton's compiler.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import importlib.util
 import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -231,7 +238,10 @@ def run_row(versions: dict, row, dtype, repeats: int, do_bench, device="cuda", s
         print(f"skipped {list(row)}: the base's kernel family does not serve it", flush=True)
         return []
     contexts = {tag: version.context for tag, version in versions.items()}
-    calls = {tag: version.calls(mask, causal, q, k, v, do) for tag, version in versions.items()}
+    calls = {}
+    for tag, version in versions.items():
+        progress(f"{list(row)}: {tag}: compiles and first calls")
+        calls[tag] = version.calls(mask, causal, q, k, v, do)
     records = []
     for i, pass_ in enumerate(("fwd", "bwd")):
         timed = {tag: c[i] for tag, c in calls.items()}
@@ -239,11 +249,22 @@ def run_row(versions: dict, row, dtype, repeats: int, do_bench, device="cuda", s
             continue
         results = {}
         for tag, call in timed.items():
+            progress(f"{list(row)} {pass_}: {tag}: first call")
             with contexts[tag]():
                 results[tag] = call()
+            torch.cuda.synchronize(device)
+        progress(f"{list(row)} {pass_}: timing")
         records.append(ab_record([B, Hq, Hkv, N, D, name, causal], str(dtype).removeprefix("torch."), pass_,
                                  time_versions(timed, contexts, repeats, do_bench), max_diff(results)))
     return records
+
+
+_START = time.perf_counter()
+
+
+def progress(step: str) -> None:
+    """One line per step of a row, with the seconds since the start (a run cut by its time limit shows where)."""
+    print(f"[{time.perf_counter() - _START:7.1f} s] {step}", flush=True)
 
 
 def versions_of(args) -> tuple[dict, object]:
@@ -276,6 +297,8 @@ def main():
                         help="a row outside the benchmark's, e.g. 1,16,16,16384,64,dense,true (repeatable; with "
                         "--row only those rows run)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of (base, new, new, base) timings per row")
+    parser.add_argument("--row-timeout", type=float, default=0.0,
+                        help="seconds one row may take before the run ends with every thread's stack (0: none)")
     parser.add_argument("--out", default="ab.json")
     args = parser.parse_args()
     if sum(a is not None for a in (args.base, args.base_package, args.switch)) != 1:
@@ -290,7 +313,10 @@ def main():
     chosen = [r for r in rows if args.rows is None or any(p.lower() in text(r) for p in args.rows.split("|"))]
     results = []
     for row in chosen:  # the results file rewritten after every row: a run cut by its time limit keeps its rows
+        if args.row_timeout > 0:  # a hung kernel never returns: the stacks say where the run waits
+            faulthandler.dump_traceback_later(args.row_timeout, exit=True)
         done = run_row(versions, row, getattr(torch, args.dtype), args.repeats, do_bench, supported=supported)
+        faulthandler.cancel_dump_traceback_later()
         results += done
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -5,7 +5,11 @@ The timings come from a GPU run; what is computed from them is plain Python and 
 wrong ratio or a miscounted row cannot slip into the README's numbers.
 """
 
+import os
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -101,6 +105,28 @@ def test_ab_rows_outside_the_benchmark_parse_or_say_what_a_row_is():
     for bad in ("1,2,3", "1,16,16,16384,64,dense,yes", "a,16,16,16384,64,dense,true"):
         with pytest.raises(ab.argparse.ArgumentTypeError, match="B,Hq,Hkv,N,D,MASK,CAUSAL"):
             ab.parse_row(bad)
+
+
+def test_ab_row_timeout_ends_a_stuck_row_with_its_stack():
+    """`ab_kernels.py --row-timeout`: a row that never returns (a hung kernel) ends the run with the stack of
+    where it waits, after the progress lines of the steps before, instead of silently using up a GPU call."""
+    pytest.importorskip("ab_kernels")
+    script = ("import sys, time\n"
+              "sys.argv = ['ab_kernels.py', '--switch', 'tma', '--row', '1,1,1,128,16,dense,false',"
+              " '--row-timeout', '1', '--out', sys.argv[1]]\n"
+              "import ab_kernels\n"
+              "def stuck_in_the_kernel(*args, **kwargs):\n"
+              "    ab_kernels.progress('a step')\n"
+              "    time.sleep(60)\n"
+              "ab_kernels.run_row = stuck_in_the_kernel\n"
+              "ab_kernels.main()\n")
+    bench_dir = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+    with tempfile.TemporaryDirectory() as folder:
+        done = subprocess.run([sys.executable, "-c", script, os.path.join(folder, "ab.json")], cwd=bench_dir,
+                              capture_output=True, text=True, timeout=50)
+    assert done.returncode != 0
+    assert re.search(r"^\[ +[0-9.]+ s\] a step$", done.stdout, re.M)
+    assert "in stuck_in_the_kernel" in done.stderr and "Timeout" in done.stderr
 
 
 def test_the_run_waits_for_a_loaded_host_to_settle_and_no_longer_than_its_limit(monkeypatch):
