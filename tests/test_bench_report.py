@@ -288,22 +288,31 @@ def test_a_resumed_run_keeps_only_groups_with_every_row():
     assert kept[bench.group_of(full[0])] == full
 
 
+SAMPLES, NOT_ISSUED = "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)"
+
+
+def _sass_page(folder, first_line: str, rows: list[list[str]], end: str = ""):
+    """An ncu source page: `first_line` (a note, or the line naming the kernel), then `rows` quoted, each line
+    ending in `end` (ncu 2025 ends them with a comma)."""
+    page = folder / "page.csv"
+    page.write_text("\n".join([first_line] + [",".join(f'"{x}"' for x in row) + end for row in rows]) + "\n")
+    return page
+
+
 def test_stall_profile_summary_splits_samples_by_family_and_hot_loop(tmp_path):
     """`benchmarks/stall_profile.py`'s summary of an ncu source page (CSV, notes before the table, numbers
     with thousands separators): samples per opcode family, the share inside the hot loop (a guarded branch
     back over a product and an exponential), and the instructions ranked with their largest stall reasons."""
     import stall_profile
 
-    page = tmp_path / "page.csv"
-    page.write_text(
-        "==PROF== a note\n"
-        '"# Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
-        '"smsp__pcsamp_warps_issue_stalled_barrier","smsp__pcsamp_warps_issue_stalled_long_scoreboard"\n'
-        '"0x10","@P0 SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4+0x8], R3","1,200","1100","1000","3"\n'
-        '"0x20","HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ","300","10","0","0"\n'
-        '"0x30","MUFU.EX2 R5, R6","500","100","0","0"\n'
-        '"0x40","@P1 BRA 0x20","0","0","0","0"\n'
-        '"0x50","LDG.E R7, desc[UR6][R2.64]","100","90","0","80"\n')
+    page = _sass_page(tmp_path, "==PROF== a note", [
+        ["# Address", "Source", SAMPLES, NOT_ISSUED, "smsp__pcsamp_warps_issue_stalled_barrier",
+         "smsp__pcsamp_warps_issue_stalled_long_scoreboard"],
+        ["0x10", "@P0 SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4+0x8], R3", "1,200", "1100", "1000", "3"],
+        ["0x20", "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ", "300", "10", "0", "0"],
+        ["0x30", "MUFU.EX2 R5, R6", "500", "100", "0", "0"],
+        ["0x40", "@P1 BRA 0x20", "0", "0", "0", "0"],
+        ["0x50", "LDG.E R7, desc[UR6][R2.64]", "100", "90", "0", "80"]])
     text = stall_profile.summarize(str(page), 2)
     assert "5 instructions, 2100 samples" in text
     assert "hot loop: instructions 1-3, 38.1% of the samples" in text
@@ -319,16 +328,14 @@ def test_stall_profile_summary_reads_ncu_2025_pages_and_groups_regions(tmp_path)
     a per-item stretch) are summed into regions."""
     import stall_profile
 
-    page = tmp_path / "page.csv"
-    page.write_text(
-        '"Kernel Name","_attn_fwd_hopper_kernel",\n'
-        '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
-        '"Instructions Executed","stall_barrier","stall_long_sb","stall_barrier (Not Issued)",\n'
-        '"0x10","LDG.E R7, desc[UR6][R2.64]","40","30","100","0","35","0",\n'
-        '"0x20","HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ","300","10","400","0","0","0",\n'
-        '"0x30","MUFU.EX2 R5, R6","500","100","400","0","0","0",\n'
-        '"0x40","@P1 BRA 0x20","0","0","400","0","0","0",\n'
-        '"0x50","BAR.SYNC.DEFER_BLOCKING 0x2, 0x80","160","150","100","140","0","150",\n')
+    page = _sass_page(tmp_path, '"Kernel Name","_attn_fwd_hopper_kernel",', [
+        ["Address", "Source", SAMPLES, NOT_ISSUED, "Instructions Executed", "stall_barrier", "stall_long_sb",
+         "stall_barrier (Not Issued)"],
+        ["0x10", "LDG.E R7, desc[UR6][R2.64]", "40", "30", "100", "0", "35", "0"],
+        ["0x20", "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ", "300", "10", "400", "0", "0", "0"],
+        ["0x30", "MUFU.EX2 R5, R6", "500", "100", "400", "0", "0", "0"],
+        ["0x40", "@P1 BRA 0x20", "0", "0", "400", "0", "0", "0"],
+        ["0x50", "BAR.SYNC.DEFER_BLOCKING 0x2, 0x80", "160", "150", "100", "140", "0", "150"]], end=",")
     text = stall_profile.summarize(str(page), 1)
     assert "5 instructions, 1000 samples" in text
     assert "     1-3             400      800  80.0%  HGMMA" in text
