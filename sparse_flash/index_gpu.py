@@ -6,7 +6,7 @@ with many small torch operators, each a kernel launch of its own:
 - `plan_sizes`: the chunks of every list and the sizes of the work plans where some list is cut;
 - `unsplit_plans`: the work plans of lists that no program splits (`mask_index._plan_items`): items ordered by
   (batch, head), longest list first within, ties in list order; every item a whole list;
-- `split_plan`: the same where some lists are cut into chunks (global rows and columns): every chunk an item,
+- `split_plans`: the same where some lists are cut into chunks (global rows and columns): every chunk an item,
   with its scratch slot, and the split lists' tables;
 - `hash_into`: the seeded draws of the random constructors (`masks._common.hash_draws`);
 - `fixed_layout`: the layout of `masks.fixed` where its runs are too many to list.
@@ -351,7 +351,7 @@ def _plan_sizes_kernel(Counts, N, Sizes, base, lists_per_head, chunk, max_chunks
 
 def split_supported(lists_per_head: int, width: int, longest: int) -> bool:
     """Whether one program orders the `width` items (chunks of lists) of one (batch, head) and holds its
-    `lists_per_head` lists (`split_plan`; the sort key, the length and the item number, must fit in 31 bits)."""
+    `lists_per_head` lists (`split_plans`; the sort key, the length and the item number, must fit in 31 bits)."""
     block = next_power_of_2(width)
     return block <= MAX_LISTS and next_power_of_2(lists_per_head) <= MAX_LISTS and (longest + 1) * block < 2**31
 
@@ -360,7 +360,7 @@ SPLIT_PLAN_OWN = (0, 3, 4)  # `split_plan_shapes`' pieces whose sizes differ fro
 
 
 def split_plan_shapes(counts: torch.Tensor, sizes: tuple) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
-    """The shapes of `split_plan`'s items, chunks, slots, split lists and slot list, and of its scratch (each
+    """The shapes of `split_plans`' items, chunks, slots, split lists and slot list, and of its scratch (each
     item's list and chunk, needed only while the plan is made), for lists with these counts `(B, H, M)` and
     plan sizes `(items, the most items of one (b, h), split lists, scratch slots)`."""
     B, H, M = counts.shape
@@ -368,68 +368,117 @@ def split_plan_shapes(counts: torch.Tensor, sizes: tuple) -> tuple[list[tuple[in
     return [(B, H, width, FIELDS), (B * H * M,), (B * H * M,), (num_split,), (num_slots,)], (2, B * H, width)
 
 
-def split_plan(counts: torch.Tensor, full: tuple, part: tuple, n: torch.Tensor, firsts: torch.Tensor, base: int,
-               sizes: tuple, heavy_above: float, longest: int, lead: torch.Tensor | None = None,
-               out: tuple | None = None):
-    """The work plan of lists of which some are cut into chunks (`mask_index._plan_items`' policy), on the
-    lists' device: one launch, and no wait (the sizes are the host's already).
+class SplitInput(NamedTuple):
+    """One work plan's lists for `split_plans`: `plan` its lists (`PlanInput`), `base` its first list in the batch's
+    chunk counts, `sizes` host ints `(items, the most items of one (b, h), split lists, scratch slots)`, and
+    `out` `(items, chunks, slots, split, slot_list, scratch)` to write (`split_plan_shapes`; scratch holds each
+    item's list and chunk while the plan is made) and `lead` int32 `(1,)` zeros to count its heavy items into."""
+    plan: PlanInput
+    base: int
+    sizes: tuple
+    out: tuple
+    lead: torch.Tensor
+
+
+def split_plans(plans: list[SplitInput], n: torch.Tensor, firsts: torch.Tensor, longest: int) -> list[tuple]:
+    """The work plans of a batch of plans of which some cut lists into chunks (`mask_index._plan_items`' policy), on
+    the lists' device: up to `MAX_PLANS` plans per launch, and no wait (the sizes are the host's already). A plan
+    whose lists are all whole (`n` 1 for each) comes out as `unsplit_plans` makes it: every item a whole list,
+    no split list.
 
     Args:
-        counts: int32 `(B, H, M)`: live blocks of each list.
-        full, part: `(counts, offsets, indices)` of the full and the partial lists (a `BlockIndex`).
-        n: int64 `(L,)`: chunks of every list of a batch of plans (`mask_index._plan_batch`), this plan's at
-            `[base, base + B * H * M)`.
+        plans: each plan's lists, place in the batch, sizes and outputs (`SplitInput`), all on one device.
+        n: int64 `(L,)`: chunks of every list of the batch (`mask_index._plan_batch`), plan p's at
+            `[plans[p].base, plans[p].base + B * H * M)`.
         firsts: int64 `(2, L + 1)`: exclusive prefix sums over that batch of the split lists' chunks (row 0,
             their scratch slots) and of the split lists (row 1), with the grand totals last.
-        sizes: host ints `(items, the most items of one (b, h), split lists, scratch slots)` of this plan.
-        heavy_above: an item longer than this is heavy (`HEAVY_FACTOR` x the plan's mean list length).
         longest: an upper bound of the lists' lengths.
-        lead: int32 `(1,)` zeros to count the heavy items into, or None for a new one.
-        out: `(items, chunks, slots, split, slot_list, scratch)` to write (`split_plan_shapes`; scratch holds
-            each item's list and chunk while the plan is made), or None for new ones.
 
     Returns:
-        `mask_index.WorkPlan` fields `(items, chunks, slots, lead, split, slot_list)`.
+        Per plan, `mask_index.WorkPlan` fields `(items, chunks, slots, lead, split, slot_list)`.
     """
-    B, H, M = counts.shape
-    device = counts.device
-    width = sizes[1]
-    if out is None:
-        kept, scratch_shape = split_plan_shapes(counts, sizes)
-        scratch = new_output(scratch_shape, torch.int32, device)
-        out = (*int32_pieces(kept, device, SPLIT_PLAN_OWN), scratch)
-    items, chunks, slots, split, slot_list, scratch = out
-    lead = torch.zeros(1, dtype=torch.int32, device=device) if lead is None else lead
-    WIDTH = next_power_of_2(width)
+    device = n.device
     with _on(device):
-        launch(_split_plan_kernel, (B * H, ),
-               (n, firsts, chunks, slots, split, slot_list, scratch, counts, *full[:3], *part[:3], items, lead, base,
-                firsts.shape[1], M, width, longest, float(heavy_above)),
-               dict(BLOCK=next_power_of_2(M), WIDTH=WIDTH, FIELDS=FIELDS), 4 if WIDTH <= 1024 else 8, STAGES)
-    return items, chunks, slots, lead, split, slot_list
+        for first in range(0, len(plans), MAX_PLANS):
+            slots = list(range(first, min(first + MAX_PLANS, len(plans))))
+            args, end = [n, firsts, firsts.shape[1], longest], 0
+            for k, p in enumerate(slots + [slots[0]] * (MAX_PLANS - len(slots))):  # unused slots: never reached
+                (counts, full, part, heavy_above), base, sizes, out, lead = plans[p]
+                B, H, M = counts.shape
+                if k < len(slots):
+                    end += B * H
+                args += [counts, *full[:3], *part[:3], *out, lead, base, M, sizes[1], float(heavy_above), B * H, end]
+            block = next_power_of_2(max(plans[p].plan.counts.shape[-1] for p in slots))
+            width = next_power_of_2(max(plans[p].sizes[1] for p in slots))
+            launch(_split_plans_kernel, (end, ), tuple(args), dict(BLOCK=block, WIDTH=width, FIELDS=FIELDS),
+                   4 if width <= 1024 else 8, STAGES)
+    return [(*plan.out[:3], plan.lead, *plan.out[3:5]) for plan in plans]
 
 
 @triton.jit
-def _split_plan_kernel(N, Firsts, Chunks, Slots, Split, SlotList, Scratch, Counts, FullCounts, FullOffsets,
-                       FullIndices, PartCounts, PartOffsets, PartIndices, Items, Lead, base, stride, lists_per_head,
-                       width, longest, heavy_above, BLOCK: tl.constexpr, WIDTH: tl.constexpr, FIELDS: tl.constexpr):
-    """Program bh: the plan of one (batch, head) in two steps, its lists' chunks and scratch (`_split_lists`),
-    then its items from them (`_split_items`). Each step reads only what the program itself wrote before it,
-    so one barrier between them orders the two (one launch where two were: a launch costs the host more than
-    the step's device time)."""
-    _split_lists(N, Firsts, Chunks, Slots, Split, SlotList, Scratch, base, stride, lists_per_head, width, BLOCK)
+def _split_plan(N, Firsts, stride, longest, Counts, FullCounts, FullOffsets, FullIndices, PartCounts, PartOffsets,
+                PartIndices, Items, Chunks, Slots, Split, SlotList, Scratch, Lead, base, lists_per_head, width,
+                heavy_above, heads, bh, BLOCK: tl.constexpr, WIDTH: tl.constexpr, FIELDS: tl.constexpr):
+    """(batch, head) `bh` of one plan of `heads` of them: its lists' chunks and scratch (`_split_lists`), then its
+    items from them (`_split_items`). Each step reads only what the program itself wrote before it, so one
+    barrier between them orders the two (one launch where two were: a launch costs the host more than the
+    step's device time)."""
+    _split_lists(N, Firsts, Chunks, Slots, Split, SlotList, Scratch, base, stride, lists_per_head, width, heads, bh,
+                 BLOCK)
     tl.debug_barrier()  # every thread's Scratch and Slots stores before any thread reads them
     _split_items(Counts, FullCounts, FullOffsets, FullIndices, PartCounts, PartOffsets, PartIndices, N, Slots,
-                 Scratch, Items, Lead, base, lists_per_head, width, longest, heavy_above, WIDTH, FIELDS)
+                 Scratch, Items, Lead, base, lists_per_head, width, longest, heavy_above, heads, bh, WIDTH, FIELDS)
 
 
 @triton.jit
-def _split_lists(N, Firsts, Chunks, Slots, Split, SlotList, Scratch, base, stride, lists_per_head, width,
+def _split_plans_kernel(N, Firsts, stride, longest,
+                        C0, FC0, FO0, FI0, PC0, PO0, PI0, I0, K0, S0, SP0, SL0, SC0, L0, base0, M0,
+                        width0, heavy0, heads0, end0,
+                        C1, FC1, FO1, FI1, PC1, PO1, PI1, I1, K1, S1, SP1, SL1, SC1, L1, base1, M1,
+                        width1, heavy1, heads1, end1,
+                        C2, FC2, FO2, FI2, PC2, PO2, PI2, I2, K2, S2, SP2, SL2, SC2, L2, base2, M2,
+                        width2, heavy2, heads2, end2,
+                        C3, FC3, FO3, FI3, PC3, PO3, PI3, I3, K3, S3, SP3, SL3, SC3, L3, base3, M3,
+                        width3, heavy3, heads3, end3,
+                        BLOCK: tl.constexpr, WIDTH: tl.constexpr, FIELDS: tl.constexpr):
+    """Up to four plans in one launch (`_split_plan`): programs [0, end0) make plan 0's (batch, head)s, [end0,
+    end1) plan 1's, and so on (a plan's slot past the last plan is never reached). One body for every plan, its
+    tensors and sizes chosen per program, at the largest plan's BLOCK and WIDTH (a plan's order and fields do
+    not depend on them): one compile, where a body per plan compiled four sorts and each combination of the
+    plans' sizes anew. The sizes are made tensors (`+ zero`), so that a size Triton specialises to a constant
+    in one plan (a 1) has the type of the others."""
+    p = tl.program_id(0)
+    zero = p * 0
+    if p < end0:
+        C, FC, FO, FI, PC, PO, PI = C0, FC0, FO0, FI0, PC0, PO0, PI0
+        I, K, S, SP, SL, SC, L = I0, K0, S0, SP0, SL0, SC0, L0
+        base, M, width, heavy, heads = base0 + zero, M0 + zero, width0 + zero, heavy0 + 0.0 * zero, heads0 + zero
+        bh = p
+    elif p < end1:
+        C, FC, FO, FI, PC, PO, PI = C1, FC1, FO1, FI1, PC1, PO1, PI1
+        I, K, S, SP, SL, SC, L = I1, K1, S1, SP1, SL1, SC1, L1
+        base, M, width, heavy, heads = base1 + zero, M1 + zero, width1 + zero, heavy1 + 0.0 * zero, heads1 + zero
+        bh = p - end0
+    elif p < end2:
+        C, FC, FO, FI, PC, PO, PI = C2, FC2, FO2, FI2, PC2, PO2, PI2
+        I, K, S, SP, SL, SC, L = I2, K2, S2, SP2, SL2, SC2, L2
+        base, M, width, heavy, heads = base2 + zero, M2 + zero, width2 + zero, heavy2 + 0.0 * zero, heads2 + zero
+        bh = p - end1
+    else:
+        C, FC, FO, FI, PC, PO, PI = C3, FC3, FO3, FI3, PC3, PO3, PI3
+        I, K, S, SP, SL, SC, L = I3, K3, S3, SP3, SL3, SC3, L3
+        base, M, width, heavy, heads = base3 + zero, M3 + zero, width3 + zero, heavy3 + 0.0 * zero, heads3 + zero
+        bh = p - end2
+    _split_plan(N, Firsts, stride, longest, C, FC, FO, FI, PC, PO, PI, I, K, S, SP, SL, SC, L, base, M, width, heavy,
+                heads, bh, BLOCK, WIDTH, FIELDS)
+
+
+@triton.jit
+def _split_lists(N, Firsts, Chunks, Slots, Split, SlotList, Scratch, base, stride, lists_per_head, width, heads, bh,
                  BLOCK: tl.constexpr):
-    """Program bh: the chunk counts and first scratch slots of lists [bh * M, (bh + 1) * M), the split lists'
-    entries in Split and SlotList, and each of the (batch, head)'s items' list and chunk (in list order, the
-    chunks of a list in order; unused ranks -1) in Scratch."""
-    bh = tl.program_id(0)
+    """(Batch, head) bh of `heads`: the chunk counts and first scratch slots of lists [bh * M, (bh + 1) * M), the
+    split lists' entries in Split and SlotList, and each of the (batch, head)'s items' list and chunk (in list
+    order, the chunks of a list in order; unused ranks -1) in Scratch."""
     idx = tl.arange(0, BLOCK)
     valid = idx < lists_per_head
     lst = bh * lists_per_head + idx  # the list's number in its plan
@@ -448,18 +497,17 @@ def _split_lists(N, Firsts, Chunks, Slots, Split, SlotList, Scratch, base, strid
     for c in range(0, tl.max(n, 0)):
         taken = c < n
         tl.store(row + start + c, idx, mask=taken)
-        tl.store(row + tl.num_programs(0) * width + start + c, c + 0 * idx, mask=taken)
+        tl.store(row + heads * width + start + c, c + 0 * idx, mask=taken)
         tl.store(SlotList + slot0 + c, lst, mask=is_split & taken)
 
 
 @triton.jit
 def _split_items(Counts, FullCounts, FullOffsets, FullIndices, PartCounts, PartOffsets, PartIndices, N, Slots, Scratch,
-                 Items, Lead, base, lists_per_head, width, longest, heavy_above, WIDTH: tl.constexpr,
+                 Items, Lead, base, lists_per_head, width, longest, heavy_above, heads, bh, WIDTH: tl.constexpr,
                  FIELDS: tl.constexpr):
-    """Program bh: the items of one (batch, head) from Scratch and Slots (`_split_lists`), ordered longest
-    first, ties in item order; item fields as `mask_index.ITEM_FIELDS`, unused ranks padded (no block, no slot);
-    its heavy items counted into Lead."""
-    bh = tl.program_id(0)
+    """(Batch, head) bh of `heads`: its items from Scratch and Slots (`_split_lists`), ordered longest first, ties
+    in item order; item fields as `mask_index.ITEM_FIELDS`, unused ranks padded (no block, no slot); its heavy
+    items counted into Lead."""
     t = tl.arange(0, WIDTH)
     used = t < width
     i = tl.load(Scratch + bh * width + t, mask=used, other=-1)
@@ -477,7 +525,7 @@ def _split_items(Counts, FullCounts, FullOffsets, FullIndices, PartCounts, PartO
     tl.atomic_max(Lead, heavy)
     # the fields of the item at rank r = t
     i = tl.load(Scratch + bh * width + order, mask=used, other=-1)
-    c = tl.load(Scratch + tl.num_programs(0) * width + bh * width + order, mask=used, other=0)
+    c = tl.load(Scratch + heads * width + bh * width + order, mask=used, other=0)
     real = used & (i >= 0)
     lst = bh * lists_per_head + tl.where(real, i, 0)
     n = tl.load(N + base + lst, mask=real, other=1).to(tl.int32)

@@ -552,19 +552,20 @@ def _plan_sizes_on_gpu(plans: list[_PlanInput]):
 
 def _split_plans_on_gpu(plans: list[_PlanInput], base: tuple[int, ...], n: torch.Tensor,
                         sizes: list[list[int]], firsts: torch.Tensor | None = None) -> list[WorkPlan] | None:
-    """`_plan_items` of plans in which some list is cut into chunks (`n`: every list's chunks, plan p's at
-    `base[p]`; `firsts`: their prefix sums of `index_gpu.split_plan`, or None to sum them here), one Triton
-    launch per plan (`sparse_flash.index_gpu.split_plan`), or None where that does not apply (`_on_gpu`, no
-    Triton, more items or lists per head than one program orders)."""
+    """`_plan_items` of a batch of plans in which some list is cut into chunks (`n`: every list's chunks, plan p's
+    at `base[p]`; `firsts`: their prefix sums of `index_gpu.split_plans`, or None to sum them here), one Triton
+    launch for up to four plans (`sparse_flash.index_gpu.split_plans`; a plan without a cut list comes out as
+    `_unsplit_plans_on_gpu` makes it), or None where that does not apply (`_on_gpu`, no Triton, more items or
+    lists per head than one program orders)."""
     index_gpu = gpu_builders(n)
-    if index_gpu is None or not all(index_gpu.split_supported(plan.counts.shape[-1], size[1], size[4])
+    longest = max(size[4] for size in sizes)
+    if index_gpu is None or not all(index_gpu.split_supported(plan.counts.shape[-1], size[1], longest)
                                     for plan, size in zip(plans, sizes)):
         return None
     if firsts is None:
         is_split = (n > 1).long()
         # exclusive prefix sums over the batch: the split lists' scratch slots and the split lists themselves
         firsts = torch.nn.functional.pad(torch.stack([n * is_split, is_split]).cumsum(1), (1, 0))
-    out = []
     leads = torch.zeros(len(plans), dtype=torch.int32, device=n.device)  # one fill for every plan's count
     shapes = [index_gpu.split_plan_shapes(plan.counts, tuple(size[:4])) for plan, size in zip(plans, sizes)]
     # the plans' tables of fixed sizes in one allocation, their scratch (freed once the plans are made) in another
@@ -573,38 +574,25 @@ def _split_plans_on_gpu(plans: list[_PlanInput], base: tuple[int, ...], n: torch
     own = [first + i for first in range(0, len(kept), per_plan) for i in index_gpu.SPLIT_PLAN_OWN]
     pieces = iter(index_gpu.int32_pieces(kept, n.device, own))
     scratch = index_gpu.int32_pieces([scratch for _, scratch in shapes], n.device)
-    for p, (plan, size) in enumerate(zip(plans, sizes)):
-        written = (*(next(pieces) for _ in shapes[p][0]), scratch[p])
-        out.append(WorkPlan(*index_gpu.split_plan(plan.counts, plan.full, plan.part, n, firsts, base[p],
-                                                  tuple(size[:4]), HEAVY_FACTOR * plan.mean, size[4],
-                                                  leads[p:p + 1], written)))
-        _unbacked((out[-1].items, 2), (out[-1].split, 0), (out[-1].slot_list, 0))
+    batch = [index_gpu.SplitInput(index_gpu.PlanInput(plan.counts, plan.full, plan.part, HEAVY_FACTOR * plan.mean),
+                                  base[p], tuple(size[:4]), (*(next(pieces) for _ in shapes[p][0]), scratch[p]),
+                                  leads[p:p + 1])
+             for p, (plan, size) in enumerate(zip(plans, sizes))]
+    out = [WorkPlan(*fields) for fields in index_gpu.split_plans(batch, n, firsts, longest)]
+    for plan in out:
+        _unbacked((plan.items, 2), (plan.split, 0), (plan.slot_list, 0))
     return out
 
 
 def _plans_on_gpu(plans: list[_PlanInput], base: tuple[int, ...], n: torch.Tensor, sizes: list[list[int]],
                   firsts: torch.Tensor | None) -> list[WorkPlan] | None:
-    """`_plan_items` of a batch of plans (`_split_plans_on_gpu`'s arguments) on the device: those with a list cut
-    into chunks by `_split_plans_on_gpu` (one launch each), the others as whole lists by
-    `_unsplit_plans_on_gpu` (one launch for all of them), or None where either does not apply. A mask whose
-    cut lists are one plan's (fixed's causal columns) launches two kernels where eight were."""
-    out = [None] * len(plans)
-    cut = [p for p, size in enumerate(sizes) if size[2]]
-    whole = [p for p, size in enumerate(sizes) if not size[2]]
-    if cut:
-        made = _split_plans_on_gpu([plans[p] for p in cut], tuple(base[p] for p in cut), n, [sizes[p] for p in cut],
-                                   firsts)
-        if made is None:
-            return None
-        for p, plan in zip(cut, made):
-            out[p] = plan
-    if whole:
-        made = _unsplit_plans_on_gpu([plans[p]._replace(chunk=0) for p in whole])
-        if made is None:
-            return None
-        for p, plan in zip(whole, made):
-            out[p] = plan
-    return out
+    """`_plan_items` of a batch of plans (`_split_plans_on_gpu`'s arguments) on the device, or None where that does
+    not apply: where some plan cuts a list into chunks, every plan of the batch by `_split_plans_on_gpu` (one launch
+    for the four plans of a mask, where a launch per cut plan and one for the others were), else every plan as
+    whole lists by `_unsplit_plans_on_gpu` (one launch)."""
+    if any(size[2] for size in sizes):
+        return _split_plans_on_gpu(plans, base, n, sizes, firsts)
+    return _unsplit_plans_on_gpu([plan._replace(chunk=0) for plan in plans])
 
 
 def _kernel_index(rows: _Side, cols: _Side, row_plan: WorkPlan, col_plan: WorkPlan) -> KernelIndex:

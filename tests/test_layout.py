@@ -228,9 +228,9 @@ def test_int32_pieces_are_disjoint_aligned_views_of_one_allocation():
 @pytest.mark.parametrize("cut", [False, True], ids=["whole-lists", "cut-lists"])
 def test_gpu_builders_put_a_masks_lists_and_plans_in_few_allocations(cut):
     """Under TRITON_INTERPRET=1: the Triton-built lists of both sides and flags (36 tensors) keep their counts
-    and offsets in one allocation, and the four plans' chunks and slots in another (two where some plans have a
-    list cut into chunks and others not: one per builder), whether or not some list is cut into chunks (a
-    build's host time is mostly allocations and launches); every tensor whose size differs
+    and offsets in one allocation, and the four plans' chunks and slots in another (one builder makes the four
+    plans), whether or not some list is cut into chunks (a build's host time is mostly allocations and
+    launches); every tensor whose size differs
     from mask to mask (index lists, work items, split tables) starts an allocation of its own, as torch.compile
     needs to share one graph between masks (tests/test_nn.py); the lists are the torch operators'."""
     from sparse_flash import mask_index
@@ -259,21 +259,17 @@ def test_gpu_builders_put_a_masks_lists_and_plans_in_few_allocations(cut):
     sized += fixed[2::3]  # the index lists
     del fixed[2::3]
     sized += [t for plan in plans for t in (plan.items, plan.split, plan.slot_list) if t.numel()]
-    # the chunk and slot tables: those of the plans with a cut list in one allocation, the others' in another
-    groups = [[t for plan in plans if bool(plan.split.numel()) == with_cut for t in (plan.chunks, plan.slots)]
-              for with_cut in (True, False)]
-    assert bool(groups[0]) == cut
-    for group in (fixed, *(tables for tables in groups if tables)):
+    tables = [t for plan in plans for t in (plan.chunks, plan.slots)]  # the four plans' chunk and slot tables
+    for group in (fixed, tables):
         storages = {t.untyped_storage().data_ptr() for t in group if t.numel()}
         assert len(storages) == 1, storages
     assert all(t.storage_offset() == 0 for t in sized)
     storages = [t.untyped_storage().data_ptr() for t in sized if t.numel()]
     assert len(set(storages)) == len(storages)
     assert all(torch.equal(a, b) for a, b in zip(lists(index), lists(by_torch)))
-    for tables in groups:  # the plans' scratch is not kept: the tables' allocation holds them and little more
-        if tables:
-            held = tables[0].untyped_storage().nbytes()
-            assert held == sum(-(-t.numel() * 4 // 128) * 128 for t in tables)  # each piece padded to 128 bytes
+    # the plans' scratch is not kept: the tables' allocation holds them and little more
+    held = tables[0].untyped_storage().nbytes()
+    assert held == sum(-(-t.numel() * 4 // 128) * 128 for t in tables)  # each piece padded to 128 bytes
 
 
 def test_long_lists_and_causal_cover():
@@ -453,9 +449,9 @@ def _assert_same_index(got, want):
 @settings(max_examples=8, deadline=None)
 @given(case=cut_layouts())
 def test_plans_with_cut_lists_built_on_the_gpu_equal_the_torch_ones(case):
-    """`sparse_flash.index_gpu.plan_sizes` and `split_plan` (one and two Triton launches per plan; here under
-    TRITON_INTERPRET=1, with no torch plan batch; the plans without a cut list by `unsplit_plans`, one launch)
-    build the plans that `mask_index._plan_items` builds where global rows or columns are cut into chunks: the same
+    """`sparse_flash.index_gpu.plan_sizes` (one Triton launch per plan) and `split_plans` (one launch for the four
+    plans, those without a cut list among them; here under TRITON_INTERPRET=1, with no torch plan batch) build
+    the plans that `mask_index._plan_items` builds where global rows or columns are cut into chunks: the same
     items (chunk ranges, scratch slots, order, padding), chunk and slot tables, lead, split lists and slot
     owners, for both causal flags; also where heads have fewer items than others, with the tables' memory
     starting as zeros (a rank without an item once read a slot of another head's row: an illegal address on
@@ -467,7 +463,7 @@ def test_plans_with_cut_lists_built_on_the_gpu_equal_the_torch_ones(case):
     layout, block, Nq, Nk = case
     want = mask_index.build_index(layout, block, Nq, Nk)
     with mock.patch.object(mask_index, "_on_gpu", lambda t: True), \
-            mock.patch.object(index_gpu, "split_plan", wraps=index_gpu.split_plan) as built, \
+            mock.patch.object(index_gpu, "split_plans", wraps=index_gpu.split_plans) as built, \
             mock.patch.object(index_gpu, "plan_sizes", wraps=index_gpu.plan_sizes) as sized, \
             mock.patch.object(index_gpu, "unsplit_plans", wraps=index_gpu.unsplit_plans) as whole, \
             mock.patch.object(mask_index, "_plan_batch", side_effect=AssertionError("the torch plan batch")), \
@@ -475,8 +471,8 @@ def test_plans_with_cut_lists_built_on_the_gpu_equal_the_torch_ones(case):
         got = mask_index.build_index(layout, block, Nq, Nk)
     cut = sum(bool(plan.split.numel()) for flag in (False, True) for plan in want.kernel[flag][4:])
     assert cut > 0
-    assert built.call_count == cut  # each plan with a cut list; the others whole, in one launch for all
-    assert whole.call_count == (cut < 4)
+    assert built.call_count == 1  # the four plans, cut or not, in one launch
+    assert whole.call_count == 0
     assert sized.call_count == 1  # the chunks and sizes of the four plans
     _assert_same_index(got, want)
 
