@@ -9,6 +9,7 @@ with many small torch operators, each a kernel launch of its own:
 - `split_plans`: the same where some lists are cut into chunks (global rows and columns): every chunk an item,
   with its scratch slot, and the split lists' tables;
 - `hash_into`: the seeded draws of the random constructors (`masks._common.hash_draws`);
+- `runs_layout`: the layout of a mask constructor's runs (`mask.layout_from_runs`);
 - `fixed_layout`: the layout of `masks.fixed` where its runs are too many to list.
 
 `mask_index` calls them for tensors on a CUDA device; inside torch.compile the top-k builders (`choose_topk`,
@@ -947,6 +948,47 @@ def _layout_write_kernel(Layout, Kinds, Ends, R0, R1, R2, R3, R4, R5, R6, R7, R8
 
 MAX_CHOOSE = 2048  # key blocks of a row that `choose_topk` ranks in one program (64 registers per thread at 4
 # warps; longer rows take the torch choice)
+
+
+RUNS_TILE = 128  # runs per program of `runs_layout`
+RUN_STEP = 32  # blocks of each run that a step of `runs_layout` writes
+
+
+def runs_layout(runs: torch.Tensor, heads: int, Mq: int, Mk: int) -> torch.Tensor:
+    """bool `(1, heads, Mq, Mk)` on the device of `runs`, holding the blocks of the runs: one fill and one launch,
+    where the torch operators take a dozen (`mask.layout_from_runs`, which gives the same layout).
+
+    Args:
+        runs: int64 `(3, n)`: the rows, starts and ends of `mask_index.BlockRuns` (row `h x Mq + i`, blocks
+            `start .. end - 1`; an empty run, `end <= start`, holds none).
+
+    Example:
+        >>> runs = torch.tensor([[0, 1], [1, 0], [2, 2]], device="cuda")  # doctest: +SKIP
+        >>> runs_layout(runs, 1, 2, 2)[0, 0].tolist()  # doctest: +SKIP
+        [[False, True], [True, True]]
+    """
+    layout = torch.zeros(heads * Mq * Mk, dtype=torch.bool, device=runs.device)
+    n = runs.shape[1]
+    if n:
+        with _on(runs.device):
+            launch(_runs_layout_kernel, (cdiv(n, RUNS_TILE), ), (runs, layout, n, Mk),
+                   dict(RUNS=RUNS_TILE, STEP=RUN_STEP), WARPS, STAGES)
+    return layout.view(1, heads, Mq, Mk)
+
+
+@triton.jit
+def _runs_layout_kernel(Runs, Layout, n, Mk, RUNS: tl.constexpr, STEP: tl.constexpr):
+    """`runs_layout`: runs `[pid x RUNS, +RUNS)`, STEP blocks of each per step, as many steps as the longest."""
+    r = tl.program_id(0) * RUNS + tl.arange(0, RUNS)
+    valid = r < n
+    row = tl.load(Runs + r, mask=valid, other=0)
+    start = tl.load(Runs + n + r, mask=valid, other=0)
+    length = tl.where(valid, tl.load(Runs + 2 * n + r, mask=valid, other=0) - start, 0)
+    first = Layout + row * Mk + start  # int64: rows x Mk may pass 2**31
+    step = tl.arange(0, STEP)
+    for at in range(0, tl.max(length, 0), STEP):
+        inside = (at + step)[None, :] < length[:, None]
+        tl.store(first[:, None] + (at + step)[None, :], inside, mask=inside)  # True wherever it stores
 
 
 FIXED_TILE = 1024  # key blocks per program of `fixed_layout`

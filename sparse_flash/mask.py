@@ -360,17 +360,22 @@ def check_eager(layout: torch.Tensor | None) -> None:
 
 def layout_from_runs(runs: BlockRuns, heads: int, Mq: int, Mk: int, device=None) -> torch.Tensor:
     """bool `(1, heads, Mq, Mk)` on `device` holding the blocks of `runs` (`mask_index.BlockRuns`, CPU tensors): one
-    upload from pinned memory, which does not wait for the device, then a difference array (a start and an end
-    mark per run, summed along each row) or, where every run is one block long, one fill.
+    upload from pinned memory, which does not wait for the device, then where the GPU builders run one fill and
+    one launch (`index_gpu.runs_layout`), else a difference array (a start and an end mark per run, summed along
+    each row) or, where every run is one block long, one fill.
 
     Example:
         >>> runs = BlockRuns(torch.tensor([0, 1]), torch.tensor([1, 0]), torch.tensor([2, 2]))
         >>> layout_from_runs(runs, 1, 2, 2)[0, 0].tolist()
         [[False, True], [True, True]]
     """
-    target = torch.empty(0, device=device).device
-    if target.type == "cuda" and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
+    target = torch.empty(0, device=device)
+    if target.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(_IN_CAPTURE)
+    index_gpu = gpu_builders(target)
+    if index_gpu is not None:  # one fill and one launch
+        return index_gpu.runs_layout(upload(torch.stack(tuple(runs)), target.device), heads, Mq, Mk)
+    target = target.device
     row, start, end = runs
     single = bool(torch.equal(end - start, torch.ones_like(start)))
     width = Mk if single else Mk + 1

@@ -111,6 +111,9 @@ def cases():
            dict(num_warps=4, types={"Layout": "*i1", "Kinds": "*i32", "Summary": "*i32", **ints}))
     yield ("index_gpu.layout_lists: lists", index_gpu._layout_write_kernel, dict(BLOCK0=8192, BLOCK1=8192), (),
            dict(num_warps=4, types={"Layout": "*i1", "Kinds": "*i32", "Ends": "*i32", **ints, **sides}))
+    yield ("index_gpu.runs_layout", index_gpu._runs_layout_kernel,
+           dict(RUNS=index_gpu.RUNS_TILE, STEP=index_gpu.RUN_STEP), (),
+           dict(num_warps=4, types={"Runs": "*i64", "Layout": "*i1", "n": "i32", "Mk": "i32"}))
     yield ("index_gpu.fixed_layout", index_gpu._fixed_layout_kernel,
            dict(CAUSAL=False, HORIZONTAL=True, TILE=index_gpu.FIXED_TILE), (),
            dict(num_warps=4, types={"Layout": "*i1", **{n: "i32" for n in ("M", "local", "width", "patterns")}}))

@@ -528,7 +528,8 @@ def _runs_of(layout: torch.Tensor, rng, mode: str):
        seed=st.integers(0, 10_000))
 def test_run_sizes_and_layouts_equal_the_lists_of_the_layout(H, Mq, Mk, bq, bk, tail_q, tail_k, density, mode, seed):
     """From a layout's runs on the host (`BlockRuns`: cut anywhere, one block each, empty ones among them, in
-    any order), `mask.layout_from_runs` makes the layout and `mask_index.run_sizes` gives the totals of each
+    any order), `mask.layout_from_runs` makes the layout (by the torch operators, and under TRITON_INTERPRET=1 by
+    the GPU builders' launch too) and `mask_index.run_sizes` gives the totals of each
     kind, the longest lists and every list's count that the lists built from the layout hold, for both causal
     flags, with and without sequence tails."""
     import random
@@ -541,6 +542,13 @@ def test_run_sizes_and_layouts_equal_the_lists_of_the_layout(H, Mq, Mk, bq, bk, 
     runs = _runs_of(layout, random.Random(seed), mode)
     made = layout_from_runs(runs, H, Mq, Mk)
     assert torch.equal(made, layout) and made.is_contiguous()
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the GPU builders' one launch (`index_gpu.runs_layout`)
+        from sparse_flash import index_gpu
+
+        with mock.patch.object(mask_index, "_on_gpu", lambda t: True), \
+                mock.patch.object(index_gpu, "runs_layout", wraps=index_gpu.runs_layout) as built:
+            made = layout_from_runs(runs, H, Mq, Mk)
+        assert built.call_count == 1 and torch.equal(made, layout) and made.is_contiguous()
     index = mask_index.build_index(layout, (bq, bk), Nq, Nk)
     got = mask_index.run_sizes(runs, H, (bq, bk), Nq, Nk)
     want = []
