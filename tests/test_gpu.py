@@ -579,9 +579,11 @@ def test_listed_constructors_build_on_the_gpu_without_synchronising(build):
     """The constructors that list their blocks as runs on the host upload them from pinned memory and count
     their lists' sizes there (and the plans of lists cut into chunks; `fixed` with too many runs to list counts
     them from its pattern and makes its layout by device arithmetic): their builds on the GPU never
-    synchronise (CUDA's own record, sync debug mode), and their lists equal those built from the layout alone
-    (which waits)."""
+    synchronise (CUDA's own record, sync debug mode), their layouts (one Triton launch from the runs,
+    `index_gpu.runs_layout`) equal those the torch operators make, and their lists and plans equal both the torch
+    operators' and those built from the layout alone (which waits)."""
     from sparse_flash import BlockMask
+    from sparse_flash.kernels import settings
 
     build()  # warm-up: loads the builders
     torch.cuda.synchronize()
@@ -590,12 +592,16 @@ def test_listed_constructors_build_on_the_gpu_without_synchronising(build):
         m = build()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    want = BlockMask.from_layout(m.layout, m.block_size, seq_len_q=m.seq_len_q, seq_len_k=m.seq_len_k)
-    assert m.nnz == want.nnz
-    for causal in (False, True):
-        for got, ref in zip(m.kernel_index(causal), want.kernel_index(causal)):
-            for name, x, y in zip(got._fields, got, ref):
-                assert torch.equal(x, y), (causal, type(got).__name__, name)
+    with settings.override(gpu_index=False):  # the torch operators: layout, lists and plans
+        by_torch = build()
+    assert torch.equal(m.layout, by_torch.layout)
+    from_layout = BlockMask.from_layout(m.layout, m.block_size, seq_len_q=m.seq_len_q, seq_len_k=m.seq_len_k)
+    for want in (by_torch, from_layout):
+        assert m.nnz == want.nnz
+        for causal in (False, True):
+            for got, ref in zip(m.kernel_index(causal), want.kernel_index(causal)):
+                for name, x, y in zip(got._fields, got, ref):
+                    assert torch.equal(x, y), (causal, type(got).__name__, name)
 
 
 @pytest.mark.parametrize("build", [lambda: masks.butterfly(4096, 128, device="cuda"),
