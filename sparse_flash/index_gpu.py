@@ -401,16 +401,16 @@ def split_plans(plans: list[SplitInput], n: torch.Tensor, firsts: torch.Tensor, 
     device = n.device
     with _on(device):
         for first in range(0, len(plans), MAX_PLANS):
-            slots = list(range(first, min(first + MAX_PLANS, len(plans))))
+            group = list(range(first, min(first + MAX_PLANS, len(plans))))
             args, end = [n, firsts, firsts.shape[1], longest], 0
-            for k, p in enumerate(slots + [slots[0]] * (MAX_PLANS - len(slots))):  # unused slots: never reached
+            for k, p in enumerate(group + [group[0]] * (MAX_PLANS - len(group))):  # unused slots: never reached
                 (counts, full, part, heavy_above), base, sizes, out, lead = plans[p]
                 B, H, M = counts.shape
-                if k < len(slots):
+                if k < len(group):
                     end += B * H
                 args += [counts, *full[:3], *part[:3], *out, lead, base, M, sizes[1], float(heavy_above), B * H, end]
-            block = next_power_of_2(max(plans[p].plan.counts.shape[-1] for p in slots))
-            width = next_power_of_2(max(plans[p].sizes[1] for p in slots))
+            block = next_power_of_2(max(plans[p].plan.counts.shape[-1] for p in group))
+            width = next_power_of_2(max(plans[p].sizes[1] for p in group))
             launch(_split_plans_kernel, (end, ), tuple(args), dict(BLOCK=block, WIDTH=width, FIELDS=FIELDS),
                    4 if width <= 1024 else 8, STAGES)
     return [(*plan.out[:3], plan.lead, *plan.out[3:5]) for plan in plans]
