@@ -853,16 +853,25 @@ def _host_split(inputs: list[_PlanInput], sizes: LayoutSizes, device: torch.devi
     # exclusive prefix sums: the split lists' scratch slots and the split lists (`firsts`), then the items
     sums = torch.nn.functional.pad(torch.stack([n * is_split, is_split, n]).cumsum(1), (1, 0))
     heads = counts[0].shape[0] * counts[0].shape[1]
-    # every (plan, b, h)'s first list, and one past its last: the sums there give each plan's totals (its
-    # first and last bounds) and the items of each of its (b, h)
-    bounds = torch.tensor(base[:-1])[:, None] + torch.tensor(lists_per_head)[:, None] * torch.arange(heads + 1)
-    at = sums[:, bounds]  # (3, plans, heads + 1)
-    slots, split, items, per_head = torch.cat([at[:, :, -1] - at[:, :, 0], at[2].diff(dim=1).amax(1)[None]]).tolist()
+    # the sums at every (plan, b, h)'s first list and one past its last give each plan's totals (its first and
+    # last bounds) and the items of each of its (b, h)
+    at = sums[:, _plan_bounds(tuple(base), tuple(lists_per_head), heads)].tolist()  # (3, plans, heads + 1)
+    slots, split, items = ([row[-1] - row[0] for row in sums_at] for sums_at in at)
+    per_head = [max(b - a for a, b in zip(row, row[1:])) for row in at[2]]
     longest = [m for flag in (False, True) for m in sizes.longest[flag]]
     plan_sizes = [list(row) for row in zip(items, per_head, split, slots, longest)]
     L = base[-1]
     both = upload(torch.cat([n, sums[:2].reshape(-1)]), device)
     return both[:L], both[L:].view(2, L + 1), tuple(base), plan_sizes
+
+
+@functools.lru_cache(maxsize=64)
+def _plan_bounds(base: tuple[int, ...], lists_per_head: tuple[int, ...], heads: int) -> torch.Tensor:
+    """int64 `(plans, heads + 1)` on the host: the first list of each (plan, b, h) of a batch of plans
+    (`_host_split`), then one past the plan's last. Kept per shape; never written. Made as a plain tensor inside
+    a torch.func transform too (as `_row_bounds`)."""
+    with torch._C._DisableFuncTorch():
+        return torch.tensor(base[:-1])[:, None] + torch.tensor(lists_per_head)[:, None] * torch.arange(heads + 1)
 
 
 def _layout_sides_on_gpu(layout: torch.Tensor, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int,
