@@ -191,6 +191,18 @@ def _merged(ranges, limit: int) -> list[tuple[int, int]]:
     return out
 
 
+def _covered(ranges, limit: int) -> torch.Tensor | None:
+    """bool `(limit,)`: the positions inside any of the half-open `ranges` of ints (clipped to `[0, limit)`; empty
+    or overlapping ones allowed), or None where there are no ranges: a start and an end mark per range, summed
+    (a few operators however many ranges, where merging them in Python took a microsecond each)."""
+    if not len(ranges):
+        return None
+    start, end = torch.tensor(ranges, dtype=torch.int64).view(-1, 2).clamp_(0, limit).unbind(1)
+    at = torch.cat([start, torch.maximum(start, end)])  # an empty range: its two marks cancel
+    marks = torch.zeros(limit + 1, dtype=torch.int64).index_add_(0, at, _SIGNS.repeat_interleave(len(start)))
+    return marks.cumsum_(0)[:limit] > 0
+
+
 @one_host_thread()
 def pattern_runs(geo: Geometry, *, band: tuple[torch.Tensor, torch.Tensor] | None = None, columns=(), rows=(),
                  causal: bool = False) -> BlockRuns:
@@ -274,16 +286,11 @@ def _pattern_counts(geo: Geometry, cand: torch.Tensor, lowest: torch.Tensor, key
     mask (a key or query tail; with the flag, from the row's `lowest` key block on). Both flags side by side,
     in a few dozen operators."""
     Mq, Mk = geo.num_blocks_q, geo.num_blocks_k
-    ranges = torch.tensor(_merged(columns, Mk), dtype=torch.int64).view(-1, 2)  # disjoint [start, end) pairs
-    marks = torch.zeros(Mk + 1, dtype=torch.int64).index_add_(0, ranges.flatten(), _SIGNS.repeat(len(ranges)))
-    is_column = marks.cumsum(0)[:Mk] > 0  # (Mk,)
+    is_column = _covered(columns, Mk)  # (Mk,)
+    if is_column is None:
+        is_column = torch.zeros(Mk, dtype=torch.bool)
     in_columns = torch.nn.functional.pad(is_column.cumsum(0), (1, 0))  # (Mk + 1,): [0, x) holds in_columns[x]
-    full_rows = _merged(rows, Mq)
-    full = None  # rows that hold every key block (bool (Mq,)), or None where there are none
-    if full_rows:
-        full = torch.zeros(Mq, dtype=torch.bool)
-        for start, end in full_rows:
-            full[start:end] = True
+    full = _covered(rows, Mq)  # rows that hold every key block (bool (Mq,)), or None where there are none
     if band is None:
         low = high = torch.zeros(Mq, dtype=torch.int64)
     else:
