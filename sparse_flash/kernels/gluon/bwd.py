@@ -203,7 +203,12 @@ def _finite_keys(K, k_row, col0, KEYS: gl.constexpr, DQ_D: gl.constexpr, HEAD_D:
     return ok
 
 
-@gluon.jit(noinline=True)
+# Triton 3.8 cannot lower a call that is not inlined inside a warp-specialised partition ("function missing
+# 'ws_num_warps' attribute"); 3.6, 3.7 and 3.9 can. There the exact path is inlined (more spills, same results).
+_EXACT_DQ_OUT_OF_LINE = not triton.__version__.startswith("3.8.")
+
+
+@gluon.jit(noinline=_EXACT_DQ_OUT_OF_LINE)
 def _exact_dq_into(out, q, do, lse_s, delta_s, K, V, k_row, key0, q_tok, qk_scale, col0, KEYS: gl.constexpr,
                    blk: gl.constexpr):
     """dS K of a causal diagonal tile over its allowed pairs only (key <= query), into shared memory `out`
@@ -211,9 +216,10 @@ def _exact_dq_into(out, q, do, lse_s, delta_s, K, V, k_row, key0, q_tok, qk_scal
     row `k_row` (sequence position `key0`), dQ columns [col0, col0 + DQ_D). S and dP from Q and dO (shared
     memory, (BM, D)) and K and V (global memory), with the rows' lse (log2 units, `_prepare_kernel`) and delta
     (shared memory); dS rounded to
-    the inputs' dtype as the tensor cores take it. `blk`: a blocked layout of (16, D) tiles. Not inlined: a
-    rare path (non-finite inputs) whose registers ptxas otherwise spills around the whole causal step (D = 128:
-    832 -> 392 spill bytes, of which far fewer in the compute partitions; GPU A/B pending)."""
+    the inputs' dtype as the tensor cores take it. `blk`: a blocked layout of (16, D) tiles. Not inlined
+    (except on Triton 3.8, `_EXACT_DQ_OUT_OF_LINE`): a rare path (non-finite inputs) whose registers ptxas
+    otherwise spills around the whole causal step (D = 128: 832 -> 392 spill bytes, of which far fewer in the
+    compute partitions; GPU A/B pending)."""
     BM: gl.constexpr = q.shape[0]
     HEAD_D: gl.constexpr = q.shape[1]
     DQ_D: gl.constexpr = out.shape[1]
