@@ -141,8 +141,10 @@ def hopper_parts(q, k, v, do, index, geometry, causal: bool) -> dict:
 BUILD_PHASES = {  # module: functions timed per build (`--builds`), as the constructors reach them
     "sparse_flash.mask": ("layout_from_runs", "run_sizes", "build_index"),
     "sparse_flash.mask_index": ("_layout_sides_on_gpu", "_plans_on_gpu", "_unsplit_plans_on_gpu", "_split_plans_on_gpu",
-                                "_host_split", "_plan_sizes_on_gpu"),
+                                "_host_split", "_plan_sizes_on_gpu", "upload"),
     "sparse_flash.masks._common": ("pattern_runs", "pattern_sizes", "make", "make_from_runs"),
+    "sparse_flash.masks.butterfly": ("_host_butterfly", ),
+    "sparse_flash.index_gpu": ("runs_layout", "layout_lists"),
 }
 
 
