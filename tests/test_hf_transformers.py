@@ -288,6 +288,15 @@ def test_plan_of_a_decoding_step_and_of_a_chunk():
     assert rows == [False, False, True, True]  # dummy block rows in front are empty
 
 
+def test_a_plan_passes_for_a_prepared_mask():
+    """generate with a static cache treats the plan as the 4-D mask it prepared: it reads `ndim` and (transformers
+    5.20 and earlier 5.x) takes `contiguous()`, which must give the same plan back."""
+    config = llama_config()
+    config.sparse_flash = LOCAL
+    plan = plan_call(config, q_length=50, kv_length=512, q_offset=150, causal=True)
+    assert plan.ndim == 4 and plan.contiguous() is plan
+
+
 def test_one_call_plan_per_forward_serves_every_layer(monkeypatch):
     _, ours = pair("llama", LOCAL)
     seen = []

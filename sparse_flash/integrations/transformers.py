@@ -250,6 +250,11 @@ class CallPlan:
     error: str | None = None
     ndim = 4  # transformers passes a plan made ahead (generate with a static cache) through as a prepared mask
 
+    def contiguous(self) -> "CallPlan":
+        """The plan itself: generate with a static cache asks the mask it prepares for a contiguous copy
+        (transformers 5.20 and earlier 5.x); a plan holds no strided data and never changes."""
+        return self
+
     def run(self, query, key, value, scale) -> torch.Tensor:
         """Attention `(B, Hq, Nq, D)` for `query (B, Hq, Nq, D)`, `key`, `value (B, Hkv, Nk, D)`."""
         if self.error is not None:
