@@ -11,7 +11,7 @@ from torch.autograd import forward_ad
 
 from .kernels import settings
 from .mask import BlockMask
-from .checks import finite_float, is_bool, triton_blocks
+from .checks import finite_float, is_bool, triton_blocks, triton_problem
 
 BACKENDS = ("auto", "reference", "torch", "triton")
 HEAD_DIM_RANGE = (8, 256)
@@ -21,37 +21,11 @@ _DENSE = object()  # stands for the all-ones mask in flash_attention
 FLOAT32_SCALE_LIMIT = torch.finfo(torch.float32).max / 1.4426950408889634  # |scale| x log2(e) within float32
 
 
-_TRITON_INSTALLED = {}  # {"installed": bool}, filled by the first `_triton_installed()` outside torch.compile
-
-
-def _triton_installed() -> bool:
-    """Whether Triton imports, asked once (a failed import searches the path again on every call). Inside
-    torch.compile the function runs as it is and its answer is a constant of the graph (marked below): no guard
-    on the cache, so a first call made compiled and the eager calls that fill the cache after it share one
-    graph. The cache is written outside torch.compile only (a write in a trace is a side effect, which Dynamo
-    refuses inside `torch.utils.checkpoint`), for a Dynamo that would trace the function after all."""
-    installed = _TRITON_INSTALLED.get("installed")
-    if installed is None:
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            installed = False
-        else:
-            installed = True
-        if not torch.compiler.is_compiling():
-            _TRITON_INSTALLED["installed"] = installed
-    return installed
-
-
-# What `torch.compiler.assume_constant_result` sets; calling it here would import Dynamo, and Triton with it, on
-# `import sparse_flash`.
-_triton_installed._dynamo_marked_constant = True
-
-
 def triton_unavailable_reason(device: torch.device) -> str | None:
     """Why the triton backend cannot run on `device`, or None when it can."""
-    if not _triton_installed():
-        return "triton is not installed (pip install sparse-flash[triton])"
+    problem = triton_problem()
+    if problem is not None:
+        return problem
     if device.type == "cuda":
         return None
     if device.type == "cpu" and settings.interpreting():

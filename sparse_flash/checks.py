@@ -180,3 +180,48 @@ def picture_path(path):
     if not os.path.isdir(folder):
         raise ValueError(f"path: the folder {folder!r} of {name!r} does not exist")
     return path
+
+
+TRITON_FLOOR, TORCH_FLOOR = (3, 6), (2, 11)  # the oldest versions the triton backend is tested on (docs/testing.md)
+_TRITON_PROBLEM = {}  # {"reason": str | None}, filled by the first `triton_problem()` outside torch.compile
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    """`(major, minor)` of a version string such as "3.6.0" or "2.11.0+cu130".
+
+    Example:
+        >>> _major_minor("2.11.0+cu130")
+        (2, 11)
+    """
+    major, minor = (version.split("+")[0].split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def triton_problem() -> str | None:
+    """Why the triton backend cannot run anywhere (Triton missing, or Triton or torch older than the tested
+    floors `TRITON_FLOOR`, `TORCH_FLOOR`), or None; asked once (a failed import searches the path again on every
+    call). Inside torch.compile the function runs as it is and its answer is a constant of the graph (marked
+    below): no guard on the cache, so a first call made compiled and the eager calls that fill the cache after
+    it share one graph. The cache is written outside torch.compile only (a write in a trace is a side effect,
+    which Dynamo refuses inside `torch.utils.checkpoint`), for a Dynamo that would trace the function after all."""
+    if "reason" in _TRITON_PROBLEM:
+        return _TRITON_PROBLEM["reason"]
+    try:
+        import triton
+    except ImportError:
+        reason = "triton is not installed (pip install sparse-flash[triton])"
+    else:
+        found = (_major_minor(triton.__version__), _major_minor(torch.__version__))
+        reason = None
+        if found[0] < TRITON_FLOOR or found[1] < TORCH_FLOOR:
+            reason = (f"the triton kernels need triton >= {'.'.join(map(str, TRITON_FLOOR))} and torch >= "
+                      f"{'.'.join(map(str, TORCH_FLOOR))}, found triton {triton.__version__} and torch "
+                      f"{torch.__version__} (pip install -U torch triton)")
+    if not torch.compiler.is_compiling():
+        _TRITON_PROBLEM["reason"] = reason
+    return reason
+
+
+# What `torch.compiler.assume_constant_result` sets; calling it here would import Dynamo, and Triton with it, on
+# `import sparse_flash`.
+triton_problem._dynamo_marked_constant = True

@@ -503,11 +503,14 @@ def _on_gpu(t: torch.Tensor) -> bool:
 
 
 def _index_gpu():
-    """`sparse_flash.index_gpu`, or None without Triton."""
-    try:
-        from . import index_gpu
-    except ImportError:
+    """`sparse_flash.index_gpu`, or None without a Triton (and torch) that the kernels are tested on
+    (`checks.triton_problem`)."""
+    from .checks import triton_problem
+
+    if triton_problem() is not None:
         return None
+    from . import index_gpu
+
     return index_gpu
 
 

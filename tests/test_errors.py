@@ -70,6 +70,33 @@ def test_explicit_triton_backend_never_falls_back(monkeypatch):
     assert out.shape == q.shape
 
 
+@pytest.mark.parametrize("triton_version,torch_version", [("3.1.0", None), ("3.5.1", None), (None, "2.10.0+cu128")])
+def test_an_untested_triton_or_torch_is_a_clear_error_and_builds_masks_without_triton(monkeypatch, triton_version,
+                                                                                      torch_version):
+    """Older than the tested floors (`checks.TRITON_FLOOR`, `TORCH_FLOOR`; pyproject's requirements): an
+    explicit triton backend says which versions it needs and found, auto takes the torch backend, and masks are
+    built by the torch operators (no Triton launch)."""
+    triton = pytest.importorskip("triton")
+    from sparse_flash import checks, mask_index
+
+    monkeypatch.setattr(checks, "_TRITON_PROBLEM", {})  # asked again under the patched versions
+    if triton_version is not None:
+        monkeypatch.setattr(triton, "__version__", triton_version)
+    if torch_version is not None:
+        monkeypatch.setattr(torch, "__version__", torch_version)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = qkv()
+    with pytest.raises(RuntimeError, match=r"backend='triton' was requested but cannot run: the triton kernels need "
+                                           r"triton >= 3\.6 and torch >= 2\.11, found triton .* and torch "):
+        call(q, k, v, backend="triton")
+    assert call(q, k, v, backend="auto").shape == q.shape
+    assert mask_index._index_gpu() is None
+    monkeypatch.setattr(checks, "_TRITON_PROBLEM", {})  # the floors themselves pass
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(torch, "__version__", "2.11.0")
+    assert checks.triton_problem() is None
+
+
 @pytest.mark.skipif(not triton_usable(), reason="triton is not usable here")
 def test_triton_rejects_float64_and_odd_blocks():
     q, k, v = qkv(dtype=torch.float64)
