@@ -380,15 +380,15 @@ def _mask_mods(ours: sparse_flash.BlockMask):
 LOCAL_WINDOW = 3
 
 
-def mask_builders() -> dict:
-    """The constructors whose builds `mask_costs` times, each `n -> BlockMask` on the GPU."""
+def mask_builders(device="cuda") -> dict:
+    """The constructors whose builds `mask_costs` times, each `n -> BlockMask` on `device`."""
     return {
-        "butterfly": lambda n: masks.butterfly(n, BLOCK, device="cuda"),
-        "local": lambda n: masks.local(n, BLOCK, window=LOCAL_WINDOW, device="cuda"),
-        "random": lambda n: masks.random(n, BLOCK, density=0.1, seed=0, device="cuda"),
-        "bigbird": lambda n: masks.bigbird(n, BLOCK, seed=0, device="cuda"),
-        "fixed": lambda n: masks.fixed(n, BLOCK, device="cuda"),  # 131,584 runs at 65,536 tokens: counted from the pattern
-        "longformer": lambda n: masks.longformer(n, BLOCK, device="cuda"),
+        "butterfly": lambda n: masks.butterfly(n, BLOCK, device=device),
+        "local": lambda n: masks.local(n, BLOCK, window=LOCAL_WINDOW, device=device),
+        "random": lambda n: masks.random(n, BLOCK, density=0.1, seed=0, device=device),
+        "bigbird": lambda n: masks.bigbird(n, BLOCK, seed=0, device=device),
+        "fixed": lambda n: masks.fixed(n, BLOCK, device=device),  # 131,584 runs at 65,536 tokens: counted from the pattern
+        "longformer": lambda n: masks.longformer(n, BLOCK, device=device),
     }
 
 

@@ -201,6 +201,63 @@ def build_phases(n: int = 65536, repeats: int = 30) -> dict:
                          "device_records": len(device)}
             print(f"{name:10} {out[name]['ms']:.3f} ms (min {out[name]['min_ms']:.3f}), {len(device)} device records; "
                   + ", ".join(f"{k} {v:.0f} us" for k, v in phases.items()), flush=True)
+    out["host_only"] = host_only_builds(n, repeats)
+    return out
+
+
+def host_only_builds(n: int = 65536, repeats: int = 30) -> dict:
+    """The same builds with every tensor on the host and the Triton launches stubbed (the GPU builders' host
+    code, as the development CPU times it: tuning log, step 137), then the median microseconds of a few single
+    operators on the host and on the GPU, and each build's host profile (the 25 functions with the most own
+    time). Compared with `build_phases`' times on the same machine, it splits a build's time into host code
+    and what the CUDA tensors and launches add."""
+    import statistics
+    import time
+    from unittest import mock
+
+    from bench_attention import mask_builders
+    from sparse_flash import index_gpu, mask_index
+    from sparse_flash.kernels import schedule
+
+    def median_us(f, reps=200):
+        for _ in range(10):
+            f()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - start)
+        return 1e6 * statistics.median(times)
+
+    a, g = torch.arange(512), torch.arange(512, device="cuda")
+    out = {"ops_us": {
+        "host add (512)": median_us(lambda: a + 1),
+        "host empty (512)": median_us(lambda: torch.empty(512, dtype=torch.int64)),
+        "host as_strided": median_us(lambda: a.as_strided((256,), (1,), 8)),
+        "cuda add (512)": median_us(lambda: g + 1),
+        "cuda empty (512)": median_us(lambda: torch.empty(512, dtype=torch.int64, device="cuda")),
+        "cuda zeros (512)": median_us(lambda: torch.zeros(512, dtype=torch.int64, device="cuda")),
+        "cuda as_strided": median_us(lambda: g.as_strided((256,), (1,), 8)),
+        "python loop (1000 adds)": median_us(lambda: sum(range(1000)))}}
+    torch.cuda.synchronize()
+    def stub(*args, **kwargs):  # a launch that does nothing
+        return None
+
+    with mock.patch.object(mask_index, "_on_gpu", lambda t: True), mock.patch.object(index_gpu, "launch", stub), \
+            mock.patch.object(schedule, "launch", stub):
+        builders = {name: f for name, f in mask_builders(device="cpu").items() if name in ("butterfly", "local")}
+        for name, build in builders.items():
+            out[name] = {"us": median_us(lambda: build(n), repeats)}
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(repeats):
+                build(n)
+            profile.disable()
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+            out[name]["profile"] = text.getvalue()
+            print(f"{name:10} host only {out[name]['us']:.0f} us", flush=True)
+    print(", ".join(f"{k} {v:.1f} us" for k, v in out["ops_us"].items()), flush=True)
     return out
 
 
