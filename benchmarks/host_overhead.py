@@ -218,6 +218,7 @@ def host_only_builds(n: int = 65536, repeats: int = 30) -> dict:
     from bench_attention import mask_builders
     from sparse_flash import index_gpu, mask_index
     from sparse_flash.kernels import schedule
+    from sparse_flash.kernels.launch import _arg_key
 
     def median_us(f, reps=200):
         for _ in range(10):
@@ -243,9 +244,19 @@ def host_only_builds(n: int = 65536, repeats: int = 30) -> dict:
     def stub(*args, **kwargs):  # a launch that does nothing
         return None
 
+    def keyed(kernel, grid, args, constexprs, *rest, **kwargs):  # the direct launch's key and pointer reads only
+        key = (id(kernel), *constexprs.values(), *[a if a.__class__ is int else _arg_key(a) for a in args])
+        pointers = [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
+        return key, pointers
+
+    builders = {name: f for name, f in mask_builders(device="cpu").items() if name in ("butterfly", "local")}
+    for launcher in (keyed, ):
+        with mock.patch.object(mask_index, "_on_gpu", lambda t: True), \
+                mock.patch.object(index_gpu, "launch", launcher), mock.patch.object(schedule, "launch", launcher):
+            for name, build in builders.items():
+                out[f"{name} keyed"] = median_us(lambda: build(n), repeats)
     with mock.patch.object(mask_index, "_on_gpu", lambda t: True), mock.patch.object(index_gpu, "launch", stub), \
             mock.patch.object(schedule, "launch", stub):
-        builders = {name: f for name, f in mask_builders(device="cpu").items() if name in ("butterfly", "local")}
         for name, build in builders.items():
             out[name] = {"us": median_us(lambda: build(n), repeats)}
             profile = cProfile.Profile()
@@ -256,7 +267,8 @@ def host_only_builds(n: int = 65536, repeats: int = 30) -> dict:
             text = io.StringIO()
             pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
             out[name]["profile"] = text.getvalue()
-            print(f"{name:10} host only {out[name]['us']:.0f} us", flush=True)
+            print(f"{name:10} host only {out[name]['us']:.0f} us (with the launches' keys {out[name + ' keyed']:.0f})",
+                  flush=True)
     print(", ".join(f"{k} {v:.1f} us" for k, v in out["ops_us"].items()), flush=True)
     return out
 
