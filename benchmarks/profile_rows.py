@@ -1,9 +1,10 @@
 """Where the time of a benchmark row goes: GPU kernel time against wall time per call.
 
 For each row and competitor (causal where the benchmark's row is) it reports the `do_bench` median (what
-bench_attention.py reports), the summed GPU kernel time of one call from the profiler (in all and per kernel),
-and the host time per call, so a row that is bound by Python and launch overhead rather than by its kernels
-shows as wall >> kernel time.
+bench_attention.py reports), the summed GPU kernel time of one call from the profiler (in all and per kernel;
+also with the L2 cache flushed before each call, as `do_bench` flushes it), and the host time per call, so a
+row that is bound by Python and launch overhead rather than by its kernels shows as wall >> kernel time, and
+one whose `do_bench` time exceeds its flushed kernel time has idle gaps between its launches.
 
     python benchmarks/profile_rows.py --out rows.json [--rows d128]
     python benchmarks/profile_rows.py --out rows.json --rows slowest   # the lowest rows vs flex, per kernel
@@ -33,17 +34,24 @@ ROWS = {  # (B, H, N, D, mask[, Hkv])
 }
 
 
-def kernel_us(step, reps=10) -> dict:
-    """Device time of each kernel one call launches (profiler), in microseconds, by kernel name."""
+def kernel_us(step, reps=10, before=None) -> dict:
+    """Device time of each kernel one call launches (profiler), in microseconds, by kernel name. `before`: run
+    ahead of every call (`do_bench`'s L2 flush), its kernels left out of the result."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
+            if before is not None:
+                before()
             step()
         torch.cuda.synchronize()
-    return {e.key: e.self_device_time_total / reps for e in prof.key_averages() if e.self_device_time_total > 0}
+    own = {e.key: e.self_device_time_total / reps for e in prof.key_averages() if e.self_device_time_total > 0}
+    if before is not None:
+        for name in kernel_us(before, reps):
+            own.pop(name, None)
+    return own
 
 
 def host_us(step, reps=30, warmup=0, burst=8) -> float:
@@ -75,8 +83,12 @@ def measure(step, grad_of=None):
         return step()
 
     kernels = kernel_us(fresh)
+    # the same with the L2 cache flushed before every call, as `do_bench` flushes it (a 256 MB fill)
+    flush = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda").zero_
+    flushed = kernel_us(fresh, before=flush)
     return {"bench_ms": do_bench(step, warmup=25, rep=100, grad_to_none=grad_of, return_mode="median"),
-            "kernel_us": sum(kernels.values()), "kernels_us": kernels, "host_us": host_us(fresh)}
+            "kernel_us": sum(kernels.values()), "kernels_us": kernels, "flushed_kernel_us": sum(flushed.values()),
+            "flushed_kernels_us": flushed, "host_us": host_us(fresh)}
 
 
 def main():
@@ -107,10 +119,10 @@ def main():
             print(results[-2], results[-1], flush=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
-    print(f"{'row':36} {'impl':5} {'mode':8} {'bench ms':>9} {'kernel ms':>9} {'host ms':>8}")
+    print(f"{'row':36} {'impl':5} {'mode':8} {'bench ms':>9} {'kernel ms':>9} {'flushed':>9} {'host ms':>8}")
     for r in results:
         print(f"{str(r['row']):36} {r['impl']:5} {r['mode']:8} {r['bench_ms']:9.3f} {r['kernel_us'] / 1e3:9.3f} "
-              f"{r['host_us'] / 1e3:8.3f}")
+              f"{r['flushed_kernel_us'] / 1e3:9.3f} {r['host_us'] / 1e3:8.3f}")
     for r in results:
         if r["impl"] == "ours":
             print(r["row"], r["mode"], {name[:40]: round(us, 1) for name, us in r["kernels_us"].items()})
