@@ -105,12 +105,13 @@ def cases():
                dict(CAUSAL=causal, BLOCK=block),
                (), dict(num_warps=warps, types={"Scores": "*fp32", "Counts": "*i64", "Cand": "*i64", "Selected": "*i64",
                                             "Layout": "*i1", "H": "i32", **ints}))
-    sides = {f"{side}{n}": "*i32" for side in "RC" for n in range(18)}  # both sides' lists of both flags
+    sides = {f"{side}{n}": "*i32" for side in "RC" for n in range(6)}  # both sides' entries of each kind
     yield ("index_gpu.layout_lists: counts", index_gpu._layout_counts_kernel,
            dict(BLOCK0=8192, BLOCK1=8192, SUMMARY=index_gpu.SUMMARY), (),
            dict(num_warps=4, types={"Layout": "*i1", "Kinds": "*i32", "Summary": "*i32", **ints}))
-    yield ("index_gpu.layout_lists: lists", index_gpu._layout_write_kernel, dict(BLOCK0=8192, BLOCK1=8192), (),
-           dict(num_warps=4, types={"Layout": "*i1", "Kinds": "*i32", "Ends": "*i32", **ints, **sides}))
+    yield ("index_gpu.layout_lists: lists", index_gpu._layout_write_kernel,
+           dict(BLOCK0=8192, BLOCK1=8192, ALIGN=index_gpu.ALIGN), (),
+           dict(num_warps=4, types={"Layout": "*i1", "Kinds": "*i32", "Ends": "*i32", "Shared": "*i32", **ints, **sides}))
     yield ("index_gpu.runs_layout", index_gpu._runs_layout_kernel,
            dict(RUNS=index_gpu.RUNS_TILE, STEP=index_gpu.RUN_STEP), (),
            dict(num_warps=4, types={"Runs": "*i64", "Layout": "*i1", "n": "i32", "Mk": "i32"}))
