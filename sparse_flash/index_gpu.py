@@ -831,11 +831,13 @@ def _layout_lists(layout, B, H, Mq, Mk, device, geometry, known):
     pieces = iter(pieces)
     for key in keys:
         made[key] = [(next(pieces), next(pieces), next(pieces)) for _ in range(3)]
-    # the launch takes the shared allocation whole (the kernel finds each list's counts and offsets in it, as
-    # `_shared_lists` places them) and each kind's entries: 15 tensors where every piece took 39 (each tensor
-    # argument costs the launch host time)
-    launch(_layout_write_kernel, (rows + cols, ), (layout, kinds, ends, *allocations, rows, cols, *totals, *geometry),
-           dict(**blocks, ALIGN=ALIGN), WARPS, STAGES)
+    # the launch takes the shared allocation whole and each kind's entries: 16 tensors where every piece took 39
+    # (each tensor argument costs the launch host time). A kind's counts and offsets take `kind_size` ints of the
+    # shared allocation (as `int32_arena` pads them)
+    kind_size = [-(-n // ALIGN) * ALIGN + -(-(n + 1) // ALIGN) * ALIGN for n in (rows, cols)]
+    launch(_layout_write_kernel, (rows + cols, ),
+           (layout, kinds, ends, *allocations, rows, cols, *kind_size, *totals, *geometry), dict(**blocks, ALIGN=ALIGN),
+           WARPS, STAGES)
     out = {flag: (made[0, flag], made[1, flag]) for flag in (False, True)}
     return out, sizes, {False: (row_f, col_f), True: (row_t, col_t)}
 
@@ -912,60 +914,44 @@ def _write_kind(Counts, Offsets, Indices, Kinds, Ends, before, kind, stride, lst
 
 
 @triton.jit
-def _padded(n, ALIGN: tl.constexpr):
-    """n rounded up to a multiple of ALIGN."""
-    return tl.cdiv(n, ALIGN) * ALIGN
-
-
-@triton.jit
-def _shared_lists(Shared, side: tl.constexpr, kind: tl.constexpr, rows, cols, ALIGN: tl.constexpr):
-    """Where `layout_lists` placed the counts and offsets of one side's lists of one kind (`int32_arena` of its
-    shapes: rows, then columns; in each side the `KINDS` kinds in order, each the counts of its lists, then their
-    offsets, one more; each piece padded to ALIGN ints): `(Counts, Offsets)`."""
-    lists = rows if side == 0 else cols
-    first = 0 if side == 0 else 6 * (_padded(rows, ALIGN) + _padded(rows + 1, ALIGN))  # 6: `KINDS`
-    counts = Shared + first + kind * (_padded(lists, ALIGN) + _padded(lists + 1, ALIGN))
-    return counts, counts + _padded(lists, ALIGN)
-
-
-@triton.jit
-def _write_lists(Layout, Kinds, Ends, Shared, I0, I1, I2, I3, I4, I5, lst, rows, cols, stride, t0, t1, t2, t3, t4, t5,
-                 Mq, Mk, bq, bk, seq_len_q, seq_len_k, SIDE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+def _write_lists(Layout, Kinds, Ends, Counts, I0, I1, I2, I3, I4, I5, lst, lists, kind_size, stride, t0, t1, t2, t3, t4,
+                 t5, Mq, Mk, bq, bk, seq_len_q, seq_len_k, SIDE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
     """List `lst` of one side: its live, full and partial lists for both causal flags (kinds 0-2: without the
-    flag, 3-5: with it; `I0`..`I5` their entries, the counts and offsets in Shared, `_shared_lists`), from one
-    read of its layout row or column; `t0`..`t5` the entries of each kind before this side's (the columns':
-    every row's)."""
+    flag, 3-5: with it; `I0`..`I5` their entries), from one read of its layout row or column. The side's counts
+    of kind k start at `Counts + k * kind_size`, their offsets `lists` (padded to ALIGN) after them. `t0`..`t5`:
+    the entries of each kind before this side's (the columns': every row's)."""
     idx, on, part, live_c, part_c = _list_entries(Layout, lst, Mq, Mk, bq, bk, seq_len_q, seq_len_k, SIDE, BLOCK)
-    lists = rows if SIDE == 0 else cols
-    counts, offsets = _shared_lists(Shared, SIDE, 0, rows, cols, ALIGN)
-    _write_kind(counts, offsets, I0, Kinds, Ends, t0, 0, stride, lst, lists, idx, on)
-    counts, offsets = _shared_lists(Shared, SIDE, 1, rows, cols, ALIGN)
-    _write_kind(counts, offsets, I1, Kinds, Ends, t1, 1, stride, lst, lists, idx, on ^ part)
-    counts, offsets = _shared_lists(Shared, SIDE, 2, rows, cols, ALIGN)
-    _write_kind(counts, offsets, I2, Kinds, Ends, t2, 2, stride, lst, lists, idx, part)
-    counts, offsets = _shared_lists(Shared, SIDE, 3, rows, cols, ALIGN)
-    _write_kind(counts, offsets, I3, Kinds, Ends, t3, 3, stride, lst, lists, idx, live_c)
-    counts, offsets = _shared_lists(Shared, SIDE, 4, rows, cols, ALIGN)
-    _write_kind(counts, offsets, I4, Kinds, Ends, t4, 4, stride, lst, lists, idx, live_c ^ part_c)
-    counts, offsets = _shared_lists(Shared, SIDE, 5, rows, cols, ALIGN)
-    _write_kind(counts, offsets, I5, Kinds, Ends, t5, 5, stride, lst, lists, idx, part_c)
+    after = tl.cdiv(lists, ALIGN) * ALIGN  # a kind's offsets follow its counts
+    _write_kind(Counts, Counts + after, I0, Kinds, Ends, t0, 0, stride, lst, lists, idx, on)
+    c = Counts + kind_size
+    _write_kind(c, c + after, I1, Kinds, Ends, t1, 1, stride, lst, lists, idx, on ^ part)
+    c += kind_size
+    _write_kind(c, c + after, I2, Kinds, Ends, t2, 2, stride, lst, lists, idx, part)
+    c += kind_size
+    _write_kind(c, c + after, I3, Kinds, Ends, t3, 3, stride, lst, lists, idx, live_c)
+    c += kind_size
+    _write_kind(c, c + after, I4, Kinds, Ends, t4, 4, stride, lst, lists, idx, live_c ^ part_c)
+    c += kind_size
+    _write_kind(c, c + after, I5, Kinds, Ends, t5, 5, stride, lst, lists, idx, part_c)
 
 
 @triton.jit
 def _layout_write_kernel(Layout, Kinds, Ends, Shared, R0, R1, R2, R3, R4, R5, C0, C1, C2, C3, C4, C5, rows, cols,
-                         t0, t1, t2, t3, t4, t5, H, Mq, Mk, bq, bk, seq_len_q, seq_len_k, BLOCK0: tl.constexpr,
-                         BLOCK1: tl.constexpr, ALIGN: tl.constexpr):
+                         row_kind, col_kind, t0, t1, t2, t3, t4, t5, H, Mq, Mk, bq, bk, seq_len_q, seq_len_k,
+                         BLOCK0: tl.constexpr, BLOCK1: tl.constexpr, ALIGN: tl.constexpr):
     """Program p: the lists of row p (p < rows; R0..R5 the entries of its side's live, full and partial lists
-    without, then with the causal flag), else of column p - rows (C0..C5); every list's counts and offsets in
-    Shared (`_shared_lists`); Kinds and Ends `(KINDS, rows + cols)`: each list's counts and their running sums,
-    rows first, so a column's ends are past every row's entries of their kind (`t0`..`t5`)."""
+    without, then with the causal flag), else of column p - rows (C0..C5). Every list's counts and offsets lie
+    in Shared as `layout_lists` placed them: each side's (rows first) six kinds in order, `row_kind` (`col_kind`)
+    ints a kind. Kinds and Ends `(KINDS, rows + cols)`: each list's counts and their running sums, rows first, so
+    a column's ends are past every row's entries of their kind (`t0`..`t5`)."""
     p = tl.program_id(0)
     if p < rows:
-        _write_lists(Layout, Kinds + p, Ends + p, Shared, R0, R1, R2, R3, R4, R5, p, rows, cols, rows + cols, 0, 0,
-                     0, 0, 0, 0, Mq, Mk, bq, bk, seq_len_q, seq_len_k, 0, BLOCK0, ALIGN)
+        _write_lists(Layout, Kinds + p, Ends + p, Shared, R0, R1, R2, R3, R4, R5, p, rows, row_kind, rows + cols,
+                     0, 0, 0, 0, 0, 0, Mq, Mk, bq, bk, seq_len_q, seq_len_k, 0, BLOCK0, ALIGN)
     else:
-        _write_lists(Layout, Kinds + p, Ends + p, Shared, C0, C1, C2, C3, C4, C5, p - rows, rows, cols, rows + cols,
-                     t0, t1, t2, t3, t4, t5, Mq, Mk, bq, bk, seq_len_q, seq_len_k, 1, BLOCK1, ALIGN)
+        _write_lists(Layout, Kinds + p, Ends + p, Shared + 6 * row_kind, C0, C1, C2, C3, C4, C5, p - rows, cols,
+                     col_kind, rows + cols, t0, t1, t2, t3, t4, t5, Mq, Mk, bq, bk, seq_len_q, seq_len_k, 1, BLOCK1,
+                     ALIGN)  # 6: `KINDS`
 
 
 MAX_CHOOSE = 2048  # key blocks of a row that `choose_topk` ranks in one program (64 registers per thread at 4

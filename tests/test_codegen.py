@@ -111,7 +111,8 @@ def cases():
            dict(num_warps=4, types={"Layout": "*i1", "Kinds": "*i32", "Summary": "*i32", **ints}))
     yield ("index_gpu.layout_lists: lists", index_gpu._layout_write_kernel,
            dict(BLOCK0=8192, BLOCK1=8192, ALIGN=index_gpu.ALIGN), (),
-           dict(num_warps=4, types={"Layout": "*i1", "Kinds": "*i32", "Ends": "*i32", "Shared": "*i32", **ints, **sides}))
+           dict(num_warps=4, types={"Layout": "*i1", "Kinds": "*i32", "Ends": "*i32", "Shared": "*i32", "row_kind": "i32",
+                                    "col_kind": "i32", **ints, **sides}))
     yield ("index_gpu.runs_layout", index_gpu._runs_layout_kernel,
            dict(RUNS=index_gpu.RUNS_TILE, STEP=index_gpu.RUN_STEP), (),
            dict(num_warps=4, types={"Runs": "*i64", "Layout": "*i1", "n": "i32", "Mk": "i32"}))
