@@ -3,8 +3,9 @@
 For each row and competitor (causal where the benchmark's row is) it reports the `do_bench` median (what
 bench_attention.py reports), the summed GPU kernel time of one call from the profiler (in all and per kernel;
 also with the L2 cache flushed before each call, as `do_bench` flushes it), and the host time per call, so a
-row that is bound by Python and launch overhead rather than by its kernels shows as wall >> kernel time, and
-one whose `do_bench` time exceeds its flushed kernel time has idle gaps between its launches.
+row that is bound by Python and launch overhead rather than by its kernels shows as wall >> kernel time. A
+`do_bench` time above the flushed kernel time is either idle time between launches (a fixed amount per call) or
+kernels running slower under `do_bench`'s longer load (growing with the kernel: tuning log, step 140).
 
     python benchmarks/profile_rows.py --out rows.json [--rows d128]
     python benchmarks/profile_rows.py --out rows.json --rows slowest   # the lowest rows vs flex, per kernel
