@@ -5,7 +5,8 @@ bench_attention.py reports), the summed GPU kernel time of one call from the pro
 also with the L2 cache flushed before each call, as `do_bench` flushes it), and the host time per call, so a
 row that is bound by Python and launch overhead rather than by its kernels shows as wall >> kernel time. A
 `do_bench` time above the flushed kernel time is either idle time between launches (a fixed amount per call) or
-kernels running slower under `do_bench`'s longer load (growing with the kernel: tuning log, step 140).
+kernels running slower under `do_bench`'s longer load (growing with the kernel: tuning log, step 140), which
+the `sustained` times show: the first 10 of 200 back-to-back calls after a second idle against the last 100.
 
     python benchmarks/profile_rows.py --out rows.json [--rows d128]
     python benchmarks/profile_rows.py --out rows.json --rows slowest   # the lowest rows vs flex, per kernel
@@ -72,6 +73,24 @@ def host_us(step, reps=30, warmup=0, burst=8) -> float:
     return best * 1e6
 
 
+def sustained_us(step, calls=200, idle_s=1.0) -> dict:
+    """Each of `calls` back-to-back calls timed by its own pair of events (no flush), after `idle_s` seconds with
+    the GPU idle: the median of the first 10 calls and of the last 100, in microseconds. A kernel that runs slower
+    once the load lasts (a clock that drops with the power drawn) shows as last > first; `kernel_us` times bursts
+    of 10 calls, `do_bench` about a hundred (tuning log, step 140)."""
+    torch.cuda.synchronize()
+    time.sleep(idle_s)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
+    for start, end in events:
+        start.record()
+        step()
+        end.record()
+    torch.cuda.synchronize()
+    times = [start.elapsed_time(end) * 1e3 for start, end in events]
+    first, last = sorted(times[:10]), sorted(times[-100:])
+    return {"first10_us": first[len(first) // 2], "last100_us": last[len(last) // 2]}
+
+
 def measure(step, grad_of=None):
     """`do_bench`'s median, the kernels' device time and the host time of `step`; with `grad_of`, those inputs'
     gradients are dropped before every call, as `do_bench` drops them (kept, each backward would add into them:
@@ -89,7 +108,7 @@ def measure(step, grad_of=None):
     flushed = kernel_us(fresh, before=flush)
     return {"bench_ms": do_bench(step, warmup=25, rep=100, grad_to_none=grad_of, return_mode="median"),
             "kernel_us": sum(kernels.values()), "kernels_us": kernels, "flushed_kernel_us": sum(flushed.values()),
-            "flushed_kernels_us": flushed, "host_us": host_us(fresh)}
+            "flushed_kernels_us": flushed, "host_us": host_us(fresh), "sustained": sustained_us(fresh)}
 
 
 def main():
@@ -120,10 +139,12 @@ def main():
             print(results[-2], results[-1], flush=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
-    print(f"{'row':36} {'impl':5} {'mode':8} {'bench ms':>9} {'kernel ms':>9} {'flushed':>9} {'host ms':>8}")
+    print(f"{'row':36} {'impl':5} {'mode':8} {'bench ms':>9} {'kernel ms':>9} {'flushed':>9} {'host ms':>8} "
+          f"{'first 10':>9} {'last 100':>9}")
     for r in results:
         print(f"{str(r['row']):36} {r['impl']:5} {r['mode']:8} {r['bench_ms']:9.3f} {r['kernel_us'] / 1e3:9.3f} "
-              f"{r['flushed_kernel_us'] / 1e3:9.3f} {r['host_us'] / 1e3:8.3f}")
+              f"{r['flushed_kernel_us'] / 1e3:9.3f} {r['host_us'] / 1e3:8.3f} {r['sustained']['first10_us'] / 1e3:9.3f} "
+              f"{r['sustained']['last100_us'] / 1e3:9.3f}")
     for r in results:
         if r["impl"] == "ours":
             print(r["row"], r["mode"], {name[:40]: round(us, 1) for name, us in r["kernels_us"].items()})
