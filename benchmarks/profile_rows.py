@@ -8,14 +8,22 @@ row that is bound by Python and launch overhead rather than by its kernels shows
 kernels running slower under `do_bench`'s longer load (growing with the kernel: tuning log, step 140), which
 the `sustained` times show: the first 10 of 200 back-to-back calls after a second idle against the last 100.
 
+`--load` measures that instead (tuning log, step 141): each call alone (the GPU drained and idle 20 ms before
+it), then calls back to back for about 1.5 s, without and with `do_bench`'s L2 flush before each, in ten windows
+of calls with the SM clock, the power and the power-cap flag that NVML reported during each (sampled every 2 ms
+by a thread, through the driver's libnvidia-ml).
+
     python benchmarks/profile_rows.py --out rows.json [--rows d128]
+    python benchmarks/profile_rows.py --out load.json --rows density --load
     python benchmarks/profile_rows.py --out rows.json --rows slowest   # the lowest rows vs flex, per kernel
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import threading
 import time
 
 import torch
@@ -91,6 +99,128 @@ def sustained_us(step, calls=200, idle_s=1.0) -> dict:
     return {"first10_us": first[len(first) // 2], "last100_us": last[len(last) // 2]}
 
 
+class Clocks:
+    """The GPU's SM clock (MHz), power (W) and whether a power cap holds its clock down, sampled every `interval`
+    seconds by a thread while in use (`with Clocks(device) as clocks: ...`; `clocks.samples`: `(host time,
+    MHz, W, capped)`), through NVML from the driver's libnvidia-ml (ctypes: no Python package needed). Samples
+    nothing where NVML cannot be loaded (`clocks.error` says why)."""
+
+    SW_POWER_CAP, HW_POWER_BRAKE = 0x4, 0x80  # NVML's clock-event reasons that a power limit sets
+
+    def __init__(self, device: int, interval: float = 0.002):
+        self.samples, self.error, self.interval = [], None, interval
+        self._stop = threading.Event()
+        try:
+            self._nvml = ctypes.CDLL("libnvidia-ml.so.1")
+            if self._nvml.nvmlInit_v2() != 0:
+                raise OSError("nvmlInit_v2 failed")
+            self._handle = ctypes.c_void_p()
+            props = torch.cuda.get_device_properties(device)
+            bus, found = getattr(props, "pci_bus_id", None), -1
+            if bus is not None:  # the handle of this CUDA device, whatever NVML's order of devices
+                name = f"{props.pci_domain_id:08X}:{bus:02X}:{props.pci_device_id:02X}.0".encode()
+                found = self._nvml.nvmlDeviceGetHandleByPciBusId_v2(name, ctypes.byref(self._handle))
+            if found != 0:
+                found = self._nvml.nvmlDeviceGetHandleByIndex_v2(device, ctypes.byref(self._handle))
+            if found != 0:
+                raise OSError(f"no NVML handle for CUDA device {device} (NVML error {found})")
+            self._reads = (self._nvml.nvmlDeviceGetClockInfo, self._nvml.nvmlDeviceGetPowerUsage,
+                           self._nvml.nvmlDeviceGetCurrentClocksThrottleReasons)  # each present, or AttributeError
+        except (OSError, AttributeError) as e:
+            self.error = str(e)
+
+    def _sample(self):
+        mhz, mw, reasons = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_ulonglong()
+        clock, power, events = self._reads
+        while not self._stop.is_set():
+            clock(self._handle, 1, ctypes.byref(mhz))  # 1: NVML_CLOCK_SM, the current clock
+            power(self._handle, ctypes.byref(mw))  # milliwatts (the driver's average over its own window)
+            events(self._handle, ctypes.byref(reasons))
+            capped = bool(reasons.value & (self.SW_POWER_CAP | self.HW_POWER_BRAKE))
+            self.samples.append((time.perf_counter(), mhz.value, mw.value / 1e3, capped))
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        if self.error is None:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.error is None:
+            self._stop.set()
+            self._thread.join()
+
+    def during(self, t0: float, t1: float) -> dict:
+        """Mean SM clock, highest power and the share of samples with a power cap, between host times t0 and t1."""
+        inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        if not inside:
+            return {"sm_mhz": None, "watts_max": None, "capped": None, "samples": 0}
+        return {"sm_mhz": round(sum(s[1] for s in inside) / len(inside)), "watts_max": max(s[2] for s in inside),
+                "capped": round(sum(s[3] for s in inside) / len(inside), 3), "samples": len(inside)}
+
+
+def back_to_back(step, clocks: Clocks, seconds=1.5, before=None, windows=10, idle_s=1.0) -> dict:
+    """Calls of `step` back to back for about `seconds` after `idle_s` idle (`before` ahead of each, untimed:
+    `do_bench`'s flush), each timed by its own events, in `windows` windows of consecutive calls: each window's
+    median time (us) and NVML's readings while it ran on the GPU. A call's GPU start is placed on the host's
+    clock from the first call's (launched onto an idle GPU, so it starts within microseconds of the host's
+    record) plus the events' elapsed times, so it assumes the host stays ahead of the GPU (true of every row
+    whose host time per call is below its GPU time)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    torch.cuda.synchronize()
+    calls = max(4 * windows, round(seconds / max(start.elapsed_time(end) / 1e3, 1e-6)))  # from one call's GPU time
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
+    time.sleep(idle_s)
+    t0 = time.perf_counter()
+    for start, end in events:
+        if before is not None:
+            before()
+        start.record()
+        step()
+        end.record()
+    torch.cuda.synchronize()
+    first = events[0][0]
+    spans = [(t0 + first.elapsed_time(s) / 1e3, t0 + first.elapsed_time(e) / 1e3, s.elapsed_time(e) * 1e3)
+             for s, e in events]
+    out, size = [], calls // windows
+    for w in range(windows):
+        part = spans[w * size:(w + 1) * size]
+        times = sorted(us for _, _, us in part)
+        out.append({"calls": [w * size, (w + 1) * size], "median_us": times[len(times) // 2],
+                    **clocks.during(part[0][0], part[-1][1])})
+    return {"calls": calls, "windows": out}
+
+
+def load(step, grad_of=None, device=0) -> dict:
+    """`--load`'s measures of `step` (module docstring): each call alone, then back to back without and with
+    the flush; `grad_of`'s gradients dropped before every call."""
+    def fresh():
+        for t in grad_of or ():
+            t.grad = None
+        return step()
+
+    flush = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda").zero_
+    alone = []
+    for _ in range(20):
+        torch.cuda.synchronize()
+        time.sleep(0.02)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fresh()
+        end.record()
+        end.synchronize()
+        alone.append(start.elapsed_time(end) * 1e3)
+    with Clocks(device) as clocks:
+        plain = back_to_back(fresh, clocks)
+        flushed = back_to_back(fresh, clocks, before=flush)
+    return {"alone_us": sorted(alone)[len(alone) // 2], "back_to_back": plain, "flushed": flushed,
+            "nvml": clocks.error or "ok"}
+
+
 def measure(step, grad_of=None):
     """`do_bench`'s median, the kernels' device time and the host time of `step`; with `grad_of`, those inputs'
     gradients are dropped before every call, as `do_bench` drops them (kept, each backward would add into them:
@@ -116,6 +246,8 @@ def main():
     parser.add_argument("--out", default="rows.json")
     parser.add_argument("--rows", choices=sorted(ROWS), default="host")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--load", action="store_true",
+                        help="each call alone against calls back to back, with NVML's clock and power (docstring)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     comp = Competitors()  # FlexAttention compiled as the benchmark compiles it (its recompile limits raised: with
@@ -132,13 +264,19 @@ def main():
         impls = {"ours": lambda: comp.ours(q, k, v, mask, causal), "flex": lambda: comp.flex_attention(q, k, v, mask, causal)}
         for impl, fn in impls.items():
             with torch.no_grad():
-                r = measure(fn)
+                r = load(fn) if args.load else measure(fn)
             results.append({"row": [B, H, Hkv, N, D, name], "dtype": args.dtype, "impl": impl, "mode": "fwd", **r})
-            r = measure(lambda: fn().backward(do), grad_of=[q, k, v])
+            step = lambda: fn().backward(do)  # noqa: E731
+            r = load(step, grad_of=[q, k, v]) if args.load else measure(step, grad_of=[q, k, v])
             results.append({"row": [B, H, Hkv, N, D, name], "dtype": args.dtype, "impl": impl, "mode": "fwd+bwd", **r})
             print(results[-2], results[-1], flush=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+            with open(args.out, "w") as f:  # as the rows come: a run cut short keeps what it measured
+                json.dump(results, f, indent=1)
+    (print_load if args.load else print_rows)(results)
+
+
+def print_rows(results: list) -> None:
+    """The default measures' table, then our kernels' times per kernel."""
     print(f"{'row':36} {'impl':5} {'mode':8} {'bench ms':>9} {'kernel ms':>9} {'flushed':>9} {'host ms':>8} "
           f"{'first 10':>9} {'last 100':>9}")
     for r in results:
@@ -148,6 +286,23 @@ def main():
     for r in results:
         if r["impl"] == "ours":
             print(r["row"], r["mode"], {name[:40]: round(us, 1) for name, us in r["kernels_us"].items()})
+
+
+def print_load(results: list) -> None:
+    """`--load`'s table: each call alone, then the first and last windows back to back (ms, mean SM MHz, share
+    of samples power-capped), without and with the flush."""
+    def cell(w):
+        mhz = "-" if w["sm_mhz"] is None else w["sm_mhz"]
+        capped = "-" if w["capped"] is None else f"{w['capped']:.2f}"
+        return f"{w['median_us'] / 1e3:7.3f} {mhz:>5} {capped:>4}"
+
+    print(f"NVML: {results[0]['nvml'] if results else '-'}")
+    print(f"{'row':36} {'impl':5} {'mode':8} {'alone':>7} | {'back to back: first':>18} | {'last':>18} | "
+          f"{'flushed: first':>18} | {'last':>18}")
+    for r in results:
+        b, f = r["back_to_back"]["windows"], r["flushed"]["windows"]
+        print(f"{str(r['row']):36} {r['impl']:5} {r['mode']:8} {r['alone_us'] / 1e3:7.3f} | {cell(b[0])} | "
+              f"{cell(b[-1])} | {cell(f[0])} | {cell(f[-1])}")
 
 
 if __name__ == "__main__":

@@ -343,3 +343,46 @@ def test_stall_profile_summary_reads_ncu_2025_pages_and_groups_regions(tmp_path)
     assert "MUFU.EX2" in text.splitlines()[-1]
     (bar,) = [line for line in stall_profile.summarize(str(page), 5).splitlines() if "BAR.SYNC" in line and "[" in line]
     assert bar.endswith("[barrier 140]")  # the not-issued column is not a reason of its own
+
+
+def test_load_windows_place_each_call_on_the_host_clock_and_read_the_clocks_it_ran_under(monkeypatch):
+    """`profile_rows.py --load` on made-up events: each window holds its calls' median time and the NVML
+    samples taken while those calls ran (their GPU start placed on the host's clock from the first call's);
+    without NVML the windows say so instead of showing a clock."""
+    import profile_rows
+
+    class Event:  # a call's events on a fake GPU clock: every call takes 1 ms, the last half 2 ms
+        clock = [0.0]
+
+        def __init__(self, enable_timing=True):
+            self.t = None
+
+        def record(self):
+            self.t = Event.clock[0]
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    calls = [0]
+
+    def step():
+        calls[0] += 1
+        Event.clock[0] += 1e-3 if calls[0] <= 21 else 2e-3  # call 1 sizes the run; then 20 calls of 1 ms
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    clocks = profile_rows.Clocks.__new__(profile_rows.Clocks)
+    clocks.error, clocks.samples = None, []
+    monkeypatch.setattr(profile_rows.time, "perf_counter", lambda: 100.0)  # the host time of the first call
+    monkeypatch.setattr(profile_rows.time, "sleep", lambda s: None)
+    # two samples while the first window (calls 0-9: GPU times 0-10 ms) ran, one capped; one in the last
+    clocks.samples = [(100.002, 1980, 400.0, False), (100.008, 1700, 700.0, True), (100.05, 1500, 710.0, True),
+                      (101.0, 345, 70.0, False)]
+    out = profile_rows.back_to_back(step, clocks, seconds=0.04, windows=4, idle_s=0.0)
+    assert out["calls"] == 40  # 0.04 s over the first call's 1 ms
+    first, last = out["windows"][0], out["windows"][-1]
+    assert first["calls"] == [0, 10] and abs(first["median_us"] - 1000.0) < 1e-6
+    assert first["sm_mhz"] == 1840 and first["watts_max"] == 700.0 and first["capped"] == 0.5
+    assert abs(last["median_us"] - 2000.0) < 1e-6 and last["sm_mhz"] == 1500 and last["samples"] == 1
+    clocks.samples = []
+    assert profile_rows.back_to_back(step, clocks, seconds=0.04, windows=4, idle_s=0.0)["windows"][0]["sm_mhz"] is None
