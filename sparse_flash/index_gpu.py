@@ -144,7 +144,8 @@ def supported(lists_per_head: int, longest: int) -> bool:
 class PlanInput(NamedTuple):
     """One work plan's lists for `unsplit_plans`: `counts` int32 `(B, H, M)` live blocks of each list; `full`,
     `part` `(counts, offsets, indices)` of the full and the partial lists (a `BlockIndex`); a list longer than
-    `heavy_above` blocks is heavy (`HEAVY_FACTOR` x the mean length)."""
+    `heavy_above` blocks is heavy (`HEAVY_FACTOR` x the mean length). The launches read each list's lengths from
+    the offsets (a list's live blocks are its full and partial ones), so `counts` gives only the shape."""
     counts: torch.Tensor
     full: tuple
     part: tuple
@@ -213,9 +214,12 @@ def _unsplit_plans(plans: list[PlanInput], longest: int, shapes: list[tuple[int,
                 chunk = max(1, min(block, PLAN_TILE // block))  # lists per program
                 if n < len(slots):
                     end += B * H * cdiv(M, chunk)
-                args += [counts, *full[:3], *part[:3], *out[p], M, float(heavy_above), end]
+                # the lists' lengths come from their offsets, and each plan's slots follow its chunks (`_place_pieces`):
+                # 6 tensors a plan where 11 were (each tensor argument costs the launch host time)
+                args += [full[1], full[2], part[1], part[2], out[p][0], out[p][1], M, float(heavy_above), p, end]
                 consts.update({f"BLOCK{n}": block, f"CHUNK{n}": chunk})
-            launch(_unsplit_plans_kernel, (end, ), (*args, longest), dict(**consts, FIELDS=FIELDS), WARPS, STAGES)
+            launch(_unsplit_plans_kernel, (end, ), (*args, leads, longest), dict(**consts, FIELDS=FIELDS, ALIGN=ALIGN),
+                   WARPS, STAGES)
     return allocations, leads, out
 
 
@@ -229,28 +233,37 @@ PLAN_TILE = 8192  # (list, list) comparisons of one `_unsplit_plan` program
 
 
 @triton.jit
-def _unsplit_plan(Counts, FullCounts, FullOffsets, FullIndices, PartCounts, PartOffsets, PartIndices, Items, Chunks,
-                  Slots, Lead, lists_per_head, heavy_above, pid, longest, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                  FIELDS: tl.constexpr):
-    """Program `pid` = (bh, c) of one plan: the items of lists c CHUNK + [0, CHUNK) of head bh (lists
+def _list_lengths(FullOffsets, PartOffsets, lists, valid):
+    """The full, the partial and the live blocks of `lists` (live: both), from their offsets (consecutive lists
+    lie back to back, `mask_index.BlockIndex`)."""
+    full = tl.load(FullOffsets + lists + 1, mask=valid, other=0) - tl.load(FullOffsets + lists, mask=valid, other=0)
+    part = tl.load(PartOffsets + lists + 1, mask=valid, other=0) - tl.load(PartOffsets + lists, mask=valid, other=0)
+    return full, part, full + part
+
+
+@triton.jit
+def _unsplit_plan(FullOffsets, FullIndices, PartOffsets, PartIndices, Items, Chunks, Lead, lists_per_head,
+                  heavy_above, pid, programs, longest, BLOCK: tl.constexpr, CHUNK: tl.constexpr, FIELDS: tl.constexpr,
+                  ALIGN: tl.constexpr):
+    """Program `pid` of `programs` = (bh, c) of one plan: the items of lists c CHUNK + [0, CHUNK) of head bh (lists
     [bh * lists_per_head, (bh + 1) * lists_per_head)), each at its rank among the head's lists, longest first (a
     stable order: the key is (longest - length, list), and a list's rank is how many keys are smaller); item
-    fields as `mask_index.ITEM_FIELDS`; the head's heavy lists counted into Lead."""
+    fields as `mask_index.ITEM_FIELDS`; each list's chunks (1) and slot (-1: its Slots follow its Chunks, padded to
+    ALIGN ints, as `int32_arena` places them); the head's heavy lists counted into Lead."""
     chunks = tl.cdiv(lists_per_head, CHUNK)
     bh, c = pid // chunks, pid % chunks
+    Slots = Chunks + tl.cdiv(programs // chunks * lists_per_head, ALIGN) * ALIGN
     every = tl.arange(0, BLOCK)
     valid_all = every < lists_per_head
-    length_all = tl.load(Counts + bh * lists_per_head + every, mask=valid_all, other=0)
+    _, _, length_all = _list_lengths(FullOffsets, PartOffsets, bh * lists_per_head + every, valid_all)
     key_all = tl.where(valid_all, (longest - length_all) * BLOCK + every, 2147483647)  # unused slots rank last
     idx = c * CHUNK + tl.arange(0, CHUNK)
     valid = idx < lists_per_head
     lists = bh * lists_per_head + idx
-    length = tl.load(Counts + lists, mask=valid, other=0)
+    full_n, part_n, length = _list_lengths(FullOffsets, PartOffsets, lists, valid)
     rank = tl.sum((key_all[None, :] < ((longest - length) * BLOCK + idx)[:, None]).to(tl.int32), 1)
     full_lo = tl.load(FullOffsets + lists, mask=valid, other=0)
-    full_n = tl.load(FullCounts + lists, mask=valid, other=0)
     part_lo = tl.load(PartOffsets + lists, mask=valid, other=0)
-    part_n = tl.load(PartCounts + lists, mask=valid, other=0)
     full_first = tl.load(FullIndices + full_lo, mask=valid & (full_n > 0), other=0)
     part_first = tl.load(PartIndices + part_lo, mask=valid & (part_n > 0), other=0)
     item = Items + (bh * lists_per_head + rank).to(tl.int64) * FIELDS
@@ -272,28 +285,29 @@ def _unsplit_plan(Counts, FullCounts, FullOffsets, FullIndices, PartCounts, Part
 
 
 @triton.jit
-def _unsplit_plans_kernel(C0, FC0, FO0, FI0, PC0, PO0, PI0, I0, K0, S0, L0, M0, heavy0, end0,
-                          C1, FC1, FO1, FI1, PC1, PO1, PI1, I1, K1, S1, L1, M1, heavy1, end1,
-                          C2, FC2, FO2, FI2, PC2, PO2, PI2, I2, K2, S2, L2, M2, heavy2, end2,
-                          C3, FC3, FO3, FI3, PC3, PO3, PI3, I3, K3, S3, L3, M3, heavy3, end3, longest,
+def _unsplit_plans_kernel(FO0, FI0, PO0, PI0, I0, K0, M0, heavy0, lead0, end0,
+                          FO1, FI1, PO1, PI1, I1, K1, M1, heavy1, lead1, end1,
+                          FO2, FI2, PO2, PI2, I2, K2, M2, heavy2, lead2, end2,
+                          FO3, FI3, PO3, PI3, I3, K3, M3, heavy3, lead3, end3, Leads, longest,
                           BLOCK0: tl.constexpr, CHUNK0: tl.constexpr, BLOCK1: tl.constexpr, CHUNK1: tl.constexpr,
                           BLOCK2: tl.constexpr, CHUNK2: tl.constexpr, BLOCK3: tl.constexpr, CHUNK3: tl.constexpr,
-                          FIELDS: tl.constexpr):
+                          FIELDS: tl.constexpr, ALIGN: tl.constexpr):
     """Up to four plans in one launch (`_unsplit_plan`): programs [0, end0) make plan 0, [end0, end1) plan 1, and
-    so on (a plan's slot past the last plan is never reached)."""
+    so on (a plan's slot past the last plan is never reached); plan n's heavy lists are counted into
+    `Leads[lead_n]`."""
     p = tl.program_id(0)
     if p < end0:
-        _unsplit_plan(C0, FC0, FO0, FI0, PC0, PO0, PI0, I0, K0, S0, L0, M0, heavy0, p, longest, BLOCK0, CHUNK0,
-                      FIELDS)
+        _unsplit_plan(FO0, FI0, PO0, PI0, I0, K0, Leads + lead0, M0, heavy0, p, end0, longest, BLOCK0, CHUNK0, FIELDS,
+                      ALIGN)
     elif p < end1:
-        _unsplit_plan(C1, FC1, FO1, FI1, PC1, PO1, PI1, I1, K1, S1, L1, M1, heavy1, p - end0, longest, BLOCK1,
-                      CHUNK1, FIELDS)
+        _unsplit_plan(FO1, FI1, PO1, PI1, I1, K1, Leads + lead1, M1, heavy1, p - end0, end1 - end0, longest, BLOCK1,
+                      CHUNK1, FIELDS, ALIGN)
     elif p < end2:
-        _unsplit_plan(C2, FC2, FO2, FI2, PC2, PO2, PI2, I2, K2, S2, L2, M2, heavy2, p - end1, longest, BLOCK2,
-                      CHUNK2, FIELDS)
+        _unsplit_plan(FO2, FI2, PO2, PI2, I2, K2, Leads + lead2, M2, heavy2, p - end1, end2 - end1, longest, BLOCK2,
+                      CHUNK2, FIELDS, ALIGN)
     else:
-        _unsplit_plan(C3, FC3, FO3, FI3, PC3, PO3, PI3, I3, K3, S3, L3, M3, heavy3, p - end2, longest, BLOCK3,
-                      CHUNK3, FIELDS)
+        _unsplit_plan(FO3, FI3, PO3, PI3, I3, K3, Leads + lead3, M3, heavy3, p - end2, end3 - end2, longest, BLOCK3,
+                      CHUNK3, FIELDS, ALIGN)
 
 
 def sizes_supported(lists_per_head: int) -> bool:
@@ -408,7 +422,9 @@ def split_plans(plans: list[SplitInput], n: torch.Tensor, firsts: torch.Tensor, 
                 B, H, M = counts.shape
                 if k < len(group):
                     end += B * H
-                args += [counts, *full[:3], *part[:3], *out, lead, base, M, sizes[1], float(heavy_above), B * H, end]
+                # the lists' lengths come from their offsets: 11 tensors a plan where 14 were
+                args += [full[1], full[2], part[1], part[2], *out, lead, base, M, sizes[1], float(heavy_above), B * H,
+                         end]
             block = next_power_of_2(max(plans[p].plan.counts.shape[-1] for p in group))
             width = next_power_of_2(max(plans[p].sizes[1] for p in group))
             launch(_split_plans_kernel, (end, ), tuple(args), dict(BLOCK=block, WIDTH=width, FIELDS=FIELDS),
@@ -417,9 +433,9 @@ def split_plans(plans: list[SplitInput], n: torch.Tensor, firsts: torch.Tensor, 
 
 
 @triton.jit
-def _split_plan(N, Firsts, stride, longest, Counts, FullCounts, FullOffsets, FullIndices, PartCounts, PartOffsets,
-                PartIndices, Items, Chunks, Slots, Split, SlotList, Scratch, Lead, base, lists_per_head, width,
-                heavy_above, heads, bh, BLOCK: tl.constexpr, WIDTH: tl.constexpr, FIELDS: tl.constexpr):
+def _split_plan(N, Firsts, stride, longest, FullOffsets, FullIndices, PartOffsets, PartIndices, Items, Chunks, Slots,
+                Split, SlotList, Scratch, Lead, base, lists_per_head, width, heavy_above, heads, bh, BLOCK: tl.constexpr,
+                WIDTH: tl.constexpr, FIELDS: tl.constexpr):
     """(batch, head) `bh` of one plan of `heads` of them: its lists' chunks and scratch (`_split_lists`), then its
     items from them (`_split_items`). Each step reads only what the program itself wrote before it, so one
     barrier between them orders the two (one launch where two were: a launch costs the host more than the
@@ -427,20 +443,16 @@ def _split_plan(N, Firsts, stride, longest, Counts, FullCounts, FullOffsets, Ful
     _split_lists(N, Firsts, Chunks, Slots, Split, SlotList, Scratch, base, stride, lists_per_head, width, heads, bh,
                  BLOCK)
     tl.debug_barrier()  # every thread's Scratch and Slots stores before any thread reads them
-    _split_items(Counts, FullCounts, FullOffsets, FullIndices, PartCounts, PartOffsets, PartIndices, N, Slots,
-                 Scratch, Items, Lead, base, lists_per_head, width, longest, heavy_above, heads, bh, WIDTH, FIELDS)
+    _split_items(FullOffsets, FullIndices, PartOffsets, PartIndices, N, Slots, Scratch, Items, Lead, base,
+                 lists_per_head, width, longest, heavy_above, heads, bh, WIDTH, FIELDS)
 
 
 @triton.jit
 def _split_plans_kernel(N, Firsts, stride, longest,
-                        C0, FC0, FO0, FI0, PC0, PO0, PI0, I0, K0, S0, SP0, SL0, SC0, L0, base0, M0,
-                        width0, heavy0, heads0, end0,
-                        C1, FC1, FO1, FI1, PC1, PO1, PI1, I1, K1, S1, SP1, SL1, SC1, L1, base1, M1,
-                        width1, heavy1, heads1, end1,
-                        C2, FC2, FO2, FI2, PC2, PO2, PI2, I2, K2, S2, SP2, SL2, SC2, L2, base2, M2,
-                        width2, heavy2, heads2, end2,
-                        C3, FC3, FO3, FI3, PC3, PO3, PI3, I3, K3, S3, SP3, SL3, SC3, L3, base3, M3,
-                        width3, heavy3, heads3, end3,
+                        FO0, FI0, PO0, PI0, I0, K0, S0, SP0, SL0, SC0, L0, base0, M0, width0, heavy0, heads0, end0,
+                        FO1, FI1, PO1, PI1, I1, K1, S1, SP1, SL1, SC1, L1, base1, M1, width1, heavy1, heads1, end1,
+                        FO2, FI2, PO2, PI2, I2, K2, S2, SP2, SL2, SC2, L2, base2, M2, width2, heavy2, heads2, end2,
+                        FO3, FI3, PO3, PI3, I3, K3, S3, SP3, SL3, SC3, L3, base3, M3, width3, heavy3, heads3, end3,
                         BLOCK: tl.constexpr, WIDTH: tl.constexpr, FIELDS: tl.constexpr):
     """Up to four plans in one launch (`_split_plan`): programs [0, end0) make plan 0's (batch, head)s, [end0,
     end1) plan 1's, and so on (a plan's slot past the last plan is never reached). One body for every plan, its
@@ -451,27 +463,27 @@ def _split_plans_kernel(N, Firsts, stride, longest,
     p = tl.program_id(0)
     zero = p * 0
     if p < end0:
-        C, FC, FO, FI, PC, PO, PI = C0, FC0, FO0, FI0, PC0, PO0, PI0
+        FO, FI, PO, PI = FO0, FI0, PO0, PI0
         I, K, S, SP, SL, SC, L = I0, K0, S0, SP0, SL0, SC0, L0
         base, M, width, heavy, heads = base0 + zero, M0 + zero, width0 + zero, heavy0 + 0.0 * zero, heads0 + zero
         bh = p
     elif p < end1:
-        C, FC, FO, FI, PC, PO, PI = C1, FC1, FO1, FI1, PC1, PO1, PI1
+        FO, FI, PO, PI = FO1, FI1, PO1, PI1
         I, K, S, SP, SL, SC, L = I1, K1, S1, SP1, SL1, SC1, L1
         base, M, width, heavy, heads = base1 + zero, M1 + zero, width1 + zero, heavy1 + 0.0 * zero, heads1 + zero
         bh = p - end0
     elif p < end2:
-        C, FC, FO, FI, PC, PO, PI = C2, FC2, FO2, FI2, PC2, PO2, PI2
+        FO, FI, PO, PI = FO2, FI2, PO2, PI2
         I, K, S, SP, SL, SC, L = I2, K2, S2, SP2, SL2, SC2, L2
         base, M, width, heavy, heads = base2 + zero, M2 + zero, width2 + zero, heavy2 + 0.0 * zero, heads2 + zero
         bh = p - end1
     else:
-        C, FC, FO, FI, PC, PO, PI = C3, FC3, FO3, FI3, PC3, PO3, PI3
+        FO, FI, PO, PI = FO3, FI3, PO3, PI3
         I, K, S, SP, SL, SC, L = I3, K3, S3, SP3, SL3, SC3, L3
         base, M, width, heavy, heads = base3 + zero, M3 + zero, width3 + zero, heavy3 + 0.0 * zero, heads3 + zero
         bh = p - end2
-    _split_plan(N, Firsts, stride, longest, C, FC, FO, FI, PC, PO, PI, I, K, S, SP, SL, SC, L, base, M, width, heavy,
-                heads, bh, BLOCK, WIDTH, FIELDS)
+    _split_plan(N, Firsts, stride, longest, FO, FI, PO, PI, I, K, S, SP, SL, SC, L, base, M, width, heavy, heads, bh,
+                BLOCK, WIDTH, FIELDS)
 
 
 @triton.jit
@@ -503,9 +515,8 @@ def _split_lists(N, Firsts, Chunks, Slots, Split, SlotList, Scratch, base, strid
 
 
 @triton.jit
-def _split_items(Counts, FullCounts, FullOffsets, FullIndices, PartCounts, PartOffsets, PartIndices, N, Slots, Scratch,
-                 Items, Lead, base, lists_per_head, width, longest, heavy_above, heads, bh, WIDTH: tl.constexpr,
-                 FIELDS: tl.constexpr):
+def _split_items(FullOffsets, FullIndices, PartOffsets, PartIndices, N, Slots, Scratch, Items, Lead, base,
+                 lists_per_head, width, longest, heavy_above, heads, bh, WIDTH: tl.constexpr, FIELDS: tl.constexpr):
     """(Batch, head) bh of `heads`: its items from Scratch and Slots (`_split_lists`), ordered longest first, ties
     in item order; item fields as `mask_index.ITEM_FIELDS`, unused ranks padded (no block, no slot); its heavy
     items counted into Lead."""
@@ -514,7 +525,7 @@ def _split_items(Counts, FullCounts, FullOffsets, FullIndices, PartCounts, PartO
     i = tl.load(Scratch + bh * width + t, mask=used, other=-1)
     real = i >= 0
     lst = bh * lists_per_head + tl.where(real, i, 0)
-    count = tl.load(Counts + lst, mask=real, other=0)
+    _, _, count = _list_lengths(FullOffsets, PartOffsets, lst, real)
     n = tl.load(N + base + lst, mask=real, other=1).to(tl.int32)
     length = count // n  # every chunk of a list has this length or one more
     key = tl.where(real, (longest - length) * WIDTH + t, 2147483647)  # ranks without an item last
@@ -530,11 +541,9 @@ def _split_items(Counts, FullCounts, FullOffsets, FullIndices, PartCounts, PartO
     real = used & (i >= 0)
     lst = bh * lists_per_head + tl.where(real, i, 0)
     n = tl.load(N + base + lst, mask=real, other=1).to(tl.int32)
-    n_full = tl.load(FullCounts + lst, mask=real, other=0)
-    n_part = tl.load(PartCounts + lst, mask=real, other=0)
+    n_full, n_part, total = _list_lengths(FullOffsets, PartOffsets, lst, real)
     full_off = tl.load(FullOffsets + lst, mask=real, other=0)
     part_off = tl.load(PartOffsets + lst, mask=real, other=0)
-    total = n_full + n_part
     lo, hi = c * total // n, (c + 1) * total // n  # chunk c of n: positions [c L // n, (c + 1) L // n)
     full_lo, full_hi = full_off + tl.minimum(lo, n_full), full_off + tl.minimum(hi, n_full)
     part_lo, part_hi = part_off + tl.maximum(lo - n_full, 0), part_off + tl.maximum(hi - n_full, 0)

@@ -77,18 +77,17 @@ def cases():
                dict(num_warps=4, num_stages=1, types={"Lse": "*fp32", "Delta": "*fp32", "Lse2": "*fp32",
                                                       "DLse": "*fp32", "Acc": "*fp32", "Sem": "*i32",
                                                       "semaphores": "i32"}))
-    plan_args = {f"{name}{n}": "*i32" for name in ("C", "FC", "FO", "FI", "PC", "PO", "PI", "I", "K", "S", "L")
-                 for n in range(4)} | {f"heavy{n}": "fp32" for n in range(4)} | {f"M{n}": "i32" for n in range(4)}
+    plan_args = {f"{name}{n}": "*i32" for name in ("FO", "FI", "PO", "PI", "I", "K") for n in range(4)} \
+        | {f"heavy{n}": "fp32" for n in range(4)} | {f"M{n}": "i32" for n in range(4)} | {"Leads": "*i32"}
     for block, chunk in ((8192, 1), (512, 16)):
         yield (f"index_gpu.unsplit_plans {chunk}x{block}", index_gpu._unsplit_plans_kernel,
                {**{f"{what}{n}": value for n in range(4) for what, value in (("BLOCK", block), ("CHUNK", chunk))},
-                "FIELDS": index_gpu.FIELDS}, (), dict(num_warps=4, types=plan_args))
+                "FIELDS": index_gpu.FIELDS, "ALIGN": index_gpu.ALIGN}, (), dict(num_warps=4, types=plan_args))
     plan_ints = {n: "*i64" for n in ("N", "Firsts")}
     yield ("index_gpu.plan_sizes", index_gpu._plan_sizes_kernel, dict(BLOCK=8192), (),
            dict(num_warps=4, types={"Counts": "*i32", "N": "*i64", "Sizes": "*i32"}))
-    split_args = {f"{name}{n}": "*i32" for name in ("C", "FC", "FO", "FI", "PC", "PO", "PI", "I", "K", "S", "SP", "SL",
-                                                     "SC", "L") for n in range(4)} | {f"heavy{n}": "fp32" for n in range(4)} \
-        | {f"M{n}": "i32" for n in range(4)}
+    split_args = {f"{name}{n}": "*i32" for name in ("FO", "FI", "PO", "PI", "I", "K", "S", "SP", "SL", "SC", "L")
+                  for n in range(4)} | {f"heavy{n}": "fp32" for n in range(4)} | {f"M{n}": "i32" for n in range(4)}
     yield ("index_gpu.split_plans", index_gpu._split_plans_kernel,
            dict(BLOCK=8192, WIDTH=2048, FIELDS=index_gpu.FIELDS), (), dict(num_warps=8, types=plan_ints | split_args))
     yield ("index_gpu.topk_lists: rows", index_gpu._topk_rows_kernel, dict(BLOCK=512, ROWS=32, WIDTH=32, GROUPS=16),
