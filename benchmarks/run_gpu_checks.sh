@@ -40,10 +40,10 @@ if [ $tests = 1 ]; then
   timeout "${TEST_TIMEOUT:-360}" python -m pytest -q $workers -p no:cacheprovider --durations=15 -o faulthandler_timeout=150 "${select[@]}" ${TESTS:-tests/} > "$RES/pytest.log" 2>&1
   echo "pytest exit code $?" >> "$RES/pytest.log"
   pkill -f "python -m pytest" 2>/dev/null; sleep 1  # workers left by a timeout must not share the GPU with the benchmark
-  # seconds per test file, for tests/gpu_seconds.json after a whole-suite run (the shards' split, conftest.py)
-  [ -f "$OUT/durations.txt" ] && python -c "import collections, json, sys; s = collections.Counter()
-for line in open(sys.argv[1]): t, name = line.split(None, 1); s[name.split('::')[0]] += float(t)
-json.dump({k: round(v, 1) for k, v in sorted(s.items())}, open(sys.argv[2], 'w'), indent=1)" "$OUT/durations.txt" "$OUT/gpu_seconds.json"
+  # the tests' seconds as tests/gpu_seconds.json holds them (the shards' split, conftest.py): after a whole suite
+  # run in shards, the shards' durations.txt together make the new file (`conftest.gpu_seconds`)
+  [ -f "$OUT/durations.txt" ] && python -c "import json, sys; sys.path.insert(0, 'tests'); from conftest import gpu_seconds
+json.dump(gpu_seconds(open(sys.argv[1])), open(sys.argv[2], 'w'), indent=1)" "$OUT/durations.txt" "$OUT/gpu_seconds.json"
 fi
 if [ $bench = 1 ]; then
   resume=""

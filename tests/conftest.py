@@ -66,29 +66,31 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=deselected)
 
 
-GPU_SECONDS = os.path.join(os.path.dirname(__file__), "gpu_seconds.json")  # per test file, from a GPU run
+GPU_SECONDS = os.path.join(os.path.dirname(__file__), "gpu_seconds.json")  # per long test and file, from a GPU run
 
 
 def shard_tests(nodeids, count: int, seconds: dict | None = None) -> list[set]:
-    """The tests `nodeids` in `count` shards of about equal GPU time. A test's time is its file's (`seconds`,
-    per file: by default `GPU_SECONDS`, a whole suite's `gpu_seconds.json` written by
-    `benchmarks/run_gpu_checks.sh`; a file missing there counts 1 s) shared evenly among the file's tests, so a
-    long file spreads over the shards (a file of one slow test's parametrisations included). The longest tests go first, each into the shard with the least time so far; the same
-    tests give the same shards.
+    """The tests `nodeids` in `count` shards of about equal GPU time. A test's time is its own where `seconds`
+    (by default `GPU_SECONDS`, written by `gpu_seconds` from a whole suite's durations) holds it, else a share of
+    its file's remaining time (the file's entry shared evenly among its tests without their own; a file missing
+    there counts 1 s), so a long file spreads over the shards. The longest tests go first, each into the shard
+    with the least time so far; the same tests give the same shards.
 
     Example:
         >>> ids = ["a::1", "a::2", "a::3", "a::4", "b::1"]
-        >>> [sorted(shard) for shard in shard_tests(ids, 2, {"a": 8, "b": 4})]  # 2 s for each test of a
-        [['a::3', 'b::1'], ['a::1', 'a::2', 'a::4']]
+        >>> [sorted(shard) for shard in shard_tests(ids, 2, {"a": 6, "a::4": 5, "b": 4})]  # 2 s for a::1..3
+        [['a::2', 'a::4'], ['a::1', 'a::3', 'b::1']]
     """
     if seconds is None:
         with open(GPU_SECONDS) as f:
             seconds = json.load(f)
-    per_file = collections.Counter(nodeid.split("::")[0] for nodeid in nodeids)
+    without_own = collections.Counter(nodeid.split("::")[0] for nodeid in set(nodeids) if nodeid not in seconds)
 
     def weight(nodeid: str) -> float:
+        if nodeid in seconds:
+            return seconds[nodeid]
         name = nodeid.split("::")[0]
-        return seconds.get(name, 1.0) / per_file[name]
+        return seconds.get(name, 1.0) / without_own[name]
 
     shards, loads = [set() for _ in range(count)], [0.0] * count
     for nodeid in sorted(set(nodeids), key=lambda nodeid: (-weight(nodeid), nodeid)):
@@ -96,6 +98,26 @@ def shard_tests(nodeids, count: int, seconds: dict | None = None) -> list[set]:
         shards[emptiest].add(nodeid)
         loads[emptiest] += weight(nodeid)
     return shards
+
+
+OWN_SECONDS = 5.0  # a test this long or longer keeps its own time in `GPU_SECONDS`
+
+
+def gpu_seconds(lines) -> dict:
+    """`GPU_SECONDS`' content from the lines of the suite's durations logs (`seconds nodeid`, as
+    benchmarks/run_gpu_checks.sh writes them; the shards' logs together for a whole suite): each test of
+    `OWN_SECONDS` or more by itself, and per file the sum of its other tests, rounded to 0.1 s.
+
+    Example:
+        >>> gpu_seconds(["  12.04 tests/test_a.py::slow", "   0.5 tests/test_a.py::quick", "0.2 tests/test_b.py::x"])
+        {'tests/test_a.py': 0.5, 'tests/test_a.py::slow': 12.0, 'tests/test_b.py': 0.2}
+    """
+    out = collections.Counter()
+    for line in lines:
+        t, nodeid = line.split(None, 1)
+        nodeid, t = nodeid.strip(), float(t)
+        out[nodeid if t >= OWN_SECONDS else nodeid.split("::")[0]] += t
+    return {name: round(value, 1) for name, value in sorted(out.items())}
 
 
 @contextlib.contextmanager

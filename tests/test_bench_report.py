@@ -239,19 +239,21 @@ def test_dense_backward_in_any_order_is_compared_with_the_default_and_cudnn():
     assert "| 4,16,16,16384,128 | bfloat16 | 13.000 | 1.15x | 1.04x |" in text
 
 
-def test_gpu_shards_split_the_tests_by_their_files_recorded_seconds():
-    """SPARSE_FLASH_SHARD=i/n splits the tests by their files' GPU seconds (`conftest.shard_tests`, each test a
-    share of its file's): every test in exactly one shard, the same shards every time whatever the order, no
-    shard over an even share by more than one test's time, so a file longer than a shard spreads over several;
-    every test file has a recorded time or counts 1 s."""
+def test_gpu_shards_split_the_tests_by_their_recorded_seconds():
+    """SPARSE_FLASH_SHARD=i/n splits the tests by their GPU seconds (`conftest.shard_tests`: a long test's own,
+    else a share of its file's remaining time): every test in exactly one shard, the same shards every time
+    whatever the order, no shard over an even share by more than one test's time, so a file longer than a shard
+    spreads over several; every test file has a recorded time or counts 1 s. `conftest.gpu_seconds` makes the
+    record from the durations logs."""
     import json
 
-    from conftest import GPU_SECONDS, shard_tests
+    from conftest import GPU_SECONDS, OWN_SECONDS, shard_tests
 
     with open(GPU_SECONDS) as f:
         seconds = json.load(f)
     files = sorted(f"tests/{p.name}" for p in Path(__file__).parent.glob("test_*.py"))
     assert all(name.startswith("tests/test_") and value >= 0 for name, value in seconds.items())
+    assert all(value >= OWN_SECONDS for name, value in seconds.items() if "::" in name)
     heaviest = max(files, key=lambda name: seconds.get(name, 1.0))
     tests_in = {name: 12 if name == heaviest else 1 + i % 7 * 5 for i, name in enumerate(files)}
     ids = [f"{name}::t[{j}]" for name in files for j in range(tests_in[name])]  # a stand-in collection
@@ -265,6 +267,15 @@ def test_gpu_shards_split_the_tests_by_their_files_recorded_seconds():
     assert sum(any(i.startswith(heaviest + "::") for i in shard) for shard in shard_tests(ids, 6)) > 1
     assert [sorted(s) for s in shard_tests(["a::1", "b::1", "c::1"], 2, {"a": 1, "b": 1, "c": 1})] == [
         ["a::1", "c::1"], ["b::1"]]
+    # a::4 weighs its own 5 s, a's other tests share the file's remaining 6 s: 5 + 2 against 4 + 2 + 2
+    assert [sorted(s) for s in shard_tests(["a::1", "a::2", "a::3", "a::4", "b::1"], 2, {"a": 6, "a::4": 5, "b": 4})] \
+        == [["a::2", "a::4"], ["a::1", "a::3", "b::1"]]
+    from conftest import gpu_seconds
+
+    lines = [f"{OWN_SECONDS + 7:8.2f} tests/test_a.py::slow[x]", "    0.25 tests/test_a.py::quick", "0.3 tests/test_a.py::other",
+             "1.0 tests/test_b.py::t"]
+    assert gpu_seconds(lines) == {"tests/test_a.py": 0.6, "tests/test_a.py::slow[x]": OWN_SECONDS + 7,
+                                  "tests/test_b.py": 1.0}
 
 
 def test_a_resumed_run_keeps_only_groups_with_every_row():
