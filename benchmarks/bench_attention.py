@@ -6,7 +6,8 @@ row (three times on rows of up to 4,096 tokens), in alternating orders, and the 
 neither pays for running first after a new mask (compilation, an idle GPU) or for a burst of host load.
 torch.compile's compile workers start before the first row and stay up (none start beside a timed call);
 each row's calls are compiled before any is timed, and the row waits (up to 10 s) until other processes
-hold less than one core; each timing round records the cores they held meanwhile (`runs_other_cores`).
+hold less than one core; each timing round records the cores they held meanwhile (`runs_other_cores`) and the
+GPU's mean SM clock and share of power-capped samples (`runs_sm_mhz`, `runs_capped`; NVML, every 5 ms).
 Effective TFLOP/s count only the nonzero blocks: forward 4·B·H·N²·D·density, forward+backward 3.5x that
 (backward = 2.5x forward). Rows of up to 4,096 tokens, where one call's host time can exceed its GPU time,
 are also timed as CUDA-graph replays (`do_bench_cudagraph`) for sparse_flash and FlexAttention, which
@@ -26,6 +27,8 @@ by default `benchmarks/results/latest` (the repository keeps the latest run only
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import datetime
 import json
 import os
@@ -33,6 +36,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -219,7 +223,16 @@ def finished_groups(previous: list[dict]) -> dict:
 
 def run_rows(shapes, mask_names, dtypes, log, finished: dict | None = None) -> list[dict]:
     """The rows of every (shape, dtype, mask) group, each row passed to `log` when it is done; the groups in
-    `finished` (`finished_groups` of a run cut short) are taken from it, not timed again."""
+    `finished` (`finished_groups` of a run cut short) are taken from it, not timed again. Each timing round
+    records the GPU's mean SM clock and its share of power-capped samples meanwhile (`runs_sm_mhz`,
+    `runs_capped`; None without NVML): a faster kernel can run into the power cap where a slower one does not
+    (tuning log, step 141)."""
+    with Clocks(torch.cuda.current_device(), interval=0.005) as clocks:
+        return _run_rows(shapes, mask_names, dtypes, log, finished, clocks)
+
+
+def _run_rows(shapes, mask_names, dtypes, log, finished: dict | None, clocks: Clocks) -> list[dict]:
+    """`run_rows` with its clock reader running."""
     comp = Competitors()
     rows = []
     finished = finished or {}
@@ -268,7 +281,8 @@ def run_rows(shapes, mask_names, dtypes, log, finished: dict | None = None) -> l
                         row = done[(impl, mode)] = {
                             "B": B, "Hq": Hq, "Hkv": Hkv, "N": N, "D": D, "dtype": str(dtype).replace("torch.", ""),
                             "mask": mname, "causal": causal, "density": density, "impl": impl, "mode": mode,
-                            "runs_ms": [], "runs_other_cores": [], "settle_s": settled}
+                            "runs_ms": [], "runs_other_cores": [], "runs_sm_mhz": [], "runs_capped": [],
+                            "settle_s": settled}
                         rows.append(row)
                     elif "error" in row:
                         continue
@@ -278,12 +292,14 @@ def run_rows(shapes, mask_names, dtypes, log, finished: dict | None = None) -> l
                                 if "max_diff_vs_flex" not in row:
                                     out = fn(q, k, v, mask, causal)
                                     row["max_diff_vs_flex"] = float((out.float() - ref.float()).abs().max())
-                                with HostMeter() as host:
+                                with HostMeter() as host, clocks.meter() as gpu:
                                     row["runs_ms"].append(bench(lambda: fn(q, k, v, mask, causal)))
                         else:
-                            with HostMeter() as host:
+                            with HostMeter() as host, clocks.meter() as gpu:
                                 row["runs_ms"].append(bench(lambda: fn(q, k, v, mask, causal), grad_of=[q, k, v]))
                         row["runs_other_cores"].append(host.other_cores)
+                        row["runs_sm_mhz"].append(gpu["sm_mhz"])
+                        row["runs_capped"].append(gpu["capped"])
                         row["ms"] = min(row["runs_ms"])
                         flops = 4 * B * Hq * N * N * D * density * (3.5 if mode == "fwd+bwd" else 1.0)
                         row["tflops"] = flops / row["ms"] / 1e9
@@ -514,6 +530,20 @@ def summarize(rows: list[dict]) -> dict:
         f"{r['B']},{r['Hq']},{r['N']},{r['D']} {r['mask']} {r['mode']} {r['impl']}: "
         + " ".join(f"{c:.1f}" for c in r["runs_other_cores"] if c is not None)
         for r in rows if any(c is not None and c >= ROW_SETTLE_CORES for c in r.get("runs_other_cores", []))]
+    # the GPU's clock while each row's kept (fastest) round ran, per competitor, and the rows kept from a round with
+    # a quarter or more of its samples power-capped: a faster kernel can run into the cap where a slower one does
+    # not (tuning log, step 141). Empty without NVML
+    kept = {}
+    for r in rows:
+        if r.get("runs_sm_mhz") and "ms" in r:
+            i = r["runs_ms"].index(r["ms"])
+            if r["runs_sm_mhz"][i] is not None:
+                kept[id(r)] = (r["runs_sm_mhz"][i], r["runs_capped"][i])
+    s["median_sm_mhz"] = {impl: statistics.median(kept[id(r)][0] for r in rows if r["impl"] == impl and id(r) in kept)
+                          for impl in dict.fromkeys(r["impl"] for r in rows if id(r) in kept)}
+    s["rows_timed_power_capped"] = [
+        f"{r['B']},{r['Hq']},{r['N']},{r['D']} {r['mask']} {r['mode']} {r['impl']}: {kept[id(r)][0]} MHz, "
+        f"{kept[id(r)][1]:.0%} of samples capped" for r in rows if id(r) in kept and kept[id(r)][1] >= 0.25]
     follow = [r for r in ours if r["N"] >= 16384 and "time_over_dense" in r and r["mask"] != "dense"]
     s["density_rule_violations"] = [
         f"{r['N']},{r['D']} {r['mask']} {r['mode']}: {r['time_over_dense']:.3f} > {1.15 * r['density'] + 0.01:.3f}"
@@ -609,6 +639,76 @@ class HostMeter:
             self.own_cores = round(own, 2)
             self.other_cores = round(max(0.0, (end[0] - self.start[0]) / wall - own), 2)
         return False
+
+
+class Clocks:
+    """The GPU's SM clock (MHz), power (W) and whether a power cap holds its clock down, sampled every `interval`
+    seconds by a thread while in use (`with Clocks(device) as clocks: ...`; `clocks.samples`: `(host time,
+    MHz, W, capped)`), through NVML from the driver's libnvidia-ml (ctypes: no Python package needed). Samples
+    nothing where NVML cannot be loaded (`clocks.error` says why)."""
+
+    SW_POWER_CAP, HW_POWER_BRAKE = 0x4, 0x80  # NVML's clock-event reasons that a power limit sets
+
+    def __init__(self, device: int, interval: float = 0.002):
+        self.samples, self.error, self.interval = [], None, interval
+        self._stop = threading.Event()
+        try:
+            self._nvml = ctypes.CDLL("libnvidia-ml.so.1")
+            if self._nvml.nvmlInit_v2() != 0:
+                raise OSError("nvmlInit_v2 failed")
+            self._handle = ctypes.c_void_p()
+            props = torch.cuda.get_device_properties(device)
+            bus, found = getattr(props, "pci_bus_id", None), -1
+            if bus is not None:  # the handle of this CUDA device, whatever NVML's order of devices
+                name = f"{props.pci_domain_id:08X}:{bus:02X}:{props.pci_device_id:02X}.0".encode()
+                found = self._nvml.nvmlDeviceGetHandleByPciBusId_v2(name, ctypes.byref(self._handle))
+            if found != 0:
+                found = self._nvml.nvmlDeviceGetHandleByIndex_v2(device, ctypes.byref(self._handle))
+            if found != 0:
+                raise OSError(f"no NVML handle for CUDA device {device} (NVML error {found})")
+            self._reads = (self._nvml.nvmlDeviceGetClockInfo, self._nvml.nvmlDeviceGetPowerUsage,
+                           self._nvml.nvmlDeviceGetCurrentClocksThrottleReasons)  # each present, or AttributeError
+        except (OSError, AttributeError) as e:
+            self.error = str(e)
+
+    def _sample(self):
+        mhz, mw, reasons = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_ulonglong()
+        clock, power, events = self._reads
+        while not self._stop.is_set():
+            clock(self._handle, 1, ctypes.byref(mhz))  # 1: NVML_CLOCK_SM, the current clock
+            power(self._handle, ctypes.byref(mw))  # milliwatts (the driver's average over its own window)
+            events(self._handle, ctypes.byref(reasons))
+            capped = bool(reasons.value & (self.SW_POWER_CAP | self.HW_POWER_BRAKE))
+            self.samples.append((time.perf_counter(), mhz.value, mw.value / 1e3, capped))
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        if self.error is None:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.error is None:
+            self._stop.set()
+            self._thread.join()
+
+    @contextlib.contextmanager
+    def meter(self):
+        """`with clocks.meter() as gpu: ...`: `gpu` holds `during` of that stretch of wall time once it ends."""
+        gpu, t0 = {}, time.perf_counter()
+        try:
+            yield gpu
+        finally:
+            gpu.update(self.during(t0, time.perf_counter()))
+
+    def during(self, t0: float, t1: float) -> dict:
+        """Mean SM clock, highest power and the share of samples with a power cap, between host times t0 and t1."""
+        inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        if not inside:
+            return {"sm_mhz": None, "watts_max": None, "capped": None, "samples": 0}
+        return {"sm_mhz": round(sum(s[1] for s in inside) / len(inside)), "watts_max": max(s[2] for s in inside),
+                "capped": round(sum(s[3] for s in inside) / len(inside), 3), "samples": len(inside)}
 
 
 ROW_SETTLE_CORES, ROW_SETTLE_SECONDS = 1.0, 10.0  # other processes' cores a row waits out, and for how long

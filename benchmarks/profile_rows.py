@@ -21,14 +21,12 @@ by a thread, through the driver's libnvidia-ml).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import threading
 import time
 
 import torch
 
-from bench_attention import Competitors, build_mask  # the benchmark's masks and competitors (from the repo root)
+from bench_attention import Clocks, Competitors, build_mask  # the benchmark's masks, competitors, clock reader
 
 ROWS = {  # (B, H, N, D, mask[, Hkv])
     "host": [(4, 16, 4096, 64, "butterfly"), (4, 16, 4096, 64, "random"), (4, 16, 4096, 64, "local"),
@@ -97,67 +95,6 @@ def sustained_us(step, calls=200, idle_s=1.0) -> dict:
     times = [start.elapsed_time(end) * 1e3 for start, end in events]
     first, last = sorted(times[:10]), sorted(times[-100:])
     return {"first10_us": first[len(first) // 2], "last100_us": last[len(last) // 2]}
-
-
-class Clocks:
-    """The GPU's SM clock (MHz), power (W) and whether a power cap holds its clock down, sampled every `interval`
-    seconds by a thread while in use (`with Clocks(device) as clocks: ...`; `clocks.samples`: `(host time,
-    MHz, W, capped)`), through NVML from the driver's libnvidia-ml (ctypes: no Python package needed). Samples
-    nothing where NVML cannot be loaded (`clocks.error` says why)."""
-
-    SW_POWER_CAP, HW_POWER_BRAKE = 0x4, 0x80  # NVML's clock-event reasons that a power limit sets
-
-    def __init__(self, device: int, interval: float = 0.002):
-        self.samples, self.error, self.interval = [], None, interval
-        self._stop = threading.Event()
-        try:
-            self._nvml = ctypes.CDLL("libnvidia-ml.so.1")
-            if self._nvml.nvmlInit_v2() != 0:
-                raise OSError("nvmlInit_v2 failed")
-            self._handle = ctypes.c_void_p()
-            props = torch.cuda.get_device_properties(device)
-            bus, found = getattr(props, "pci_bus_id", None), -1
-            if bus is not None:  # the handle of this CUDA device, whatever NVML's order of devices
-                name = f"{props.pci_domain_id:08X}:{bus:02X}:{props.pci_device_id:02X}.0".encode()
-                found = self._nvml.nvmlDeviceGetHandleByPciBusId_v2(name, ctypes.byref(self._handle))
-            if found != 0:
-                found = self._nvml.nvmlDeviceGetHandleByIndex_v2(device, ctypes.byref(self._handle))
-            if found != 0:
-                raise OSError(f"no NVML handle for CUDA device {device} (NVML error {found})")
-            self._reads = (self._nvml.nvmlDeviceGetClockInfo, self._nvml.nvmlDeviceGetPowerUsage,
-                           self._nvml.nvmlDeviceGetCurrentClocksThrottleReasons)  # each present, or AttributeError
-        except (OSError, AttributeError) as e:
-            self.error = str(e)
-
-    def _sample(self):
-        mhz, mw, reasons = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_ulonglong()
-        clock, power, events = self._reads
-        while not self._stop.is_set():
-            clock(self._handle, 1, ctypes.byref(mhz))  # 1: NVML_CLOCK_SM, the current clock
-            power(self._handle, ctypes.byref(mw))  # milliwatts (the driver's average over its own window)
-            events(self._handle, ctypes.byref(reasons))
-            capped = bool(reasons.value & (self.SW_POWER_CAP | self.HW_POWER_BRAKE))
-            self.samples.append((time.perf_counter(), mhz.value, mw.value / 1e3, capped))
-            time.sleep(self.interval)
-
-    def __enter__(self):
-        if self.error is None:
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.error is None:
-            self._stop.set()
-            self._thread.join()
-
-    def during(self, t0: float, t1: float) -> dict:
-        """Mean SM clock, highest power and the share of samples with a power cap, between host times t0 and t1."""
-        inside = [s for s in self.samples if t0 <= s[0] <= t1]
-        if not inside:
-            return {"sm_mhz": None, "watts_max": None, "capped": None, "samples": 0}
-        return {"sm_mhz": round(sum(s[1] for s in inside) / len(inside)), "watts_max": max(s[2] for s in inside),
-                "capped": round(sum(s[3] for s in inside) / len(inside), 3), "samples": len(inside)}
 
 
 def back_to_back(step, clocks: Clocks, seconds=1.5, before=None, windows=10, idle_s=1.0) -> dict:

@@ -71,6 +71,14 @@ def test_summary_counts_rows_and_names_every_failure():
     assert s["rows_timed_beside_busy_cores"] == []  # no round recorded other processes' cores
     rs[2]["runs_other_cores"] = [0.2, 3.0, None]
     assert bench.summarize(rs)["rows_timed_beside_busy_cores"] == ["4,16,4096,64 random fwd+bwd sparse_flash: 0.2 3.0"]
+    # the clock of each row's kept (fastest) round: ours capped at 1,600 MHz there, flex at full clock
+    assert s["median_sm_mhz"] == {} and s["rows_timed_power_capped"] == []  # no NVML readings
+    rs[2].update(runs_ms=[1.1, 1.0], runs_sm_mhz=[1980, 1600], runs_capped=[0.0, 0.6])
+    rs[3].update(runs_ms=[0.9], runs_sm_mhz=[1980], runs_capped=[0.0])
+    rs[0].update(runs_ms=[0.25], runs_sm_mhz=[None], runs_capped=[None])  # a round without readings
+    s = bench.summarize(rs)
+    assert s["median_sm_mhz"] == {"sparse_flash": 1600, "flex": 1980}
+    assert s["rows_timed_power_capped"] == ["4,16,4096,64 random fwd+bwd sparse_flash: 1600 MHz, 60% of samples capped"]
 
 
 def test_markdown_shows_both_timings():
@@ -397,3 +405,21 @@ def test_load_windows_place_each_call_on_the_host_clock_and_read_the_clocks_it_r
     assert abs(last["median_us"] - 2000.0) < 1e-6 and last["sm_mhz"] == 1500 and last["samples"] == 1
     clocks.samples = []
     assert profile_rows.back_to_back(step, clocks, seconds=0.04, windows=4, idle_s=0.0)["windows"][0]["sm_mhz"] is None
+
+
+def test_clock_meter_reads_the_samples_of_its_stretch_of_time(monkeypatch):
+    """`bench_attention.Clocks.meter` (each timing round's SM clock): the samples between its start and end,
+    none from before or after; no samples (no NVML) gives None, not a number."""
+    now = [10.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+    clocks = bench.Clocks.__new__(bench.Clocks)
+    clocks.error = None
+    clocks.samples = [(9.0, 1980, 100.0, False), (10.5, 1600, 700.0, True), (10.7, 1800, 650.0, False),
+                      (12.0, 1980, 90.0, False)]
+    with clocks.meter() as gpu:
+        now[0] = 11.0
+    assert gpu == {"sm_mhz": 1700, "watts_max": 700.0, "capped": 0.5, "samples": 2}
+    clocks.samples = []
+    with clocks.meter() as gpu:
+        pass
+    assert gpu["sm_mhz"] is None and gpu["capped"] is None
