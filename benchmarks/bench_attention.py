@@ -27,10 +27,12 @@ by default `benchmarks/results/latest` (the repository keeps the latest run only
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import ctypes
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -704,7 +706,8 @@ class Clocks:
 
     def during(self, t0: float, t1: float) -> dict:
         """Mean SM clock, highest power and the share of samples with a power cap, between host times t0 and t1."""
-        inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        samples = self.samples  # in time order: the stretch found by bisection (a benchmark takes ~10^5 samples)
+        inside = samples[bisect.bisect_left(samples, (t0, )):bisect.bisect_right(samples, (t1, math.inf))]
         if not inside:
             return {"sm_mhz": None, "watts_max": None, "capped": None, "samples": 0}
         return {"sm_mhz": round(sum(s[1] for s in inside) / len(inside)), "watts_max": max(s[2] for s in inside),
