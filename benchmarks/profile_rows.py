@@ -15,6 +15,7 @@ by a thread, through the driver's libnvidia-ml).
 
     python benchmarks/profile_rows.py --out rows.json [--rows d128]
     python benchmarks/profile_rows.py --out load.json --rows density --load
+    SPARSE_FLASH_HOPPER_ONE_PASS=1 python benchmarks/profile_rows.py --out one_pass.json --rows density --load --impls ours
     python benchmarks/profile_rows.py --out rows.json --rows slowest   # the lowest rows vs flex, per kernel
 """
 
@@ -185,6 +186,8 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--load", action="store_true",
                         help="each call alone against calls back to back, with NVML's clock and power (docstring)")
+    parser.add_argument("--impls", default="ours,flex",
+                        help="competitors to time, comma-separated (a rerun under another kernel switch: ours)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     comp = Competitors()  # FlexAttention compiled as the benchmark compiles it (its recompile limits raised: with
@@ -199,7 +202,8 @@ def main():
                 for _ in range(2))
         do = torch.randn_like(q)
         impls = {"ours": lambda: comp.ours(q, k, v, mask, causal), "flex": lambda: comp.flex_attention(q, k, v, mask, causal)}
-        for impl, fn in impls.items():
+        for impl in args.impls.split(","):
+            fn = impls[impl]
             with torch.no_grad():
                 r = load(fn) if args.load else measure(fn)
             results.append({"row": [B, H, Hkv, N, D, name], "dtype": args.dtype, "impl": impl, "mode": "fwd", **r})
