@@ -58,7 +58,7 @@ def _parse_value(text: str):
         return lowered == "true"
     try:
         return ast.literal_eval(text)
-    except (ValueError, TypeError, SyntaxError, RecursionError):
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):  # the last two: deep nesting
         pass
     try:
         return float(text)

@@ -26,7 +26,8 @@ def _padded(index: BlockIndex, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     pos = torch.arange(index.indices.numel(), device=dev) - index.offsets[:-1].long()[row_of]
     out = torch.zeros(rows, width, dtype=torch.int32, device=dev)
     out[row_of, pos] = index.indices
-    return counts.contiguous(), out.reshape(*counts.shape, width)
+    # a copy: the FlexAttention mask owns its tensors, and a user who edits them leaves this mask's lists alone
+    return counts.clone(memory_format=torch.contiguous_format), out.reshape(*counts.shape, width)
 
 
 def _layout_mask_mod(mask: BlockMask, causal: bool):

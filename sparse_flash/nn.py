@@ -22,7 +22,7 @@ from torch import nn
 from . import masks
 from .api import BACKENDS, HEAD_DIM_RANGE, block_sparse_attention, flash_attention
 from .mask import BlockMask
-from .checks import as_bool, block_pair, check_device, is_bool, positive_int, triton_blocks
+from .checks import as_bool, block_pair, check_device, is_bool, is_int, positive_int, triton_blocks
 from .masks._common import GridError
 
 __all__ = ["BlockSparseAttention", "MoBAAttention"]
@@ -186,6 +186,8 @@ class BlockSparseAttention(nn.Module):
             if isinstance(mask, BlockMask) and pair != mask.block_size:
                 raise ValueError(f"block_size must be None or the mask's block size {mask.block_size}, got "
                                  f"{block_size!r}")
+            if not is_int(block_size):
+                block_size = pair  # a tuple of the layer's own: the caller's list stays the caller's
         if isinstance(mask, BlockMask):
             block_size = mask.block_size
             if mask.shape[1] not in (1, num_heads):

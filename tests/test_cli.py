@@ -83,9 +83,11 @@ def test_masks_gallery_writes_a_png(capsys, tmp_path):
         (["masks", "show", "local", "--param", "window=-1"], "cannot build 'local': window must be at least 0, got -1"),
         (["masks", "show", "local", "--seq-len", "256", "--png", "/no/such/dir/x.png"],
          "the folder '/no/such/dir' of '/no/such/dir/x.png' does not exist"),
+        # Python's parser may run out of memory on this literal (read as a string then) or read -1: refused either way
+        (["masks", "show", "local", "--param", "window=" + "-" * 10001 + "1"], "cannot build 'local': window must be"),
     ],
     ids=["pattern", "param-form", "param-name-missing", "param-unknown", "param-required", "heads", "param-value",
-         "png"],
+         "png", "param-deeply-nested"],
 )
 def test_user_errors_are_plain(capsys, argv, message):
     if "--png" in argv:

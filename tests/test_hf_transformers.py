@@ -394,6 +394,23 @@ def test_output_attentions_and_attention_dropout_are_refused():
         bert(tokens(1, 64))
 
 
+@pytest.mark.parametrize("seq_len, device, error", [
+    (100.9, None, (TypeError, "seq_len must be an int, got float 100.9")),
+    ("100", None, (TypeError, "seq_len must be an int, got str")),
+    (True, None, (TypeError, "seq_len must be an int, got bool")),
+    (0, None, (ValueError, "seq_len must be at least 1, got 0")),
+    (128, "tpu", (ValueError, "device must name a torch device")),
+    (128, 3.5, (TypeError, "device must be a torch.device, a str or an int, got float")),
+    (128, "meta", (ValueError, "cannot live on the meta device")),
+], ids=["float", "str", "bool", "zero", "device-name", "device-type", "meta"])
+def test_prepare_checks_its_arguments(seq_len, device, error):
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(sparse_flash={"pattern": "local", "block_size": 64, "window": 1})
+    with pytest.raises(error[0], match=error[1]):
+        prepare(config, seq_len, device)
+
+
 def test_prepared_4d_mask_is_refused():
     _, ours = pair("llama", None)
     with pytest.raises(ValueError, match="a prepared 4-D element mask is not expressible"):

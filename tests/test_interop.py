@@ -29,6 +29,17 @@ def test_flex_round_trip(causal):
     assert (back.seq_len_q, back.seq_len_k, back.block_size) == (777, 777, (32, 64))
 
 
+def test_to_flex_owns_its_tensors():
+    """The FlexAttention mask's counts are copies: editing them leaves the mask (and its next conversion) alone."""
+    mask = masks.local(512, 128, window=1, device=DEVICE)
+    before = mask.kernel_index(False).row_full.counts.clone()
+    fm = mask.to_flex()
+    for t in (fm.kv_num_blocks, fm.full_kv_num_blocks, fm.kv_indices, fm.full_kv_indices):
+        t.zero_()
+    assert torch.equal(mask.kernel_index(False).row_full.counts, before)
+    assert BlockMask.from_flex(mask.to_flex()) == mask
+
+
 def test_from_flex_of_create_block_mask():
     def sliding(b, h, q, kv):
         return (q - kv).abs() <= 100

@@ -203,6 +203,17 @@ def test_mask_params_are_the_layers_own():
     assert layer.prepare(128) == masks.longformer(128, 16, global_block_indices=[0])
 
 
+def test_block_size_is_the_layers_own():
+    """A block size given as a list is copied: the caller's later edits build no other mask."""
+    given = [16, 16]
+    layer = BlockSparseAttention(32, 2, mask="local", mask_params={"window": 0}, block_size=given, backend="torch")
+    given[0] = 64
+    assert layer.block_size == (16, 16)
+    assert layer.prepare(64).block_size == (16, 16)
+    with pytest.raises(TypeError):
+        layer.block_size[0] = 64  # a tuple
+
+
 def test_per_call_mask_overrides_the_layer_mask():
     layer = BlockSparseAttention(32, 2, mask="local", mask_params={"window": 0}, block_size=16,
                                  backend="reference", dtype=torch.float64)

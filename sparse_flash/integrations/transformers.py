@@ -45,7 +45,7 @@ import torch
 from .. import masks
 from ..api import BACKENDS, block_sparse_attention, flash_attention
 from ..mask import BlockMask
-from ..checks import block_pair
+from ..checks import block_pair, check_device, positive_int
 from ..masks._common import GridError
 
 __all__ = ["CONFIG_FIELD", "DEFAULT_NAME", "CallPlan", "attention_forward", "plan_call", "prepare", "register"]
@@ -212,7 +212,9 @@ def prepare(config, seq_len: int, device=None) -> BlockMask | None:
         >>> prepare(config, 1024).num_blocks
         (16, 16)
     """
-    return _pattern_mask(_read_spec(config), int(seq_len), torch.device("cpu" if device is None else device))
+    seq_len = positive_int(seq_len, "seq_len")
+    device = check_device(device, "device")
+    return _pattern_mask(_read_spec(config), seq_len, torch.device("cpu") if device is None else device)
 
 
 # ---------------------------------------------------------------------------------------------- plans
