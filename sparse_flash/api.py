@@ -23,7 +23,7 @@ FLOAT32_SCALE_LIMIT = torch.finfo(torch.float32).max / 1.4426950408889634  # |sc
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
     """Why the triton backend cannot run on `device`, or None when it can."""
-    problem = triton_problem()
+    problem = triton_problem() or (None if torch.compiler.is_compiling() else settings.interpreter_mismatch())
     if problem is not None:
         return problem
     if device.type == "cuda":
@@ -367,6 +367,10 @@ def _merge_inputs(outs, lses) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if not isinstance(out, torch.Tensor) or not isinstance(lse, torch.Tensor):
             raise TypeError(f"outs[{i}] and lses[{i}] must be tensors, got {type(out).__name__} and "
                             f"{type(lse).__name__}")
+        for what, t in ((f"outs[{i}]", out), (f"lses[{i}]", lse)):
+            if t.layout != torch.strided or t.is_nested:
+                raise TypeError(f"{what} must be a dense (strided) tensor, got a {'nested' if t.is_nested else t.layout} "
+                                "tensor")
         if out.dim() != 4 or tuple(out.shape) != tuple(outs[0].shape) or not out.is_floating_point():
             raise ValueError(f"outs[{i}] must be a floating (B, H, N, D) tensor of outs[0]'s shape "
                              f"{tuple(outs[0].shape)}, got {out.dtype} of shape {tuple(out.shape)}")

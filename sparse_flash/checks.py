@@ -7,6 +7,7 @@ their arguments with these (torch only, no import of the rest of the package).
 
 from __future__ import annotations
 
+import io
 import numbers
 import os
 import sys
@@ -33,7 +34,7 @@ def finite_float(value, name: str, what: str = "a finite float") -> float:
     """`value` as a float: a real number (Python, NumPy or a 0-d tensor's `item()`), never a bool, TypeError
     otherwise; finite, ValueError otherwise (an int past every float included, never OverflowError)."""
     if is_bool(value) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {repr(value)[:40]}")
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {_shown(value)}")
     try:
         as_float = float(value)
     except OverflowError:  # an int or a Fraction past every float
@@ -46,7 +47,15 @@ def finite_float(value, name: str, what: str = "a finite float") -> float:
 
 
 def _not_finite(value, name: str, what: str):
-    raise ValueError(f"{name} must be finite, got {repr(value)[:40]}")
+    raise ValueError(f"{name} must be finite, got {_shown(value)}")
+
+
+def _shown(value) -> str:
+    """`value` for an error message: a tensor by its shape and dtype (its values are not readable inside
+    torch.compile, where the message must still be built), anything else by its repr, cut short."""
+    if isinstance(value, torch.Tensor):
+        return f"of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return repr(value)[:40]
 
 
 def check_device(device, name: str = "device"):
@@ -159,7 +168,7 @@ def block_pair(block_size) -> tuple[int, int]:
 
 def picture_path(path):
     """`path` for a picture to write: None, a file name or path whose folder exists, or a binary file object
-    (anything with `write`); checked before any drawing, so a bad name costs no work.
+    open for writing; checked before any drawing, so a bad name costs no work.
 
     Example:
         >>> picture_path("/no/such/folder/masks.png")
@@ -167,7 +176,14 @@ def picture_path(path):
         ...
         ValueError: path: the folder '/no/such/folder' of '/no/such/folder/masks.png' does not exist
     """
-    if path is None or hasattr(path, "write"):
+    if path is None:
+        return path
+    if hasattr(path, "write"):
+        if isinstance(path, io.TextIOBase) or "b" not in getattr(path, "mode", "b"):
+            raise TypeError(f"path must be a binary file object (open(..., 'wb')), got the text file {path!r}")
+        writable = getattr(path, "writable", None)
+        if writable is not None and not writable():
+            raise ValueError(f"path must be a file object open for writing, got {path!r}")
         return path
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a file name, a path or a binary file object, got {type(path).__name__}")

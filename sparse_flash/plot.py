@@ -57,6 +57,8 @@ def plot_mask(mask: BlockMask, path=None, *, heads: int = 4, ax=None):
     """
     heads = positive_int(heads, "heads")
     path = picture_path(path)
+    if ax is not None and not callable(getattr(ax, "imshow", None)):
+        raise TypeError(f"ax must be a matplotlib Axes or None, got {type(ax).__name__}")
     plt = _pyplot(interactive=ax is not None)
     B, H, Mq, Mk = mask.shape
     layouts = mask.layout.reshape(B * H, Mq, Mk).cpu()
@@ -88,8 +90,10 @@ def plot_mask(mask: BlockMask, path=None, *, heads: int = 4, ax=None):
     if mask.tiling is None:
         fig.tight_layout()
     if path is not None:
-        fig.savefig(path, dpi=120, format="png")
-        plt.close(fig)
+        try:
+            fig.savefig(path, dpi=120, format="png")
+        finally:  # written or not, the figure is not left open
+            plt.close(fig)
     return fig
 
 

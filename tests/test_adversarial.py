@@ -708,6 +708,38 @@ def test_plot_refuses_bad_heads_and_paths(kwargs, error):
         masks.butterfly(256, 32).plot(**kwargs)
 
 
+def test_plot_refuses_text_files_read_only_files_and_other_axes(tmp_path):
+    """Checked before any drawing (each failed inside matplotlib after it), and no figure is left open."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    mask = masks.butterfly(256, 32)
+    open_before = plt.get_fignums()
+    with open(tmp_path / "text.png", "w") as text, pytest.raises(TypeError, match="path must be a binary file"):
+        mask.plot(text)
+    (tmp_path / "old.png").write_bytes(b"")
+    with open(tmp_path / "old.png", "rb") as read_only, pytest.raises(ValueError, match="open for writing"):
+        mask.plot(read_only)
+    for ax in ("x", 0):
+        with pytest.raises(TypeError, match="ax must be a matplotlib Axes or None, got"):
+            mask.plot(ax=ax)
+    assert plt.get_fignums() == open_before
+
+
+def test_a_tensor_scale_is_refused_by_name_eagerly_and_compiled():
+    """The message names the tensor by shape and dtype: built inside torch.compile too (a repr of its values is
+    not traceable, and fullgraph then lost the library's message)."""
+    mask = masks.butterfly(64, 16)
+    q, k, v = _inputs(torch.float32, n=64)
+
+    def attend(q, k, v):
+        return sparse_flash.block_sparse_attention(q, k, v, mask, scale=torch.tensor(0.3), backend="torch")
+
+    with pytest.raises(TypeError, match=r"scale must be a float or None, got Tensor of shape \(\) and dtype"):
+        attend(q, k, v)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="scale must be a float or None, got Tensor of shape"):
+        torch.compile(attend, fullgraph=True, backend="eager")(q, k, v)
+
+
 @pytest.mark.parametrize("threshold, error", [(10**400, ValueError), (float("nan"), ValueError),
                                               (float("inf"), ValueError), ("0.5", TypeError), (True, TypeError)])
 def test_from_scores_threshold_errors_name_it(threshold, error):

@@ -210,7 +210,9 @@ def test_merge_attention_refuses_bad_input():
                                (([out[0]], [lse]), ValueError, "outs\\[0\\] must be a floating"),
                                (([out, out[..., :2]], [lse, lse]), ValueError, "outs\\[1\\] must be"),
                                (([out, out.double()], [lse, lse]), ValueError, "one dtype each"),
-                               (([out], ["x"]), TypeError, "must be tensors")]:
+                               (([out], ["x"]), TypeError, "must be tensors"),
+                               (([out.to_sparse()], [lse]), TypeError, "outs\\[0\\] must be a dense \\(strided\\)"),
+                               (([out], [lse.to_sparse()]), TypeError, "lses\\[0\\] must be a dense \\(strided\\)")]:
         with pytest.raises(error, match=words):
             sparse_flash.merge_attention(*args)
 

@@ -1,6 +1,8 @@
 """The kernels' switches (`kernels/settings.py`) and the one place that picks a kernel family per pass
 (`kernels/dispatch.py`)."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import DEVICE
@@ -23,11 +25,12 @@ def test_configure_and_override_set_and_restore():
     with settings.override(tma=not before.tma, poison=True) as inside:
         assert inside.tma != before.tma and inside.poison and settings.current() is inside
     assert settings.current() == before
-    previous = settings.configure(hopper_balance=False)
+    previous = settings.configure(hopper_balance=False)  # every thread's settings (the tests' poison block aside)
     try:
-        assert previous == before and not settings.current().hopper_balance
+        assert previous.hopper_balance == before.hopper_balance and not settings.current().hopper_balance
     finally:
-        settings.configure(hopper_balance=before.hopper_balance)
+        settings.configure(**dataclasses.asdict(previous))
+    assert settings.current() == before
 
 
 @pytest.mark.parametrize("changes, match", [({"tmaa": True}, "unknown kernel setting 'tmaa'"),
@@ -164,3 +167,33 @@ def test_pytorch_deterministic_mode_outranks_the_setting():
             assert dispatch.deterministic()
     finally:
         torch.use_deterministic_algorithms(was)
+
+
+def test_configure_returns_every_threads_settings_so_restoring_them_keeps_a_block_local():
+    """`configure` inside an `override` block returns the settings outside every block: putting them back (the
+    save-and-restore idiom) leaves the block's fields to the block."""
+    before = settings.current()
+    with settings.override(tma=not before.tma):
+        previous = settings.configure(hopper_balance=not before.hopper_balance)
+        settings.configure(**dataclasses.asdict(previous))
+        assert settings.current().tma != before.tma  # the block's, while it is open
+    assert settings.current() == before
+
+
+def test_triton_interpret_changed_after_triton_was_imported_is_a_clear_error(monkeypatch):
+    """Triton makes its functions interpreted or compiled when it is imported; a TRITON_INTERPRET set or cleared
+    later is named as the reason the triton backend cannot run (it failed deep inside Triton)."""
+    pytest.importorskip("triton.language")
+    from sparse_flash.api import triton_unavailable_reason
+    from sparse_flash.checks import triton_problem
+
+    assert settings.interpreter_mismatch() is None
+    if settings.interpreting():
+        monkeypatch.delenv("TRITON_INTERPRET")
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    reason = settings.interpreter_mismatch()
+    assert reason is not None and "when Triton was imported" in reason
+    if triton_problem() is None:  # else that problem is the reason given first
+        assert triton_unavailable_reason(torch.device("cpu")) == reason
+

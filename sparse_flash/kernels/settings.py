@@ -19,9 +19,9 @@ so a bad value never stops `import sparse_flash`; an empty value counts as unset
 | `poison` | - | off | every kernel output starts as NaN, so that an unwritten tile shows (tests) |
 
 A variable takes `1`/`0` (or `true`/`false`, `on`/`off`); anything else is a ValueError naming it.
-`configure(**changes)` sets fields for every thread and returns the previous value; `override(**changes)` sets
-them for a `with` block in this thread or task only. Launch plans key on the settings they were built under, so
-a change takes effect on the next call. A call's backward runs under the settings of its forward (autograd may
+`configure(**changes)` sets fields for every thread and returns every thread's settings before it;
+`override(**changes)` sets them for a `with` block in this thread or task only. Launch plans key on the settings
+they were built under, so a change takes effect on the next call. A call's backward runs under the settings of its forward (autograd may
 run it in another thread); under torch.compile, under the settings where the compiled backward runs.
 
 `interpreting()` is the one reader of `TRITON_INTERPRET` (kernels run on the CPU through the interpreter).
@@ -41,6 +41,7 @@ import contextlib
 import contextvars
 import dataclasses
 import os
+import sys
 
 from ..checks import as_bool
 
@@ -144,14 +145,16 @@ def _checked(changes: dict) -> dict:
 
 
 def configure(**changes) -> Settings:
-    """Set the given fields (bools) for every thread, from now on; returns the settings in force before. Inside
-    an `override` block the block's own fields still win until it closes.
+    """Set the given fields (bools) for every thread, from now on; returns the settings every thread had before
+    (without any `override` block's fields: `configure(**dataclasses.asdict(previous))` puts back exactly what
+    this call changed, and never makes a block's fields global). Inside an `override` block the block's own
+    fields still win until it closes.
 
     Raises:
         TypeError: an unknown field, or a value that is not a bool.
     """
     _checked(changes)
-    previous = current()
+    previous = _base()
     _BASE[0] = dataclasses.replace(_base(), **changes)
     return previous
 
@@ -196,3 +199,20 @@ def applied(chosen: Settings):
 def interpreting() -> bool:
     """True under TRITON_INTERPRET=1 (kernels run on the CPU through the Triton interpreter)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def interpreter_mismatch() -> str | None:
+    """Why the Triton kernels cannot follow TRITON_INTERPRET as it is now, or None: Triton reads it once, when it
+    is imported (each `@triton.jit` function is made interpreted or compiled then), so a value set or cleared
+    after that import holds for this library (`interpreting`) but not for Triton's functions. Nothing to say
+    before Triton is imported."""
+    language = sys.modules.get("triton.language")
+    if language is None or not hasattr(language, "cdiv"):
+        return None
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(language.cdiv, InterpretedFunction) == interpreting():
+        return None
+    now = "set" if interpreting() else "unset"
+    return (f"TRITON_INTERPRET is {now} now but was not when Triton was imported (building a mask imports it), "
+            "and Triton reads it only then: set it before the first import, e.g. in the shell")
