@@ -23,14 +23,12 @@ FLOAT32_SCALE_LIMIT = torch.finfo(torch.float32).max / 1.4426950408889634  # |sc
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
     """Why the triton backend cannot run on `device`, or None when it can."""
-    problem = triton_problem() or (None if torch.compiler.is_compiling() else settings.interpreter_mismatch())
+    problem = triton_problem()
     if problem is not None:
         return problem
-    if device.type == "cuda":
-        return None
-    if device.type == "cpu" and settings.interpreting():
-        return None
-    return f"triton kernels need a CUDA device (or TRITON_INTERPRET=1 for CPU tensors), got {device.type}"
+    if not (device.type == "cuda" or (device.type == "cpu" and settings.interpreting())):
+        return f"triton kernels need a CUDA device (or TRITON_INTERPRET=1 for CPU tensors), got {device.type}"
+    return None if torch.compiler.is_compiling() else settings.interpreter_mismatch()
 
 
 def _resolve_backend(backend: str, q: torch.Tensor) -> str:
