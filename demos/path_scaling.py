@@ -42,7 +42,7 @@ import results_table  # noqa: E402
 
 # NVLink multicast stays off in every process this starts (NCCL, PyTorch's symmetric memory, NVSHMEM).
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-STDERR_LINES = 30  # the end of a failed piece's stderr that the driver's error repeats
+STDERR_LINES = 60  # the end of a failed piece's stderr that the driver's error repeats
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args, flags = parse(sys.argv[1:] if argv is None else argv)
-    environment = {**os.environ, **NO_MULTICAST, "PYTHONUNBUFFERED": "1"}
+    # a piece killed by a signal (an abort in a C++ thread) dumps every Python thread's stack into its stderr
+    environment = {**os.environ, **NO_MULTICAST, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     pieces_of = {name: pieces for name, pieces in plan(args.steps, args.gpus).items() if name in args.runs.split(",")}
     outcomes: dict[str, Outcome] = {}
     one_weights = None
