@@ -92,7 +92,7 @@ PRESETS: dict[str, dict] = {
 }
 FLAG_DEFAULTS = dict(  # defaults of the flags no preset sets
     pool=1, order="row", window="1", global_blocks=1, head="mean", dropout=0.0, augment=False, pretrain_steps=0,
-    compile="off", mask=None, tile=None,
+    compile="off", mask=None, tile=None, seed=0,
 )
 
 
@@ -138,7 +138,7 @@ def build_parser() -> Parser:
     add("--difficulty", choices=list(pathfinder.DIFFICULTIES), help="Pathfinder difficulty")
     add("--n-train", type=positive(int), help="distinct training images (LRA: 160,000; more departs from it)")
     add("--n-eval", type=positive(int), help="held-out images (LRA: 20,000)")
-    add("--seed", type=non_negative(int), default=0, help="training images, model and mask seed")
+    add("--seed", type=non_negative(int), help="training images, model and mask seed (default 0)")
     add("--eval-seed", type=non_negative(int), help=f"held-out images' seed (default: seed + {EVAL_SEED_OFFSET:,})")
     add("--cache-dir", default="~/.cache/sparse_flash/pathfinder", help="dataset cache (shared by concurrent runs)")
     add("--workers", type=positive(int), default=default_workers(), help="dataset generation processes")
@@ -222,6 +222,9 @@ def check_args(args) -> None:
         raise ConfigError("--resume continues this run from --out; --init-from starts a new one: pass one of them")
     if args.eval_only and not args.init_from:
         raise ConfigError("--eval-only needs --init-from CKPT (the checkpoint to evaluate)")
+    if args.eval_only and args.record is not None:
+        raise ConfigError("--record keeps training and --bench runs; --eval-only prints its result: drop --record")
+    check_paths(args)
     if args.resolution % args.pool:
         raise ConfigError(f"--pool {args.pool} must divide --resolution {args.resolution}")
     if args.resolution // args.pool < 8:
@@ -270,6 +273,31 @@ def check_args(args) -> None:
         raise ConfigError(f"--init-from: no such file: {args.init_from}")
     if args.time_budget and args.time_budget < 30:
         raise ConfigError(f"--time-budget {args.time_budget:g} s leaves no time to train; give 30 s or more (0: none)")
+    if not args.resume:
+        for spec in plan_runs(args):  # a mask the flags cannot build fails here, not after the data is made
+            try:
+                layer_masks(spec.mask, spec.model, device="cpu")
+            except (ValueError, TypeError) as error:
+                raise ConfigError(f"--mask {args.mask or 'of the preset'} with --block-size {args.block_size}, "
+                                  f"--window and --tile as given: {error}") from None
+
+
+def check_paths(args) -> None:
+    """--out, --cache-dir (unless --bench, which reads no images) and, with --record, --results: usable before
+    any work (ConfigError)."""
+    folders = {"--out": args.out, "--cache-dir": None if args.bench else args.cache_dir,
+               "--results' folder": Path(args.results).parent if args.record is not None else None}
+    for flag, folder in folders.items():
+        if folder is not None:
+            try:
+                sparse_flash.checks.output_folder(folder, flag)
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
+    if args.record is not None and Path(args.results).exists():
+        try:
+            json.loads(Path(args.results).read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as error:
+            raise ConfigError(f"--results {args.results} is not a readable results file (JSON): {error}") from None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -387,7 +415,7 @@ def run_training(args, device: torch.device, dist: Dist, log: RunLog, started: f
 EVAL_TRANSFER_FLAGS = ("resolution", "pool", "difficulty", "tile")  # --eval-only on another task than training's
 EVAL_MODEL_FLAGS = ("layers", "width", "heads", "mlp_ratio", "pos", "order", "mask", "block_size", "window",
                     "global_blocks", "head", "dropout", "n_train", "lr", "weight_decay", "warmup", "steps",
-                    "train_seconds", "pretrain_steps", "augment", "compare_steps")  # the checkpoint's own
+                    "train_seconds", "pretrain_steps", "augment", "compare_steps", "seed")  # the checkpoint's own
 
 
 def eval_configs(args, checkpoint: dict) -> tuple[ModelConfig, MaskConfig, DataConfig]:
@@ -549,7 +577,10 @@ def mask_table(args) -> None:
         order = "tile" if name in TILED_MASKS else "row"
         small = MaskConfig((name,), args.block_size, seed=args.seed)
         large = MaskConfig((name,), 128, seed=args.seed)
-        small = build_mask(name, args.resolution, small, order, small_tile)
+        try:
+            small = build_mask(name, args.resolution, small, order, small_tile)
+        except (ValueError, TypeError) as error:
+            raise ConfigError(f"--block-size {args.block_size} cannot build the {name} mask: {error}") from None
         large = build_mask(name, 256, large, order, large_tile)
         print(f"{name:<14}{f'{small.density:.2%} of {small.num_blocks[0]}^2 blocks':>28}"
               f"{f'{large.density:.2%} of {large.num_blocks[0]}^2 blocks':>28}")
@@ -633,8 +664,8 @@ def pick_device(requested: str | None, dist: Dist) -> torch.device:
         device = torch.device(requested)
     except RuntimeError:
         raise ConfigError(f"--device: not a torch device: {requested!r}") from None
-    if device.type == "meta":
-        raise ConfigError(f"--device {requested}: training needs a device that holds values (cpu or cuda)")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {requested}: the demo trains on cpu or cuda, got {device.type}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {requested}: no CUDA GPU here")
     return device
@@ -650,6 +681,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.preset == "smoke" and dist.world > 1:
             raise ConfigError("the smoke preset runs as a single process; launch it with python, not torchrun")
         device = pick_device(args.device, dist)
+        if args.backend == "triton" and not args.prepare_data:
+            reason = sparse_flash.api.triton_unavailable_reason(device)
+            if reason is not None:
+                raise ConfigError(f"--backend triton cannot run on {device}: {reason}")
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
         log = RunLog(Path(args.out) / "train.log", enabled=dist.is_main)

@@ -11,6 +11,7 @@ import io
 import numbers
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -200,6 +201,31 @@ def picture_path(path):
 
 TRITON_FLOOR, TORCH_FLOOR = (3, 6), (2, 11)  # the oldest versions the triton backend is tested on (docs/testing.md)
 _TRITON_PROBLEM = {}  # {"reason": str | None}, filled by the first `triton_problem()` outside torch.compile
+
+
+def output_folder(path, name: str) -> Path:
+    """`path` (`~` expanded) as a folder that exists or can be made: not a file, no file on its way, and its
+    nearest existing folder writable; checked before any work, so a run never fails at its end on its output.
+
+    Example:
+        >>> output_folder("/proc/version/runs", "--out")
+        Traceback (most recent call last):
+        ...
+        ValueError: --out: '/proc/version' is a file, so '/proc/version/runs' cannot be a folder
+    """
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ValueError(f"{name} must name a folder, got {path!r}")
+    folder = Path(path).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{name} must name a folder, got the file {os.fspath(path)!r}")
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{name}: {os.fspath(existing)!r} is a file, so {os.fspath(folder)!r} cannot be a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{name}: cannot write in {os.fspath(existing)!r} (for {os.fspath(folder)!r})")
+    return folder
 
 
 def _major_minor(version: str) -> tuple[int, int]:

@@ -363,6 +363,7 @@ def test_eval_only_on_another_task_rebuilds_model_and_masks(tmp_path, fake_data,
     assert "Pathfinder-32 pooled 2x (16 px)" in out and "of 12 images" in out
     assert "must divide the image side 16" in error_of(capsys, base + ["--pool", "2", "--tile", "3x3"])
     assert "drop --width, --mask" in error_of(capsys, base + ["--width", "32", "--mask", "dense"])
+    assert "drop --seed" in error_of(capsys, base + ["--seed", "5"])  # the checkpoint's images, model and masks
 
 
 def test_compile_on_cpu_with_the_smallest_model(tmp_path, fake_data):
@@ -458,6 +459,35 @@ def test_flops_count_nonzero_blocks_only():
 ])
 def test_bad_flags_give_one_line_and_exit_2(tmp_path, fake_data, capsys, extra, message):
     assert message in error_of(capsys, run_flags(tmp_path, *extra))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--out", "{file}"], "--out must name a folder, got the file"),
+    (["--out", "{file}/run"], "is a file, so"),
+    (["--cache-dir", "{file}"], "--cache-dir must name a folder"),
+    (["--bench", "--record", "x", "--results", "{file}"], "is not a readable results file"),
+    (["--eval-only", "--init-from", "/nonexistent.pt", "--record"], "drop --record"),
+    (["--device", "mps"], "the demo trains on cpu or cuda"),
+    (["--order", "tile", "--mask", "neighborhood", "--window", str(2**70)], "--mask neighborhood with --block-size"),
+])
+def test_bad_paths_devices_and_masks_are_refused_before_any_work(tmp_path, fake_data, capsys, extra, message):
+    """Found by the seventeenth probe: each of these printed a traceback (some after the run's work)."""
+    (tmp_path / "not_a_folder").write_text("not json")
+    extra = [a.format(file=tmp_path / "not_a_folder") for a in extra]
+    assert message in error_of(capsys, run_flags(tmp_path, *extra))
+    assert not (tmp_path / "out").exists()  # refused before the run made its folder
+
+
+def test_smoke_preset_refuses_a_block_size_its_masks_cannot_take(tmp_path, capsys):
+    assert "--block-size 7 cannot build" in error_of(capsys, ["--preset", "smoke", "--block-size", "7", "--device",
+                                                              "cpu", "--out", str(tmp_path / "out")])
+
+
+def test_an_explicit_triton_backend_that_cannot_run_is_refused_first(tmp_path, fake_data, capsys, monkeypatch):
+    monkeypatch.setattr(path256.sparse_flash.api, "triton_unavailable_reason", lambda device: "no kernels here")
+    flags = run_flags(tmp_path)
+    flags[flags.index("--backend") + 1] = "triton"
+    assert "--backend triton cannot run on cpu: no kernels here" in error_of(capsys, flags)
 
 
 def test_pool_without_generator_support_is_a_clear_error(tmp_path, capsys, monkeypatch):
