@@ -21,12 +21,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+
+import sparse_flash
+import sparse_flash.integrations.transformers
 
 RUNS = ("sdpa", "block_sparse", "block_sparse_dense")
 PATTERNS = {  # config.sparse_flash of each --pattern (block size and backend are added from the flags)
@@ -42,7 +47,7 @@ CPU_SMOKE = dict(seq_len=256, batch_size=2, steps=6, warmup=1, layers=2, width=6
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="hf_long_context.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU (under a minute)")
     p.add_argument("--runs", default="sdpa,block_sparse", help=f"comma-separated, from {RUNS}")
@@ -62,13 +67,41 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, name, value)
     args.runs = [r for r in args.runs.split(",") if r]
     bad = [r for r in args.runs if r not in RUNS]
-    if bad or not args.runs:
-        p.error(f"--runs takes names from {RUNS}, got {args.runs}")
+    if bad or not args.runs or len(set(args.runs)) < len(args.runs):
+        p.error(f"--runs takes distinct names from {RUNS}, got {args.runs}")
     if args.seq_len < 4 or args.seq_len % 2:
         p.error(f"--seq-len must be an even number of at least 4, got {args.seq_len}")
+    check_sizes(p, args)
     if not args.cpu_smoke and not torch.cuda.is_available():
         p.error("no CUDA GPU: run with --cpu-smoke")
     return args
+
+
+def check_sizes(p: argparse.ArgumentParser, args) -> None:
+    """The model, batch and optimiser flags the run can take, and --out, before any work (one line, exit 2)."""
+    for name in ("batch_size", "steps", "layers", "width", "heads", "kv_heads", "vocab", "block_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be at least 0, got {args.warmup}")
+    if args.width % args.heads or (args.width // args.heads) % 2:
+        p.error(f"--width ({args.width}) must be --heads ({args.heads}) times an even head dimension")
+    if args.heads % args.kv_heads:
+        p.error(f"--kv-heads ({args.kv_heads}) must divide --heads ({args.heads})")
+    if not math.isfinite(args.lr) or args.lr <= 0:
+        p.error(f"--lr must be a finite positive number, got {args.lr}")
+    if args.backend not in sparse_flash.api.BACKENDS:
+        p.error(f"--backend must be one of {sparse_flash.api.BACKENDS}, got {args.backend!r}")
+    spec = {**PATTERNS[args.pattern], "block_size": args.block_size, "backend": args.backend}
+    try:  # the pattern's block size, parameters and backend, as the model will read them
+        sparse_flash.integrations.transformers.prepare(SimpleNamespace(sparse_flash=spec), args.seq_len)
+    except (ValueError, TypeError) as error:
+        p.error(f"--pattern {args.pattern} with --block-size {args.block_size} and --backend {args.backend}: {error}")
+    if args.out:
+        try:
+            sparse_flash.checks.output_folder(args.out, "--out")
+        except ValueError as error:
+            p.error(str(error))
 
 
 def copy_batch(args, generator: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -356,6 +356,31 @@ def test_cpu_smoke_demo_runs():
     assert all(r["samples_per_s"] > 0 and r["final_loss"] == r["final_loss"] for r in rows)
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--steps", "0"], "--steps must be at least 1"), (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--width", "0"], "--width must be at least 1"), (["--layers", "0"], "--layers must be at least 1"),
+    (["--vocab", "0"], "--vocab must be at least 1"), (["--warmup", "-1"], "--warmup must be at least 0"),
+    (["--heads", "3"], "times an even head dimension"), (["--kv-heads", "3"], "--kv-heads (3) must divide"),
+    (["--lr", "nan"], "--lr must be a finite positive"), (["--lr", "-1"], "--lr must be a finite positive"),
+    (["--backend", "bogus"], "--backend must be one of"), (["--runs", "sdpa,sdpa"], "distinct names"),
+    (["--block-size", "24", "--backend", "triton"], "must be a multiple of 16"),
+    (["--seq-len", str(10**11)], "is invalid"), (["--out", "{file}"], "--out must name a folder"),
+])
+def test_cpu_smoke_demo_refuses_bad_flags_in_one_line(flags, words, tmp_path, capsys):
+    """Found by the seventeenth probe: these failed deep inside transformers, torch or the optimiser, after
+    the work, or ran nonsense (no layers, one run twice)."""
+    sys.path.insert(0, str(ROOT / "demos"))
+    try:
+        import hf_long_context
+    finally:
+        sys.path.pop(0)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as stop:
+        hf_long_context.main(["--cpu-smoke", *[f.format(file=tmp_path / "file") for f in flags]])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and err.startswith("hf_long_context.py: error:") and words in err, err
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 
 
