@@ -1219,6 +1219,15 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"argument --workers: must be at least 1, got {args.workers}")
     if args.pool < 1 or args.resolution % args.pool:
         parser.error(f"argument --pool: must be at least 1 and divide --resolution {args.resolution}, got {args.pool}")
+    cache = Path(args.cache_dir).expanduser()
+    existing = next(p for p in (cache, *cache.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        parser.error(f"argument --cache-dir: {args.cache_dir!r} cannot be a folder to write in ({existing} is "
+                     f"{'not a folder' if not existing.is_dir() else 'not writable'})")
+    if args.show is not None:
+        show_path = Path(args.show)
+        if show_path.suffix.lower() != ".png" or show_path.is_dir() or not show_path.parent.is_dir():
+            parser.error(f"argument --show: must name a .png file in an existing folder, got {args.show!r}")
     return args
 
 

@@ -196,6 +196,22 @@ def test_command_line(tmp_path, capsys):
         pathfinder.main(["--resolution", "48"])
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--cache-dir", "{file}"], "--cache-dir: "), (["--cache-dir", "{file}/x"], "is not a folder"),
+    (["--show", "{tmp}/no/such/grid.png"], "--show: must name a .png file"), (["--show", "{tmp}/grid.txt"], "--show"),
+    (["--show", "{tmp}"], "--show"),
+])
+def test_command_line_refuses_output_paths_before_generating(tmp_path, capsys, flags, words):
+    """Found by the seventeenth probe: these failed after the images were made, and a folder given to --show
+    was reported written while matplotlib wrote another file."""
+    (tmp_path / "file").write_text("")
+    flags = [f.format(file=tmp_path / "file", tmp=tmp_path) for f in flags]
+    with pytest.raises(SystemExit) as stop:
+        pathfinder.main(["-n", "2", "--workers", "1", "--cache-dir", str(tmp_path / "cache"), *flags])
+    assert stop.value.code == 2 and words in capsys.readouterr().err
+    assert not (tmp_path / "cache").exists()  # nothing generated
+
+
 @pytest.mark.parametrize(
     ("call", "error", "message"),
     [
