@@ -34,9 +34,10 @@ from it, so both files time and record alike.
     python benchmarks/bench_dynamic.py --profile --out DIR  # where the per-call time goes, operator by operator
     python benchmarks/bench_dynamic.py --smoke        # tiny sizes, any device (CPU: torch backend, or triton
                                                       # under TRITON_INTERPRET=1); runs every path once,
-                                                      # times nothing worth quoting
+                                                      # times nothing worth quoting, writes no file
 
-Writes `dynamic.json` under --out (default `benchmarks/results/latest`) and prints a table last.
+Writes `dynamic.json` under --out (default `benchmarks/results/latest`; with --smoke only where --out is given)
+and prints a table last.
 """
 
 from __future__ import annotations
@@ -511,7 +512,8 @@ def profile(sizes: Sizes, device, backend: str, out: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="benchmarks/results/latest", help="output folder (default: %(default)s)")
+    parser.add_argument("--out", help="output folder (default: benchmarks/results/latest; with --smoke: none, "
+                        "a smoke run's numbers are no measurement)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on any device: checks that every path runs")
     parser.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
                         help="sparse_flash backend (auto: triton on CUDA or under TRITON_INTERPRET=1, else torch)")
@@ -524,6 +526,15 @@ def main(argv=None) -> int:
                         help="instead of timing: operator tables (torch.profiler) of a from_topk build and of the "
                         "MoBA step, written to --out as profile_*.txt")
     args = parser.parse_args(argv)
+    if args.out is None and not args.smoke:
+        args.out = "benchmarks/results/latest"
+    if args.out is None and args.profile:
+        parser.error("--profile --smoke needs --out (where its tables go)")
+    if args.out is not None:
+        try:
+            sparse_flash.checks.output_folder(args.out, "--out")
+        except ValueError as error:
+            parser.error(str(error))
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
         print("bench_dynamic needs a CUDA GPU (or --smoke)", file=sys.stderr)
@@ -553,12 +564,14 @@ def main(argv=None) -> int:
     step = [] if args.skip_step else step_rows(sizes, device, backend)
     meta["seconds"] = round(time.perf_counter() - start, 1)
     summary = summarize(build, step)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "dynamic.json").write_text(json.dumps({"meta": meta, "mask_build": build, "step": step,
-                                                  "summary": summary}, indent=2))
+    if args.out is not None:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "dynamic.json").write_text(json.dumps({"meta": meta, "mask_build": build, "step": step,
+                                                      "summary": summary}, indent=2))
     _say(json.dumps(summary, indent=2))
-    _say(f"wrote {out / 'dynamic.json'} after {meta['seconds']:.0f} s\n")
+    _say(f"wrote {Path(args.out) / 'dynamic.json'} after {meta['seconds']:.0f} s\n" if args.out is not None else
+         f"done after {meta['seconds']:.0f} s (a smoke run without --out writes no file)\n")
     _say(table(build, step, args.smoke))
     return 0
 

@@ -44,6 +44,18 @@ def test_no_compile_run_times_the_builds_that_compile_nothing(tmp_path):
     assert not any(key.startswith(("flex_create_block_mask", "from_topk_compiled")) for r in build for key in r)
 
 
+def test_a_smoke_run_without_out_writes_no_file_and_a_bad_out_is_refused(tmp_path, monkeypatch, capsys):
+    """Found by the seventeenth probe: a smoke run from the repository's root replaced the committed
+    benchmarks/results/latest/dynamic.json, and an --out naming a file failed after the work."""
+    monkeypatch.chdir(tmp_path)
+    assert bench.main(["--smoke", "--skip-build", "--skip-step"]) == 0
+    assert list(tmp_path.iterdir()) == [] and "writes no file" in capsys.readouterr().out
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--smoke", "--skip-build", "--skip-step", "--out", str(tmp_path / "file")])
+    assert stop.value.code == 2 and "--out must name a folder" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("top_k", [1, 3, 8])
 def test_the_timed_choice_is_the_moba_layers(top_k):
     torch.manual_seed(0)
