@@ -91,12 +91,23 @@ def main():
     parser.add_argument("--timing", choices=sorted(TIMING), default="eager")
     parser.add_argument("--out", default="density_fit.json")
     args = parser.parse_args()
-    windows = [int(w) for w in args.windows.split(",")]
-    cfgs = [None] if not args.fwd_configs else [
-        (*(int(x) for x in c.split(",")[:4]), True, *(int(x) for x in c.split(",")[4:]))
-        for c in args.fwd_configs.split(";")]
+    try:
+        windows = [int(w) for w in args.windows.split(",")]
+        head_dims = [int(d) for d in args.head_dims.split(",")]
+        cfgs = [None] if not args.fwd_configs else [
+            (*(int(x) for x in c.split(",")[:4]), True, *(int(x) for x in c.split(",")[4:]))
+            for c in args.fwd_configs.split(";")]
+    except ValueError as error:
+        parser.error(f"--windows, --head-dims and --fwd-configs take comma-separated integers: {error}")
+    for flag, value in (("--seq-len", args.seq_len), ("--batch", args.batch), ("--heads", args.heads)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    if min(windows) < 0:
+        parser.error(f"--windows must be at least 0, got {args.windows}")
+    if not torch.cuda.is_available():
+        parser.error("density_fit times the kernels on a CUDA GPU; none here")
     results = []
-    for d in args.head_dims.split(","):
+    for d in head_dims:
         for cfg in cfgs:  # each fit is printed and saved when done, so a run cut short keeps what it measured
             r = fit(args.seq_len, args.batch, args.heads, int(d), windows, cfg, args.timing)
             results.append(r)

@@ -46,6 +46,9 @@ SPLIT_EVERY = {"split lists", "hopper split", "hopper split causal"}
 
 
 def main(names: list[str]) -> int:
+    if {"-h", "--help"} & set(names):
+        print(__doc__.strip() + f"\n\nProblem names: {', '.join(PROBLEMS)}")
+        return 0
     unknown = sorted(set(names) - set(PROBLEMS))
     if unknown:
         print(f"unknown problems {unknown}; choose from {sorted(PROBLEMS)}", file=sys.stderr)

@@ -176,6 +176,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args = parser.parse_args(argv)
     if args.gpus < 2:
         parser.error(f"--gpus must be at least 2, got {args.gpus}")
+    if args.batch_size < args.gpus:
+        parser.error(f"--batch-size (the global batch) must be at least --gpus ({args.gpus}), got {args.batch_size}")
     if args.batch_size % args.gpus:
         parser.error(f"--batch-size (the global batch, {args.batch_size}) must be divisible by --gpus ({args.gpus})")
     if args.steps < 3:

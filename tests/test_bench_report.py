@@ -423,3 +423,16 @@ def test_clock_meter_reads_the_samples_of_its_stretch_of_time(monkeypatch):
     with clocks.meter() as gpu:
         pass
     assert gpu["sm_mhz"] is None and gpu["capped"] is None
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["benchmarks/density_fit.py", "--head-dims", "x"], "take comma-separated integers"),
+    (["benchmarks/density_fit.py", "--seq-len", "-1"], "--seq-len must be at least 1"),
+    (["benchmarks/sanitize.py", "--help"], "Problem names: causal ragged"),
+])
+def test_benchmark_scripts_answer_help_and_bad_flags_in_one_line(argv, words):
+    """Found by the seventeenth probe: tracebacks for bad flags, and no help from sanitize.py."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, *argv], cwd=root, capture_output=True, text=True, timeout=240)
+    assert "Traceback" not in done.stderr and words in done.stdout + done.stderr, done.stderr
+    assert done.returncode == (0 if "--help" in argv else 2)

@@ -133,6 +133,7 @@ def test_scaling_driver_refuses_bad_flags(tmp_path, capsys, monkeypatch):
 
     for argv, words in ((["--gpus", "1"], "--gpus must be at least 2"),
                         (["--batch-size", "9"], "must be divisible by --gpus"),
+                        (["--batch-size", "0"], "must be at least --gpus"),
                         (["--steps", "2"], "--steps must be at least 3"),
                         (["--runs", "many"], "must include one")):
         base = {"--gpus": "2", "--steps": "6", "--batch-size": "8", "--runs": "one,many,switch"}
