@@ -115,9 +115,9 @@ def odd_int(value, name: str) -> int:
 def block_indices(values, name: str, *, distinct: bool = True) -> list[int]:
     """A sequence of block indices (ints >= 0, `distinct` ones unless told): lists, tuples, NumPy arrays and
     int tensors."""
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+    if isinstance(values, (str, bytes, dict, set, frozenset)) or not hasattr(values, "__iter__"):
         raise TypeError(f"{name} must be a sequence of block indices such as (0, 16), got {type(values).__name__} "
-                        f"{values!r}")
+                        f"{values!r}")  # a dict would give its keys, a set no defined order
     if hasattr(values, "tolist"):  # NumPy arrays and tensors hold their ints as 0-d objects
         values = values.tolist()
     indices = [positive_int(v, f"{name}[{k}]", minimum=0) for k, v in enumerate(values)]
