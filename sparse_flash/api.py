@@ -135,10 +135,12 @@ def block_sparse_attention(
             `F.scaled_dot_product_attention`. The kernels recompute the probabilities in the backward from
             the saved log-sum-exp in float32, whose rounding (one unit in the last place of the row's largest
             score) scales every probability of the row: the float32 gradients' error grows with |q . k| x
-            scale. Measured against float64 (dense, one head, under the interpreter): where scores reach 10-60,
-            dV's error is 4-9x PyTorch's own float32 error (about 1e-5 of dV's largest value), dQ's and dK's
-            1-4x and the output's up to 4x; where they reach about 1e6 that rounding is no longer small against
-            1 and the gradients lose accuracy or become NaN. The torch and reference backends differentiate
+            scale. Measured against float64 under the interpreter (dense, one head), where scores reach 10-60:
+            dV's error 4-9x PyTorch's own float32 error (about 1e-5 of dV's largest value), dQ's and dK's 1-4x,
+            the output's up to 1.5x. There the forward's and the backward's float32 scores also round apart
+            (NumPy's products of different shapes); the same arithmetic with equal scores gives dV 0.8-2.3x.
+            Where scores reach about 1e6 that rounding is no longer small against 1 and the gradients lose
+            accuracy or become NaN. The torch and reference backends differentiate
             their float32 softmax and stay at PyTorch's error. (fp16 gradients stayed within 2x PyTorch's fp16 error in the same tests.)
         return_lse: also return the log-sum-exp of each query's scores.
         backend: `"auto"` (triton on CUDA when usable, else torch), `"triton"`, `"torch"` (block-sparse in
