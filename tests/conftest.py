@@ -22,11 +22,20 @@ if not HAS_CUDA:
 
 from hypothesis import settings  # noqa: E402
 
-settings.register_profile("ci", max_examples=20, deadline=None, print_blob=True)  # CI: 2 cores, 20 minutes
+settings.register_profile("ci", max_examples=10, deadline=None, print_blob=True)  # CI: 2 cores, 20 minutes
 settings.register_profile("gpu", max_examples=20, deadline=None, print_blob=True)
 settings.register_profile("dev", max_examples=8, deadline=None, print_blob=True)
 settings.register_profile("deep", max_examples=300, deadline=None, print_blob=True)  # a fuzz campaign, by hand
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gpu" if HAS_CUDA else "ci"))
+
+
+
+def examples(n: int) -> int:
+    """A test's own number of examples, `n` at 20 a profile (`gpu`'s), scaled to the profile in force: the `ci`
+    profile's 10 gives n // 2 (at least 1), `deep`'s 300 gives 15 n: `@settings(max_examples=examples(8))` draws
+    4 in CI and 8 on a GPU."""
+    return max(1, n * settings().max_examples // 20)
+
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])

@@ -110,7 +110,7 @@ def test_long_lists_take_the_dense_tiles(split):
     with every list cut into chunks that the last one merges."""
     from sparse_flash.kernels.triton import configs, fwd
 
-    p = Problem(1, 2, 1, 2200, 2100, 96, 128, 128, "random", 0.97, False, 9)
+    p = Problem(1, 1, 1, 300, 2100, 96, 128, 128, "random", 0.97, False, 9)  # three query rows of 17 key blocks
     chosen = []
     with pytest.MonkeyPatch.context() as mp, fresh_plans(), split_every_list() if split else contextlib.nullcontext():
         assert p.mask(DEVICE).has_long_lists(False)
@@ -380,7 +380,7 @@ def test_split_lists_leave_their_counters_at_zero():
     with split_every_list():
         mask = masks.bigbird(256, 16, seed=0, device=DEVICE)
     assert mask.kernel_index(False).row_plan.split.numel() > 0
-    q, k, v = make_qkv(2, 2, 2, 256, 256, 32, dtype=torch.float32, device=DEVICE, seed=0)
+    q, k, v = make_qkv(1, 2, 2, 256, 256, 32, dtype=torch.float32, device=DEVICE, seed=0)
     runs = []
     for _ in range(2):
         qkv = [t.detach().requires_grad_() for t in (q, k, v)]

@@ -7,7 +7,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import DeviceWaits
+from conftest import DeviceWaits, examples
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -407,11 +407,16 @@ def test_work_plans_built_on_the_gpu_equal_the_torch_ones(m, causal, topk, tile)
             assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
+CUT_MIN_CHUNK = 12  # `mask_index.SPLIT_MIN_CHUNK` in `cut_layouts`' tests: lists cut on small grids (the interpreter's
+#                     time grows with the grid)
+
+
 @st.composite
 def cut_layouts(draw):
     """Layouts whose global rows (and columns) are long enough to be cut into chunks for some causal flag."""
     B, H = draw(st.sampled_from([(1, 1), (1, 2), (2, 1)]))
-    Mq, Mk = draw(st.integers(16, 32)), draw(st.integers(48, 64))  # rows average under a quarter of a global one
+    Mq, Mk = draw(st.integers(16, 20)), draw(st.integers(24, 32))  # rows average under a quarter of a global one
+                                                                  # (cut past `CUT_MIN_CHUNK` blocks)
     bq, bk = draw(st.sampled_from([16, 32])), draw(st.sampled_from([16, 64]))
     Nq = draw(st.integers((Mq - 1) * bq + 1, Mq * bq))
     Nk = draw(st.integers((Mk - 1) * bk + 1, Mk * bk))
@@ -446,7 +451,7 @@ def _assert_same_index(got, want):
                 assert x.dtype == y.dtype and torch.equal(x, y), (causal, type(a).__name__, name)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(case=cut_layouts())
 def test_plans_with_cut_lists_built_on_the_gpu_equal_the_torch_ones(case):
     """`sparse_flash.index_gpu.plan_sizes` (one Triton launch per plan) and `split_plans` (one launch for the four
@@ -461,8 +466,10 @@ def test_plans_with_cut_lists_built_on_the_gpu_equal_the_torch_ones(case):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
     layout, block, Nq, Nk = case
-    want = mask_index.build_index(layout, block, Nq, Nk)
-    with mock.patch.object(mask_index, "_on_gpu", lambda t: True), \
+    with mock.patch.object(mask_index, "SPLIT_MIN_CHUNK", CUT_MIN_CHUNK):
+        want = mask_index.build_index(layout, block, Nq, Nk)
+    with mock.patch.object(mask_index, "SPLIT_MIN_CHUNK", CUT_MIN_CHUNK), \
+            mock.patch.object(mask_index, "_on_gpu", lambda t: True), \
             mock.patch.object(index_gpu, "split_plans", wraps=index_gpu.split_plans) as built, \
             mock.patch.object(index_gpu, "plan_sizes", wraps=index_gpu.plan_sizes) as sized, \
             mock.patch.object(index_gpu, "unsplit_plans", wraps=index_gpu.unsplit_plans) as whole, \
@@ -609,7 +616,7 @@ def fixed_patterns(draw):
     return L, G, P, causal, False if causal else draw(st.booleans())
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(N=st.integers(1, 700), b=st.sampled_from([16, 32]), pattern=fixed_patterns(), extra_heads=st.integers(0, 2),
        builder=st.sampled_from(["triton", "torch"]))
 def test_fixed_with_too_many_runs_to_list_builds_without_waiting(N, b, pattern, extra_heads, builder):
@@ -766,7 +773,7 @@ def test_butterfly_global_blocks_are_its_first_rows_and_columns():
 
 
 @pytest.mark.parametrize("pattern", sorted(LISTED))
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=examples(4), deadline=None)
 @given(Nq=st.integers(1, 400), Nk=st.integers(1, 400), bq=st.sampled_from([16, 32, 48]), bk=st.sampled_from([16, 64]),
        param=st.integers(0, 4))
 def test_listed_constructors_equal_their_layouts_on_drawn_geometries(pattern, Nq, Nk, bq, bk, param):
@@ -784,7 +791,7 @@ def test_listed_constructors_equal_their_layouts_on_drawn_geometries(pattern, Nq
     _assert_same_index(m._index, mask_index.build_index(m.layout, m.block_size, m.seq_len_q, m.seq_len_k))
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(N=st.integers(1, 400), b=st.sampled_from([16, 32]), first=st.sampled_from(sorted(ONE_GRID)),
        second=st.sampled_from(sorted(ONE_GRID)), p=st.integers(0, 4), q=st.integers(0, 4))
 @pytest.mark.parametrize("op", ["|", "&"])
@@ -832,7 +839,7 @@ def test_host_split_equals_the_plan_batch(B, H, M, chunk, data):
     assert torch.equal(firsts, want)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(m=layouts())
 def test_a_mask_moved_to_a_gpu_builds_its_lists_from_its_own_sizes(m):
     """`mask.to("cuda")` of a CPU mask hands the GPU builders the sizes of the mask's own lists and their counts
@@ -851,7 +858,7 @@ def test_a_mask_moved_to_a_gpu_builds_its_lists_from_its_own_sizes(m):
 
 
 @pytest.mark.parametrize("block", [(128, 128), (256, 128), (128, 256), (256, 256)])
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=examples(5), deadline=None)
 @given(blocks=st.integers(1, 5), density=st.floats(0.1, 1.0), seed=st.integers(0, 2**16))
 def test_causal_lists_leave_the_element_mask_to_each_items_last_tile(block, blocks, density, seed):
     """The Hopper forward masks only the last live tile of an item (tuning log, step 104): walking a query

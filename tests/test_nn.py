@@ -420,9 +420,9 @@ def test_new_mask_of_the_same_layout_does_not_recompile():
 @needs_triton
 def test_new_mask_of_another_layout_does_not_recompile():
     model = TinyModel().to(DEVICE)
-    x = torch.randn(2, 100, 64, device=DEVICE)
+    x = torch.randn(1, 100, 64, device=DEVICE)
     compiled, counter = compile_counted(model)
-    for seed, density in enumerate([0.5, 0.2, 0.6, 0.05]):  # none holds every causal block (another kernel path)
+    for seed, density in enumerate([0.5, 0.05, 0.6]):  # none holds every causal block (another kernel path)
         mask = masks.random(100, 32, density=density, seed=seed, device=DEVICE)
         mask = mask | masks.local(100, 32, window=0, device=DEVICE)
         assert not mask.covers_causal
@@ -446,10 +446,10 @@ def test_masks_with_and_without_split_lists_share_the_compiled_graph(builder, mo
     monkeypatch.setattr(mask_index, "SPLIT_MIN_CHUNK", 2)  # split every list longer than two blocks
     monkeypatch.setattr(mask_index, "SPLIT_FACTOR", 0)
     model = TinyModel().to(DEVICE)
-    x = torch.randn(2, 160, 64, device=DEVICE)
+    x = torch.randn(1, 160, 64, device=DEVICE)
     compiled, counter = compile_counted(model)
     splits = []
-    for seed, density in enumerate([0.9, 0.0, 0.3, 0.6]):
+    for seed, density in enumerate([0.9, 0.0, 0.5]):
         mask = masks.random(160, 32, density=density, seed=seed, device=DEVICE)
         layout = (mask | masks.local(160, 32, window=0, device=DEVICE)).layout.clone()
         layout[..., 4, 0] = False  # keep one causal block out: every mask walks its lists (no dense path)
