@@ -617,7 +617,7 @@ def fixed_patterns(draw):
 
 
 @settings(max_examples=examples(8), deadline=None)
-@given(N=st.integers(1, 700), b=st.sampled_from([16, 32]), pattern=fixed_patterns(), extra_heads=st.integers(0, 2),
+@given(N=st.integers(1, 400), b=st.sampled_from([16, 32]), pattern=fixed_patterns(), extra_heads=st.integers(0, 2),
        builder=st.sampled_from(["triton", "torch"]))
 def test_fixed_with_too_many_runs_to_list_builds_without_waiting(N, b, pattern, extra_heads, builder):
     """Past `MAX_LISTED_RUNS` (a global column every few blocks on a long grid: `masks.fixed(65536, 128)` has
@@ -691,7 +691,7 @@ def test_fixed_layout_kernel_equals_the_torch_operators_on_small_grids():
         pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fixed = sys.modules["sparse_flash.masks.fixed"]
-    for M, L in itertools.product((1, 4, 5, 7, 11), range(1, 6)):  # windows that fit, a partial last one
+    for M, L in itertools.product((1, 4, 5, 11), range(1, 6)):  # windows that fit, a partial last one
         geo = geometry(M * 16, 16)
         for G, P, causal, horizontal in itertools.product(range(1, L + 1), (1, 2, 3), (False, True), (False, True)):
             if P * G > L or (causal and horizontal):
@@ -792,7 +792,7 @@ def test_listed_constructors_equal_their_layouts_on_drawn_geometries(pattern, Nq
 
 
 @settings(max_examples=examples(12), deadline=None)
-@given(N=st.integers(1, 400), b=st.sampled_from([16, 32]), first=st.sampled_from(sorted(ONE_GRID)),
+@given(N=st.integers(1, 256), b=st.sampled_from([16, 32]), first=st.sampled_from(sorted(ONE_GRID)),
        second=st.sampled_from(sorted(ONE_GRID)), p=st.integers(0, 4), q=st.integers(0, 4))
 @pytest.mark.parametrize("op", ["|", "&"])
 def test_unions_and_intersections_of_listed_masks_are_listed_too(op, N, b, first, second, p, q):

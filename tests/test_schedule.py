@@ -371,7 +371,7 @@ def test_dealing_runs_on_the_gpu_places_them_as_the_host_heap_does(programs):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs Triton on the CPU under TRITON_INTERPRET=1")
     gen = torch.Generator().manual_seed(programs)
-    sizes = ((1, 0), (5, 3), (150, 0), (300, 100)) + (((1000, 7), ) if programs > 100 else ())  # 1,000: 7+ rounds
+    sizes = ((1, 0), (5, 3), (150, 0), (300, 100)) + (((700, 7), ) if programs > 100 else ())  # 700: 5+ rounds
     for n, unused in sizes:
         skewed = (torch.rand(n, generator=gen) ** 4 * 400).long() + 2
         tied = torch.full((n, ), 3) + (torch.rand(n, generator=gen) < 0.1).long() * 40
