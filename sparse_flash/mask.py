@@ -283,15 +283,39 @@ def _check_k(k, heads: int, Mk: int) -> tuple[int, ...]:
     return ks
 
 
-def _check_finite(scores: torch.Tensor, hint: str = "") -> None:
-    """Refuse NaN and infinite scores: one read from the device, skipped where it cannot happen (inside
-    torch.compile, during CUDA-graph capture)."""
+def _check_finite(scores: torch.Tensor, hint: str = "", name: str = "scores") -> None:
+    """Refuse NaN and infinite scores (or the tensor `name`): one read from the device, skipped where it cannot
+    happen (inside torch.compile, during CUDA-graph capture)."""
     if torch.compiler.is_compiling() or (scores.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     bad = int((~torch.isfinite(scores)).sum())
     if bad:
-        raise ValueError(f"scores must be finite (NaN and infinities have no rank), got {bad} non-finite values "
+        raise ValueError(f"{name} must be finite (NaN and infinities have no rank), got {bad} non-finite values "
                          f"among {scores.numel()}{hint}")
+
+
+def _check_threshold_tensor(threshold: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """A threshold given as a tensor for `from_scores`: floating, on the scores' device, broadcasting against
+    `scores` without changing its shape; detached (a clear error otherwise; its finiteness is checked apart)."""
+    if threshold.is_nested or threshold.layout != torch.strided:
+        layout = "nested" if threshold.is_nested else str(threshold.layout)
+        raise TypeError(f"threshold given as a tensor must be a dense (torch.strided) one, got a {layout} one")
+    if threshold.dtype not in _SCORE_DTYPES:
+        raise TypeError(f"threshold given as a tensor must be float16, bfloat16, float32 or float64, got dtype "
+                        f"{threshold.dtype}")
+    if threshold.device != scores.device:
+        raise ValueError(f"threshold given as a tensor must be on the scores' device {scores.device}, got "
+                         f"{threshold.device}")
+    shape = tuple(threshold.shape)
+    try:
+        fits = len(shape) <= 4 and torch.broadcast_shapes(shape, scores.shape) == scores.shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"threshold given as a tensor must broadcast against scores of shape "
+                         f"{tuple(scores.shape)} (B, H, Mq, Mk) without growing it, e.g. (B, H, Mq, 1) for one "
+                         f"threshold per row; got shape {shape}")
+    return threshold.detach()
 
 
 def _above(scores: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -306,6 +330,13 @@ def _above(scores: torch.Tensor, threshold: float) -> torch.Tensor:
     if least.double() <= t:  # not above the threshold: the next float32 up is
         least = torch.nextafter(least, torch.tensor(float("inf")))
     return scores.float() >= least.item()
+
+
+def _above_tensor(scores: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """bool `scores > threshold` for a floating threshold tensor broadcasting against the scores, exactly: both
+    in the wider of their two dtypes (float32 for float16 against bfloat16), which holds either one exactly."""
+    common = torch.promote_types(scores.dtype, threshold.dtype)
+    return scores.to(common) > threshold.to(common)
 
 
 def _choose_topk(scores: torch.Tensor, counts: torch.Tensor, width: int, causal: bool,
@@ -559,13 +590,17 @@ class BlockMask:
         return cls._from_index(layout, index, (bq, bk), seq_len_q, seq_len_k, name)
 
     @classmethod
-    def from_scores(cls, scores: torch.Tensor, threshold: float, *, causal: bool = False, block_size,
+    def from_scores(cls, scores: torch.Tensor, threshold: float | torch.Tensor, *, causal: bool = False, block_size,
                     seq_len_q: int | None = None, seq_len_k: int | None = None, name: str | None = None) -> "BlockMask":
         """Keep the key blocks whose score is above `threshold`, and always each row's diagonal block.
 
         Args:
             scores: float `(B, H, Mq, Mk)` (B or H may be 1), finite; never differentiated.
-            threshold: a finite float; a block is kept where `score > threshold`.
+            threshold: a finite real number, or a finite float tensor on the scores' device that broadcasts
+                against them without growing them: `(B, H, Mq, 1)` gives each row its own threshold (e.g. a
+                fraction of the row's largest score), a 0-d tensor one for all; never differentiated. A block
+                is kept where `score > threshold`, compared exactly (a number in float64 or with the nearest
+                float32 above it, a tensor in the wider of the two dtypes).
             causal: keep only blocks holding a causal pair (`j * block_k <= last query of block i`).
             block_size, seq_len_q, seq_len_k, name: as in `from_topk`.
 
@@ -577,19 +612,30 @@ class BlockMask:
             >>> scores = torch.eye(4)[None, None] - 0.5
             >>> BlockMask.from_scores(scores, 0.0, block_size=64).nnz
             4
+            >>> scores = torch.tensor([[1.0, 0.2, 0.9, 0.0], [0.1, 0.2, 0.3, 0.1]])[None, None]  # (1, 1, 2, 4)
+            >>> half_of_best = 0.5 * scores.amax(-1, keepdim=True)  # (1, 1, 2, 1): one threshold per row
+            >>> BlockMask.from_scores(scores, half_of_best, block_size=64).layout[0, 0].int().tolist()
+            [[1, 0, 1, 0], [0, 1, 1, 0]]
         """
         scores, (bq, bk), seq_len_q, seq_len_k = _check_scores(scores, block_size, seq_len_q, seq_len_k)
         causal = _check_flag(causal, "causal")
-        threshold = finite_float(threshold, "threshold")
+        if isinstance(threshold, torch.Tensor):
+            threshold = _check_threshold_tensor(threshold, scores)
+            label = f"threshold of shape {tuple(threshold.shape)}"
+        else:
+            threshold = finite_float(threshold, "threshold", "a finite real number or a float tensor")
+            label = f"{threshold:g}"
         _check_finite(scores)
+        if isinstance(threshold, torch.Tensor):
+            _check_finite(threshold, name="threshold")
         B, H, Mq, Mk = scores.shape
         cand = candidates(True, (Mq, Mk, bq, bk, seq_len_q, seq_len_k), scores.device)
         j = torch.arange(Mk, device=scores.device)
-        keep = _above(scores, threshold)
+        keep = _above_tensor(scores, threshold) if isinstance(threshold, torch.Tensor) else _above(scores, threshold)
         if causal:
             keep = keep & (j < cand[:, None])
         keep = keep | (j == cand[:, None] - 1)  # the diagonal block
-        return cls(keep, (bq, bk), seq_len_q, seq_len_k, name or f"scores > {threshold:g}")
+        return cls(keep, (bq, bk), seq_len_q, seq_len_k, name or f"scores > {label}")
 
     @classmethod
     def _from_runs(cls, runs: BlockRuns, heads: int, block_size: tuple[int, int], seq_len_q: int, seq_len_k: int,

@@ -1,6 +1,7 @@
 """Masks chosen from the data: BlockMask.from_topk and from_scores, their static-shape index lists, every
 backend on them (forward and backward), the waits for the device, bad input, and the MoBA layer."""
 
+import itertools
 import math
 import os
 from dataclasses import dataclass
@@ -358,7 +359,7 @@ def test_from_topk_refuses_bad_input(scores, k, kwargs, error, match):
 
 @pytest.mark.parametrize("threshold, kwargs, error, match", [
     (math.nan, {}, ValueError, r"threshold must be finite, got nan"),
-    ("0.5", {}, TypeError, r"threshold must be a finite float, got str"),
+    ("0.5", {}, TypeError, r"threshold must be a finite real number or a float tensor, got str"),
     (0.5, dict(scores=torch.full((1, 1, 4, 4), math.nan)), ValueError, r"scores must be finite .*16 non-finite"),
     (0.5, dict(scores=torch.randn(3, 4)), ValueError, r"scores must have shape \(B, H, Mq, Mk\)"),
     (0.5, dict(seq_len_k=10), ValueError, r"seq_len_k=10 .* but scores.shape\[3\] = 4"),
@@ -840,6 +841,66 @@ def test_from_scores_keeps_exactly_the_scores_above_the_threshold(dtype):
         assert torch.equal(mask.layout, (exact > t) | diagonal), (dtype, t)
     ones = torch.tensor([0.0, 1.0, 1.0, 0.0], dtype=dtype).expand(1, 1, 4, 4).contiguous()
     assert BlockMask.from_scores(ones, 0.9999, block_size=16).layout[0, 0, 0].tolist() == [True, True, True, False]
+
+
+SCORE_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+@settings(deadline=None)
+@given(B=st.integers(1, 2), H=st.integers(1, 3), Mq=st.integers(1, 6), Mk=st.integers(1, 6),
+       dtype=st.sampled_from(SCORE_DTYPES), threshold_dtype=st.sampled_from(SCORE_DTYPES),
+       shape=st.sampled_from(["row", "head-row", "scalar", "block", "column"]), causal=st.booleans(),
+       seed=st.integers(0, 2**16))
+@example(B=1, H=2, Mq=3, Mk=4, dtype=torch.bfloat16, threshold_dtype=torch.float64, shape="row", causal=False, seed=0)
+@example(B=2, H=1, Mq=2, Mk=5, dtype=torch.float16, threshold_dtype=torch.float32, shape="row", causal=True, seed=1)
+def test_from_scores_with_a_threshold_tensor_keeps_exactly_the_blocks_above_it(B, H, Mq, Mk, dtype, threshold_dtype,
+                                                                              shape, causal, seed):
+    """A threshold tensor broadcasting against the scores (one per row, per head and row, one for all, one per
+    block, one per key block) keeps the blocks whose score is above it as real numbers (both dtypes compared
+    exactly; float64 here) and each row's diagonal block, with `causal` none past it."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randn(B, H, Mq, Mk, generator=gen).to(dtype)
+    sizes = {"row": (B, H, Mq, 1), "head-row": (H, Mq, 1), "scalar": (), "block": (B, H, Mq, Mk),
+             "column": (1, 1, 1, Mk)}[shape]
+    threshold = (torch.randn(sizes, generator=gen) * 0.5).to(threshold_dtype)
+    if shape == "row":  # the first row's threshold just below its first score (in the threshold's dtype): a
+        first = scores[..., 0, :1].to(threshold_dtype)  # comparison in the scores' narrower dtype drops that block
+        threshold[..., 0, :] = torch.nextafter(first, torch.tensor(-math.inf, dtype=threshold_dtype))
+    geometry = dict(block_size=(32, 16), seq_len_q=32 * Mq - 5, seq_len_k=16 * Mk)
+    mask = BlockMask.from_scores(scores.to(DEVICE), threshold.to(DEVICE), causal=causal, **geometry)
+    above = (scores.double() > threshold.double()).expand(B, H, Mq, Mk)
+    want = torch.zeros(B, H, Mq, Mk, dtype=torch.bool)
+    for i in range(Mq):  # row by row: the diagonal holds the row's last query
+        diagonal = min(min(32 * i + 31, geometry["seq_len_q"] - 1) // 16, Mk - 1)
+        want[:, :, i] = above[:, :, i] & (torch.arange(Mk) <= diagonal) if causal else above[:, :, i]
+        want[:, :, i, diagonal] = True
+    assert torch.equal(mask.layout.cpu(), want)
+    assert mask.name == f"scores > threshold of shape {tuple(sizes)}"
+
+
+def test_from_scores_takes_a_threshold_tensor_without_its_gradient():
+    scores = torch.tensor([[0.9, 0.1], [0.2, 0.7]])[None, None].requires_grad_()
+    threshold = torch.tensor(0.5, requires_grad=True)
+    mask = BlockMask.from_scores(scores * 1, threshold * 1, block_size=16)
+    assert mask.layout[0, 0].int().tolist() == [[1, 0], [0, 1]] and not mask.layout.requires_grad
+    assert torch.equal(mask.layout, BlockMask.from_scores(scores.detach(), 0.5, block_size=16).layout)
+
+
+@pytest.mark.parametrize("threshold, error, match", [
+    (torch.tensor([[1, 2]]), TypeError, r"threshold given as a tensor must be float16, .* got dtype torch.int64"),
+    (torch.tensor(True), TypeError, r"threshold given as a tensor must be float16, .* got dtype torch.bool"),
+    (torch.zeros(1, 1, 4, 2), ValueError, r"must broadcast against scores of shape \(1, 2, 4, 4\) .* got shape "
+                                          r"\(1, 1, 4, 2\)"),
+    (torch.zeros(3, 2, 4, 1), ValueError, r"without growing it.* got shape \(3, 2, 4, 1\)"),
+    (torch.zeros(1, 1, 2, 4, 1), ValueError, r"got shape \(1, 1, 2, 4, 1\)"),
+    (torch.zeros(1, 2, 4, 1, device="meta"), ValueError, r"on the scores' device cpu, got meta"),
+    (torch.tensor([[[[math.nan]]]]), ValueError, r"threshold must be finite .* got 1 non-finite values among 1"),
+    (torch.full((1, 2, 4, 1), math.inf), ValueError, r"threshold must be finite .* got 8 non-finite"),
+    (torch.zeros(4, 1).to_sparse(), TypeError, r"threshold given as a tensor must be a dense \(torch.strided\) one"),
+], ids=["int", "bool", "columns-differ", "grows-batch", "rank-5", "meta", "nan", "inf", "sparse"])
+def test_from_scores_refuses_a_bad_threshold_tensor(threshold, error, match):
+    with pytest.raises(error, match=match):
+        BlockMask.from_scores(torch.randn(1, 2, 4, 4), threshold, **GOOD)
 
 
 def test_from_scores_takes_any_finite_real_threshold():
