@@ -228,16 +228,21 @@ def _check_flag(value, name: str) -> bool:
 _SCORE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def _check_float_tensor(t: torch.Tensor, name: str) -> None:
+    """A TypeError naming `name` unless `t` is a dense (strided) float16, bfloat16, float32 or float64 tensor."""
+    if t.is_nested or t.layout != torch.strided:
+        layout = "nested" if t.is_nested else str(t.layout)
+        raise TypeError(f"{name} must be a dense (torch.strided) tensor, got a {layout} one")
+    if t.dtype not in _SCORE_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got dtype {t.dtype}")
+
+
 def _check_scores(scores, block_size, seq_len_q, seq_len_k):
     """Block scores `(B, H, Mq, Mk)` and their geometry `(scores, (block_q, block_k), seq_len_q, seq_len_k)`,
     or a clear error (nothing read from the device)."""
     if not isinstance(scores, torch.Tensor):
         raise TypeError(f"scores must be a torch.Tensor, got {type(scores).__name__}")
-    if scores.is_nested or scores.layout != torch.strided:
-        layout = "nested" if scores.is_nested else str(scores.layout)
-        raise TypeError(f"scores must be a dense (torch.strided) tensor, got a {layout} one")
-    if scores.dtype not in _SCORE_DTYPES:
-        raise TypeError(f"scores must be float16, bfloat16, float32 or float64, got dtype {scores.dtype}")
+    _check_float_tensor(scores, "scores")
     if scores.dim() != 4:
         raise ValueError(f"scores must have shape (B, H, Mq, Mk) (B or H may be 1), got shape {tuple(scores.shape)}")
     if min(scores.shape) < 1:
@@ -297,12 +302,7 @@ def _check_finite(scores: torch.Tensor, hint: str = "", name: str = "scores") ->
 def _check_threshold_tensor(threshold: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """A threshold given as a tensor for `from_scores`: floating, on the scores' device, broadcasting against
     `scores` without changing its shape; detached (a clear error otherwise; its finiteness is checked apart)."""
-    if threshold.is_nested or threshold.layout != torch.strided:
-        layout = "nested" if threshold.is_nested else str(threshold.layout)
-        raise TypeError(f"threshold given as a tensor must be a dense (torch.strided) one, got a {layout} one")
-    if threshold.dtype not in _SCORE_DTYPES:
-        raise TypeError(f"threshold given as a tensor must be float16, bfloat16, float32 or float64, got dtype "
-                        f"{threshold.dtype}")
+    _check_float_tensor(threshold, "threshold given as a tensor")
     if threshold.device != scores.device:
         raise ValueError(f"threshold given as a tensor must be on the scores' device {scores.device}, got "
                          f"{threshold.device}")

@@ -896,7 +896,7 @@ def test_from_scores_takes_a_threshold_tensor_without_its_gradient():
     (torch.zeros(1, 2, 4, 1, device="meta"), ValueError, r"on the scores' device cpu, got meta"),
     (torch.tensor([[[[math.nan]]]]), ValueError, r"threshold must be finite .* got 1 non-finite values among 1"),
     (torch.full((1, 2, 4, 1), math.inf), ValueError, r"threshold must be finite .* got 8 non-finite"),
-    (torch.zeros(4, 1).to_sparse(), TypeError, r"threshold given as a tensor must be a dense \(torch.strided\) one"),
+    (torch.zeros(4, 1).to_sparse(), TypeError, r"threshold given as a tensor must be a dense \(torch.strided\) tensor"),
 ], ids=["int", "bool", "columns-differ", "grows-batch", "rank-5", "meta", "nan", "inf", "sparse"])
 def test_from_scores_refuses_a_bad_threshold_tensor(threshold, error, match):
     with pytest.raises(error, match=match):
